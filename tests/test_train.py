@@ -1,0 +1,124 @@
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import train
+from conftest import ROOT, run_ranks
+from model import Llama, ModelConfig
+from train import ConfigError, parse_config
+
+
+def test_config_defaults_presets_and_overrides():
+    cfg = parse_config([])
+    assert cfg.preset == "cpu-tiny" and cfg.comm == "fp32"
+    cfg = parse_config(["--preset=llama-300m", "--batch_size=2", "--compile"])
+    assert cfg.block_size == 2048 and cfg.batch_size == 2 and cfg.compile is True
+    assert parse_config(["--resume=false"]).resume is False
+    assert parse_config(["--learning_rate=1e-4"]).learning_rate == 1e-4
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--batchsize=4"], "unknown flag --batchsize"),
+    (["--batch=4"], "unknown flag --batch"),            # no silent prefix matching
+    (["--max_iters=ten"], "--max_iters expects int"),
+    (["--compile=maybe"], "expects true or false"),
+    (["--preset=gpt5"], "unknown --preset=gpt5"),
+    (["--comm=int4"], "--comm=int4 is not one of"),
+    (["--batch_size=0"], "--batch_size must be >= 1"),
+    (["max_iters=3"], "flags look like --key=value"),
+    (["--max_iters"], "needs a value"),
+])
+def test_config_errors(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config(argv)
+
+
+def test_cli_error_is_one_line_and_nonzero(tmp_path):
+    result = subprocess.run([sys.executable, "train.py", "--lr=3"], cwd=ROOT, capture_output=True,
+                            text=True)
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "unknown flag --lr" in result.stderr
+    result = subprocess.run([sys.executable, "train.py", f"--data_dir={tmp_path}/none"], cwd=ROOT,
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and "prepare_data.py" in result.stderr
+
+
+def tiny_args(corpus, out_dir, *extra):
+    return [f"--data_dir={corpus}", f"--out_dir={out_dir}", "--max_iters=30", "--batch_size=4",
+            "--block_size=32", "--eval_iters=2", "--eval_interval=30", "--warmup_iters=5",
+            "--log_interval=10", *extra]
+
+
+def train_rank(rank, world_size, argv, result_dir):
+    summary = train.train(parse_config(argv))
+    with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(summary, f)
+
+
+def test_two_process_training_learns_and_stays_identical(tiny_corpus, tmp_path):
+    argv = tiny_args(tiny_corpus, tmp_path / "out", "--grad_accum=2")
+    run_ranks(train_rank, 2, argv, str(tmp_path))
+    r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))
+    assert r0["final_val_loss"] < r0["initial_val_loss"] - 1.0
+    assert r0["param_sha256"] == r1["param_sha256"]
+    lines = [json.loads(l) for l in open(tmp_path / "out" / "log.jsonl")]
+    steps = [l for l in lines if "step" in l]
+    assert [l["step"] for l in steps] == [10, 20, 30]
+    # fp32 ring all-reduce over 2 ranks: each rank sends (W-1)/W * 2 * N * 4 bytes = 4 N
+    n = sum(p.numel() for p in Llama(ModelConfig(block_size=32)).parameters())
+    assert steps[-1]["wire_bytes"] == 4 * n and steps[-1]["wire_vs_bf16"] == 2.0
+    assert "summary" in lines[-1] and os.path.exists(tmp_path / "out" / "ckpt.pt")
+
+
+def grad_rank(rank, world_size, path):
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = Llama(ModelConfig(vocab_size=97, block_size=16, n_layer=2, n_embd=32))
+    x, y = torch.load(path)
+    half = x.shape[0] // world_size
+    _, loss = model(x[rank * half:(rank + 1) * half], y[rank * half:(rank + 1) * half])
+    loss.backward()
+    params = list(model.parameters())
+    cfg = parse_config(["--comm=fp32"])
+    sent = train.reduce_gradients(params, cfg, None, world_size)
+    assert sent == train.ring_allreduce_bytes(sum(p.numel() for p in params), 4, world_size)
+    torch.save([p.grad for p in params], path + f".rank{rank}")
+    dist.destroy_process_group()
+
+
+def test_single_vs_two_process_gradient(tmp_path):
+    torch.manual_seed(1)
+    x = torch.randint(0, 97, (4, 16))
+    y = torch.randint(0, 97, (4, 16))
+    path = str(tmp_path / "batch.pt")
+    torch.save((x, y), path)
+    torch.manual_seed(0)
+    model = Llama(ModelConfig(vocab_size=97, block_size=16, n_layer=2, n_embd=32))
+    model(x, y)[1].backward()
+    reference = [p.grad for p in model.parameters()]
+    run_ranks(grad_rank, 2, path)
+    g0, g1 = torch.load(path + ".rank0"), torch.load(path + ".rank1")
+    for ref, a, b in zip(reference, g0, g1):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, ref, atol=1e-6, rtol=1e-5)
+
+
+def test_resume_refusals(tiny_corpus, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match="does not exist"):
+        train.train(parse_config(tiny_args(tiny_corpus, out, "--resume")))
+    train.train(parse_config(tiny_args(tiny_corpus, out, "--max_iters=2")))
+    before = (out / "ckpt.pt").read_bytes()
+    with pytest.raises(ConfigError, match="already holds another run"):
+        train.train(parse_config(tiny_args(tiny_corpus, out, "--max_iters=2")))
+    assert (out / "ckpt.pt").read_bytes() == before
+    with pytest.raises(ConfigError, match="--preset=cpu-tiny run"):
+        train.train(parse_config(tiny_args(tiny_corpus, out, "--resume", "--preset=llama-300m",
+                                           "--block_size=32", "--batch_size=4")))
+    summary = train.train(parse_config(tiny_args(tiny_corpus, out, "--resume", "--max_iters=4")))
+    assert summary["steps"] == 2

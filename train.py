@@ -1,0 +1,453 @@
+"""
+Train a Llama on token shards, one process or many, with the gradient communication written out.
+
+    python train.py                                    # one process (CPU or one GPU)
+    torchrun --standalone --nproc_per_node=4 train.py  # data parallel on one node
+    torchrun --standalone --nproc_per_node=2 train.py --comm=geofp8 --geo_rank=8
+
+How data parallelism works here (no DistributedDataParallel wrapper, on purpose):
+  1. Every rank builds the same model from the same seed, so the parameters start identical.
+  2. Every rank runs forward/backward on its own micro-batches. With --grad_accum > 1 the
+     gradients just accumulate in .grad: nothing is communicated on non-final micro-steps.
+  3. After the last micro-step, `reduce_gradients` averages the gradients across ranks with
+     explicit torch.distributed collectives. This is THE place where GeoFP8 plugs in:
+       --comm=fp32    all-reduce in fp32 (the reference)
+       --comm=bf16    cast to bf16, all-reduce, cast back (what most clusters send today)
+       --comm=fp8     Euclidean FP8: quantize, all_to_all, reduce, re-quantize, all_gather
+       --comm=geofp8  the same collective in geometry-aware coordinates (see compress.py)
+  4. Every rank now holds bit-identical averaged gradients, clips them and takes the same AdamW
+     step, so the parameters stay bit-identical without ever being broadcast again.
+
+Configuration: one dataclass, `TrainConfig`; every field is a flag `--name=value`. `--preset`
+picks a model size and sensible defaults for it; explicit flags win. Unknown flags are an error.
+One log line per step, pipe-separated; the same numbers go to out_dir/log.jsonl.
+"""
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, asdict
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import model as model_lib
+from prepare_data import ShardError, read_header, read_shard
+
+
+# -----------------------------------------------------------------------------
+# configuration
+
+@dataclass
+class TrainConfig:
+    preset: str = "cpu-tiny"          # model size: cpu-tiny | llama-300m | llama-600m
+    data_dir: str = "data/shakespeare"
+    out_dir: str = "out"
+    # schedule
+    max_iters: int = 200
+    batch_size: int = 8               # sequences per rank per micro-step
+    block_size: int = 128             # tokens per sequence
+    grad_accum: int = 1               # micro-steps per optimizer step
+    learning_rate: float = 3e-3
+    min_lr: float = 3e-4              # cosine decay floor
+    warmup_iters: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0            # 0 disables clipping
+    # evaluation, logging, checkpoints
+    eval_interval: int = 100          # validation loss every N steps (and at the end)
+    eval_iters: int = 10              # validation batches per rank
+    log_interval: int = 1
+    ckpt_interval: int = 0            # save every N steps; 0 = only at the end
+    resume: bool = False              # continue from out_dir/ckpt.pt
+    overwrite: bool = False           # allow replacing another run's checkpoint in out_dir
+    # gradient communication
+    comm: str = "fp32"                # fp32 | bf16 | fp8 | geofp8
+    # system
+    device: str = "auto"              # auto | cpu | cuda
+    compile: bool = False             # torch.compile the model
+    seed: int = 1337
+
+
+# Per-preset defaults for the training loop (the model shapes live in model.PRESETS).
+TRAIN_PRESETS = {
+    "cpu-tiny": dict(batch_size=8, block_size=128, learning_rate=3e-3, max_iters=200,
+                     warmup_iters=20),
+    "llama-300m": dict(batch_size=4, block_size=2048, grad_accum=2, learning_rate=1.5e-3,
+                       min_lr=1.5e-4, max_iters=20000, warmup_iters=1000, eval_interval=500,
+                       eval_iters=20, ckpt_interval=1000),
+    "llama-600m": dict(batch_size=4, block_size=2048, grad_accum=2, learning_rate=1e-3,
+                       min_lr=1e-4, max_iters=20000, warmup_iters=1000, eval_interval=500,
+                       eval_iters=20, ckpt_interval=1000),
+}
+
+CHOICES = {"comm": ("fp32", "bf16", "fp8", "geofp8"), "device": ("auto", "cpu", "cuda"),
+           "preset": tuple(model_lib.PRESETS)}
+
+
+class ConfigError(ValueError):
+    """A bad flag or flag combination; the message names the fix."""
+
+
+def parse_value(field, text):
+    kind = field.type if isinstance(field.type, type) else eval(field.type)  # 'int' under PEP 563
+    if kind is bool:
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"--{field.name} expects true or false, got {text!r}")
+    try:
+        return kind(text)
+    except ValueError:
+        raise ConfigError(f"--{field.name} expects {kind.__name__}, got {text!r}") from None
+
+
+def parse_config(argv, config_class=TrainConfig, presets=TRAIN_PRESETS, choices=CHOICES):
+    """--key=value flags -> config. The preset fills defaults, explicit flags override them."""
+    fields = {f.name: f for f in dataclasses.fields(config_class)}
+    given = {}
+    for arg in argv:
+        if arg in ("-h", "--help"):
+            print(__doc__)
+            print("flags (default):")
+            for f in fields.values():
+                print(f"  --{f.name}={f.default}")
+            sys.exit(0)
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}; flags look like --key=value")
+        key, has_value, value = arg[2:].partition("=")
+        if key not in fields:
+            close = [k for k in fields if k.startswith(key[:3])]
+            hint = f" (did you mean --{close[0]}?)" if close else ""
+            raise ConfigError(f"unknown flag --{key}{hint}; see --help for the list")
+        if not has_value:
+            if fields[key].type not in (bool, "bool"):
+                raise ConfigError(f"--{key} needs a value: --{key}=VALUE")
+            value = "true"
+        given[key] = parse_value(fields[key], value)
+    preset = given.get("preset", config_class.preset)
+    if preset not in presets:
+        raise ConfigError(f"unknown --preset={preset}; choose one of {', '.join(presets)}")
+    config = config_class(**{**presets[preset], **given})
+    for key, allowed in choices.items():
+        if getattr(config, key) not in allowed:
+            raise ConfigError(f"--{key}={getattr(config, key)} is not one of {', '.join(allowed)}")
+    positive = ("max_iters", "batch_size", "block_size", "grad_accum", "eval_interval",
+                "eval_iters", "log_interval")
+    for key in positive:
+        if hasattr(config, key) and getattr(config, key) < 1:
+            raise ConfigError(f"--{key} must be >= 1, got {getattr(config, key)}")
+    return config
+
+
+# -----------------------------------------------------------------------------
+# data
+
+def get_batch(tokens, batch_size, block_size, rng, device):
+    """batch_size random windows of block_size + 1 tokens: inputs x and next-token targets y."""
+    starts = rng.integers(0, len(tokens) - block_size - 1, size=batch_size)
+    window = np.stack([tokens[s: s + block_size + 1] for s in starts]).astype(np.int64)
+    window = torch.from_numpy(window).to(device)
+    return window[:, :-1], window[:, 1:]                                     # (B, T) each
+
+
+def batch_rng(seed, rank, step, micro, split="train"):
+    """The random stream for one micro-batch, a pure function of where we are in training, so a
+    resumed run reads exactly the batches the uninterrupted run would have read."""
+    return np.random.default_rng([seed, rank, step, micro, split == "val"])
+
+
+def load_data(cfg, vocab_size):
+    shards = {}
+    if not os.path.isdir(cfg.data_dir):
+        raise ConfigError(f"--data_dir={cfg.data_dir} does not exist; run `python prepare_data.py` "
+                          "for the bundled corpus or point --data_dir at your shards")
+    for split in ("train", "val"):
+        path = os.path.join(cfg.data_dir, f"{split}.bin")
+        count, tokenizer_name, tokenizer_vocab = read_header(path)
+        if tokenizer_vocab > vocab_size:
+            raise ConfigError(f"{path} was tokenized with {tokenizer_name} ({tokenizer_vocab} ids) "
+                              f"but the model has vocab_size {vocab_size}; use a matching preset "
+                              "or re-tokenize")
+        if count < cfg.block_size + 2:
+            raise ConfigError(f"{path} has {count} tokens, fewer than --block_size + 2; "
+                              "use more data or a smaller --block_size")
+        shards[split] = read_shard(path)
+    return shards
+
+
+# -----------------------------------------------------------------------------
+# gradient communication: the one seam
+
+def ring_allreduce_bytes(numel, bytes_per_element, world_size):
+    """Bytes each rank sends in a ring all-reduce: reduce-scatter + all-gather,
+    each moving (W - 1) / W of the buffer."""
+    return int(2 * (world_size - 1) * numel * bytes_per_element // world_size)
+
+
+def make_communicator(cfg, model, world_size):
+    """State that survives between steps for the compressed collectives (geometry, residuals).
+    None for fp32 and bf16, which are stateless."""
+    if cfg.comm in ("fp32", "bf16"):
+        return None
+    raise ConfigError(f"--comm={cfg.comm} is not available in this build")
+
+
+@torch.no_grad()
+def reduce_gradients(params, cfg, communicator, world_size):
+    """Average the .grad of params across all ranks, in place. Returns the bytes this rank sent.
+
+    Called once per optimizer step, after the last micro-step's backward."""
+    grads = [p.grad for p in params]
+    if cfg.comm in ("fp32", "bf16"):
+        if world_size == 1:
+            if cfg.comm == "bf16":  # one process still sees the bf16 rounding, for ablations
+                for g in grads:
+                    g.copy_(g.bfloat16())
+            return 0
+        dtype = torch.float32 if cfg.comm == "fp32" else torch.bfloat16
+        flat = torch.cat([g.reshape(-1) for g in grads]).to(dtype)  # one bucket, one collective
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        flat = flat.float().div_(world_size)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset: offset + g.numel()].view_as(g))
+            offset += g.numel()
+        return ring_allreduce_bytes(flat.numel(), flat.new_empty((), dtype=dtype).element_size(),
+                                    world_size)
+    return communicator.reduce(grads)
+
+
+# -----------------------------------------------------------------------------
+# helpers
+
+def learning_rate(cfg, step):
+    """Linear warm-up, then cosine decay from learning_rate to min_lr at max_iters."""
+    if step < cfg.warmup_iters:
+        return cfg.learning_rate * (step + 1) / cfg.warmup_iters
+    progress = min(1.0, (step - cfg.warmup_iters) / max(1, cfg.max_iters - cfg.warmup_iters))
+    return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (cfg.learning_rate - cfg.min_lr)
+
+
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12,
+                   "L40S": 362e12, "A10": 125e12, "4090": 165e12}
+
+
+def peak_flops(device):
+    """Dense bf16 peak of the GPU, for MFU; None on CPU or an unknown GPU."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, flops in sorted(PEAK_BF16_FLOPS.items(), key=lambda kv: -len(kv[0])):
+        if key in name:
+            return flops
+    return None
+
+
+def parameter_checksum(params):
+    """sha256 of every parameter's bytes: equal on two ranks iff their parameters are bitwise equal."""
+    digest = hashlib.sha256()
+    for p in params:
+        digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def atomic_save(obj, path):
+    """Write to a temp file, fsync, rename: a crash never leaves a half-written checkpoint."""
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def setup_distributed(cfg):
+    """(rank, world_size, local_rank, device). torchrun sets RANK/WORLD_SIZE/LOCAL_RANK."""
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device=cuda but no GPU is visible; use --device=cpu")
+    if "RANK" not in os.environ:
+        return 0, 1, 0, torch.device("cuda" if use_cuda else "cpu")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(backend="nccl" if use_cuda else "gloo",
+                            device_id=device if use_cuda else None)
+    return dist.get_rank(), dist.get_world_size(), local_rank, device
+
+
+# -----------------------------------------------------------------------------
+# training
+
+def train(cfg):
+    rank, world_size, _, device = setup_distributed(cfg)
+    master = rank == 0
+    log = print if master else (lambda *a, **k: None)
+    torch.manual_seed(cfg.seed)  # same seed on every rank: identical initial parameters
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+    ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
+    ckpt = None
+    if cfg.resume:  # checked before anything is built: fail in a second, not after a minute
+        if not os.path.exists(ckpt_path):
+            raise ConfigError(f"--resume but {ckpt_path} does not exist; drop --resume to start fresh")
+        ckpt = torch.load(ckpt_path, map_location=device, weights_only=True)
+        if ckpt["config"]["preset"] != cfg.preset:
+            raise ConfigError(f"{ckpt_path} is a --preset={ckpt['config']['preset']} run; "
+                              f"resume it with that preset or use another --out_dir")
+    elif os.path.exists(ckpt_path) and not cfg.overwrite:
+        raise ConfigError(f"{cfg.out_dir} already holds another run's checkpoint; pass --resume to "
+                          "continue it, --overwrite=true to replace it, or choose another --out_dir")
+
+    mcfg = model_lib.model_config(cfg.preset, block_size=cfg.block_size)
+    data = load_data(cfg, mcfg.vocab_size)
+    raw_model = model_lib.Llama(mcfg).to(device)
+    model = torch.compile(raw_model, dynamic=False) if cfg.compile else raw_model
+    params = [p for p in raw_model.parameters() if p.requires_grad]
+    optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate,
+                                               (cfg.beta1, cfg.beta2), fused=device.type == "cuda")
+    communicator = make_communicator(cfg, raw_model, world_size)
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+                else contextlib.nullcontext())
+    start_step = 0
+    if ckpt is not None:
+        raw_model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        if communicator is not None and ckpt.get("communicator"):
+            communicator.load_state_dict(ckpt["communicator"])
+        start_step = ckpt["step"]
+        log(f"resumed from {ckpt_path} at step {start_step}")
+
+    if master:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+
+    log(f"config: {json.dumps(asdict(cfg))}")
+    log(f"model: {cfg.preset}, {raw_model.num_params() / 1e6:.2f}M parameters | world_size "
+        f"{world_size} | device {device} | backend {dist.get_backend() if world_size > 1 else '-'}")
+    tokens_per_step = cfg.batch_size * cfg.block_size * cfg.grad_accum * world_size
+    flops_per_step = raw_model.flops_per_token(cfg.block_size) * tokens_per_step
+    peak = peak_flops(device)
+    n_grad = sum(p.numel() for p in params)
+    bf16_ring_bytes = ring_allreduce_bytes(n_grad, 2, world_size)
+
+    @torch.no_grad()
+    def evaluate():
+        model.eval()
+        losses = []
+        for k in range(cfg.eval_iters):
+            # fixed validation batches: the same windows at every evaluation
+            x, y = get_batch(data["val"], cfg.batch_size, cfg.block_size,
+                             batch_rng(cfg.seed, rank, 0, k, "val"), device)
+            with autocast:
+                losses.append(model(x, y)[1].float())
+        loss = torch.stack(losses).mean()
+        if world_size > 1:
+            dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+            loss /= world_size
+        model.train()
+        return loss.item()
+
+    def save(step):
+        if master:
+            atomic_save({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
+                         "step": step, "config": asdict(cfg), "model_config": asdict(mcfg),
+                         "communicator": communicator.state_dict() if communicator else {}},
+                        ckpt_path)
+
+    jsonl = open(os.path.join(cfg.out_dir, "log.jsonl"), "a") if master else None
+    first_val = evaluate() if start_step == 0 else None
+    if first_val is not None:
+        log(f"step {start_step} | val loss {first_val:.4f}")
+    val_loss, train_loss = first_val, float("nan")
+    t_start = time.time()
+    for step in range(start_step, cfg.max_iters):
+        t0 = time.time()
+        lr = learning_rate(cfg, step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = 0.0
+        for micro in range(cfg.grad_accum):
+            x, y = get_batch(data["train"], cfg.batch_size, cfg.block_size,
+                             batch_rng(cfg.seed, rank, step, micro), device)
+            with autocast:
+                _, loss = model(x, y)
+            # .grad accumulates locally; no communication until the last micro-step
+            (loss / cfg.grad_accum).backward()
+            loss_sum += loss.item()
+        wire_bytes = reduce_gradients(params, cfg, communicator, world_size)
+        grad_norm = (torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip > 0
+                     else torch.norm(torch.stack([p.grad.norm() for p in params])))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        train_loss = loss_sum / cfg.grad_accum  # this rank's loss; ranks differ by their data
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.time() - t0
+
+        done = step + 1
+        if done % cfg.eval_interval == 0 or done == cfg.max_iters:
+            val_loss = evaluate()
+        if done % cfg.log_interval == 0 or done == cfg.max_iters:
+            record = {"step": done, "loss": train_loss, "val_loss": val_loss, "lr": lr,
+                      "grad_norm": float(grad_norm), "dt_ms": 1000 * dt,
+                      "tok_per_s": tokens_per_step / dt,
+                      "mfu": flops_per_step / dt / (peak * world_size) if peak else None,
+                      "wire_bytes": wire_bytes,
+                      "wire_vs_bf16": wire_bytes / bf16_ring_bytes if world_size > 1 else None}
+            mfu = f"{100 * record['mfu']:.1f}%" if peak else "-"
+            ratio = f"{record['wire_vs_bf16']:.3f}" if world_size > 1 else "-"
+            log(f"step {done} | loss {train_loss:.4f} | val {val_loss:.4f} | lr {lr:.2e} | "
+                f"dt {1000 * dt:.0f}ms | tok/s {record['tok_per_s']:.0f} | mfu {mfu} | "
+                f"wire {wire_bytes / 1e6:.2f}MB ({ratio}x bf16)")
+            if jsonl:
+                jsonl.write(json.dumps(record) + "\n")
+                jsonl.flush()
+        if cfg.ckpt_interval and done % cfg.ckpt_interval == 0 and done < cfg.max_iters:
+            save(done)
+    save(cfg.max_iters)
+    elapsed = time.time() - t_start
+    steps_run = cfg.max_iters - start_step
+    summary = {"final_train_loss": train_loss, "final_val_loss": val_loss,
+               "initial_val_loss": first_val, "steps": steps_run,
+               "tokens_seen": steps_run * tokens_per_step, "time_s": elapsed,
+               "ms_per_step": 1000 * elapsed / max(1, steps_run),
+               "param_sha256": parameter_checksum(params)}
+    log(f"summary | train loss {train_loss:.4f} | val loss {val_loss:.4f}"
+        + (f" (from {first_val:.4f})" if first_val is not None else "")
+        + f" | {summary['tokens_seen']:,} tokens | {elapsed:.1f}s ({summary['ms_per_step']:.0f}ms/step)"
+        + f" | checkpoint {ckpt_path}")
+    if jsonl:
+        jsonl.write(json.dumps({"summary": summary}) + "\n")
+        jsonl.close()
+    if world_size > 1:
+        dist.destroy_process_group()
+    return summary
+
+
+def main(argv=None):
+    try:
+        cfg = parse_config(sys.argv[1:] if argv is None else argv)
+        return train(cfg)
+    except (ConfigError, ShardError) as e:
+        print(f"train.py: error: {e}", file=sys.stderr)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
