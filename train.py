@@ -37,6 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import compress
 import model as model_lib
 from prepare_data import ShardError, read_header, read_shard
 
@@ -70,6 +71,13 @@ class TrainConfig:
     overwrite: bool = False           # allow replacing another run's checkpoint in out_dir
     # gradient communication
     comm: str = "fp32"                # fp32 | bf16 | fp8 | geofp8
+    fmt: str = "e4m3"                 # fp8/geofp8 wire format: e4m3 | e5m2 | nvfp4
+    block: str = "128"                # scale granularity: elements per block, row or tensor
+    geo_rank: int = 16                # r, dominant directions per side (capped at min(m,n)/2)
+    geo_refresh: int = 1              # re-estimate the bases every N steps
+    geo_warmup: int = 10              # steps in Euclidean coordinates before GeoFP8 starts
+    error_feedback: bool = False      # add back each rank's own quantization error next step
+    stochastic_round: bool = False    # unbiased stochastic rounding instead of nearest
     # system
     device: str = "auto"              # auto | cpu | cuda
     compile: bool = False             # torch.compile the model
@@ -89,6 +97,7 @@ TRAIN_PRESETS = {
 }
 
 CHOICES = {"comm": ("fp32", "bf16", "fp8", "geofp8"), "device": ("auto", "cpu", "cuda"),
+           "fmt": compress.FORMATS,
            "preset": tuple(model_lib.PRESETS)}
 
 
@@ -141,11 +150,22 @@ def parse_config(argv, config_class=TrainConfig, presets=TRAIN_PRESETS, choices=
         if getattr(config, key) not in allowed:
             raise ConfigError(f"--{key}={getattr(config, key)} is not one of {', '.join(allowed)}")
     positive = ("max_iters", "batch_size", "block_size", "grad_accum", "eval_interval",
-                "eval_iters", "log_interval")
+                "eval_iters", "log_interval", "geo_rank", "geo_refresh")
     for key in positive:
         if hasattr(config, key) and getattr(config, key) < 1:
             raise ConfigError(f"--{key} must be >= 1, got {getattr(config, key)}")
+    if hasattr(config, "block"):
+        parse_block(config.block)
     return config
+
+
+def parse_block(text):
+    """--block: an element count, 'row' or 'tensor'."""
+    if text in ("row", "tensor"):
+        return text
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    raise ConfigError(f"--block={text} must be a positive integer, row or tensor")
 
 
 # -----------------------------------------------------------------------------
@@ -193,12 +213,21 @@ def ring_allreduce_bytes(numel, bytes_per_element, world_size):
     return int(2 * (world_size - 1) * numel * bytes_per_element // world_size)
 
 
+def geo_options(cfg, vocab_size):
+    """compress.GeoOptions from the training flags (shared with the DDP hook and tools)."""
+    return compress.GeoOptions(
+        fmt=cfg.fmt, block=parse_block(cfg.block), geo=cfg.comm == "geofp8", rank=cfg.geo_rank,
+        refresh=cfg.geo_refresh, warmup=cfg.geo_warmup, error_feedback=cfg.error_feedback,
+        stochastic=cfg.stochastic_round, seed=cfg.seed, vocab_size=vocab_size)
+
+
 def make_communicator(cfg, model, world_size):
     """State that survives between steps for the compressed collectives (geometry, residuals).
     None for fp32 and bf16, which are stateless."""
     if cfg.comm in ("fp32", "bf16"):
         return None
-    raise ConfigError(f"--comm={cfg.comm} is not available in this build")
+    named = [(n, p.shape) for n, p in model.named_parameters() if p.requires_grad]
+    return compress.GeoFP8Communicator(named, geo_options(cfg, model.config.vocab_size))
 
 
 @torch.no_grad()
@@ -401,6 +430,8 @@ def train(cfg):
         done = step + 1
         if done % cfg.eval_interval == 0 or done == cfg.max_iters:
             val_loss = evaluate()
+            if cfg.comm == "geofp8" and done > cfg.geo_warmup:
+                log(f"GeoFP8 layers at step {done}:\n{communicator.table()}")
         if done % cfg.log_interval == 0 or done == cfg.max_iters:
             record = {"step": done, "loss": train_loss, "val_loss": val_loss, "lr": lr,
                       "grad_norm": float(grad_norm), "dt_ms": 1000 * dt,

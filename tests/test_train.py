@@ -122,3 +122,20 @@ def test_resume_refusals(tiny_corpus, tmp_path):
                                            "--block_size=32", "--batch_size=4")))
     summary = train.train(parse_config(tiny_args(tiny_corpus, out, "--resume", "--max_iters=4")))
     assert summary["steps"] == 2
+
+
+@pytest.mark.parametrize("extra", [["--comm=geofp8", "--geo_warmup=3", "--geo_rank=8"],
+                                   ["--comm=fp8", "--fmt=nvfp4"]])
+def test_two_process_compressed_training_stays_identical(tiny_corpus, tmp_path, extra):
+    argv = tiny_args(tiny_corpus, tmp_path / "out", "--max_iters=12", "--eval_interval=12", *extra)
+    run_ranks(train_rank, 2, argv, str(tmp_path))
+    r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))
+    assert r0["param_sha256"] == r1["param_sha256"]
+    assert r0["final_val_loss"] < r0["initial_val_loss"]
+    steps = [json.loads(l) for l in open(tmp_path / "out" / "log.jsonl") if '"step"' in l]
+    bound = 0.30 if "--fmt=nvfp4" in extra else 0.52
+    assert all(s["wire_vs_bf16"] <= bound for s in steps)
+    ckpt = torch.load(tmp_path / "out" / "ckpt.pt", weights_only=True)
+    if "--comm=geofp8" in extra:
+        layers = ckpt["communicator"]["layers"]
+        assert layers and any(l["use_geo"] for l in layers.values())

@@ -1,0 +1,377 @@
+"""compress.py: codecs, the collective, the transform, GeoFP8 selection."""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import compress
+from compress import (GeoFP8Communicator, GeoOptions, HouseholderBasis, ShardLayout,
+                      all_reduce_mean, decode_geo, dequantize, encode_geo, quantize,
+                      simulate_mean, wire_nbytes)
+from conftest import run_ranks
+
+GRANULARITIES = [128, 32, "row", "tensor"]
+
+
+def heavy_tailed(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g) * torch.logspace(-4, 2, shape[-1])
+
+
+# ---------------------------------------------------------------------------- codecs
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("block", GRANULARITIES)
+def test_fp8_decode_equals_torch_cast(fmt, block):
+    x = heavy_tailed(37, 53)
+    q = quantize(x, fmt, block)
+    groups = compress.scale_groups(x, block)
+    scale = q.buffer[: 4 * groups.shape[0]].clone().view(torch.float32)
+    dtype, fmax = compress.FP8_FORMATS[fmt]
+    expected = ((groups * scale[:, None]).clamp(-fmax, fmax).to(dtype).float() / scale[:, None])
+    assert torch.equal(dequantize(q), expected.reshape(-1)[: x.numel()].view(x.shape))
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "nvfp4"])
+def test_saturation_and_extremes_stay_finite(fmt):
+    x = torch.tensor([3e38, -3e38, 1e-40, -1e-45, 0.0, 1.0, -2.5e10, 7e-30] * 4)
+    y = dequantize(quantize(x, fmt, 16))
+    assert torch.isfinite(y).all()
+    assert (y[x == 0] == 0).all()
+    assert torch.sign(y[y != 0]).eq(torch.sign(x[y != 0])).all()
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "nvfp4"])
+def test_zeros_stay_zeros(fmt):
+    assert torch.equal(dequantize(quantize(torch.zeros(300), fmt)), torch.zeros(300))
+    x = torch.randn(256)
+    x[::3] = 0
+    assert (dequantize(quantize(x, fmt))[::3] == 0).all()
+
+
+def test_nvfp4_decodes_only_grid_values_times_scales():
+    x = heavy_tailed(8, 64)
+    q = quantize(x, "nvfp4")
+    tensor_scale = q.buffer[:4].clone().view(torch.float32)
+    block_scale = q.buffer[4:4 + 32].view(torch.float8_e4m3fn).float()
+    step = (block_scale * tensor_scale).repeat_interleave(16)
+    codes = (dequantize(q).reshape(-1) / step).abs()
+    grid = torch.tensor(compress.E2M1_GRID)
+    assert (codes[:, None] - grid).abs().min(1).values.max() < 1e-5
+    assert q.nbytes == 4 + 32 + 256
+
+
+@pytest.mark.parametrize("fmt,rel_bound,sub_bound", [
+    ("e4m3", 2 ** -4, 2 ** -10 / 448), ("e5m2", 2 ** -3, 2 ** -17 / 57344)])
+def test_fp8_elementwise_error_bound(fmt, rel_bound, sub_bound):
+    x = heavy_tailed(16, 128)
+    err = (dequantize(quantize(x, fmt, 128)) - x).abs()
+    amax = x.abs().amax(1, keepdim=True)
+    assert (err <= rel_bound * x.abs() + sub_bound * amax * 1.0001).all()
+
+
+def test_nvfp4_error_bound():
+    x = heavy_tailed(16, 128)
+    q = quantize(x, "nvfp4")
+    tensor_scale = q.buffer[:4].clone().view(torch.float32)
+    block_scale = q.buffer[4:4 + 128].view(torch.float8_e4m3fn).float()
+    step = (block_scale * tensor_scale).repeat_interleave(16)
+    err = (dequantize(q) - x).abs().reshape(-1)
+    # half the widest grid gap (4 -> 6) is one block unit; rounding a normal e4m3 block scale
+    # can push the block max to 6.375 units, clipped by < 1 unit. (Blocks 10^5 below the tensor
+    # max get subnormal block scales: coarser, as in NVFP4 itself.)
+    normal = (block_scale >= 2 ** -6).repeat_interleave(16)
+    assert normal.float().mean() > 0.5
+    assert (err[normal] <= step[normal] * 1.0001).all()
+    assert (dequantize(q) - x).norm() / x.norm() < 0.15
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "nvfp4"])
+def test_stochastic_rounding_is_unbiased(fmt):
+    x = torch.rand(4096) * 3 + 0.1
+    nearest_err = (dequantize(quantize(x, fmt)) - x).abs().mean()
+    g = torch.Generator().manual_seed(0)
+    draws = 1000
+    mean = sum(dequantize(quantize(x, fmt, 128, True, g)) for _ in range(draws)) / draws
+    bias = (mean - x).abs().mean()
+    assert bias < 0.1 * nearest_err
+    one = dequantize(quantize(x, fmt, 128, True, g))
+    assert not torch.equal(one, dequantize(quantize(x, fmt)))  # it really is random
+
+
+@pytest.mark.parametrize("fmt,block,shape,expected", [
+    ("e4m3", 128, (1000,), 8 * 4 + 1000), ("e5m2", "row", (10, 30), 10 * 4 + 300),
+    ("e4m3", "tensor", (7, 9), 4 + 63), ("nvfp4", 128, (1001,), 4 + 63 + 501),
+    ("e4m3", 128, (0,), 0)])
+def test_byte_counts_are_exact(fmt, block, shape, expected):
+    q = quantize(torch.randn(shape), fmt, block)
+    assert q.nbytes == wire_nbytes(shape, fmt, block) == expected
+
+
+def test_bad_codec_arguments():
+    with pytest.raises(ValueError, match="unknown format"):
+        quantize(torch.ones(4), "int8")
+    with pytest.raises(ValueError, match="block must be"):
+        quantize(torch.ones(4), "e4m3", 0)
+
+
+# ---------------------------------------------------------------------------- collective
+
+SHAPES = [(33, 17), (5,), (300, 128), (1,), (7, 3, 5), (129,)]
+CASES = [("e4m3", 128), ("e5m2", 32), ("e4m3", "row"), ("e4m3", "tensor"), ("nvfp4", 128)]
+
+
+def rank_tensors(rank):
+    g = torch.Generator().manual_seed(100 + rank)
+    return [torch.randn(s, generator=g) * (1 + rank) for s in SHAPES]
+
+
+def collective_rank(rank, world_size, out_path):
+    dist.init_process_group("gloo")
+    results = {}
+    for fmt, block in CASES:
+        for stochastic in (False, True):
+            means, sent = all_reduce_mean(rank_tensors(rank), fmt, block, stochastic=stochastic,
+                                          seed=5)
+            results[(fmt, str(block), stochastic)] = (means, sent)
+    torch.save(results, f"{out_path}.{rank}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_collective_bit_identical_and_equal_to_simulator(world_size, tmp_path):
+    out = str(tmp_path / "res")
+    run_ranks(collective_rank, world_size, out)
+    results = [torch.load(f"{out}.{r}") for r in range(world_size)]
+    workers = [rank_tensors(r) for r in range(world_size)]
+    exact = [sum(w[k] for w in workers) / world_size for k in range(len(SHAPES))]
+    for fmt, block in CASES:
+        for stochastic in (False, True):
+            key = (fmt, str(block), stochastic)
+            sim, sim_bytes = simulate_mean(workers, fmt, block, stochastic=stochastic, seed=5)
+            for r in range(world_size):
+                means, sent = results[r][key]
+                for m, s in zip(means, sim):
+                    assert torch.equal(m, s), key  # every rank = simulator, bit for bit
+            assert sum(results[r][key][1] for r in range(world_size)) / world_size == sim_bytes
+            bound = 0.3 if fmt == "nvfp4" else (0.15 if fmt == "e5m2" else 0.08)
+            for m, e in zip(sim, exact):
+                assert (m - e).norm() / e.norm() < bound, key
+
+
+def test_wire_bytes_ratio_to_bf16():
+    """Two-stage FP8 with fp32 scales per 128 elements: ~0.516x a bf16 ring all-reduce."""
+    n = 4 * 1024 * 1024
+    for world, fmt, bound in ((4, "e4m3", 0.52), (4, "nvfp4", 0.30), (2, "e4m3", 0.52)):
+        layout = ShardLayout([(n,)], fmt, 128, world)
+        per_rank = compress.collective_bytes(layout, 0)
+        assert per_rank / (2 * (world - 1) / world * n * 2) <= bound
+
+
+def test_layout_covers_every_element_once():
+    for fmt, block in CASES:
+        layout = ShardLayout(SHAPES, fmt, block, 3)
+        for t, shape in enumerate(SHAPES):
+            ranges = sorted((p.start, p.end) for pieces in layout.pieces for p in pieces
+                            if p.tensor == t)
+            assert ranges[0][0] == 0 and ranges[-1][1] == math.prod(shape)
+            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+
+
+# ---------------------------------------------------------------------------- transform
+
+def test_householder_basis_is_orthogonal_and_spans_u():
+    U = compress.orthonormal(torch.randn(200, 8, dtype=torch.float64))
+    basis = HouseholderBasis.complete(U)
+    X = torch.randn(200, 30, dtype=torch.float64)
+    assert torch.allclose(basis.apply(basis.apply_t(X)), X, atol=1e-12)
+    P = basis.apply(torch.eye(200, dtype=torch.float64))
+    assert torch.allclose(P.T @ P, torch.eye(200, dtype=torch.float64), atol=1e-12)
+    assert torch.allclose((P[:, :8].T @ U).abs(), torch.eye(8, dtype=torch.float64), atol=1e-12)
+
+
+def test_encode_decode_identity_fp32():
+    G = torch.randn(96, 160)
+    left = HouseholderBasis.complete(compress.orthonormal(torch.randn(96, 6)))
+    right = HouseholderBasis.complete(compress.orthonormal(torch.randn(160, 6)))
+    H = encode_geo(G, left, right)
+    assert (decode_geo(H, left, right) - G).abs().max() < 1e-5
+    assert abs(H.norm() - G.norm()) / G.norm() < 1e-5
+
+
+def test_never_forms_an_m_by_m_matrix():
+    """m = 300,000: an m x m fp32 matrix would need 360 GB, so this only passes if the
+    transform really works in O(m r) memory."""
+    m, n, r = 300_000, 8, 2
+    G = torch.randn(m, n)
+    U = compress.orthonormal(torch.randn(m, r))
+    left = HouseholderBasis.complete(U)
+    right = HouseholderBasis.complete(compress.orthonormal(torch.randn(n, r)))
+    H = encode_geo(G, left, right)
+    assert H.shape == (m, n)
+    assert (decode_geo(H, left, right) - G).abs().max() < 1e-4
+
+
+def test_low_rank_matches_full_mode_at_full_rank():
+    torch.manual_seed(0)
+    G = torch.randn(48, 48) * torch.logspace(0, -2, 48)
+    U, V = compress.exact_bases(G)
+    lr_left, lr_right = HouseholderBasis.complete(U), HouseholderBasis.complete(V)
+    H_full, H_lr = encode_geo(G, U, V), encode_geo(G, lr_left, lr_right)
+    assert torch.allclose(H_full.abs(), H_lr.abs(), atol=1e-5)  # equal up to column signs
+    via_full = decode_geo(dequantize(quantize(H_full)), U, V)
+    via_lr = decode_geo(dequantize(quantize(H_lr)), lr_left, lr_right)
+    assert torch.allclose(via_full, via_lr, atol=1e-5)
+
+
+def test_subspace_iteration_finds_planted_subspace():
+    torch.manual_seed(0)
+    U0 = compress.orthonormal(torch.randn(120, 4))
+    V0 = compress.orthonormal(torch.randn(80, 4))
+    G = U0 @ torch.diag(torch.tensor([10.0, 8, 6, 4])) @ V0.T + 0.01 * torch.randn(120, 80)
+    U, V, left_energy, _ = compress.initial_subspaces(G, 4, seed=1)
+    assert torch.linalg.svdvals(U.T @ U0).min() > 0.999
+    assert torch.linalg.svdvals(V.T @ V0).min() > 0.999
+    core = U.T @ G @ V  # Rayleigh-Ritz: diagonal, largest first
+    assert (core - torch.diag(core.diagonal())).abs().max() < 1e-3
+    assert torch.allclose(core.diagonal().abs(), torch.tensor([10.0, 8, 6, 4]), atol=0.05)
+
+
+# ---------------------------------------------------------------------------- GeoFP8
+
+def planted_workers(m, n, world, steps, rank=8, strength=0.9, seed=0):
+    """Gradients with two-sided anisotropy: a shared low-rank part that drifts slowly plus
+    per-worker noise."""
+    g = torch.Generator().manual_seed(seed)
+    U = compress.orthonormal(torch.randn(m, rank, generator=g))
+    V = compress.orthonormal(torch.randn(n, rank, generator=g))
+    out = []
+    for _ in range(steps):
+        U = compress.orthonormal(U + 0.02 * torch.randn(m, rank, generator=g))
+        D = U @ torch.diag(torch.logspace(0, -1, rank)) @ V.T
+        D = D / D.norm() * strength ** 0.5
+        out.append([D + torch.randn(m, n, generator=g) / (m * n) ** 0.5 * (1 - strength) ** 0.5 * 2
+                    for _ in range(world)])
+    return out
+
+
+def run_steps(options, steps, name="layers.0.mlp.w1.weight"):
+    comm = GeoFP8Communicator([(name, steps[0][0].shape)], options)
+    errors = []
+    for workers in steps:
+        means, _ = comm.reduce_workers([[w] for w in workers])
+        exact = sum(workers) / len(workers)
+        errors.append(((means[0] - exact).norm() / exact.norm()).item())
+    return errors, comm
+
+
+def test_geofp8_beats_euclidean_on_planted_anisotropy():
+    steps = planted_workers(256, 384, 4, 5)
+    euclid, _ = run_steps(GeoOptions(geo=False), steps)
+    geo, comm = run_steps(GeoOptions(rank=16), steps)
+    assert comm.coords("layers.0.mlp.w1.weight") == "geo"
+    assert sum(geo[1:]) / sum(euclid[1:]) < 0.5
+
+
+def test_geofp8_not_worse_on_isotropic_input():
+    g = torch.Generator().manual_seed(0)
+    steps = [[torch.randn(256, 384, generator=g) for _ in range(4)] for _ in range(5)]
+    euclid, _ = run_steps(GeoOptions(geo=False), steps)
+    geo, comm = run_steps(GeoOptions(rank=16), steps)
+    assert sum(geo[1:]) <= 1.02 * sum(euclid[1:])
+    assert comm.coords("layers.0.mlp.w1.weight") == "euclidean"  # measured: no gain, not used
+
+
+def test_exemptions():
+    opts = GeoOptions(vocab_size=1000, min_numel=4096)
+    shapes = [("tok_embeddings.weight", (1000, 64)), ("lm_head.weight", (1000, 64)),
+              ("proj", (64, 1000)), ("norm.weight", (64,)), ("tiny.weight", (16, 16)),
+              ("layers.0.w1.weight", (256, 128))]
+    comm = GeoFP8Communicator(shapes, opts)
+    assert list(comm.layers) == ["layers.0.w1.weight"]
+    assert comm.reasons == {"tok_embeddings.weight": "vocabulary", "lm_head.weight": "vocabulary",
+                            "proj": "vocabulary", "norm.weight": "not 2-D", "tiny.weight": "small"}
+    steps = planted_workers(1000, 64, 2, 3)
+    for workers in steps:
+        comm.reduce_workers([[w, w, w.T.contiguous(), w[0], w[:16, :16], w[:256, :64].repeat(1, 2)]
+                             for w in workers])
+    for n in ("tok_embeddings.weight", "lm_head.weight", "proj", "norm.weight", "tiny.weight"):
+        assert comm.coords(n) == "euclidean"
+    assert "vocabulary" in comm.table()
+
+
+def test_warmup_keeps_euclidean():
+    steps = planted_workers(128, 128, 2, 4)
+    _, comm = run_steps(GeoOptions(rank=8, warmup=10), steps)
+    assert comm.coords("layers.0.mlp.w1.weight") == "euclidean"
+    assert comm.layers["layers.0.mlp.w1.weight"].left_basis is not None  # estimated in warm-up
+
+
+def test_error_feedback_bounds_accumulated_error():
+    """A constant gradient sent T times: without error feedback the rounding error repeats and
+    the sum drifts linearly; with it the accumulated error stays at one step's error."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, generator=g) * 3
+    workers = [[x.clone()], [x.clone()]]
+    sums = {}
+    for ef in (False, True):
+        comm = GeoFP8Communicator([("v", (512,))], GeoOptions(geo=False, error_feedback=ef))
+        total = torch.zeros(512)
+        for _ in range(20):
+            total += comm.reduce_workers(workers)[0][0]
+        sums[ef] = (total - 20 * x).norm().item()
+    assert sums[True] < 0.2 * sums[False]
+
+
+def test_geometry_state_is_small():
+    shapes = [(f"layers.{i}.w", (1024, 4096)) for i in range(2)]
+    comm = GeoFP8Communicator(shapes, GeoOptions(rank=32))
+    comm.reduce_workers([[torch.randn(1024, 4096) for _ in shapes] for _ in range(2)])
+    params = sum(math.prod(s) for _, s in shapes) * 4
+    assert comm.state_bytes() <= 0.05 * params
+
+
+def communicator_rank(rank, world_size, out_path, options):
+    dist.init_process_group("gloo")
+    steps = planted_workers(96, 128, world_size, 4)
+    comm = GeoFP8Communicator([("a.weight", (96, 128)), ("b", (7,))], options)
+    outputs = []
+    for workers in steps:
+        grads = [workers[rank].clone(), torch.full((7,), float(rank))]
+        sent = comm.reduce(grads)
+        outputs.append((grads, sent, comm.coords("a.weight")))
+    torch.save(outputs, f"{out_path}.{rank}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("options", [GeoOptions(rank=8, min_numel=1024),
+                                     GeoOptions(rank=8, min_numel=1024, error_feedback=True,
+                                                stochastic=True, fmt="nvfp4")])
+def test_distributed_communicator_matches_simulator(options, tmp_path):
+    out = str(tmp_path / "comm")
+    run_ranks(communicator_rank, 2, out, options)
+    ranks = [torch.load(f"{out}.{r}") for r in range(2)]
+    sim = GeoFP8Communicator([("a.weight", (96, 128)), ("b", (7,))], options)
+    for step, workers in enumerate(planted_workers(96, 128, 2, 4)):
+        means, sent = sim.reduce_workers([[workers[r], torch.full((7,), float(r))]
+                                          for r in range(2)])
+        for r in range(2):
+            grads, _, coords = ranks[r][step]
+            assert all(torch.equal(a, b) for a, b in zip(grads, means))
+            assert coords == sim.coords("a.weight")
+        assert (ranks[0][step][1] + ranks[1][step][1]) / 2 == sent
+    assert ranks[0][-1][2] == "geo"
+
+
+def test_state_dict_round_trip():
+    steps = planted_workers(128, 96, 2, 3)
+    options = GeoOptions(rank=8, error_feedback=True)
+    _, comm = run_steps(options, steps)
+    state = comm.state_dict()
+    other = GeoFP8Communicator([("layers.0.mlp.w1.weight", (128, 96))], options)
+    other.load_state_dict(state)
+    nxt = planted_workers(128, 96, 2, 1, seed=3)[0]
+    a, _ = comm.reduce_workers([[w] for w in nxt])
+    b, _ = other.reduce_workers([[w] for w in nxt])
+    assert torch.equal(a[0], b[0])
