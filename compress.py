@@ -60,7 +60,9 @@ Reading order: codecs (quantize/dequantize), the collective, the transform, geom
 and the communicator that train.py calls once per step.
 """
 
+import contextlib
 import math
+import time
 import zlib
 from dataclasses import dataclass, field
 
@@ -361,8 +363,34 @@ def collective_bytes(layout, rank):
     return stage1 + (layout.world_size - 1) * max(layout.nbytes)
 
 
+class StageTimer:
+    """Wall time per stage, for benchmarks: timer.stage("name") is a context manager. The
+    default (no timer) costs nothing; with one, the device is synchronized at each boundary."""
+
+    def __init__(self):
+        self.seconds = {}
+
+    def stage(self, name):
+        timer = self
+
+        class _Stage:
+            def __enter__(self):
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                self.t0 = time.perf_counter()
+
+            def __exit__(self, *exc):
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                timer.seconds[name] = timer.seconds.get(name, 0.0) + time.perf_counter() - self.t0
+        return _Stage()
+
+
+NO_TIMER = type("NoTimer", (), {"stage": staticmethod(lambda name: contextlib.nullcontext())})()
+
+
 def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, stochastic=False, seed=None,
-                    return_local=False):
+                    return_local=False, timer=NO_TIMER):
     """The mean of `tensors` over the process group, through the two-stage FP8 collective.
 
     Returns (means, bytes_sent) - or (means, bytes_sent, local) with return_local, where local
@@ -373,7 +401,8 @@ def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, stochastic=False
     device = tensors[0].device
     layout = ShardLayout([t.shape for t in tensors], fmt, block, world)
     seed = seed if stochastic else None
-    send = encode_shards(tensors, layout, stochastic, rng(seed, me, 1, device))
+    with timer.stage("quantize"):
+        send = encode_shards(tensors, layout, stochastic, rng(seed, me, 1, device))
     local = decode_shards(send, layout) if return_local else None
     if world == 1:
         shard = reduce_shard(send, layout, 0, stochastic, rng(seed, me, 2, device))
@@ -381,16 +410,20 @@ def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, stochastic=False
     else:
         own = layout.nbytes[me]
         recv = torch.empty(world * own, dtype=torch.uint8, device=device)
-        dist.all_to_all_single(recv, torch.cat(send), [own] * world, [b.numel() for b in send],
-                               group=group)
-        shard = reduce_shard(list(recv.split(own)), layout, me, stochastic,
-                             rng(seed, me, 2, device))
+        with timer.stage("all_to_all"):
+            dist.all_to_all_single(recv, torch.cat(send), [own] * world,
+                                   [b.numel() for b in send], group=group)
+        with timer.stage("reduce"):
+            shard = reduce_shard(list(recv.split(own)), layout, me, stochastic,
+                                 rng(seed, me, 2, device))
         largest = max(layout.nbytes)
         padded = torch.zeros(largest, dtype=torch.uint8, device=device)
         padded[:own] = shard
         gathered = [torch.empty_like(padded) for _ in range(world)]
-        dist.all_gather(gathered, padded, group=group)
-        means = decode_shards([g[:n] for g, n in zip(gathered, layout.nbytes)], layout)
+        with timer.stage("all_gather"):
+            dist.all_gather(gathered, padded, group=group)
+        with timer.stage("decode"):
+            means = decode_shards([g[:n] for g, n in zip(gathered, layout.nbytes)], layout)
         sent = collective_bytes(layout, me)
     return (means, sent, local) if return_local else (means, sent)
 
@@ -649,9 +682,10 @@ class GeoFP8Communicator:
     `reduce_workers(per_worker_grads)` runs the identical numerics for W simulated workers in one
     process (the fidelity tool, tests). Both return the bytes one rank sends."""
 
-    def __init__(self, named_shapes, options=None, group=None):
+    def __init__(self, named_shapes, options=None, group=None, timer=NO_TIMER):
         self.opts = options or GeoOptions()
         self.group = group
+        self.timer = timer          # a StageTimer to see where the time goes (benchmarks)
         self.names = [n for n, _ in named_shapes]
         self.shapes = {n: tuple(s) for n, s in named_shapes}
         self.reasons = {}
@@ -709,20 +743,23 @@ class GeoFP8Communicator:
 
     def _finish(self, mean_coords, worker_grads, all_reduce=None):
         """Decode the averaged coordinates; on refresh steps update the geometry."""
-        means = [self.from_coords(n, h) for n, h in zip(self.names, mean_coords)]
+        with self.timer.stage("rotate"):
+            means = [self.from_coords(n, h) for n, h in zip(self.names, mean_coords)]
         self.step += 1
         if self.layers and (self.step % self.opts.refresh == 0
                             or any(l.left_basis is None for l in self.layers.values())):
-            self._refresh(dict(zip(self.names, means)), worker_grads, all_reduce)
+            with self.timer.stage("geometry"):
+                self._refresh(dict(zip(self.names, means)), worker_grads, all_reduce)
         return means
 
     def reduce(self, grads):
         """Average grads (a list matching the names) across the group, in place. Returns bytes sent."""
         rank = dist.get_rank(self.group) if dist.is_initialized() else 0
-        sent_grads, coords = self._prepare(grads, rank)
+        with self.timer.stage("rotate"):
+            sent_grads, coords = self._prepare(grads, rank)
         mean_coords, sent, local = all_reduce_mean(
             coords, self.opts.fmt, self.opts.block, self.group, self.opts.stochastic,
-            self.opts.seed * 7919 + self.step, return_local=True)
+            self.opts.seed * 7919 + self.step, return_local=True, timer=self.timer)
         if self.opts.error_feedback:
             self._keep_residual(rank, coords, local)
         summed = ((lambda t: dist.all_reduce(t, group=self.group)) if dist.is_initialized()

@@ -397,7 +397,8 @@ def train(cfg):
                          "communicator": communicator.state_dict() if communicator else {}},
                         ckpt_path)
 
-    jsonl = open(os.path.join(cfg.out_dir, "log.jsonl"), "a") if master else None
+    # a resumed run continues its log; a fresh one starts it anew
+    jsonl = open(os.path.join(cfg.out_dir, "log.jsonl"), "a" if cfg.resume else "w") if master else None
     first_val = evaluate() if start_step == 0 else None
     if first_val is not None:
         log(f"step {start_step} | val loss {first_val:.4f}")
