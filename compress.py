@@ -465,8 +465,13 @@ class HouseholderBasis:
         a, tau = torch.geqrf(U)              # U = (H_1 ... H_r) R, reflectors stored below diag
         m, r = U.shape
         Y = torch.tril(a, -1) + torch.eye(m, r, device=U.device, dtype=U.dtype)
+        if bool((tau != 0).all()):
+            # the "UT transform": T^-1 = diag(1/tau) + strictly-upper(Y^T Y), one small solve
+            T_inv = torch.diag(1 / tau) + torch.triu(Y.T @ Y, diagonal=1)
+            eye = torch.eye(r, device=U.device, dtype=U.dtype)
+            return cls(Y, torch.linalg.solve_triangular(T_inv, eye, upper=True))
         T = torch.zeros(r, r, device=U.device, dtype=U.dtype)
-        for i in range(r):                   # LAPACK's larft recurrence (forward, columnwise)
+        for i in range(r):  # a reflector is the identity (tau = 0): LAPACK's larft recurrence
             T[i, i] = tau[i]
             if i:
                 T[:i, i] = -tau[i] * (T[:i, :i] @ (Y[:, :i].T @ Y[:, i]))

@@ -65,6 +65,9 @@ class TrainConfig:
     # evaluation, logging, checkpoints
     eval_interval: int = 100          # validation loss every N steps (and at the end)
     eval_iters: int = 10              # validation batches per rank
+    eval_every: int = 0               # downstream zero-shot eval (nanogeo.eval) every N steps
+    eval_limit: int = 200             # ... on the first N documents of each task
+    eval_tasks: str = "hellaswag,piqa,arc_easy"
     log_interval: int = 1
     ckpt_interval: int = 0            # save every N steps; 0 = only at the end
     resume: bool = False              # continue from out_dir/ckpt.pt
@@ -82,6 +85,7 @@ class TrainConfig:
     device: str = "auto"              # auto | cpu | cuda
     compile: bool = False             # torch.compile the model
     seed: int = 1337
+    check_every: int = 100            # all-rank parameter checksum every N steps (0 = never)
 
 
 # Per-preset defaults for the training loop (the model shapes live in model.PRESETS).
@@ -289,6 +293,36 @@ def parameter_checksum(params):
     return digest.hexdigest()
 
 
+def gradients_finite(params, world_size, device):
+    """True on every rank iff no rank has a NaN/inf gradient: one 1-element all-reduce."""
+    bad = torch.zeros(1, device=device)
+    for p in params:
+        if not torch.isfinite(p.grad).all():
+            bad += 1
+            break
+    if world_size > 1:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return bad.item() == 0
+
+
+class RankMismatch(RuntimeError):
+    """Parameters differ across ranks: the run cannot continue meaningfully."""
+
+
+def check_ranks_agree(params, step, device):
+    """All ranks must hold bitwise-identical parameters. One all-reduce of a checksum (MAX of
+    c and of -c: equal on every rank iff every rank's c is the same) checks it."""
+    checksum = torch.zeros((), dtype=torch.float64, device=device)
+    for i, p in enumerate(params):
+        checksum += p.detach().double().sum() * (1 + (i % 7) / 7)
+    both = torch.stack([checksum, -checksum])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    if both[0].item() != checksum.item() or -both[1].item() != checksum.item():
+        raise RankMismatch(f"parameters differ across ranks at step {step}; a rank diverged "
+                           "(nondeterministic kernel, bad hardware or a code change on one node): "
+                           "restart from the last checkpoint")
+
+
 def atomic_save(obj, path):
     """Write to a temp file, fsync, rename: a crash never leaves a half-written checkpoint."""
     tmp = path + ".tmp"
@@ -418,11 +452,18 @@ def train(cfg):
             # .grad accumulates locally; no communication until the last micro-step
             (loss / cfg.grad_accum).backward()
             loss_sum += loss.item()
+        if not gradients_finite(params, world_size, device):
+            # skipped on every rank alike; geometry and error-feedback state stay untouched
+            log(f"step {step + 1}: warning: non-finite gradient on some rank; step skipped")
+            optimizer.zero_grad(set_to_none=True)
+            continue
         wire_bytes = reduce_gradients(params, cfg, communicator, world_size)
         grad_norm = (torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip > 0
                      else torch.norm(torch.stack([p.grad.norm() for p in params])))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if cfg.check_every and world_size > 1 and (step + 1) % cfg.check_every == 0:
+            check_ranks_agree(params, step + 1, device)
         train_loss = loss_sum / cfg.grad_accum  # this rank's loss; ranks differ by their data
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -448,6 +489,16 @@ def train(cfg):
             if jsonl:
                 jsonl.write(json.dumps(record) + "\n")
                 jsonl.flush()
+        if cfg.eval_every and done % cfg.eval_every == 0 and master:
+            # rank 0 only; the other ranks wait for it in the next step's collective
+            from nanogeo import eval as downstream
+            scores = downstream.evaluate_model(raw_model, cfg.eval_tasks.split(","), cfg.eval_limit,
+                                               cfg.batch_size, device, quiet=True)
+            log(f"step {done} | downstream | " + " | ".join(
+                f"{t} {r.get('acc_norm', r['acc']):.4f}" for t, r in scores.items()))
+            jsonl.write(json.dumps({"step": done, "downstream": {
+                t: {k: v for k, v in r.items() if not isinstance(v, list)}
+                for t, r in scores.items()}}) + "\n")
         if cfg.ckpt_interval and done % cfg.ckpt_interval == 0 and done < cfg.max_iters:
             save(done)
     save(cfg.max_iters)
@@ -474,7 +525,7 @@ def main(argv=None):
     try:
         cfg = parse_config(sys.argv[1:] if argv is None else argv)
         return train(cfg)
-    except (ConfigError, ShardError) as e:
+    except (ConfigError, ShardError, RankMismatch) as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -27,7 +27,7 @@ def run(comm, nproc, out_dir, extra):
     print(" ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     records = [json.loads(line) for line in open(os.path.join(run_dir, "log.jsonl"))]
-    return [r for r in records if "step" in r], records[-1]["summary"]
+    return [r for r in records if "loss" in r], records[-1]["summary"]
 
 
 def write_table(results, path):

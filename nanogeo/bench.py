@@ -3,7 +3,7 @@ Benchmarks of the collective and of GeoFP8's compute cost. Not tests: numbers fo
 
     torchrun --standalone --nproc_per_node=2 -m nanogeo.bench collective [--sizes 1,4,16] [--iters 5]
     python -m nanogeo.bench overhead [--steps 10]
-    python -m nanogeo.bench flops [--preset llama-600m --tokens 8192 --rank 32]
+    python -m nanogeo.bench flops [--preset llama-600m --tokens 8192 --rank 16]
 
 collective: each method on one bucket of N million fp32 gradient elements, shaped as square-ish
   matrices (so GeoFP8 has something to rotate), timed with a per-stage breakdown (rotate =
@@ -20,6 +20,7 @@ import json
 import math
 import os
 import time
+import types
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,7 @@ import torch.distributed as dist
 import compress
 import model as model_lib
 import train
+from nanogeo import perfmodel
 
 
 def bucket_shapes(million_elements, width=1024):
@@ -85,9 +87,7 @@ def time_collective(sizes, iters, methods):
                 t0 = time.perf_counter()
                 if comm is None:
                     cfg = train.TrainConfig(comm=method)
-                    holders = [torch.nn.Parameter(torch.empty(0)) for _ in grads]
-                    for h, g in zip(holders, grads):
-                        h.grad = g
+                    holders = [types.SimpleNamespace(grad=g) for g in grads]
                     sent = train.reduce_gradients(holders, cfg, None, world)
                 else:
                     sent = comm.reduce(grads)
@@ -111,7 +111,7 @@ def print_collective(rows):
               f"{r['bytes_sent'] / 1e6:9.2f} {r['bytes_vs_bf16']:8.3f}  {parts}")
 
 
-def measure_overhead(steps, preset="cpu-tiny", batch_size=8, block_size=128):
+def measure_overhead(steps, preset="cpu-tiny", batch_size=8, block_size=128, refresh=1, rank=16):
     """GeoFP8 extra compute per step on one rank, against forward + backward of the preset."""
     torch.manual_seed(0)
     cfg = model_lib.model_config(preset, block_size=block_size)
@@ -132,7 +132,8 @@ def measure_overhead(steps, preset="cpu-tiny", batch_size=8, block_size=128):
 
     results = {}
     for name, opts in (("fp8", compress.GeoOptions(geo=False, vocab_size=cfg.vocab_size)),
-                       ("geofp8", compress.GeoOptions(geo=True, vocab_size=cfg.vocab_size))):
+                       ("geofp8", compress.GeoOptions(geo=True, vocab_size=cfg.vocab_size,
+                                                      refresh=refresh, rank=rank))):
         comm = compress.GeoFP8Communicator(named, opts)
         comm.reduce_workers([grads])  # first bases
         t0 = time.perf_counter()
@@ -141,29 +142,17 @@ def measure_overhead(steps, preset="cpu-tiny", batch_size=8, block_size=128):
         results[name] = (time.perf_counter() - t0) / steps
         geo_layers = sum(comm.coords(n) == "geo" for n, _ in named)
     overhead = results["geofp8"] - results["fp8"]
-    return {"preset": preset, "tokens": batch_size * block_size, "fwd_bwd_ms": fwd_bwd_s * 1000,
+    return {"preset": preset, "refresh": refresh, "rank": rank,
+            "tokens": batch_size * block_size, "fwd_bwd_ms": fwd_bwd_s * 1000,
             "fp8_codec_ms": results["fp8"] * 1000, "geofp8_codec_ms": results["geofp8"] * 1000,
             "geo_overhead_ms": overhead * 1000, "overhead_vs_fwd_bwd": overhead / fwd_bwd_s,
             "geo_layers": geo_layers}
 
 
-def analytic_flops(preset, tokens, rank, iters=1):
+def analytic_flops(preset, tokens, rank):
     """GeoFP8 flops per step / training flops per step, at a preset's shapes."""
-    cfg = model_lib.model_config(preset)
-    with torch.device("meta"):
-        net = model_lib.Llama(cfg)
-    opts = compress.GeoOptions(rank=rank, vocab_size=cfg.vocab_size)
-    geo = 0.0
-    for name, p in net.named_parameters():
-        if compress.exemption(name, tuple(p.shape), opts) is None:
-            m, n = p.shape
-            r = min(rank, min(m, n) // 2)
-            rotate = 16 * m * n * r                      # encode + decode, both sides
-            # refresh: G^T U, G(.) and G V, G^T(.) per iteration, QR and Householder, the
-            # gain check (one more encode) and the Ritz core
-            refresh = iters * 8 * m * n * r + 8 * m * n * r + 4 * (m + n) * r * r + 4 * m * n * r
-            geo += rotate + refresh  # refreshing every step (the default) is the costliest case
-    train_flops = net.flops_per_token(cfg.block_size) * tokens
+    geo, net = perfmodel.geo_flops(preset, rank)
+    train_flops = net.flops_per_token(net.config.block_size) * tokens
     return {"preset": preset, "tokens_per_rank": tokens, "rank": rank,
             "geo_gflops": geo / 1e9, "train_gflops": train_flops / 1e9, "fraction": geo / train_flops}
 
@@ -175,9 +164,10 @@ def main(argv=None):
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--methods", default="fp32,bf16,fp8,geofp8,nvfp4")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--refresh", default="1", help="overhead: basis refresh intervals to try")
     parser.add_argument("--preset", default="llama-600m")
     parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--rank", type=int, default=32)
+    parser.add_argument("--rank", type=int, default=16, help="r (the GeoOptions default)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if args.mode == "collective":
@@ -191,7 +181,8 @@ def main(argv=None):
         dist.destroy_process_group()
         result = rows
     elif args.mode == "overhead":
-        result = measure_overhead(args.steps)
+        result = [measure_overhead(args.steps, refresh=r, rank=args.rank)
+                  for r in (int(x) for x in args.refresh.split(","))]
         print(json.dumps(result, indent=1))
     else:
         result = analytic_flops(args.preset, args.tokens, args.rank)

@@ -67,7 +67,7 @@ def test_two_process_training_learns_and_stays_identical(tiny_corpus, tmp_path):
     assert r0["final_val_loss"] < r0["initial_val_loss"] - 1.0
     assert r0["param_sha256"] == r1["param_sha256"]
     lines = [json.loads(l) for l in open(tmp_path / "out" / "log.jsonl")]
-    steps = [l for l in lines if "step" in l]
+    steps = [l for l in lines if "loss" in l]
     assert [l["step"] for l in steps] == [10, 20, 30]
     # fp32 ring all-reduce over 2 ranks: each rank sends (W-1)/W * 2 * N * 4 bytes = 4 N
     n = sum(p.numel() for p in Llama(ModelConfig(block_size=32)).parameters())
