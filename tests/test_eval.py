@@ -63,7 +63,7 @@ def test_scores_equal_unbatched_reference(fixtures):
 def test_accuracy_and_lambada_metrics(fixtures, monkeypatch):
     """With scores rigged so the model prefers the shorter continuation, accuracies follow."""
     def rigged(model, enc, requests, batch_size=16, device="cpu", progress=None):
-        return [(-float(len(cont)), len(cont) < 6) for _, cont in requests]
+        return [(-float(len(cont)), len(cont) < 5) for _, cont in requests]
     monkeypatch.setattr(ev, "score_requests", rigged)
     piqa = ev.evaluate_task(None, None, "piqa", root=str(fixtures))
     assert piqa["picks"] == [1, 0, 0] and piqa["acc"] == pytest.approx(1 / 3)  # shortest wins
