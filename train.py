@@ -72,6 +72,7 @@ class TrainConfig:
     ckpt_interval: int = 0            # save every N steps; 0 = only at the end
     resume: bool = False              # continue from out_dir/ckpt.pt
     overwrite: bool = False           # allow replacing another run's checkpoint in out_dir
+    keep_ckpts: int = 2               # ckpt.pt plus the K-1 previous ones (ckpt-STEP.pt)
     # gradient communication
     comm: str = "fp32"                # fp32 | bf16 | fp8 | geofp8
     fmt: str = "e4m3"                 # fp8/geofp8 wire format: e4m3 | e5m2 | nvfp4
@@ -365,6 +366,9 @@ def train(cfg):
 
     ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
     ckpt = None
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restarts and os.path.exists(ckpt_path):  # torchrun --max-restarts brought us back
+        cfg = dataclasses.replace(cfg, resume=True)
     if cfg.resume:  # checked before anything is built: fail in a second, not after a minute
         if not os.path.exists(ckpt_path):
             raise ConfigError(f"--resume but {ckpt_path} does not exist; drop --resume to start fresh")
@@ -372,7 +376,7 @@ def train(cfg):
         if ckpt["config"]["preset"] != cfg.preset:
             raise ConfigError(f"{ckpt_path} is a --preset={ckpt['config']['preset']} run; "
                               f"resume it with that preset or use another --out_dir")
-    elif os.path.exists(ckpt_path) and not cfg.overwrite:
+    elif os.path.exists(ckpt_path) and not (cfg.overwrite or restarts):
         raise ConfigError(f"{cfg.out_dir} already holds another run's checkpoint; pass --resume to "
                           "continue it, --overwrite=true to replace it, or choose another --out_dir")
 
@@ -393,7 +397,10 @@ def train(cfg):
         if communicator is not None and ckpt.get("communicator"):
             communicator.load_state_dict(ckpt["communicator"])
         start_step = ckpt["step"]
-        log(f"resumed from {ckpt_path} at step {start_step}")
+        if "rng" in ckpt:
+            torch.set_rng_state(ckpt["rng"]["torch"].cpu())
+        log(f"resumed from {ckpt_path} at step {start_step}"
+            + (f" (elastic restart {restarts})" if restarts else ""))
 
     if master:
         os.makedirs(cfg.out_dir, exist_ok=True)
@@ -424,19 +431,29 @@ def train(cfg):
         model.train()
         return loss.item()
 
+    saved = {"step": start_step if ckpt is not None else None}  # this run's latest ckpt.pt
+
     def save(step):
-        if master:
-            atomic_save({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
-                         "step": step, "config": asdict(cfg), "model_config": asdict(mcfg),
-                         "communicator": communicator.state_dict() if communicator else {}},
-                        ckpt_path)
+        if not master:
+            return
+        if saved["step"] is not None and cfg.keep_ckpts > 1:  # keep the previous ones too
+            os.replace(ckpt_path, os.path.join(cfg.out_dir, f"ckpt-{saved['step']:07d}.pt"))
+            old = sorted(f for f in os.listdir(cfg.out_dir) if f.startswith("ckpt-"))
+            for name in old[: max(0, len(old) - (cfg.keep_ckpts - 1))]:
+                os.remove(os.path.join(cfg.out_dir, name))
+        atomic_save({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
+                     "step": step, "config": asdict(cfg), "model_config": asdict(mcfg),
+                     "communicator": communicator.state_dict() if communicator else {},
+                     "rng": {"torch": torch.get_rng_state()}}, ckpt_path)
+        saved["step"] = step
 
     # a resumed run continues its log; a fresh one starts it anew
     jsonl = open(os.path.join(cfg.out_dir, "log.jsonl"), "a" if cfg.resume else "w") if master else None
     first_val = evaluate() if start_step == 0 else None
     if first_val is not None:
         log(f"step {start_step} | val loss {first_val:.4f}")
-    val_loss, train_loss = first_val, float("nan")
+    val_loss = first_val if first_val is not None else float("nan")  # resumed: not yet measured
+    train_loss = float("nan")
     t_start = time.time()
     for step in range(start_step, cfg.max_iters):
         t0 = time.time()

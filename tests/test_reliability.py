@@ -77,3 +77,76 @@ def test_rank_divergence_is_caught(tiny_corpus, tmp_path):
     for r in (0, 1):
         result = json.load(open(tmp_path / f"rank{r}.json"))
         assert "parameters differ across ranks at step 2" in result["error"]
+
+
+def test_resume_is_exact(tiny_corpus, tmp_path, monkeypatch):
+    """Interrupted at step 4 and resumed from the step-3 checkpoint = never interrupted, bit for
+    bit, with GeoFP8 state, error feedback and stochastic rounding in play."""
+    extra = ("--max_iters=6", "--ckpt_interval=3", "--comm=geofp8", "--geo_warmup=1",
+             "--geo_rank=4", "--error_feedback", "--stochastic_round")
+    whole = train.train(train.parse_config(tiny_args(tiny_corpus, tmp_path / "a", *extra)))
+    assert sorted(os.listdir(tmp_path / "a")) == ["ckpt-0000003.pt", "ckpt.pt", "log.jsonl"]
+
+    schedule = train.learning_rate
+
+    def crash_at_step_4(cfg, step):
+        if step == 4:
+            raise KeyboardInterrupt("simulated crash")
+        return schedule(cfg, step)
+    monkeypatch.setattr(train, "learning_rate", crash_at_step_4)
+    try:
+        train.train(train.parse_config(tiny_args(tiny_corpus, tmp_path / "b", *extra)))
+    except KeyboardInterrupt:
+        pass
+    monkeypatch.setattr(train, "learning_rate", schedule)
+    assert torch.load(tmp_path / "b" / "ckpt.pt", weights_only=True)["step"] == 3
+    resumed = train.train(train.parse_config(tiny_args(tiny_corpus, tmp_path / "b", *extra,
+                                                       "--resume")))
+    assert resumed["param_sha256"] == whole["param_sha256"]
+    assert resumed["final_train_loss"] == whole["final_train_loss"]
+
+
+def test_elastic_restart_resumes_and_finishes(tiny_corpus, tmp_path):
+    """torchrun --max-restarts=1: SIGKILL one worker mid-run; the group restarts, resumes from
+    the last checkpoint and ends exactly where an uninterrupted run ends."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from conftest import ROOT
+    argv = tiny_args(tiny_corpus, tmp_path / "whole", "--max_iters=30", "--ckpt_interval=5",
+                     "--eval_interval=30", "--log_interval=1")
+    run_ranks(train_rank_summary, 2, argv, str(tmp_path))
+    whole = json.load(open(tmp_path / "rank0.json"))
+
+    out = tmp_path / "elastic"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "--max-restarts=1", "train.py",
+           *tiny_args(tiny_corpus, out, "--max_iters=30", "--ckpt_interval=5",
+                      "--eval_interval=30", "--log_interval=1")]
+    launcher = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+    killed, deadline = False, time.time() + 240
+    while not killed and time.time() < deadline and launcher.poll() is None:
+        log = out / "log.jsonl"
+        steps = [json.loads(l).get("step", 0) for l in open(log)] if log.exists() else []
+        if steps and max(steps) >= 12 and (out / "ckpt.pt").exists():
+            workers = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True,
+                                     text=True).stdout.split()
+            if workers:
+                os.kill(int(workers[-1]), signal.SIGKILL)
+                killed = True
+        time.sleep(0.05)
+    output, _ = launcher.communicate(timeout=240)
+    assert killed, "the run ended before a worker could be killed"
+    assert launcher.returncode == 0, output[-3000:]
+    assert "elastic restart 1" in output
+    summary = [json.loads(l) for l in open(out / "log.jsonl")][-1]["summary"]
+    assert summary["param_sha256"] == whole["param_sha256"]
+    assert summary["final_val_loss"] == whole["final_val_loss"]
+
+
+def train_rank_summary(rank, world_size, argv, result_dir):
+    result = train.train(train.parse_config(argv))
+    with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
