@@ -622,7 +622,7 @@ class GeoOptions:
     block: object = 128             # int, "row" or "tensor" (nvfp4 always uses 16)
     geo: bool = True                # False: Euclidean FP8 (same collective, no transform)
     rank: int = 16                  # r, per side, capped at min(m, n) // 2
-    refresh: int = 1                # re-estimate the bases every N steps
+    refresh: int = 4                # re-estimate the bases every N steps
     warmup: int = 0                 # steps sent in Euclidean coordinates before GeoFP8 starts
     decay: float = 0.0              # EMA of the covariance; 0 = bases from the latest mean only
     iters: int = 1                  # subspace iterations per refresh

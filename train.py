@@ -78,7 +78,7 @@ class TrainConfig:
     fmt: str = "e4m3"                 # fp8/geofp8 wire format: e4m3 | e5m2 | nvfp4
     block: str = "128"                # scale granularity: elements per block, row or tensor
     geo_rank: int = 16                # r, dominant directions per side (capped at min(m,n)/2)
-    geo_refresh: int = 1              # re-estimate the bases every N steps
+    geo_refresh: int = 4              # re-estimate the bases every N steps
     geo_warmup: int = 10              # steps in Euclidean coordinates before GeoFP8 starts
     error_feedback: bool = False      # add back each rank's own quantization error next step
     stochastic_round: bool = False    # unbiased stochastic rounding instead of nearest

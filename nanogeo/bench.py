@@ -3,7 +3,7 @@ Benchmarks of the collective and of GeoFP8's compute cost. Not tests: numbers fo
 
     torchrun --standalone --nproc_per_node=2 -m nanogeo.bench collective [--sizes 1,4,16] [--iters 5]
     python -m nanogeo.bench overhead [--steps 10]
-    python -m nanogeo.bench flops [--preset llama-600m --tokens 8192 --rank 16]
+    python -m nanogeo.bench flops [--preset llama-600m --tokens 8192 --rank 16 --refresh 1,4]
 
 collective: each method on one bucket of N million fp32 gradient elements, shaped as square-ish
   matrices (so GeoFP8 has something to rotate), timed with a per-stage breakdown (rotate =
@@ -149,12 +149,13 @@ def measure_overhead(steps, preset="cpu-tiny", batch_size=8, block_size=128, ref
             "geo_layers": geo_layers}
 
 
-def analytic_flops(preset, tokens, rank):
+def analytic_flops(preset, tokens, rank, refresh=4):
     """GeoFP8 flops per step / training flops per step, at a preset's shapes."""
-    geo, net = perfmodel.geo_flops(preset, rank)
+    geo, net = perfmodel.geo_flops(preset, rank, refresh)
     train_flops = net.flops_per_token(net.config.block_size) * tokens
     return {"preset": preset, "tokens_per_rank": tokens, "rank": rank,
-            "geo_gflops": geo / 1e9, "train_gflops": train_flops / 1e9, "fraction": geo / train_flops}
+            "refresh": refresh, "geo_gflops": geo / 1e9, "train_gflops": train_flops / 1e9,
+            "fraction": geo / train_flops}
 
 
 def main(argv=None):
@@ -164,7 +165,7 @@ def main(argv=None):
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--methods", default="fp32,bf16,fp8,geofp8,nvfp4")
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--refresh", default="1", help="overhead: basis refresh intervals to try")
+    parser.add_argument("--refresh", default="1,4", help="basis refresh intervals to try")
     parser.add_argument("--preset", default="llama-600m")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--rank", type=int, default=16, help="r (the GeoOptions default)")
@@ -185,7 +186,8 @@ def main(argv=None):
                   for r in (int(x) for x in args.refresh.split(","))]
         print(json.dumps(result, indent=1))
     else:
-        result = analytic_flops(args.preset, args.tokens, args.rank)
+        result = [analytic_flops(args.preset, args.tokens, args.rank, int(r))
+                  for r in args.refresh.split(",")]
         print(json.dumps(result, indent=1))
     if args.json and (args.mode != "collective" or not dist.is_initialized() or dist.get_rank() == 0):
         with open(args.json, "w") as f:

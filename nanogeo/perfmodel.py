@@ -81,9 +81,9 @@ def wire_bytes_per_element(fmt, block=128):
     return 1 + 4 / block
 
 
-def geo_flops(preset, rank, iters=1):
+def geo_flops(preset, rank, refresh=4, iters=1):
     """GeoFP8 flops per step on one GPU at a preset's shapes: encode + decode (16 m n r per
-    rotated matrix) plus a basis refresh every step (the costliest setting): subspace iteration
+    rotated matrix) plus, every `refresh` steps, a basis refresh: subspace iteration
     (8 m n r per iteration), the gain check (8 m n r), QR and Householder (4 (m+n) r^2)."""
     cfg = model_lib.model_config(preset)
     with torch.device("meta"):
@@ -94,11 +94,12 @@ def geo_flops(preset, rank, iters=1):
         if compress.exemption(name, tuple(p.shape), opts) is None:
             m, n = p.shape
             r = min(rank, min(m, n) // 2)
-            total += 16 * m * n * r + iters * 8 * m * n * r + 8 * m * n * r + 4 * (m + n) * r * r
+            update = iters * 8 * m * n * r + 8 * m * n * r + 4 * (m + n) * r * r
+            total += 16 * m * n * r + update / refresh
     return total, net
 
 
-def step_time(preset, comm, c: Cluster, tokens_per_gpu=8192, rank=32, block=128):
+def step_time(preset, comm, c: Cluster, tokens_per_gpu=8192, rank=16, block=128):
     """Seconds per step and its parts for one method ('fp32', 'bf16', 'fp8', 'geofp8', 'nvfp4',
     'geo-nvfp4')."""
     geo_total, net = geo_flops(preset, rank)
@@ -123,7 +124,7 @@ def step_time(preset, comm, c: Cluster, tokens_per_gpu=8192, rank=32, block=128)
             "geo_flops_fraction": geo_total / train_flops}
 
 
-def compare(preset, c: Cluster, tokens_per_gpu=8192, rank=32, comms=("bf16", "fp8", "geofp8")):
+def compare(preset, c: Cluster, tokens_per_gpu=8192, rank=16, comms=("bf16", "fp8", "geofp8")):
     rows = [step_time(preset, m, c, tokens_per_gpu, rank) for m in comms]
     base = rows[0]["step_s"]
     for r in rows:
@@ -131,7 +132,7 @@ def compare(preset, c: Cluster, tokens_per_gpu=8192, rank=32, comms=("bf16", "fp
     return rows
 
 
-def solve_inter_bandwidth(preset, c: Cluster, target, tokens_per_gpu=8192, rank=32):
+def solve_inter_bandwidth(preset, c: Cluster, target, tokens_per_gpu=8192, rank=16):
     """The NIC bandwidth per GPU (GB/s) at which GeoFP8's step time is `target` (e.g. -0.076)
     relative to bf16, by bisection on a log scale (the gain shrinks as links get faster).
     None if no bandwidth in [0.1, 100000] GB/s gives it."""
@@ -161,7 +162,7 @@ def main(argv=None):
     parser.add_argument("--preset", default="llama-600m")
     parser.add_argument("--nodes", default="16", help="comma-separated node counts to scan")
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per GPU per step")
-    parser.add_argument("--rank", type=int, default=32)
+    parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--comms", default="bf16,fp8,geofp8,nvfp4")
     parser.add_argument("--target", type=float, default=-0.076,
                         help="solve for the NIC bandwidth that gives this GeoFP8 vs bf16 change")

@@ -107,7 +107,7 @@ def test_resume_is_exact(tiny_corpus, tmp_path, monkeypatch):
 
 
 def test_elastic_restart_resumes_and_finishes(tiny_corpus, tmp_path):
-    """torchrun --max-restarts=1: SIGKILL one worker mid-run; the group restarts, resumes from
+    """torchrun --max-restarts=3: SIGKILL one worker mid-run; the group restarts, resumes from
     the last checkpoint and ends exactly where an uninterrupted run ends."""
     import signal
     import subprocess
@@ -121,7 +121,7 @@ def test_elastic_restart_resumes_and_finishes(tiny_corpus, tmp_path):
 
     out = tmp_path / "elastic"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "--max-restarts=1", "train.py",
+           "--max-restarts=3", "train.py",
            *tiny_args(tiny_corpus, out, "--max_iters=30", "--ckpt_interval=5",
                       "--eval_interval=30", "--log_interval=1")]
     launcher = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -140,7 +140,7 @@ def test_elastic_restart_resumes_and_finishes(tiny_corpus, tmp_path):
     output, _ = launcher.communicate(timeout=240)
     assert killed, "the run ended before a worker could be killed"
     assert launcher.returncode == 0, output[-3000:]
-    assert "elastic restart 1" in output
+    assert "(elastic restart " in output
     summary = [json.loads(l) for l in open(out / "log.jsonl")][-1]["summary"]
     assert summary["param_sha256"] == whole["param_sha256"]
     assert summary["final_val_loss"] == whole["final_val_loss"]
