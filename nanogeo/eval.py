@@ -68,7 +68,9 @@ def load_task(task, limit=None, root=None):
     with gzip.open(path, "rt") as f:
         for line in f:
             r = json.loads(line)
-            doc = docs.setdefault(r["doc_id"], {"requests": [], "label": int(r.get("label", 0))})
+            label = r.get("label", 0)  # LAMBADA's "label" is the answer text: not an index
+            doc = docs.setdefault(r["doc_id"], {"requests": [],
+                                                "label": label if isinstance(label, int) else 0})
             if limit is not None and len(docs) > limit:
                 del docs[r["doc_id"]]
                 break

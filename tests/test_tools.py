@@ -1,0 +1,72 @@
+"""Contracts of the measurement tools on small inputs: capture, bench, ablate."""
+import math
+
+import torch
+import torch.distributed as dist
+
+import train
+from conftest import run_ranks
+from nanogeo import ablate, bench, capture
+
+
+def test_capture_writes_the_gradient_file_contract(tiny_corpus, tmp_path):
+    out = tmp_path / "grads.pt"
+    capture.main([f"--out={out}", f"--data_dir={tiny_corpus}", "--workers=2", "--train_steps=2",
+                  "--capture_steps=2", "--batch_size=2", "--block_size=16"])
+    data = torch.load(out, weights_only=True)
+    assert len(data["steps"]) == 2 and all(len(step) == 2 for step in data["steps"])
+    names = set(data["steps"][0][0])
+    assert "layers.0.attn.wq.weight" in names and set(data["optimizer_v"]) == names
+    a, b = data["steps"][0][0]["lm_head.weight"], data["steps"][0][1]["lm_head.weight"]
+    assert a.shape == b.shape and not torch.equal(a, b)  # each worker its own micro-batch
+    assert all(v.dtype == torch.float32 for v in data["steps"][0][0].values())
+
+
+def collective_rank(rank, world_size, out):
+    dist.init_process_group("gloo")
+    rows = bench.time_collective([0.02], 1, ["fp32", "bf16", "fp8", "geofp8", "nvfp4"])
+    torch.save(rows, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_bench_collective_reports_bytes(tmp_path):
+    out = str(tmp_path / "rows")
+    run_ranks(collective_rank, 2, out)
+    rows = {r["method"]: r for r in torch.load(f"{out}.0")}
+    assert rows["fp32"]["bytes_vs_bf16"] == 2.0 and rows["bf16"]["bytes_vs_bf16"] == 1.0
+    assert 0.5 < rows["fp8"]["bytes_vs_bf16"] <= 0.52
+    assert rows["geofp8"]["bytes_sent"] == rows["fp8"]["bytes_sent"]
+    assert rows["nvfp4"]["bytes_vs_bf16"] <= 0.30
+    assert {"quantize", "all_to_all", "reduce", "all_gather", "decode"} <= set(rows["fp8"]["breakdown_ms"])
+
+
+def test_bench_flops_and_overhead_shapes():
+    flops = bench.analytic_flops("llama-600m", 8192, 16, refresh=4)
+    assert 0 < flops["fraction"] < 0.02
+    result = bench.measure_overhead(1, batch_size=1, block_size=16, refresh=4)
+    assert result["geo_layers"] == 28 and math.isfinite(result["overhead_vs_fwd_bwd"])
+
+
+def test_ablate_table(tmp_path):
+    def run(loss, wire):
+        steps = [{"step": 1, "loss": loss, "wire_bytes": wire, "wire_vs_bf16": wire / 1e6}]
+        return steps, {"final_train_loss": loss, "final_val_loss": loss + 0.1, "ms_per_step": 10.0}
+    results = {"fp32": run(5.0, 2e6), "geofp8": run(5.05, 0.516e6)}
+    ablate.write_table(results, tmp_path / "t.md")
+    text = (tmp_path / "t.md").read_text()
+    assert "| geofp8 | 5.0500 | 5.1500 | +0.0500 | 0.52 | 0.516 | 10 |" in text
+
+
+def test_vocabulary_mismatch_is_refused(tmp_path):
+    from prepare_data import ShardWriter
+    for split in ("train", "val"):
+        writer = ShardWriter(str(tmp_path / f"{split}.bin"), "bigtok", 60000)
+        writer.write(list(range(1000)))
+        writer.close()
+    cfg = train.parse_config([f"--data_dir={tmp_path}", "--block_size=16"])
+    try:
+        train.load_data(cfg, 50304)
+    except train.ConfigError as e:
+        assert "60000 ids" in str(e) and "re-tokenize" in str(e)
+    else:
+        raise AssertionError("expected a vocabulary error")
