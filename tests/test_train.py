@@ -139,3 +139,17 @@ def test_two_process_compressed_training_stays_identical(tiny_corpus, tmp_path, 
     if "--comm=geofp8" in extra:
         layers = ckpt["communicator"]["layers"]
         assert layers and any(l["use_geo"] for l in layers.values())
+
+
+def test_compile_matches_eager_and_saves_clean_keys(tiny_corpus, tmp_path):
+    """--compile (torch.compile, dynamic=False) trains like eager and checkpoints carry no
+    `_orig_mod.` prefixes."""
+    eager = train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "eager", "--max_iters=3")))
+    compiled = train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "compiled",
+                                                  "--max_iters=3", "--compile")))
+    assert abs(eager["final_train_loss"] - compiled["final_train_loss"]) < 1e-3
+    assert abs(eager["final_val_loss"] - compiled["final_val_loss"]) < 1e-3
+    keys = torch.load(tmp_path / "compiled" / "ckpt.pt", weights_only=True)["model"].keys()
+    assert not any(k.startswith("_orig_mod.") for k in keys)
+    Llama(ModelConfig(block_size=32)).load_state_dict(
+        torch.load(tmp_path / "compiled" / "ckpt.pt", weights_only=True)["model"])
