@@ -17,11 +17,15 @@ rank decodes the W copies of its own row, sums them in fp32 and applies FSDP's r
 stage 1 of the GeoFP8 collective (FSDP needs no all_gather of gradients): 1 + 4/block bytes per
 element instead of 2 (bf16) or 4 (fp32).
 
-Scope, on purpose: Euclidean coordinates only. FSDP shards dim 0, so a two-sided rotation would
-need the whole matrix; the column-side rotation (H = G Q, row-local, so each shard can apply it)
-with Q's subspace gathered by a small all-reduce of n x r sketches is the planned GeoFP8 version
-and is not built yet. The buffer layout here carries no parameter boundaries, so blocks may span
-two parameters' shards.
+Scope: Euclidean coordinates only, for now. Measured on our gradients (BENCHMARKS.md §2), a
+one-sided rotation gains nothing (column side alone 1.00x, row side alone 0.95x of Euclidean
+error; both sides 0.49x), so the column-side-only rotation that FSDP's dim-0 sharding would
+allow for free is not worth building. The planned GeoFP8 version is two-sided: every rank holds
+its *whole* local gradient before the reduce-scatter, so it can encode H = P^T G Q locally; the
+decode P H_mean Q^T of a row shard needs Y^T H_mean = sum over shards of Y_j^T H_j, one all-reduce
+of an r x n matrix per rotated matrix (r n floats against the shard's m n / W), and the basis
+refresh needs all-reduces of n x r sketches and an all-gather of U (m x r). Not built yet.
+The buffer layout here carries no parameter boundaries, so blocks may span two parameters' shards.
 """
 
 import torch
