@@ -78,6 +78,7 @@ FP8_FORMATS = {  # name -> (torch dtype, largest finite value)
     "e4m3": (torch.float8_e4m3fn, 448.0),
     "e5m2": (torch.float8_e5m2, 57344.0),
 }
+FP8_MAX_CODE = {torch.float8_e4m3fn: 0x7E, torch.float8_e5m2: 0x7B}  # largest finite magnitude
 FORMATS = ("e4m3", "e5m2", "nvfp4")
 NVFP4_BLOCK = 16        # NVFP4 always scales blocks of 16 values; `block` does not apply to it
 E2M1_MAX = 6.0
@@ -147,9 +148,7 @@ def round_to_fp8(y, dtype, stochastic=False, generator=None):
         return nearest
     # the other neighbour of y: one step away from `nearest` on the far side of y, found by
     # stepping the 7-bit magnitude code (fp8 magnitudes are ordered like their codes)
-    max_code = nearest.new_tensor(FP8_FORMATS["e4m3"][1] if dtype == torch.float8_e4m3fn
-                                  else FP8_FORMATS["e5m2"][1], dtype=torch.float32).to(dtype)
-    max_code = max_code.view(torch.uint8).int()
+    max_code = FP8_MAX_CODE[dtype]
     near_val = nearest.float()
     mag = (nearest.view(torch.uint8) & 0x7F).int()
     overshoot = near_val.abs() > y.abs()
