@@ -61,6 +61,7 @@ and the communicator that train.py calls once per step.
 """
 
 import contextlib
+import functools
 import math
 import time
 import zlib
@@ -302,6 +303,13 @@ class ShardLayout:
         self.nbytes = [sum(p.nbytes for p in pieces) for pieces in self.pieces]
 
 
+@functools.lru_cache(maxsize=64)
+def shard_layout(shapes, fmt, block, world_size):
+    """The ShardLayout of a bucket, built once per (shapes, format, world size): it depends on
+    nothing else, and the collective asks for the same one every step."""
+    return ShardLayout(shapes, fmt, block, world_size)
+
+
 def encode_shards(tensors, layout, stochastic=False, generator=None):
     """Stage 1: quantize this rank's tensors. Returns one uint8 buffer per destination rank."""
     flats = [t.reshape(-1) for t in tensors]
@@ -398,7 +406,7 @@ def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, stochastic=False
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     me = dist.get_rank(group) if dist.is_initialized() else 0
     device = tensors[0].device
-    layout = ShardLayout([t.shape for t in tensors], fmt, block, world)
+    layout = shard_layout(tuple(tuple(t.shape) for t in tensors), fmt, block, world)
     seed = seed if stochastic else None
     with timer.stage("quantize"):
         send = encode_shards(tensors, layout, stochastic, rng(seed, me, 1, device))
@@ -433,7 +441,7 @@ def simulate_mean(worker_tensors, fmt="e4m3", block=128, stochastic=False, seed=
     list of tensors. Returns (means, bytes sent per rank on average[, per-worker local])."""
     world = len(worker_tensors)
     device = worker_tensors[0][0].device
-    layout = ShardLayout([t.shape for t in worker_tensors[0]], fmt, block, world)
+    layout = shard_layout(tuple(tuple(t.shape) for t in worker_tensors[0]), fmt, block, world)
     seed = seed if stochastic else None
     sends = [encode_shards(ts, layout, stochastic, rng(seed, i, 1, device))
              for i, ts in enumerate(worker_tensors)]

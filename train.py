@@ -111,7 +111,7 @@ class ConfigError(ValueError):
 
 
 def parse_value(field, text):
-    kind = field.type if isinstance(field.type, type) else eval(field.type)  # 'int' under PEP 563
+    kind = field.type
     if kind is bool:
         if text.lower() in ("1", "true", "yes", "on"):
             return True
@@ -143,7 +143,7 @@ def parse_config(argv, config_class=TrainConfig, presets=TRAIN_PRESETS, choices=
             hint = f" (did you mean --{close[0]}?)" if close else ""
             raise ConfigError(f"unknown flag --{key}{hint}; see --help for the list")
         if not has_value:
-            if fields[key].type not in (bool, "bool"):
+            if fields[key].type is not bool:
                 raise ConfigError(f"--{key} needs a value: --{key}=VALUE")
             value = "true"
         given[key] = parse_value(fields[key], value)

@@ -101,11 +101,13 @@ def run_method(spec, steps, names, vocab_size):
             results.append((means, sent, per_tensor, ["euclidean"] * len(names)))
         return results
     comm = compress.GeoFP8Communicator(list(zip(names, shapes)), options)
+    layout = compress.shard_layout(tuple(tuple(s) for s in shapes), options.fmt, options.block,
+                                   len(steps[0]))
+    per_tensor = [tensor_bytes(layout, i) for i in range(len(names))]  # fixed by the shapes
     for workers in steps:
         coords = [comm.coords(n) for n in names]  # the coordinates this step is sent in
         means, sent = comm.reduce_workers([[w[n] for n in names] for w in workers])
-        layout = compress.ShardLayout(shapes, options.fmt, options.block, len(workers))
-        results.append((means, sent, [tensor_bytes(layout, i) for i in range(len(names))], coords))
+        results.append((means, sent, per_tensor, coords))
     return results
 
 
