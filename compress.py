@@ -527,6 +527,19 @@ def decode_geo(H, left, right):
     return G
 
 
+def decode_geo_rows(H_rows, left, right, rows):
+    """decode_geo when each rank holds only a block of rows of H (FSDP; see RowBlocks), for
+    Householder bases. The right side acts on each row alone: K = H Q^T row by row. The left side
+    mixes rows only through r directions: (P K)_j = K_j - Y_j T (Y^T K), and Y^T K (r x n) is
+    the sum over ranks of Y_j^T K_j - one small all-reduce (r n numbers against the m n / W of
+    the block). Returns this rank's rows of G."""
+    K = right.apply(H_rows.T).T if right is not None else H_rows
+    if left is None:
+        return K
+    Y = rows.mine(left.Y)                                          # (rows here, r)
+    return K - Y @ (left.T @ rows.sum(Y.T @ K))
+
+
 def core_swaps(shape, r, block):
     """Flat index pairs (a, b) whose exchange gives every entry of the r x r core of H its own
     scaling block. The block amax is the one value FP8 encodes exactly (it maps onto the format's
@@ -560,6 +573,26 @@ def swap_entries(H, swaps):
     return flat.view(H.shape)
 
 
+def swap_entries_rows(H_rows, swaps, rows):
+    """swap_entries on this rank's block of rows of H (FSDP; see RowBlocks). A pair may join
+    two blocks (core entries sit in the first rows, their partners in the last), so every rank
+    contributes the values at the swapped positions it holds, one all-reduce of 2 s numbers
+    shares them, and every rank writes each of its positions' partner value."""
+    if swaps is None or not rows.sharded:
+        return swap_entries(H_rows, swaps)
+    n = H_rows.shape[1]
+    first = rows.start * n                                  # flat index of this block's start
+    positions = torch.cat(swaps).to(H_rows.device)          # (2 s,): all a's, then all b's
+    held = (positions >= first) & (positions < first + H_rows.numel())
+    flat = H_rows.reshape(-1).clone()
+    values = flat.new_zeros(positions.numel())
+    values[held] = flat[positions[held] - first]
+    values = rows.sum(values)                               # every swapped position's value
+    partner = values.roll(positions.numel() // 2)           # a_k <-> b_k
+    flat[positions[held] - first] = partner[held]
+    return flat.view(H_rows.shape)
+
+
 # =============================================================================
 # 4. Geometry estimation from decoded mean gradients
 # =============================================================================
@@ -568,7 +601,50 @@ def orthonormal(A):
     return torch.linalg.qr(A).Q
 
 
-def update_subspaces(G, U, V, left_energy, right_energy, decay=0.0, iters=1):
+class RowBlocks:
+    """Where the rows of a gradient G (m x n) live while its geometry is estimated.
+
+    By default (DDP, train.py) every rank holds all of G and every method below is the identity.
+    Under FSDP each rank holds only a block of rows: rank j has rows [j c, (j + 1) c) of G, with
+    c = ceil(m / W) (FSDP's dim-0 sharding). The subspace iteration is then the same algebra with
+    two collectives: `sum` adds the rank's partial products (G^T U = sum_j G_j^T U_j is an n x r
+    all-reduce) and `gather` assembles an m x r matrix from its row blocks. Bases (U, V) are
+    always held whole, so every rank completes the same Householder basis from them."""
+
+    def __init__(self, m=None, group=None):
+        self.sharded = m is not None and dist.is_initialized() and dist.get_world_size(group) > 1
+        self.group = group
+        if self.sharded:
+            world, me = dist.get_world_size(group), dist.get_rank(group)
+            self.m, self.per_rank = m, -(-m // world)
+            self.start, self.end = min(m, me * self.per_rank), min(m, (me + 1) * self.per_rank)
+
+    def mine(self, X):
+        """This rank's rows of a whole m x k matrix."""
+        return X[self.start: self.end] if self.sharded else X
+
+    def sum(self, x):
+        """The sum over ranks of a partial product (all ranks get the same result)."""
+        if self.sharded:
+            x = x.contiguous()
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def gather(self, X_rows):
+        """The whole m x k matrix from every rank's block of rows."""
+        if not self.sharded:
+            return X_rows
+        padded = X_rows.new_zeros(self.per_rank, X_rows.shape[1])
+        padded[: X_rows.shape[0]] = X_rows
+        blocks = [torch.empty_like(padded) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(blocks, padded, group=self.group)
+        return torch.cat(blocks)[: self.m]
+
+
+ALL_ROWS = RowBlocks()
+
+
+def update_subspaces(G, U, V, left_energy, right_energy, decay=0.0, iters=1, rows=ALL_ROWS):
     """One refresh of the dominant subspaces of G (m x n), warm-started from U (m x r), V (n x r).
 
     With decay = 0 this is subspace iteration on G G^T and G^T G. With decay > 0 it iterates on
@@ -576,36 +652,39 @@ def update_subspaces(G, U, V, left_energy, right_energy, decay=0.0, iters=1):
     represented by the previous bases and their energies e (r numbers per side): memory stays
     O(r (m + n)). A Rayleigh-Ritz step then rotates U and V so that U^T G V is diagonal, with
     the largest entry first: in coordinates every dominant row of H has one large entry.
+    G may be this rank's block of rows only (see RowBlocks); U and V are always whole.
     Returns (U, V, left_energy, right_energy)."""
     for _ in range(iters):
-        A = (1 - decay) * (G @ (G.T @ U))
-        B = (1 - decay) * (G.T @ (G @ V))
+        A = (1 - decay) * (G @ rows.sum(G.T @ rows.mine(U)))          # rows of G G^T U
+        B = (1 - decay) * rows.sum(G.T @ (G @ V))                     # G^T G V
         if decay > 0:
-            A = A + decay * U * left_energy
+            A = A + decay * rows.mine(U) * left_energy
             B = B + decay * V * right_energy
-        U_new, V_new = orthonormal(A), orthonormal(B)
+        U_new, V_new = orthonormal(rows.gather(A)), orthonormal(B)
         # Rayleigh quotients of the (EMA) covariance in the new bases: the new energies
-        left_energy = ((1 - decay) * (G.T @ U_new).pow(2).sum(0)
+        left_energy = ((1 - decay) * rows.sum(G.T @ rows.mine(U_new)).pow(2).sum(0)
                        + decay * ((U.T @ U_new).pow(2) * left_energy[:, None]).sum(0))
-        right_energy = ((1 - decay) * (G @ V_new).pow(2).sum(0)
+        right_energy = ((1 - decay) * rows.sum((G @ V_new).pow(2).sum(0))
                         + decay * ((V.T @ V_new).pow(2) * right_energy[:, None]).sum(0))
         U, V = U_new, V_new
-    a, _, bh = torch.linalg.svd(U.T @ G @ V)        # r x r: negligible cost
+    a, _, bh = torch.linalg.svd(rows.sum(rows.mine(U).T @ G @ V))    # r x r: negligible cost
     U, V = U @ a, V @ bh.T
-    left_energy = ((1 - decay) * (G.T @ U).pow(2).sum(0) + decay * left_energy.sort(descending=True).values)
-    right_energy = ((1 - decay) * (G @ V).pow(2).sum(0) + decay * right_energy.sort(descending=True).values)
+    left_energy = ((1 - decay) * rows.sum(G.T @ rows.mine(U)).pow(2).sum(0)
+                   + decay * left_energy.sort(descending=True).values)
+    right_energy = ((1 - decay) * rows.sum((G @ V).pow(2).sum(0))
+                    + decay * right_energy.sort(descending=True).values)
     return U, V, left_energy, right_energy
 
 
-def initial_subspaces(G, r, seed, iters=4):
+def initial_subspaces(G, r, seed, iters=4, rows=ALL_ROWS):
     """Cold start: a randomized range finder (seeded identically on every rank) refined by a
     few subspace iterations."""
     generator = torch.Generator(device="cpu").manual_seed(seed)
     omega = torch.randn(G.shape[1], r, generator=generator).to(G)
-    U = orthonormal(G @ omega)
-    V = orthonormal(G.T @ U)
+    U = orthonormal(rows.gather(G @ omega))
+    V = orthonormal(rows.sum(G.T @ rows.mine(U)))
     zeros = torch.zeros(r, device=G.device, dtype=G.dtype)
-    return update_subspaces(G, U, V, zeros, zeros, decay=0.0, iters=iters)
+    return update_subspaces(G, U, V, zeros, zeros, decay=0.0, iters=iters, rows=rows)
 
 
 def exact_bases(G):
@@ -757,12 +836,20 @@ class GeoFP8Communicator:
         """Decode the averaged coordinates; on refresh steps update the geometry."""
         with self.timer.stage("rotate"):
             means = [self.from_coords(n, h) for n, h in zip(self.names, mean_coords)]
+        self.advance(dict(zip(self.names, means)), worker_grads, all_reduce)
+        return means
+
+    def advance(self, means, worker_grads, all_reduce=None, rows=None):
+        """Count a finished step; on refresh steps update the geometry. `means` maps names to
+        decoded mean gradients - under FSDP only this rank's block of rows, described by
+        rows[name] (a RowBlocks; whole tensors otherwise)."""
         self.step += 1
         if self.layers and (self.step % self.opts.refresh == 0
                             or any(l.left_basis is None for l in self.layers.values())):
             with self.timer.stage("geometry"):
-                self._refresh(dict(zip(self.names, means)), worker_grads, all_reduce)
-        return means
+                self._refresh(means, worker_grads, all_reduce, rows or {})
+            if all_reduce is not None and self.step % self.opts.refresh == 0:
+                self._verify_bases()
 
     def reduce(self, grads):
         """Average grads (a list matching the names) across the group, in place. Returns bytes sent."""
@@ -778,8 +865,6 @@ class GeoFP8Communicator:
                   else None)
         for g, m in zip(grads, self._finish(mean_coords, [sent_grads], summed)):
             g.copy_(m)
-        if self.layers and self.step % self.opts.refresh == 0 and dist.is_initialized():
-            self._verify_bases()
         return sent
 
     def reduce_workers(self, worker_grads):
@@ -813,20 +898,21 @@ class GeoFP8Communicator:
         return (left if opts.sides in ("both", "left") else None,
                 right if opts.sides in ("both", "right") else None)
 
-    def _update_bases(self, layer, mean):
+    def _update_bases(self, layer, mean, rows=ALL_ROWS):
         if layer.left_basis is None:
             U, V, layer.left_energy, layer.right_energy = initial_subspaces(
-                mean, layer.rank, layer.seed)
+                mean, layer.rank, layer.seed, rows=rows)
         else:
             U, V, layer.left_energy, layer.right_energy = update_subspaces(
                 mean, layer.left_basis.columns(), layer.right_basis.columns(),
-                layer.left_energy, layer.right_energy, self.opts.decay, self.opts.iters)
+                layer.left_energy, layer.right_energy, self.opts.decay, self.opts.iters, rows)
         layer.left_basis, layer.right_basis = HouseholderBasis.complete(U), HouseholderBasis.complete(V)
         layer.transform = self._transform(layer, mean)
-        total = mean.pow(2).sum().item()
-        layer.energy = (U.T @ mean @ V).pow(2).sum().item() / total if total else 0.0
+        total = rows.sum(mean.pow(2).sum()).item()
+        core = rows.sum((rows.mine(U).T @ mean @ V).pow(2).sum()).item()
+        layer.energy = core / total if total else 0.0
 
-    def _refresh(self, means, worker_grads, all_reduce=None):
+    def _refresh(self, means, worker_grads, all_reduce=None, rows=None):
         """Update the bases from the decoded mean (identical on every rank) and decide each
         layer's coordinates by measured gain.
 
@@ -839,8 +925,9 @@ class GeoFP8Communicator:
         opts = self.opts
         names = list(self.layers)
         fresh = [n for n in names if self.layers[n].left_basis is None]
+        rows = rows or {}
         for n in fresh:  # a layer's first bases: nothing earlier to judge by, so judge these
-            self._update_bases(self.layers[n], means[n])
+            self._update_bases(self.layers[n], means[n], rows.get(n, ALL_ROWS))
         errors = torch.zeros(2, len(names), dtype=torch.float64)
         for k, n in enumerate(names):
             transform = self.layers[n].transform
@@ -861,7 +948,7 @@ class GeoFP8Communicator:
             threshold = opts.exit_gain if layer.use_geo else opts.enter_gain
             layer.use_geo = layer.gain >= threshold
             if self.step % opts.refresh == 0 and n not in fresh:
-                self._update_bases(layer, means[n])
+                self._update_bases(layer, means[n], rows.get(n, ALL_ROWS))
 
     def _checksum(self):
         total = torch.zeros((), dtype=torch.float64)

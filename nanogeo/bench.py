@@ -4,6 +4,7 @@ Benchmarks of the collective and of GeoFP8's compute cost. Not tests: numbers fo
     torchrun --standalone --nproc_per_node=2 -m nanogeo.bench collective [--sizes 1,4,16] [--iters 5]
     python -m nanogeo.bench overhead [--steps 10]
     python -m nanogeo.bench flops [--preset llama-600m --tokens 8192 --rank 16 --refresh 1,4]
+    torchrun --standalone --nproc_per_node=2 -m nanogeo.bench fsdp [--checkpoint out/ablate/fp32/ckpt.pt]
 
 collective: each method on one bucket of N million fp32 gradient elements, shaped as square-ish
   matrices (so GeoFP8 has something to rotate), timed with a per-stage breakdown (rotate =
@@ -13,6 +14,10 @@ overhead: GeoFP8's extra compute per step (encode, decode, basis refresh) over E
   the real gradients of the cpu-tiny preset, relative to that preset's forward + backward.
 flops: the same overhead, analytically, at a preset's shapes: 16 m n r flops per rotated matrix
   per step (encode + decode, both sides) plus the refresh, versus ~6 T N training flops.
+fsdp: the cpu-tiny Llama under FSDP2 (every block and the root fully_shard-ed) with fp32, Euclidean
+  FP8 and GeoFP8 reduce-scatter (nanogeo.fsdp), from a checkpoint, on real batches: the gradient
+  error of each against fp32 over the last --last of --steps steps (transformer matrices and all
+  tensors), bytes sent, and the backward time (which includes the reduce-scatters).
 """
 
 import argparse
@@ -149,6 +154,72 @@ def measure_overhead(steps, preset="cpu-tiny", batch_size=8, block_size=128, ref
             "geo_layers": geo_layers}
 
 
+def fsdp_fidelity(checkpoint, steps, last, rank, sides="both", data_dir="data/shakespeare",
+                  batch_size=8, block_size=128):
+    """Three FSDP2 copies of one checkpoint, each step the same batches: fp32 / fp8 / geofp8."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from nanogeo.fsdp import use_geofp8
+    me, world = dist.get_rank(), dist.get_world_size()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    mesh = init_device_mesh(device, (world,))
+    ckpt = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    mcfg = model_lib.ModelConfig(**ckpt["model_config"])
+    data = train.load_data(types.SimpleNamespace(data_dir=data_dir, block_size=block_size),
+                           mcfg.vocab_size)
+    nets, comms = {}, {}
+    for method in ("fp32", "fp8", "geofp8"):
+        net = model_lib.Llama(mcfg).to(device)
+        net.load_state_dict(ckpt["model"])
+        for block in net.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(net, mesh=mesh)
+        if method != "fp32":
+            comms[method] = use_geofp8(net, geo=method == "geofp8", rank=rank, sides=sides)
+        nets[method] = net
+    candidates = {n for c in comms["geofp8"] for n in c.comm.layers}
+    sq = {m: torch.zeros(4, dtype=torch.float64) for m in comms}   # err, ref; matrices' err, ref
+    seconds = {m: 0.0 for m in nets}
+    for step in range(steps):
+        x, y = train.get_batch(data["train"], batch_size, block_size,
+                               train.batch_rng(0, me, step, 0), device)
+        for method, net in nets.items():
+            net.zero_grad(set_to_none=True)
+            loss = net(x, y)[1]
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss.backward()
+            if step >= steps - last:
+                seconds[method] += time.perf_counter() - t0
+        if step < steps - last:
+            continue
+        ref = dict(nets["fp32"].named_parameters())
+        for method in sq:
+            for name, p in nets[method].named_parameters():
+                r = ref[name].grad.to_local().double().cpu()
+                err = (p.grad.to_local().double().cpu() - r).pow(2).sum()
+                norm = r.pow(2).sum()
+                matrix = float(name in candidates)
+                sq[method] += torch.stack([err, norm, err * matrix, norm * matrix])
+    for v in sq.values():
+        total = v.to(device)
+        dist.all_reduce(total)
+        v.copy_(total.cpu())
+    out = {"world": world, "steps": steps, "last": last, "rank": rank, "sides": sides,
+           "geo_matrices": sum(c.comm.coords(n) == "geo" for c in comms["geofp8"] for n in c.names),
+           "candidate_matrices": len(candidates)}
+    for method, v in sq.items():
+        out[method] = {"rel_err_all": math.sqrt(v[0] / v[1]),
+                       "rel_err_matrices": math.sqrt(v[2] / v[3]),
+                       "bytes_per_step": sum(c.bytes_sent for c in comms[method]) / steps,
+                       "geometry_bytes_per_step": sum(c.geometry_bytes for c in comms[method]) / steps}
+    for method, s in seconds.items():
+        out.setdefault(method, {})["backward_ms"] = s / last * 1000
+    out["geofp8_vs_fp8_matrix_error"] = (out["geofp8"]["rel_err_matrices"]
+                                         / out["fp8"]["rel_err_matrices"])
+    return out
+
+
 def analytic_flops(preset, tokens, rank, refresh=4):
     """GeoFP8 flops per step / training flops per step, at a preset's shapes."""
     geo, net = perfmodel.geo_flops(preset, rank, refresh)
@@ -160,7 +231,7 @@ def analytic_flops(preset, tokens, rank, refresh=4):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("mode", choices=["collective", "overhead", "flops"])
+    parser.add_argument("mode", choices=["collective", "overhead", "flops", "fsdp"])
     parser.add_argument("--sizes", default="1,4,16", help="million elements per bucket")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--methods", default="fp32,bf16,fp8,geofp8,nvfp4")
@@ -169,18 +240,26 @@ def main(argv=None):
     parser.add_argument("--preset", default="llama-600m")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--rank", type=int, default=16, help="r (the GeoOptions default)")
+    parser.add_argument("--checkpoint", default="out/ablate/fp32/ckpt.pt", help="fsdp mode")
+    parser.add_argument("--last", type=int, default=8, help="fsdp mode: steps measured")
+    parser.add_argument("--sides", default="both", choices=["both", "left", "right"],
+                        help="fsdp mode: which sides GeoFP8 rotates (an ablation)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    if args.mode == "collective":
+    if args.mode in ("collective", "fsdp"):
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        rows = time_collective([float(s) for s in args.sizes.split(",")], args.iters,
-                               args.methods.split(","))
-        if dist.get_rank() == 0:
-            print_collective(rows)
+        if args.mode == "collective":
+            result = time_collective([float(s) for s in args.sizes.split(",")], args.iters,
+                                     args.methods.split(","))
+            if dist.get_rank() == 0:
+                print_collective(result)
+        else:
+            result = fsdp_fidelity(args.checkpoint, args.steps, args.last, args.rank, args.sides)
+            if dist.get_rank() == 0:
+                print(json.dumps(result, indent=1))
         dist.destroy_process_group()
-        result = rows
     elif args.mode == "overhead":
         result = [measure_overhead(args.steps, refresh=r, rank=args.rank)
                   for r in (int(x) for x in args.refresh.split(","))]
@@ -189,7 +268,7 @@ def main(argv=None):
         result = [analytic_flops(args.preset, args.tokens, args.rank, int(r))
                   for r in args.refresh.split(",")]
         print(json.dumps(result, indent=1))
-    if args.json and (args.mode != "collective" or not dist.is_initialized() or dist.get_rank() == 0):
+    if args.json and int(os.environ.get("RANK", 0)) == 0:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
 

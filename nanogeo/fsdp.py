@@ -1,42 +1,68 @@
 """
-FP8 gradient reduce-scatter for FSDP2 (`fully_shard`), through its custom reduce-scatter API.
+GeoFP8 gradient reduce-scatter for FSDP2 (`fully_shard`), through its custom reduce-scatter API.
 
     from torch.distributed.fsdp import fully_shard
-    from nanogeo.fsdp import FP8ReduceScatter
+    from nanogeo.fsdp import use_geofp8
 
     for block in model.layers:
         fully_shard(block)
     fully_shard(model)
-    for module in [*model.layers, model]:
-        module.set_custom_reduce_scatter(FP8ReduceScatter(fmt="e4m3", block=128))
+    comms = use_geofp8(model, rank=16, warmup=10)     # after fully_shard, before training
 
-FSDP2 hands the reduce-scatter one flat buffer per parameter group, laid out as W rows: row j
-holds rank j's dim-0 shard of every parameter. Here each row is quantized with compress.py's
-codec (scales inline, one uint8 buffer per destination), exchanged with one all_to_all, and each
-rank decodes the W copies of its own row, sums them in fp32 and applies FSDP's reduce op. This is
-stage 1 of the GeoFP8 collective (FSDP needs no all_gather of gradients): 1 + 4/block bytes per
-element instead of 2 (bf16) or 4 (fp32).
+What FSDP hands the reduce-scatter
+----------------------------------
+For each FSDP module, after backward, one flat buffer laid out as W rows: row j holds rank j's
+dim-0 shard of every parameter's *local, unreduced* gradient (parameter k's shard is its rows
+[j c_k, (j + 1) c_k), c_k = ceil(m_k / W), zero-padded). Rank j must end with the average of
+row j over ranks.
 
-Scope: Euclidean coordinates only, for now. Measured on our gradients (BENCHMARKS.md §2), a
-one-sided rotation gains nothing (column side alone 1.00x, row side alone 0.95x of Euclidean
-error; both sides 0.49x), so the column-side-only rotation that FSDP's dim-0 sharding would
-allow for free is not worth building. The planned GeoFP8 version is two-sided: every rank holds
-its *whole* local gradient before the reduce-scatter, so it can encode H = P^T G Q locally; the
-decode P H_mean Q^T of a row shard needs Y^T H_mean = sum over shards of Y_j^T H_j, one all-reduce
-of an r x n matrix per rotated matrix (r n floats against the shard's m n / W), and the basis
-refresh needs all-reduces of n x r sketches and an all-gather of U (m x r). Not built yet.
-The buffer layout here carries no parameter boundaries, so blocks may span two parameters' shards.
+Why GeoFP8 fits FSDP's dim-0 sharding
+-------------------------------------
+Sharding by rows looks as if it forbids a rotation of the rows (the left side, P), and a
+column-side rotation alone gains nothing on our gradients (BENCHMARKS.md section 2: right side
+only 1.00x, left side only 0.95x, both sides 0.49x of the Euclidean error). But before the
+reduce-scatter every rank holds its *whole* local gradient G (m x n), so it can encode
+H = P^T G Q exactly as DDP does. Only the decode meets the sharding:
+
+    rank j receives the averaged rows H_j of H and needs G_j = (P H Q^T)_j
+    right side, row by row:     K_j = H_j Q^T                                  (local)
+    left side, P = I - Y T Y^T: G_j = K_j - Y_j T (Y^T K),  Y^T K = sum_j Y_j^T K_j
+                                                            (one r x n all-reduce)
+
+plus one all-reduce of the ~r^2 values that core scattering moved between the first and last
+rows (compress.swap_entries_rows). The bases are refreshed from the decoded mean rows with the
+same subspace iteration, its products summed over ranks (compress.RowBlocks: n x r all-reduces
+and an m x r all-gather every `refresh` steps); every rank completes the same Householder bases.
+The coordinates of each matrix are chosen as in DDP, by the codec error measured on each rank's
+own local gradient in both systems, all-reduced.
+
+The collective is stage 1 of compress.py's (FSDP needs no all_gather of gradients): each
+parameter's shard is quantized on its own (block scales never span two parameters, and the
+block grid is the one core scattering was planned for), exchanged in one all_to_all, decoded
+and summed in fp32 in rank order: 1 + 4/block bytes per element against 2 (bf16) or 4 (fp32),
+plus r n + ~r^2 fp32 numbers per geometry-aware matrix for the decode.
+
+Not supported (a clear error): error feedback (it would keep a full unsharded residual per
+parameter, which is what FSDP exists to avoid), `full` / random bases (dense m x m), FSDP
+placements other than the default Shard(0). If a call's buffer does not match the module's
+parameters (some received no gradient), that call falls back to per-buffer Euclidean FP8.
 """
+
+import math
+import warnings
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 import compress
 
 
 class FP8ReduceScatter(ReduceScatter):
-    """A ReduceScatter for `FSDPModule.set_custom_reduce_scatter`. Counts bytes it sends."""
+    """Euclidean FP8 / NVFP4 for `FSDPModule.set_custom_reduce_scatter`, knowing nothing of the
+    parameters: each row of FSDP's buffer is quantized as one flat tensor (so a block may span
+    two parameters' shards). Counts the bytes it sends."""
 
     def __init__(self, fmt="e4m3", block=128):
         compress.check_codec(fmt, block)
@@ -50,16 +76,135 @@ class FP8ReduceScatter(ReduceScatter):
         world = group.size()
         rows = input_tensor.view(world, -1)                       # row j goes to rank j
         send = [compress.quantize(rows[j], self.fmt, self.block).buffer for j in range(world)]
-        size = send[0].numel()  # every row has the same numel, so the same wire size
-        recv = torch.empty(world * size, dtype=torch.uint8, device=input_tensor.device)
-        dist.all_to_all_single(recv, torch.cat(send), group=group)
-        shape = rows[0].shape
-        total = None
-        for piece in recv.split(size):  # fixed source order: identical numerics everywhere
-            values = compress.dequantize(compress.Quantized(piece, shape, self.fmt, self.block))
-            total = values if total is None else total + values
-        if op in (dist.ReduceOp.AVG, "avg"):
-            total = total / world
-        output_tensor.copy_(total.to(output_tensor.dtype))
-        self.bytes_sent += (world - 1) * size
+        total = exchange_and_sum(send, [rows[0].shape], self.fmt, self.block, group)[0]
+        output_tensor.copy_(average(total, op, world).to(output_tensor.dtype))
+        self.bytes_sent += (world - 1) * send[0].numel()
         return None
+
+
+def exchange_and_sum(send, shapes, fmt, block, group):
+    """Send send[j] (uint8, equal sizes) to rank j with one all_to_all; decode the W copies of
+    this rank's pieces (of the given shapes, packed in order) and sum them in rank order, fp32:
+    the same numerics on every rank."""
+    world = group.size()
+    size = send[0].numel()
+    recv = torch.empty(world * size, dtype=torch.uint8, device=send[0].device)
+    dist.all_to_all_single(recv, torch.cat(send), group=group)
+    pieces = [compress.Piece(k, 0, math.prod(s), s, block, compress.wire_nbytes(s, fmt, block))
+              for k, s in enumerate(shapes)]
+    total = None
+    for buffer in recv.split(size):
+        values = compress.decode_pieces(buffer, pieces, fmt)
+        total = values if total is None else [a + b for a, b in zip(total, values)]
+    return total
+
+
+def average(total, op, world):
+    """Apply FSDP's reduce op to a sum over ranks (AVG unless a divide factor was set)."""
+    if op in (dist.ReduceOp.AVG, "avg"):
+        return total / world
+    if op in (dist.ReduceOp.SUM, "sum"):
+        return total
+    raise ValueError(f"nanogeo.fsdp: unsupported reduce op {op}; "
+                     "leave FSDP's gradient divide factor at its default")
+
+
+class GeoFP8ReduceScatter(FP8ReduceScatter):
+    """GeoFP8 reduce-scatter for one FSDP module (its one parameter group). `options` are
+    compress.GeoOptions (train.py's flags): fmt, block, geo, rank, refresh, warmup, stochastic..."""
+
+    def __init__(self, module, prefix="", **options):
+        groups = module._get_fsdp_state()._fsdp_param_groups
+        if len(groups) != 1:
+            raise ValueError("nanogeo.fsdp: a module needs exactly one FSDP parameter group; "
+                             "call fully_shard(module) before use_geofp8")
+        if options.get("error_feedback") or options.get("full") or \
+                options.get("basis", "householder") != "householder":
+            raise ValueError("nanogeo.fsdp: error_feedback, full and random bases are not "
+                             "supported with FSDP; drop those options")
+        self.fsdp_params = groups[0].fsdp_params
+        if any(p.fsdp_placement.dim != 0 for p in self.fsdp_params):
+            raise ValueError("nanogeo.fsdp: only FSDP's default Shard(0) placement is supported; "
+                             "drop shard_placement_fn")
+        names = {p: n for n, p in module.named_parameters(prefix=prefix)}
+        self.names = [names[p.sharded_param] for p in self.fsdp_params]
+        self.shapes = [tuple(p._orig_size) for p in self.fsdp_params]
+        self.comm = compress.GeoFP8Communicator(list(zip(self.names, self.shapes)),
+                                                compress.GeoOptions(**options))
+        super().__init__(self.comm.opts.fmt, self.comm.opts.block)
+        self.geometry_bytes = 0     # the decode's small all-reduces, bytes sent (ring estimate)
+        self.fallbacks = 0
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        world, me = group.size(), group.rank()
+        per_rank = [-(-s[0] // world) for s in self.shapes]                  # c_k rows
+        chunk_shapes = [(c, *s[1:]) for c, s in zip(per_rank, self.shapes)]
+        if input_tensor.numel() != world * sum(math.prod(s) for s in chunk_shapes):
+            self.fallbacks += 1                 # not every parameter got a gradient this time
+            if self.fallbacks == 1:
+                warnings.warn("nanogeo.fsdp: some parameters have no gradient; this call "
+                              "uses Euclidean FP8")
+            return super().__call__(output_tensor, input_tensor, group, op, async_op)
+        self.comm.group = group
+        rows = input_tensor.view(world, -1)
+        sizes = [math.prod(s) for s in chunk_shapes]
+        # every parameter's whole local gradient, and the same in the coordinates in use
+        grads, coords = [], []
+        for name, shape, chunk, flat in zip(self.names, self.shapes, chunk_shapes,
+                                            rows.split(sizes, dim=1)):
+            g = flat.reshape(world * chunk[0], *shape[1:])[: shape[0]].float()   # (m, ...)
+            grads.append(g)
+            h = self.comm.to_coords(name, g)
+            coords.append(torch.cat([h, h.new_zeros(world * chunk[0] - shape[0], *shape[1:])]))
+        opts = self.comm.opts
+        generator = compress.rng(opts.seed * 7919 + self.comm.step if opts.stochastic else None,
+                                 me, 1, input_tensor.device)
+        send = [torch.cat([compress.quantize(h[j * c: (j + 1) * c], self.fmt, self.block,
+                                             opts.stochastic, generator).buffer
+                           for h, c in zip(coords, per_rank)]) for j in range(world)]
+        totals = exchange_and_sum(send, chunk_shapes, self.fmt, self.block, group)
+        self.bytes_sent += (world - 1) * send[0].numel()
+        # back to original coordinates, this rank's rows only
+        means, blocks, out = {}, {}, []
+        for name, shape, c, total in zip(self.names, self.shapes, per_rank, totals):
+            mine = average(total, op, world)[: max(0, min(c, shape[0] - me * c))]
+            if name in self.comm.layers:
+                blocks[name] = compress.RowBlocks(shape[0], group)
+                if self.comm.is_geo(name):
+                    mine = self._decode(name, mine, blocks[name], world)
+            means[name] = mine
+            out.append(torch.cat([mine.reshape(-1), mine.new_zeros(c * math.prod(shape[1:])
+                                                                   - mine.numel())]))
+        output_tensor.copy_(torch.cat(out).to(output_tensor.dtype))
+        self.comm.advance(means, [grads], lambda t: dist.all_reduce(t, group=group), blocks)
+        return None
+
+    def _decode(self, name, H_rows, blocks, world):
+        layer = self.comm.layers[name]
+        H_rows = compress.swap_entries_rows(H_rows, layer.swaps, blocks)
+        left, right = layer.transform
+        small = (left.Y.shape[1] * layer.shape[1] if left is not None else 0) + \
+            (2 * layer.swaps[0].numel() if layer.swaps is not None else 0)
+        self.geometry_bytes += int(2 * (world - 1) / world * small * 4)
+        return compress.decode_geo_rows(H_rows, left, right, blocks)
+
+    def table(self):
+        return self.comm.table()
+
+
+def use_geofp8(model, **options):
+    """Give every FSDP module of `model` (after fully_shard) a GeoFP8ReduceScatter. Options as
+    compress.GeoOptions; the vocabulary size defaults to the first nn.Embedding's. Returns the
+    reduce-scatters (their bytes_sent, geometry_bytes and table() are for logging)."""
+    if "vocab_size" not in options:
+        options["vocab_size"] = next((m.num_embeddings for m in model.modules()
+                                      if isinstance(m, torch.nn.Embedding)), 0)
+    comms = []
+    for prefix, module in model.named_modules():
+        if isinstance(module, FSDPModule) and module._get_fsdp_state()._fsdp_param_groups:
+            comm = GeoFP8ReduceScatter(module, prefix, **options)
+            module.set_custom_reduce_scatter(comm)
+            comms.append(comm)
+    if not comms:
+        raise ValueError("nanogeo.fsdp: no FSDP module with parameters; call fully_shard first")
+    return comms

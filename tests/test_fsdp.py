@@ -1,52 +1,66 @@
-"""FP8 reduce-scatter under FSDP2 on a model we did not write, against fp32 FSDP2 (gloo, CPU)."""
+"""FP8 and GeoFP8 reduce-scatter under FSDP2 on models we did not write, against fp32 FSDP2
+(gloo, CPU, 2 ranks)."""
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from conftest import run_ranks
 
+VOCAB, D = 300, 64
 
-def build():
-    torch.manual_seed(0)
-    layer = nn.TransformerEncoderLayer(64, nhead=4, dim_feedforward=128, dropout=0.0,
+
+def encoder():
+    layer = nn.TransformerEncoderLayer(D, nhead=4, dim_feedforward=128, dropout=0.0,
                                        batch_first=True)
     return nn.TransformerEncoder(layer, num_layers=2)
 
 
-def fsdp_rank(rank, world_size, out, fmt):
-    from torch.distributed.device_mesh import init_device_mesh
+def language_model():
+    return nn.Sequential(nn.Embedding(VOCAB, D), encoder(), nn.Linear(D, VOCAB))
+
+
+def shard(model, mesh):
     from torch.distributed.fsdp import fully_shard
+    for module in model.modules():
+        if isinstance(module, nn.TransformerEncoderLayer):
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def relative_error(ref_model, model):
+    ref, got = ([p.grad.to_local() for p in m.parameters()] for m in (ref_model, model))
+    num = sum((a - b).pow(2).sum() for a, b in zip(ref, got))
+    den = sum(a.pow(2).sum() for a in ref)
+    return (num / den).sqrt().item(), sum(a.numel() for a in ref)
+
+
+def fp8_rank(rank, world_size, out, fmt):
+    """The parameter-agnostic FP8ReduceScatter on a plain encoder."""
+    from torch.distributed.device_mesh import init_device_mesh
     from nanogeo.fsdp import FP8ReduceScatter
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (world_size,))
-    models = []
+    torch.manual_seed(0)
+    ref = shard(encoder(), mesh)
+    torch.manual_seed(0)
+    model = shard(encoder(), mesh)
     comms = []
-    for custom in (False, True):
-        model = build()
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        if custom:
-            for module in [*model.layers, model]:
-                comm = FP8ReduceScatter(fmt=fmt)
-                module.set_custom_reduce_scatter(comm)
-                comms.append(comm)
-        models.append(model)
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(4, 10, 64, generator=g)
-    for model in models:
-        model(x).pow(2).mean().backward()
-    ref, got = ([p.grad.to_local() for p in m.parameters()] for m in models)
-    num = sum((a - b).pow(2).sum() for a, b in zip(ref, got))
-    den = sum(a.pow(2).sum() for a in ref)
-    torch.save({"rel_err": (num / den).sqrt().item(), "bytes": sum(c.bytes_sent for c in comms),
-                "numel": sum(a.numel() for a in ref)}, f"{out}.{rank}")
+    for module in [*model.layers, model]:
+        comms.append(FP8ReduceScatter(fmt=fmt))
+        module.set_custom_reduce_scatter(comms[-1])
+    x = torch.randn(4, 10, D, generator=torch.Generator().manual_seed(rank))
+    for m in (ref, model):
+        m(x).pow(2).mean().backward()
+    err, numel = relative_error(ref, model)
+    torch.save({"rel_err": err, "bytes": sum(c.bytes_sent for c in comms), "numel": numel},
+               f"{out}.{rank}")
     dist.destroy_process_group()
 
 
 def test_fsdp2_fp8_reduce_scatter_close_to_fp32(tmp_path):
     out = str(tmp_path / "fsdp")
-    run_ranks(fsdp_rank, 2, out, "e4m3")
+    run_ranks(fp8_rank, 2, out, "e4m3")
     for r in (0, 1):
         result = torch.load(f"{out}.{r}")
         assert 0 < result["rel_err"] < 0.05
@@ -56,5 +70,70 @@ def test_fsdp2_fp8_reduce_scatter_close_to_fp32(tmp_path):
 
 def test_fsdp2_nvfp4_reduce_scatter(tmp_path):
     out = str(tmp_path / "fsdp")
-    run_ranks(fsdp_rank, 2, out, "nvfp4")
+    run_ranks(fp8_rank, 2, out, "nvfp4")
     assert 0 < torch.load(f"{out}.0")["rel_err"] < 0.2
+
+
+def geo_rank(rank, world_size, out, options):
+    """GeoFP8ReduceScatter on an embedding + encoder + head, trained a few steps with SGD; the
+    fp32 reference model is re-synced to it every step and both see the same batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from nanogeo.fsdp import use_geofp8
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    ref = shard(language_model(), mesh)
+    torch.manual_seed(0)
+    model = shard(language_model(), mesh)
+    comms = use_geofp8(model, min_numel=1024, **options)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss_fn = nn.CrossEntropyLoss()
+    errors = []
+    for step in range(8):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randint(0, VOCAB, (4, 16), generator=g)
+        y = torch.roll(x, -1, dims=1)
+        for m in (ref, model):
+            m.zero_grad()
+            loss_fn(m(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
+        errors.append(relative_error(ref, model)[0])
+        opt.step()
+        with torch.no_grad():
+            for a, b in zip(ref.parameters(), model.parameters()):
+                a.copy_(b)
+    coords = {n: c.comm.coords(n) for c in comms for n in c.names}
+    full = torch.cat([p.full_tensor().reshape(-1) for p in model.parameters()])
+    torch.save({"errors": errors, "coords": coords, "params": full,
+                "bytes": sum(c.bytes_sent for c in comms),
+                "geometry_bytes": sum(c.geometry_bytes for c in comms),
+                "fallbacks": sum(c.fallbacks for c in comms)}, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_fsdp2_geofp8_reduce_scatter_close_to_fp32(tmp_path):
+    out = str(tmp_path / "geo")
+    run_ranks(geo_rank, 2, out, {"rank": 8, "warmup": 1, "refresh": 2})
+    r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
+    print("GeoFP8 FSDP2 relative gradient error per step:", [f"{e:.4f}" for e in r0["errors"]])
+    assert max(r0["errors"]) < 0.05 and max(r1["errors"]) < 0.05
+    assert torch.equal(r0["params"], r1["params"])
+    assert r0["coords"]["0.weight"] == "euclidean"         # the vocabulary dimension
+    assert "geo" in r0["coords"].values()                  # some encoder matrices switched
+    assert r0["geometry_bytes"] > 0 and r0["fallbacks"] == 0
+    # geometry-aware decoding costs r n fp32 numbers per matrix: small next to the gradients
+    assert r0["geometry_bytes"] < 0.5 * r0["bytes"]
+
+
+def test_fsdp2_geofp8_rejects_error_feedback(tmp_path):
+    run_ranks(reject_rank, 1, str(tmp_path))
+
+
+def reject_rank(rank, world_size, out):
+    import pytest
+    from torch.distributed.device_mesh import init_device_mesh
+    from nanogeo.fsdp import use_geofp8
+    dist.init_process_group("gloo")
+    model = shard(language_model(), init_device_mesh("cpu", (world_size,)))
+    with pytest.raises(ValueError, match="error_feedback"):
+        use_geofp8(model, error_feedback=True)
+    dist.destroy_process_group()
