@@ -100,6 +100,34 @@ class Quantized:
         return self.buffer.numel()
 
 
+class hot_path:
+    """A function of the codec / transform hot path: run eagerly, or - after compile_hot_path(),
+    which train.py --compile calls - through torch.compile(dynamic=False). The codec is a chain
+    of small elementwise kernels (abs, amax, divide, clamp, cast) that inductor fuses. Fixed
+    shapes: each distinct shape compiles once, on first use; a training run sees a fixed set of
+    shapes (its buckets' pieces), all in its first steps."""
+    enabled = False
+
+    def __init__(self, fn):
+        self.fn, self.compiled = fn, None
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args):
+        if not hot_path.enabled:
+            return self.fn(*args)
+        if self.compiled is None:
+            self.compiled = torch.compile(self.fn, dynamic=False)
+        return self.compiled(*args)
+
+
+def compile_hot_path(enabled=True):
+    """Switch the codec and transform kernels between torch.compile (True) and eager (False)."""
+    import torch._dynamo
+    hot_path.enabled = enabled
+    if enabled:  # one compile per distinct shape: allow for the dozens of a real model's pieces
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+
+
 def check_codec(fmt, block):
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
@@ -197,14 +225,16 @@ def quantize(x, fmt="e4m3", block=128, stochastic=False, generator=None) -> Quan
     if numel == 0:
         return Quantized(torch.empty(0, dtype=torch.uint8, device=x.device), x.shape, fmt, block)
     groups = scale_groups(x, block)                                    # (G, L) fp32
-    amax = groups.abs().amax(dim=1)                                    # (G,)
     if fmt != "nvfp4":
         dtype, fmax = FP8_FORMATS[fmt]
-        scale = torch.where(amax > 0, fmax / amax, torch.ones_like(amax)).clamp(max=FP32_MAX)
-        y = (groups * scale[:, None]).clamp(-fmax, fmax)
-        codes = round_to_fp8(y, dtype, stochastic, generator).view(torch.uint8).reshape(-1)
-        buffer = torch.cat([scale.view(torch.uint8), codes[:numel]])
+        if stochastic:
+            scale, y = fp8_scale(groups, fmax)
+            codes = round_to_fp8(y, dtype, True, generator).view(torch.uint8)
+        else:
+            scale, codes = fp8_encode(groups, fmax, dtype)
+        buffer = torch.cat([scale.view(torch.uint8), codes.reshape(-1)[:numel]])
         return Quantized(buffer, x.shape, fmt, block)
+    amax = groups.abs().amax(dim=1)                                    # (G,)
     # nvfp4: the fp32 tensor scale brings the largest block scale to the top of e4m3's range
     tensor_amax = amax.max()
     tensor_scale = torch.where(tensor_amax > 0, tensor_amax / (E2M1_MAX * 448.0),
@@ -222,6 +252,30 @@ def quantize(x, fmt="e4m3", block=128, stochastic=False, generator=None) -> Quan
     return Quantized(buffer, x.shape, fmt, block)
 
 
+def fp8_scale(groups, fmax):
+    """Per-group scale s = fmax / amax (1 for all-zero groups) and the scaled, saturated values."""
+    amax = groups.abs().amax(dim=1)                                    # (G,)
+    scale = torch.where(amax > 0, fmax / amax, torch.ones_like(amax)).clamp(max=FP32_MAX)
+    return scale, (groups * scale[:, None]).clamp(-fmax, fmax)
+
+
+@hot_path
+def fp8_encode(groups, fmax, dtype):
+    """(G, L) fp32 -> scales (G,) fp32 and codes (G, L) uint8, round to nearest even."""
+    scale, y = fp8_scale(groups, fmax)
+    return scale, y.to(dtype).view(torch.uint8)
+
+
+@hot_path
+def fp8_decode(codes, scale, group_len, dtype):
+    """codes (numel,) uint8 and scales (G,) -> (numel,) fp32. The last group may be partial:
+    pad it, divide (G, L) by (G, 1), drop the padding. (The same as dividing by the scales
+    repeated per element, which torch 2.13's inductor miscompiles on CPU for a partial group.)"""
+    values = codes.view(dtype).float()
+    groups = torch.nn.functional.pad(values, (0, (-values.numel()) % group_len)).view(-1, group_len)
+    return (groups / scale[:, None]).reshape(-1)[: values.numel()]
+
+
 def as_float32(raw):
     """uint8 bytes -> float32 values. A slice of a wire buffer may start at any byte offset,
     and a tensor view needs 4-byte alignment, so copy when it is not aligned (scales only)."""
@@ -237,10 +291,8 @@ def dequantize(q: Quantized) -> torch.Tensor:
     if q.fmt != "nvfp4":
         dtype, _ = FP8_FORMATS[q.fmt]
         scale = as_float32(q.buffer[: 4 * n_groups])
-        values = q.buffer[4 * n_groups:].view(dtype).float()
         group_len = numel // n_groups if q.block in ("row", "tensor") else q.block
-        per_element = scale.repeat_interleave(group_len)[:numel]
-        return (values / per_element).view(q.shape)
+        return fp8_decode(q.buffer[4 * n_groups:], scale, group_len, dtype).view(q.shape)
     tensor_scale = as_float32(q.buffer[:4])
     block_scale = q.buffer[4: 4 + n_groups].view(torch.float8_e4m3fn).float()
     packed = q.buffer[4 + n_groups:]
@@ -353,6 +405,18 @@ def decode_shards(shard_buffers, layout, device=None):
     return [f.view(s) for f, s in zip(flats, layout.shapes)]
 
 
+@functools.lru_cache(maxsize=64)
+def wire_buffers(layout, rank, device):
+    """The collective's uint8 wire buffers for one bucket layout, allocated once and reused
+    every step: what this rank sends in the all_to_all, what it receives, and the all_gather's
+    W slots (each padded to the largest shard). Reuse is safe because every use is ordered:
+    synchronous on CPU, and on GPU all uses of a bucket run on one stream, in order."""
+    send = torch.empty(sum(layout.nbytes), dtype=torch.uint8, device=device)
+    recv = torch.empty(layout.world_size * layout.nbytes[rank], dtype=torch.uint8, device=device)
+    gathered = torch.zeros(layout.world_size, max(layout.nbytes), dtype=torch.uint8, device=device)
+    return send, recv, gathered
+
+
 def rng(seed, rank, stage, device):
     """The stochastic-rounding stream of one rank and stage; the simulator uses the same ones."""
     if seed is None:
@@ -416,21 +480,20 @@ def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, stochastic=False
         means, sent = decode_shards([shard], layout), 0
     else:
         own = layout.nbytes[me]
-        recv = torch.empty(world * own, dtype=torch.uint8, device=device)
+        flat_send, recv, gathered = wire_buffers(layout, me, device)
+        torch.cat(send, out=flat_send)
         with timer.stage("all_to_all"):
-            dist.all_to_all_single(recv, torch.cat(send), [own] * world,
+            dist.all_to_all_single(recv, flat_send, [own] * world,
                                    [b.numel() for b in send], group=group)
         with timer.stage("reduce"):
             shard = reduce_shard(list(recv.split(own)), layout, me, stochastic,
                                  rng(seed, me, 2, device))
-        largest = max(layout.nbytes)
-        padded = torch.zeros(largest, dtype=torch.uint8, device=device)
-        padded[:own] = shard
-        gathered = [torch.empty_like(padded) for _ in range(world)]
+        slots = list(gathered.unbind())           # slot j receives rank j's averaged shard
+        slots[me][:own] = shard
         with timer.stage("all_gather"):
-            dist.all_gather(gathered, padded, group=group)
+            dist.all_gather(slots, slots[me], group=group)
         with timer.stage("decode"):
-            means = decode_shards([g[:n] for g, n in zip(gathered, layout.nbytes)], layout)
+            means = decode_shards([g[:n] for g, n in zip(slots, layout.nbytes)], layout)
         sent = collective_bytes(layout, me)
     return (means, sent, local) if return_local else (means, sent)
 
@@ -486,16 +549,22 @@ class HouseholderBasis:
 
     def apply_t(self, X):
         """P^T X for X (m, n)."""
-        return X - self.Y @ (self.T.T @ (self.Y.T @ X))
+        return reflect(X, self.Y, self.T.T)
 
     def apply(self, X):
         """P X for X (m, n)."""
-        return X - self.Y @ (self.T @ (self.Y.T @ X))
+        return reflect(X, self.Y, self.T)
 
     def columns(self):
         """The r vectors the basis was completed from (up to sign): P's first r columns."""
         m, r = self.Y.shape
         return self.apply(torch.eye(m, r, device=self.Y.device, dtype=self.Y.dtype))
+
+
+@hot_path
+def reflect(X, Y, T):
+    """(I - Y T Y^T) X: three thin matrix products, never the m x m matrix."""
+    return X - Y @ (T @ (Y.T @ X))
 
 
 def encode_geo(G, left, right):

@@ -84,7 +84,7 @@ class TrainConfig:
     stochastic_round: bool = False    # unbiased stochastic rounding instead of nearest
     # system
     device: str = "auto"              # auto | cpu | cuda
-    compile: bool = False             # torch.compile the model
+    compile: bool = False             # torch.compile the model, the codec and the transform
     seed: int = 1337
     check_every: int = 100            # all-rank parameter checksum every N steps (0 = never)
 
@@ -384,6 +384,7 @@ def train(cfg):
     data = load_data(cfg, mcfg.vocab_size)
     raw_model = model_lib.Llama(mcfg).to(device)
     model = torch.compile(raw_model, dynamic=False) if cfg.compile else raw_model
+    compress.compile_hot_path(cfg.compile)      # the codec and transform kernels too
     params = [p for p in raw_model.parameters() if p.requires_grad]
     optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate,
                                                (cfg.beta1, cfg.beta2), fused=device.type == "cuda")

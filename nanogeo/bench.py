@@ -1,7 +1,7 @@
 """
 Benchmarks of the collective and of GeoFP8's compute cost. Not tests: numbers for BENCHMARKS.md.
 
-    torchrun --standalone --nproc_per_node=2 -m nanogeo.bench collective [--sizes 1,4,16] [--iters 5]
+    torchrun --standalone --nproc_per_node=2 -m nanogeo.bench collective [--sizes 1,4,16] [--iters 5] [--compile]
     python -m nanogeo.bench overhead [--steps 10]
     python -m nanogeo.bench flops [--preset llama-600m --tokens 8192 --rank 16 --refresh 1,4]
     torchrun --standalone --nproc_per_node=2 -m nanogeo.bench fsdp [--checkpoint out/ablate/fp32/ckpt.pt]
@@ -48,17 +48,19 @@ def bucket_shapes(million_elements, width=1024):
 
 
 def planted_gradients(shapes, step, rank, world):
-    """A dominant low-rank part shared by all ranks plus per-rank noise: LLM-like anisotropy."""
+    """LLM-like anisotropy: a dominant rank-8 part whose subspaces persist across steps (its 8
+    strengths vary by +-20 % from step to step), shared by all ranks, plus per-rank noise."""
     out = []
     for k, shape in enumerate(shapes):
-        g = torch.Generator().manual_seed(1000 * k + step)
+        g = torch.Generator().manual_seed(1000 * k)
         if len(shape) == 1:
-            out.append(torch.randn(shape, generator=g))
+            out.append(torch.randn(shape, generator=torch.Generator().manual_seed(1000 * k + step)))
             continue
         m, n = shape
         left, right = torch.randn(m, 8, generator=g), torch.randn(8, n, generator=g)
+        strengths = 1 + 0.2 * torch.randn(8, generator=torch.Generator().manual_seed(1000 * k + step))
         noise = torch.randn(shape, generator=torch.Generator().manual_seed(7 + 1000 * k + step * 31 + rank))
-        out.append(left @ right / 8 + 0.3 * noise)
+        out.append(left @ (strengths[:, None] * right) / 8 + 0.3 * noise)
     return out
 
 
@@ -84,10 +86,11 @@ def time_collective(sizes, iters, methods):
             comm = (compress.GeoFP8Communicator([(f"m{k}.weight", s) for k, s in enumerate(shapes)],
                                                 opts, timer=timer) if opts else None)
             seconds, sent = [], 0
-            for step in range(iters + 1):  # step 0 warms up (and gives GeoFP8 its first bases)
+            warm = 5  # the first bases (step 0), the first refresh (step 4), compiles in both
+            for step in range(warm + iters):
                 grads = [g.to(device) for g in planted_gradients(shapes, step, rank, world)]
                 dist.barrier()
-                if step == 1:
+                if step == warm:
                     timer.seconds.clear()
                 t0 = time.perf_counter()
                 if comm is None:
@@ -96,7 +99,7 @@ def time_collective(sizes, iters, methods):
                     sent = train.reduce_gradients(holders, cfg, None, world)
                 else:
                     sent = comm.reduce(grads)
-                if step:
+                if step >= warm:
                     seconds.append(time.perf_counter() - t0)
             per_step = sorted(seconds)[len(seconds) // 2]  # median
             breakdown = {k: v / iters * 1000 for k, v in timer.seconds.items()}
@@ -244,8 +247,11 @@ def main(argv=None):
     parser.add_argument("--last", type=int, default=8, help="fsdp mode: steps measured")
     parser.add_argument("--sides", default="both", choices=["both", "left", "right"],
                         help="fsdp mode: which sides GeoFP8 rotates (an ablation)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the codec and transform (compress.compile_hot_path)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    compress.compile_hot_path(args.compile)
     if args.mode in ("collective", "fsdp"):
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

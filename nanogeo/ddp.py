@@ -20,6 +20,15 @@ and error-feedback state of its parameters move over from the communicators that
 nothing learned is lost. Every rank sees the same buckets, so every rank builds the same state.
 Parameters that received no gradient (find_unused_parameters=True) arrive as zeros and are sent
 like any other.
+
+Memory and streams: the per-parameter gradients DDP hands over are views of the bucket, so they
+are averaged in place (no copies); the collective's wire buffers are allocated once per bucket
+layout (compress.wire_buffers). On GPU the hook runs on its own CUDA stream: DDP calls it from
+the backward pass as each bucket fills, and on the compute stream the collectives would make
+the rest of the backward wait for the network. The side stream first waits for the gradients
+(the compute stream's work so far), then encodes, communicates and decodes while the backward
+continues; the returned future carries the side stream's completion, and DDP's wait for it at
+the end of backward makes the compute stream wait before the optimizer reads the gradients.
 """
 
 import torch
@@ -40,6 +49,7 @@ class GeoFP8HookState:
         self.names = {p: n for n, p in module.named_parameters()}
         self.communicators = {}     # tuple of names -> GeoFP8Communicator
         self.bytes_sent = 0         # since the last reset_bytes()
+        self.streams = {}           # CUDA device -> the hook's side stream
 
     def communicator(self, names, shapes):
         key = tuple(names)
@@ -57,6 +67,11 @@ class GeoFP8HookState:
                 comm.step = max(comm.step, old.step)
             self.communicators[key] = comm
         return comm
+
+    def stream(self, device):
+        if device not in self.streams:
+            self.streams[device] = torch.cuda.Stream(device)
+        return self.streams[device]
 
     def reset_bytes(self):
         sent, self.bytes_sent = self.bytes_sent, 0
@@ -78,15 +93,20 @@ def geofp8_hook(state: GeoFP8HookState,
                 bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average one DDP bucket with the FP8 / GeoFP8 collective. Returns a completed future."""
     params = bucket.parameters()
-    grads = [g.detach().clone() for g in bucket.gradients()]  # per-parameter (views of buffer)
     names = [state.names[p] for p in params]
     comm = state.communicator(names, [tuple(p.shape) for p in params])
-    state.bytes_sent += comm.reduce(grads)
     buffer = bucket.buffer()
-    offset = 0
-    for g in grads:  # write the means back in bucket order
-        buffer[offset: offset + g.numel()].copy_(g.reshape(-1))
-        offset += g.numel()
-    future = torch.futures.Future()
-    future.set_result(buffer)
+    if not buffer.is_cuda:
+        state.bytes_sent += comm.reduce(bucket.gradients())   # views of the buffer: in place
+        future = torch.futures.Future()
+        future.set_result(buffer)
+        return future
+    stream = state.stream(buffer.device)
+    stream.wait_stream(torch.cuda.current_stream(buffer.device))   # the gradients are ready
+    with torch.cuda.stream(stream):
+        state.bytes_sent += comm.reduce(bucket.gradients())
+        # a CUDA-aware future: whoever waits on it waits for this stream's work so far
+        future = torch.futures.Future(devices=[buffer.device])
+        future.set_result(buffer)
+    buffer.record_stream(stream)
     return future

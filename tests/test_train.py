@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import compress
 import train
 from conftest import ROOT, run_ranks
 from model import Llama, ModelConfig
@@ -142,11 +143,13 @@ def test_two_process_compressed_training_stays_identical(tiny_corpus, tmp_path, 
 
 
 def test_compile_matches_eager_and_saves_clean_keys(tiny_corpus, tmp_path):
-    """--compile (torch.compile, dynamic=False) trains like eager and checkpoints carry no
-    `_orig_mod.` prefixes."""
-    eager = train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "eager", "--max_iters=3")))
-    compiled = train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "compiled",
-                                                  "--max_iters=3", "--compile")))
+    """--compile (torch.compile, dynamic=False, of the model and of GeoFP8's codec and
+    transform) trains like eager and checkpoints carry no `_orig_mod.` prefixes."""
+    geo = ["--max_iters=3", "--comm=geofp8", "--geo_warmup=0", "--geo_refresh=1"]
+    eager = train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "eager", *geo)))
+    compiled = train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "compiled", *geo,
+                                                  "--compile")))
+    compress.compile_hot_path(False)
     assert abs(eager["final_train_loss"] - compiled["final_train_loss"]) < 1e-3
     assert abs(eager["final_val_loss"] - compiled["final_val_loss"]) < 1e-3
     keys = torch.load(tmp_path / "compiled" / "ckpt.pt", weights_only=True)["model"].keys()

@@ -1,0 +1,214 @@
+"""
+A single-process GPU smoke test: does the NCCL/CUDA path work, and how fast are its parts?
+
+    python -m nanogeo.smoke --out smoke.json                       # on one GPU (GH200, H100, ...)
+    python -m nanogeo.smoke --preset cpu-tiny --numel 1e6 --iters 3  # the same checks on a CPU
+
+One process, so no network is measured (two processes cannot share one GPU's NCCL; the wire
+is measured by `torchrun ... -m nanogeo.bench collective` on a real node). What it checks:
+
+  env        device, torch, CUDA and NCCL versions
+  nccl       a 1-rank NCCL process group runs the collective's calls on uint8 buffers
+             (all_to_all_single, all_gather) and all_reduce_mean returns finite means
+  codec      quantize + dequantize throughput in GB/s of fp32 input (e4m3, e5m2, nvfp4),
+             eager and torch.compile'd (compress.compile_hot_path)
+  transform  GeoFP8's encode + decode of every rotated matrix of the preset, ms per step,
+             eager and compiled, and the bytes of the geometry state
+  ddp        the DDP hook on the CUDA side stream: gradients of a small model equal plain
+             DDP's within FP8 error
+  step       the preset's forward + backward + AdamW step (bf16 autocast on GPU), ms and
+             tokens/s, eager and compiled; GeoFP8's transform as a fraction of it
+
+Each timing is the median of --iters after a warm-up, with the device synchronized.
+"""
+
+import argparse
+import json
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import compress
+import model as model_lib
+
+
+def timed(fn, iters):
+    """Median seconds of fn() over iters runs, after one warm-up run (compiles happen there)."""
+    fn()
+    seconds = []
+    for _ in range(iters):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - t0)
+    return sorted(seconds)[len(seconds) // 2]
+
+
+def check_env(device):
+    info = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "cuda": torch.version.cuda}
+    if device.type == "cuda":
+        info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        info["memory_gib"] = torch.cuda.get_device_properties(device).total_memory / 2 ** 30
+    return info
+
+
+def check_nccl(device):
+    """The collective's calls on a 1-rank group of the backend train.py would pick."""
+    x = torch.arange(1000, dtype=torch.uint8, device=device)
+    recv = torch.empty_like(x)
+    dist.all_to_all_single(recv, x, [1000], [1000])
+    slots = list(torch.zeros(1, 1000, dtype=torch.uint8, device=device).unbind())
+    dist.all_gather(slots, x)
+    grads = [torch.randn(256, 512, device=device), torch.randn(300, device=device)]
+    means, _ = compress.all_reduce_mean(grads)
+    error = (sum((a - b).pow(2).sum() for a, b in zip(means, grads))
+             / sum(g.pow(2).sum() for g in grads)).sqrt().item()
+    return {"backend": dist.get_backend(), "uint8_all_to_all": torch.equal(recv, x),
+            "uint8_all_gather": torch.equal(slots[0], x), "all_reduce_mean_rel_err": error}
+
+
+def check_codec(device, numel, iters):
+    x = torch.randn(numel, device=device)
+    rows = []
+    for fmt in ("e4m3", "e5m2", "nvfp4"):
+        for compiled in ((False, True) if fmt != "nvfp4" else (False,)):
+            compress.compile_hot_path(compiled)
+            seconds = timed(lambda: compress.dequantize(compress.quantize(x, fmt, 128)), iters)
+            rows.append({"fmt": fmt, "compiled": compiled, "ms": seconds * 1000,
+                         "gb_per_s": 4 * numel / seconds / 1e9})
+    compress.compile_hot_path(False)
+    return rows
+
+
+def rotated_shapes(net):
+    opts = compress.GeoOptions(vocab_size=net.config.vocab_size)
+    return [tuple(p.shape) for n, p in net.named_parameters()
+            if compress.exemption(n, tuple(p.shape), opts) is None]
+
+
+def check_transform(device, net, iters, rank=16):
+    """encode_geo + decode_geo of every rotated matrix once: GeoFP8's per-step transform."""
+    shapes = rotated_shapes(net)
+    work = []
+    for k, (m, n) in enumerate(shapes):
+        g = torch.Generator().manual_seed(k)
+        U = torch.linalg.qr(torch.randn(m, rank, generator=g)).Q.to(device)
+        V = torch.linalg.qr(torch.randn(n, rank, generator=g)).Q.to(device)
+        bases = (compress.HouseholderBasis.complete(U), compress.HouseholderBasis.complete(V))
+        work.append((torch.randn(m, n, device=device), bases))
+
+    def step():
+        for G, bases in work:
+            compress.decode_geo(compress.encode_geo(G, *bases), *bases)
+
+    out = {"matrices": len(shapes), "elements": sum(m * n for m, n in shapes), "rank": rank,
+           "state_mb": sum((m + n) * rank * 4 for m, n in shapes) / 1e6}
+    for compiled in (False, True):
+        compress.compile_hot_path(compiled)
+        out["compiled_ms" if compiled else "eager_ms"] = timed(step, iters) * 1000
+    compress.compile_hot_path(False)
+    return out
+
+
+def check_ddp(device):
+    """The hook on the GPU side stream against plain DDP on one rank: equal within FP8 error."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from nanogeo.ddp import GeoFP8HookState, geofp8_hook
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.0, batch_first=True)
+    nets = []
+    for hooked in (False, True):
+        torch.manual_seed(0)
+        net = torch.nn.TransformerEncoder(layer, 2).to(device)
+        ids = [device.index] if device.type == "cuda" else None
+        net = DDP(net, device_ids=ids)
+        if hooked:
+            state = GeoFP8HookState(net, warmup=1, rank=8)
+            net.register_comm_hook(state, geofp8_hook)
+        nets.append(net)
+    errors = []
+    for step in range(4):
+        x = torch.randn(8, 64, 256, device=device, generator=None)
+        for net in nets:
+            net.zero_grad()
+            net(x).pow(2).mean().backward()
+        ref, got = ([p.grad for p in net.parameters()] for net in nets)
+        errors.append((sum((a - b).pow(2).sum() for a, b in zip(ref, got))
+                       / sum(a.pow(2).sum() for a in ref)).sqrt().item())
+    coords = [c.coords(n) for c in state.communicators.values() for n in c.names]
+    return {"rel_err_per_step": errors, "geo_matrices": coords.count("geo"),
+            "side_stream": bool(state.streams), "bytes_sent": state.reset_bytes()}
+
+
+def check_step(device, preset, batch_size, block_size, iters):
+    cfg = model_lib.model_config(preset, block_size=block_size)
+    raw = model_lib.Llama(cfg).to(device)
+    optimizer = raw.configure_optimizers(0.1, 3e-4, (0.9, 0.95), fused=device.type == "cuda")
+    x = torch.randint(0, cfg.vocab_size, (batch_size, block_size), device=device)
+    out = {"preset": preset, "params_m": sum(p.numel() for p in raw.parameters()) / 1e6,
+           "tokens": batch_size * block_size}
+    for compiled in (False, True):
+        net = torch.compile(raw, dynamic=False) if compiled else raw
+
+        def step():
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                loss = net(x, x)[1]
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        seconds = timed(step, iters)
+        key = "compiled" if compiled else "eager"
+        out[f"{key}_ms"] = seconds * 1000
+        out[f"{key}_tokens_per_s"] = batch_size * block_size / seconds
+    if device.type == "cuda":
+        out["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
+    return out, raw
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--preset", default="llama-600m", choices=list(model_lib.PRESETS))
+    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--block_size", type=int, default=2048)
+    parser.add_argument("--numel", type=float, default=64e6, help="codec test tensor size")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29511")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    results = {"env": check_env(device)}
+    print(json.dumps(results["env"]), flush=True)
+    checks = [("nccl", lambda: check_nccl(device)),
+              ("codec", lambda: check_codec(device, int(args.numel), args.iters)),
+              ("ddp", lambda: check_ddp(device))]
+    for name, fn in checks:
+        results[name] = fn()
+        print(name, json.dumps(results[name]), flush=True)
+    results["step"], net = check_step(device, args.preset, args.batch_size, args.block_size,
+                                      args.iters)
+    print("step", json.dumps(results["step"]), flush=True)
+    results["transform"] = check_transform(device, net, args.iters)
+    results["transform"]["fraction_of_step"] = (results["transform"]["compiled_ms"]
+                                                / results["step"]["compiled_ms"])
+    print("transform", json.dumps(results["transform"]), flush=True)
+    dist.destroy_process_group()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()
