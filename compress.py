@@ -122,9 +122,9 @@ class hot_path:
 
 def compile_hot_path(enabled=True):
     """Switch the codec and transform kernels between torch.compile (True) and eager (False)."""
-    import torch._dynamo
     hot_path.enabled = enabled
     if enabled:  # one compile per distinct shape: allow for the dozens of a real model's pieces
+        import torch._dynamo
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
 
 

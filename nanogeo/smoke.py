@@ -24,7 +24,6 @@ Each timing is the median of --iters after a warm-up, with the device synchroniz
 
 import argparse
 import json
-import math
 import os
 import time
 

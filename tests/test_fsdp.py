@@ -28,6 +28,18 @@ def shard(model, mesh):
     return model
 
 
+def twins(build, world_size):
+    """Join the gloo group; two identically initialised FSDP2 copies of build()."""
+    from torch.distributed.device_mesh import init_device_mesh
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (world_size,))
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(shard(build(), mesh))
+    return models
+
+
 def relative_error(ref_model, model):
     ref, got = ([p.grad.to_local() for p in m.parameters()] for m in (ref_model, model))
     num = sum((a - b).pow(2).sum() for a, b in zip(ref, got))
@@ -37,14 +49,8 @@ def relative_error(ref_model, model):
 
 def fp8_rank(rank, world_size, out, fmt):
     """The parameter-agnostic FP8ReduceScatter on a plain encoder."""
-    from torch.distributed.device_mesh import init_device_mesh
     from nanogeo.fsdp import FP8ReduceScatter
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (world_size,))
-    torch.manual_seed(0)
-    ref = shard(encoder(), mesh)
-    torch.manual_seed(0)
-    model = shard(encoder(), mesh)
+    ref, model = twins(encoder, world_size)
     comms = []
     for module in [*model.layers, model]:
         comms.append(FP8ReduceScatter(fmt=fmt))
@@ -77,14 +83,8 @@ def test_fsdp2_nvfp4_reduce_scatter(tmp_path):
 def geo_rank(rank, world_size, out, options):
     """GeoFP8ReduceScatter on an embedding + encoder + head, trained a few steps with SGD; the
     fp32 reference model is re-synced to it every step and both see the same batch."""
-    from torch.distributed.device_mesh import init_device_mesh
     from nanogeo.fsdp import use_geofp8
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (world_size,))
-    torch.manual_seed(0)
-    ref = shard(language_model(), mesh)
-    torch.manual_seed(0)
-    model = shard(language_model(), mesh)
+    ref, model = twins(language_model, world_size)
     comms = use_geofp8(model, min_numel=1024, **options)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loss_fn = nn.CrossEntropyLoss()

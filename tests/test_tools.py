@@ -1,4 +1,5 @@
-"""Contracts of the measurement tools on small inputs: capture, bench, ablate."""
+"""Contracts of the measurement tools on small inputs: capture, bench, ablate, smoke."""
+import json
 import math
 
 import torch
@@ -70,3 +71,23 @@ def test_vocabulary_mismatch_is_refused(tmp_path):
         assert "60000 ids" in str(e) and "re-tokenize" in str(e)
     else:
         raise AssertionError("expected a vocabulary error")
+
+
+def smoke_rank(rank, world_size, out):
+    from nanogeo import smoke
+    smoke.main(["--preset=cpu-tiny", "--numel=5000", "--iters=1", "--batch_size=2",
+                "--block_size=16", f"--out={out}"])
+
+
+def test_smoke_test_runs_on_cpu(tmp_path):
+    """The GPU smoke script's checks pass on CPU (gloo instead of NCCL, no CUDA stream)."""
+    out = str(tmp_path / "smoke.json")
+    run_ranks(smoke_rank, 1, out)
+    with open(out) as f:
+        result = json.load(f)
+    assert result["nccl"]["uint8_all_to_all"] and result["nccl"]["uint8_all_gather"]
+    assert 0 < result["nccl"]["all_reduce_mean_rel_err"] < 0.05
+    assert {(r["fmt"], r["compiled"]) for r in result["codec"]} == {
+        ("e4m3", False), ("e4m3", True), ("e5m2", False), ("e5m2", True), ("nvfp4", False)}
+    assert max(result["ddp"]["rel_err_per_step"]) < 0.05 and result["ddp"]["geo_matrices"] > 0
+    assert result["step"]["eager_ms"] > 0 and result["transform"]["matrices"] == 28
