@@ -41,7 +41,9 @@ structure (an outlier column) stays local where block scales handle it.
 Where the bases come from: every rank holds the same decoded mean gradient after each step. A
 warm-started subspace iteration on it (optionally an EMA of its covariance), followed by a
 Rayleigh-Ritz rotation, refreshes U and V every `refresh` steps. The local gradient of a rank is
-never used, so every rank computes the same bases (verified by a checksum).
+never used, so every rank computes the same bases (verified by a checksum). Under FSDP a rank
+holds only a block of rows of the mean; the same iteration runs with its partial products
+summed over ranks (RowBlocks), and the decode needs one small r x n sum (decode_geo_rows).
 
 Not every matrix gains: 1-D tensors, small tensors and the vocabulary dimension of the embedding
 and output head stay Euclidean, and each remaining matrix switches to geometry-aware coordinates
@@ -57,7 +59,8 @@ Wire bytes per rank ~ 2 (W-1)/W N (1 + 4/block) versus 2 (W-1)/W N 2 for a bf16 
 ~0.516x at block 128. `simulate_mean` runs exactly the same numerics in one process.
 
 Reading order: codecs (quantize/dequantize), the collective, the transform, geometry estimation,
-and the communicator that train.py calls once per step.
+and the communicator that train.py calls once per step. Functions marked @hot_path run through
+torch.compile after compile_hot_path() (train.py --compile); the numbers are the same.
 """
 
 import contextlib
@@ -596,17 +599,22 @@ def decode_geo(H, left, right):
     return G
 
 
-def decode_geo_rows(H_rows, left, right, rows):
+def decode_geo_rows(matrices):
     """decode_geo when each rank holds only a block of rows of H (FSDP; see RowBlocks), for
-    Householder bases. The right side acts on each row alone: K = H Q^T row by row. The left side
-    mixes rows only through r directions: (P K)_j = K_j - Y_j T (Y^T K), and Y^T K (r x n) is
-    the sum over ranks of Y_j^T K_j - one small all-reduce (r n numbers against the m n / W of
-    the block). Returns this rank's rows of G."""
-    K = right.apply(H_rows.T).T if right is not None else H_rows
-    if left is None:
-        return K
-    Y = rows.mine(left.Y)                                          # (rows here, r)
-    return K - Y @ (left.T @ rows.sum(Y.T @ K))
+    Householder bases. `matrices` is a list of (H_rows, left, right, rows), typically all of one
+    FSDP module's rotated matrices. The right side acts on each row alone: K = H Q^T row by row.
+    The left side mixes rows only through r directions: (P K)_j = K_j - Y_j T (Y^T K), and
+    Y^T K (r x n) is the sum over ranks of Y_j^T K_j: r n numbers against the m n / W of the
+    block, summed for all the matrices in one all-reduce. Returns each matrix's rows of G."""
+    Ks = [right.apply(H.T).T if right is not None else H for H, _, right, _ in matrices]
+    lefts = [(k, rows.mine(left.Y), left.T) for k, (_, left, _, rows) in enumerate(matrices)
+             if left is not None]                                  # Y_j: (rows here, r)
+    if lefts:
+        rows = matrices[0][3]
+        totals = rows.sum_all([Y.T @ Ks[k] for k, Y, _ in lefts])  # Y^T K of each, (r, n)
+        for (k, Y, T), YtK in zip(lefts, totals):
+            Ks[k] = Ks[k] - Y @ (T @ YtK)
+    return Ks
 
 
 def core_swaps(shape, r, block):
@@ -642,24 +650,31 @@ def swap_entries(H, swaps):
     return flat.view(H.shape)
 
 
-def swap_entries_rows(H_rows, swaps, rows):
-    """swap_entries on this rank's block of rows of H (FSDP; see RowBlocks). A pair may join
-    two blocks (core entries sit in the first rows, their partners in the last), so every rank
-    contributes the values at the swapped positions it holds, one all-reduce of 2 s numbers
-    shares them, and every rank writes each of its positions' partner value."""
-    if swaps is None or not rows.sharded:
-        return swap_entries(H_rows, swaps)
-    n = H_rows.shape[1]
-    first = rows.start * n                                  # flat index of this block's start
-    positions = torch.cat(swaps).to(H_rows.device)          # (2 s,): all a's, then all b's
-    held = (positions >= first) & (positions < first + H_rows.numel())
-    flat = H_rows.reshape(-1).clone()
-    values = flat.new_zeros(positions.numel())
-    values[held] = flat[positions[held] - first]
-    values = rows.sum(values)                               # every swapped position's value
-    partner = values.roll(positions.numel() // 2)           # a_k <-> b_k
-    flat[positions[held] - first] = partner[held]
-    return flat.view(H_rows.shape)
+def swap_entries_rows(matrices):
+    """swap_entries on this rank's block of rows of H (FSDP; see RowBlocks), for a list of
+    (H_rows, swaps, rows). A pair may join two blocks (core entries sit in the first rows,
+    their partners in the last), so every rank contributes the values at the swapped positions
+    it holds, one all-reduce (2 s numbers per matrix, all matrices at once) shares them, and
+    every rank writes each of its positions' partner value."""
+    out, jobs = [], []
+    for H_rows, swaps, rows in matrices:
+        if swaps is None or not rows.sharded:
+            out.append(swap_entries(H_rows, swaps))
+            continue
+        first = rows.start * H_rows.shape[1]                # flat index of this block's start
+        positions = torch.cat(swaps).to(H_rows.device)      # (2 s,): all a's, then all b's
+        held = (positions >= first) & (positions < first + H_rows.numel())
+        flat = H_rows.reshape(-1).clone()
+        values = flat.new_zeros(positions.numel())
+        values[held] = flat[positions[held] - first]
+        out.append(flat.view(H_rows.shape))
+        jobs.append((flat, positions, held, first, values, rows))
+    if jobs:
+        totals = jobs[0][5].sum_all([values for *_, values, _ in jobs])  # every swapped value
+        for (flat, positions, held, first, _, _), values in zip(jobs, totals):
+            partner = values.roll(positions.numel() // 2)   # a_k <-> b_k
+            flat[positions[held] - first] = partner[held]
+    return out
 
 
 # =============================================================================
@@ -694,10 +709,15 @@ class RowBlocks:
 
     def sum(self, x):
         """The sum over ranks of a partial product (all ranks get the same result)."""
-        if self.sharded:
-            x = x.contiguous()
-            dist.all_reduce(x, group=self.group)
-        return x
+        return self.sum_all([x])[0]
+
+    def sum_all(self, parts):
+        """sum() of several partial products (any shapes) with one all-reduce."""
+        if not self.sharded:
+            return parts
+        flat = torch.cat([p.reshape(-1) for p in parts])
+        dist.all_reduce(flat, group=self.group)
+        return [f.view(p.shape) for f, p in zip(flat.split([p.numel() for p in parts]), parts)]
 
     def gather(self, X_rows):
         """The whole m x k matrix from every rank's block of rows."""

@@ -19,18 +19,20 @@ row j over ranks.
 Why GeoFP8 fits FSDP's dim-0 sharding
 -------------------------------------
 Sharding by rows looks as if it forbids a rotation of the rows (the left side, P), and a
-column-side rotation alone gains nothing on our gradients (BENCHMARKS.md section 2: right side
-only 1.00x, left side only 0.95x, both sides 0.49x of the Euclidean error). But before the
+column-side rotation alone gains nothing on our gradients (BENCHMARKS.md section 8, under
+FSDP2: right side only 1.00x, left side only 0.96x, both sides 0.59x of Euclidean FP8's error).
+But before the
 reduce-scatter every rank holds its *whole* local gradient G (m x n), so it can encode
 H = P^T G Q exactly as DDP does. Only the decode meets the sharding:
 
     rank j receives the averaged rows H_j of H and needs G_j = (P H Q^T)_j
     right side, row by row:     K_j = H_j Q^T                                  (local)
     left side, P = I - Y T Y^T: G_j = K_j - Y_j T (Y^T K),  Y^T K = sum_j Y_j^T K_j
-                                                            (one r x n all-reduce)
+                                                            (r x n, summed over ranks)
 
-plus one all-reduce of the ~r^2 values that core scattering moved between the first and last
-rows (compress.swap_entries_rows). The bases are refreshed from the decoded mean rows with the
+plus the ~r^2 values that core scattering moved between the first and last rows
+(compress.swap_entries_rows). Both are batched over the module's matrices: two small
+all-reduces per module and step. The bases are refreshed from the decoded mean rows with the
 same subspace iteration, its products summed over ranks (compress.RowBlocks: n x r all-reduces
 and an m x r all-gather every `refresh` steps); every rank completes the same Householder bases.
 The coordinates of each matrix are chosen as in DDP, by the codec error measured on each rank's
@@ -40,7 +42,8 @@ The collective is stage 1 of compress.py's (FSDP needs no all_gather of gradient
 parameter's shard is quantized on its own (block scales never span two parameters, and the
 block grid is the one core scattering was planned for), exchanged in one all_to_all, decoded
 and summed in fp32 in rank order: 1 + 4/block bytes per element against 2 (bf16) or 4 (fp32),
-plus r n + ~r^2 fp32 numbers per geometry-aware matrix for the decode.
+plus r n + ~r^2 fp32 numbers per geometry-aware matrix for the decode. FSDP runs all of it on
+its reduce-scatter stream, overlapped with the rest of the backward pass.
 
 Not supported (a clear error): error feedback (it would keep a full unsharded residual per
 parameter, which is what FSDP exists to avoid), `full` / random bases (dense m x m), FSDP
@@ -164,29 +167,33 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
                            for h, c in zip(coords, per_rank)]) for j in range(world)]
         totals = exchange_and_sum(send, chunk_shapes, self.fmt, self.block, group)
         self.bytes_sent += (world - 1) * send[0].numel()
-        # back to original coordinates, this rank's rows only
-        means, blocks, out = {}, {}, []
-        for name, shape, c, total in zip(self.names, self.shapes, per_rank, totals):
-            mine = average(total, op, world)[: max(0, min(c, shape[0] - me * c))]
-            if name in self.comm.layers:
-                blocks[name] = compress.RowBlocks(shape[0], group)
-                if self.comm.is_geo(name):
-                    mine = self._decode(name, mine, blocks[name], world)
-            means[name] = mine
-            out.append(torch.cat([mine.reshape(-1), mine.new_zeros(c * math.prod(shape[1:])
-                                                                   - mine.numel())]))
+        # this rank's rows of every mean, back in original coordinates
+        means = {name: average(total, op, world)[: max(0, min(c, shape[0] - me * c))]
+                 for name, shape, c, total in zip(self.names, self.shapes, per_rank, totals)}
+        blocks = {name: compress.RowBlocks(self.shapes[self.names.index(name)][0], group)
+                  for name in self.comm.layers}
+        means.update(self._decode([n for n in self.comm.layers if self.comm.is_geo(n)],
+                                  means, blocks, world))
+        out = [torch.cat([means[n].reshape(-1),
+                          means[n].new_zeros(c * math.prod(s[1:]) - means[n].numel())])
+               for n, s, c in zip(self.names, self.shapes, per_rank)]
         output_tensor.copy_(torch.cat(out).to(output_tensor.dtype))
         self.comm.advance(means, [grads], lambda t: dist.all_reduce(t, group=group), blocks)
         return None
 
-    def _decode(self, name, H_rows, blocks, world):
-        layer = self.comm.layers[name]
-        H_rows = compress.swap_entries_rows(H_rows, layer.swaps, blocks)
-        left, right = layer.transform
-        small = (left.Y.shape[1] * layer.shape[1] if left is not None else 0) + \
-            (2 * layer.swaps[0].numel() if layer.swaps is not None else 0)
-        self.geometry_bytes += int(2 * (world - 1) / world * small * 4)
-        return compress.decode_geo_rows(H_rows, left, right, blocks)
+    def _decode(self, names, means, blocks, world):
+        """The geometry-aware matrices' rows back to original coordinates: two all-reduces for
+        all of them (the scattered core entries, then Y^T K)."""
+        layers = [self.comm.layers[n] for n in names]
+        H = compress.swap_entries_rows([(means[n], l.swaps, blocks[n])
+                                        for n, l in zip(names, layers)])
+        G = compress.decode_geo_rows([(h, *l.transform, blocks[n])
+                                      for h, n, l in zip(H, names, layers)])
+        for l in layers:  # the two small all-reduces' bytes (ring estimate), for logging
+            small = (l.rank * l.shape[1] if l.transform[0] is not None else 0) + \
+                (2 * l.swaps[0].numel() if l.swaps is not None else 0)
+            self.geometry_bytes += int(2 * (world - 1) / world * small * 4)
+        return dict(zip(names, G))
 
     def table(self):
         return self.comm.table()

@@ -394,8 +394,14 @@ def sharded_rank(rank, world_size, out):
     left, right = compress.HouseholderBasis.complete(U), compress.HouseholderBasis.complete(V)
     swaps = compress.core_swaps((m, n), r, 16)
     H = compress.swap_entries(compress.encode_geo(G, left, right), swaps)
-    unswapped = compress.swap_entries_rows(rows.mine(H), swaps, rows)
-    decoded = compress.decode_geo_rows(unswapped, left, right, rows)
+    # a second matrix, rotated on its left side only, shares the two all-reduces
+    G2 = torch.randn(m, 8, generator=g)
+    H2 = compress.encode_geo(G2, left, None)
+    unswapped, unswapped2 = compress.swap_entries_rows([(rows.mine(H), swaps, rows),
+                                                        (rows.mine(H2), None, rows)])
+    decoded, decoded2 = compress.decode_geo_rows([(unswapped, left, right, rows),
+                                                  (unswapped2, left, None, rows)])
+    assert torch.allclose(decoded2, rows.mine(G2), atol=1e-4)
     torch.save({"whole": whole + update_whole, "sharded": sharded + update_sharded,
                 "decoded": decoded, "expected": rows.mine(G), "rows": (rows.start, rows.end),
                 "unswapped": unswapped, "H": rows.mine(compress.swap_entries(H, swaps))},
