@@ -131,6 +131,15 @@ def compile_hot_path(enabled=True):
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
 
 
+@functools.lru_cache(maxsize=None)
+def on_device(constant, device):
+    """A constant tensor (or tuple of tensors, or tuple of numbers) on `device`, made once: built
+    or copied from host memory at every call instead, each copy would make a GPU stream wait."""
+    if isinstance(constant, tuple) and isinstance(constant[0], torch.Tensor):
+        return tuple(t.to(device) for t in constant)
+    return torch.tensor(constant, device=device)
+
+
 def check_codec(fmt, block):
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
@@ -195,7 +204,7 @@ def round_to_fp8(y, dtype, stochastic=False, generator=None):
 
 def round_to_e2m1(y, stochastic=False, generator=None):
     """4-bit codes (sign << 3 | magnitude index into E2M1_GRID) of y, |y| <= 6."""
-    grid = torch.tensor(E2M1_GRID, device=y.device)
+    grid = on_device(E2M1_GRID, y.device)
     a = y.abs()
     if stochastic:
         low = (torch.bucketize(a, grid, right=True) - 1).clamp(0, 6)   # grid[low] <= a
@@ -206,8 +215,8 @@ def round_to_e2m1(y, stochastic=False, generator=None):
     else:
         # nearest, ties to the even code: ties at 0.25, 1.25, 2.5, 5 round down, at 0.75, 1.75,
         # 3.5 round up (the even codes are 0, 1, 2, 4)
-        ties_down = torch.tensor((0.25, 1.25, 2.5, 5.0), device=y.device)
-        ties_up = torch.tensor((0.75, 1.75, 3.5), device=y.device)
+        ties_down = on_device((0.25, 1.25, 2.5, 5.0), y.device)
+        ties_up = on_device((0.75, 1.75, 3.5), y.device)
         idx = (a[..., None] > ties_down).sum(-1) + (a[..., None] >= ties_up).sum(-1)
     return (idx | torch.where(y < 0, 8, 0)).to(torch.uint8)
 
@@ -300,7 +309,7 @@ def dequantize(q: Quantized) -> torch.Tensor:
     block_scale = q.buffer[4: 4 + n_groups].view(torch.float8_e4m3fn).float()
     packed = q.buffer[4 + n_groups:]
     codes = torch.stack([packed & 0x0F, packed >> 4], dim=1).reshape(-1)[:numel].long()
-    grid = torch.tensor(E2M1_GRID, device=packed.device)
+    grid = on_device(E2M1_GRID, packed.device)
     values = grid[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
     step = (block_scale * tensor_scale).repeat_interleave(NVFP4_BLOCK)[:numel]
     return (values * step).view(q.shape)
@@ -644,7 +653,7 @@ def swap_entries(H, swaps):
     """Exchange the flat entries swaps[0][k] <-> swaps[1][k] of H (a copy)."""
     if swaps is None:
         return H
-    a, b = (idx.to(H.device) for idx in swaps)
+    a, b = on_device(swaps, H.device)
     flat = H.reshape(-1).clone()
     flat[a], flat[b] = flat[b], flat[a].clone()
     return flat.view(H.shape)
@@ -662,7 +671,7 @@ def swap_entries_rows(matrices):
             out.append(swap_entries(H_rows, swaps))
             continue
         first = rows.start * H_rows.shape[1]                # flat index of this block's start
-        positions = torch.cat(swaps).to(H_rows.device)      # (2 s,): all a's, then all b's
+        positions = torch.cat(on_device(swaps, H_rows.device))  # (2 s,): all a's, then all b's
         held = (positions >= first) & (positions < first + H_rows.numel())
         flat = H_rows.reshape(-1).clone()
         values = flat.new_zeros(positions.numel())
