@@ -347,7 +347,14 @@ def setup_distributed(cfg):
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
+    # After an elastic restart (torchrun --max-restarts) the new workers meet in the same agent
+    # store as the dead ones; a key space per attempt keeps a restarted rank from reading a dead
+    # peer's address (gloo then fails with "Connection refused").
+    store, rank, world_size = next(dist.rendezvous("env://"))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     dist.init_process_group(backend="nccl" if use_cuda else "gloo",
+                            store=dist.PrefixStore(f"nanogeo/attempt{attempt}", store),
+                            rank=rank, world_size=world_size,
                             device_id=device if use_cuda else None)
     return dist.get_rank(), dist.get_world_size(), local_rank, device
 
