@@ -28,9 +28,22 @@ def _entry(rank, fn, world_size, port, args):
 def run_ranks(fn, world_size, *args):
     """Run fn(rank, world_size, *args) in world_size fresh processes with a torchrun-like env.
     fn must live in an importable module (a test file is fine) and init its process group
-    itself (train.train does) or through dist_init()."""
-    mp.start_processes(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size,
-                       join=True, start_method="spawn")
+    itself (train.train does) or through dist_init().
+
+    A Python error in any rank fails the test at once. A rank killed by a *signal* is run again,
+    once: gloo now and then aborts a process while it sets up its TCP pairs (SIGABRT,
+    "terminate called without an active exception"; cf. pytorch/gloo#514), which says nothing
+    about the code under test. A crash that repeats fails the test."""
+    for attempt in (1, 2):
+        try:
+            mp.start_processes(_entry, args=(fn, world_size, free_port(), args),
+                               nprocs=world_size, join=True, start_method="spawn")
+            return
+        except mp.ProcessExitedException as e:
+            if attempt == 2 or not e.signal_name:
+                raise
+            print(f"run_ranks: rank {e.error_index} died with {e.signal_name}; running "
+                  f"{fn.__name__} once more", file=sys.stderr)
 
 
 @pytest.fixture(scope="session")
