@@ -394,14 +394,22 @@ def decode_pieces(buffer, pieces, fmt):
     return out
 
 
+def sum_pieces(received, pieces, fmt):
+    """Decode the W received copies of the same pieces (one buffer per source rank, in rank
+    order) and sum them in fp32. The fixed order makes the simulator and every rank sum
+    identically. Returns one fp32 tensor per piece."""
+    total = None
+    for buffer in received:
+        values = decode_pieces(buffer, pieces, fmt)
+        total = values if total is None else [a + b for a, b in zip(total, values)]
+    return total
+
+
 def reduce_shard(received, layout, shard, stochastic=False, generator=None):
     """Stage 2, on the rank that owns `shard`: decode the W copies (one per source rank, in rank
     order), sum in fp32, divide by W, re-quantize. Returns the shard's uint8 buffer."""
     pieces = layout.pieces[shard]
-    total = None
-    for buffer in received:  # fixed order: the simulator and every rank sum identically
-        values = decode_pieces(buffer, pieces, layout.fmt)
-        total = values if total is None else [a + b for a, b in zip(total, values)]
+    total = sum_pieces(received, pieces, layout.fmt)
     parts = [quantize(v / layout.world_size, layout.fmt, p.block, stochastic, generator).buffer
              for v, p in zip(total, pieces)]
     return torch.cat(parts) if parts else received[0].new_empty(0)
@@ -665,7 +673,7 @@ def swap_entries_rows(matrices):
     their partners in the last), so every rank contributes the values at the swapped positions
     it holds, one all-reduce (2 s numbers per matrix, all matrices at once) shares them, and
     every rank writes each of its positions' partner value."""
-    out, jobs = [], []
+    out, writes, contributions, group_rows = [], [], [], None
     for H_rows, swaps, rows in matrices:
         if swaps is None or not rows.sharded:
             out.append(swap_entries(H_rows, swaps))
@@ -673,16 +681,18 @@ def swap_entries_rows(matrices):
         first = rows.start * H_rows.shape[1]                # flat index of this block's start
         positions = torch.cat(on_device(swaps, H_rows.device))  # (2 s,): all a's, then all b's
         held = (positions >= first) & (positions < first + H_rows.numel())
+        local = positions[held] - first                     # the swapped positions held here
         flat = H_rows.reshape(-1).clone()
         values = flat.new_zeros(positions.numel())
-        values[held] = flat[positions[held] - first]
+        values[held] = flat[local]
         out.append(flat.view(H_rows.shape))
-        jobs.append((flat, positions, held, first, values, rows))
-    if jobs:
-        totals = jobs[0][5].sum_all([values for *_, values, _ in jobs])  # every swapped value
-        for (flat, positions, held, first, _, _), values in zip(jobs, totals):
-            partner = values.roll(positions.numel() // 2)   # a_k <-> b_k
-            flat[positions[held] - first] = partner[held]
+        writes.append((flat, held, local))
+        contributions.append(values)
+        group_rows = rows
+    if writes:
+        for (flat, held, local), values in zip(writes, group_rows.sum_all(contributions)):
+            partner = values.roll(values.numel() // 2)      # a_k <-> b_k
+            flat[local] = partner[held]
     return out
 
 

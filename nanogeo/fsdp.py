@@ -95,11 +95,7 @@ def exchange_and_sum(send, shapes, fmt, block, group):
     dist.all_to_all_single(recv, torch.cat(send), group=group)
     pieces = [compress.Piece(k, 0, math.prod(s), s, block, compress.wire_nbytes(s, fmt, block))
               for k, s in enumerate(shapes)]
-    total = None
-    for buffer in recv.split(size):
-        values = compress.decode_pieces(buffer, pieces, fmt)
-        total = values if total is None else [a + b for a, b in zip(total, values)]
-    return total
+    return compress.sum_pieces(recv.split(size), pieces, fmt)
 
 
 def average(total, op, world):
@@ -137,6 +133,7 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
         super().__init__(self.comm.opts.fmt, self.comm.opts.block)
         self.geometry_bytes = 0     # the decode's small all-reduces, bytes sent (ring estimate)
         self.fallbacks = 0
+        self.blocks = {}            # group -> {name: RowBlocks}: this rank's rows of each matrix
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         world, me = group.size(), group.rank()
@@ -170,8 +167,10 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
         # this rank's rows of every mean, back in original coordinates
         means = {name: average(total, op, world)[: max(0, min(c, shape[0] - me * c))]
                  for name, shape, c, total in zip(self.names, self.shapes, per_rank, totals)}
-        blocks = {name: compress.RowBlocks(self.shapes[self.names.index(name)][0], group)
-                  for name in self.comm.layers}
+        if group not in self.blocks:
+            self.blocks[group] = {n: compress.RowBlocks(s[0], group)
+                                  for n, s in zip(self.names, self.shapes) if n in self.comm.layers}
+        blocks = self.blocks[group]
         means.update(self._decode([n for n in self.comm.layers if self.comm.is_geo(n)],
                                   means, blocks, world))
         out = [torch.cat([means[n].reshape(-1),

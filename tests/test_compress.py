@@ -50,12 +50,19 @@ def test_zeros_stay_zeros(fmt):
     assert (dequantize(quantize(x, fmt))[::3] == 0).all()
 
 
+def nvfp4_steps(q):
+    """(block scales, per-element step = block scale x tensor scale) read back from an nvfp4
+    wire buffer."""
+    n_blocks = (q.buffer.numel() - 4) // 9    # 4 + G + 8 G bytes for G whole blocks of 16
+    tensor_scale = q.buffer[:4].clone().view(torch.float32)
+    block_scale = q.buffer[4:4 + n_blocks].view(torch.float8_e4m3fn).float()
+    return block_scale, (block_scale * tensor_scale).repeat_interleave(16)
+
+
 def test_nvfp4_decodes_only_grid_values_times_scales():
     x = heavy_tailed(8, 64)
     q = quantize(x, "nvfp4")
-    tensor_scale = q.buffer[:4].clone().view(torch.float32)
-    block_scale = q.buffer[4:4 + 32].view(torch.float8_e4m3fn).float()
-    step = (block_scale * tensor_scale).repeat_interleave(16)
+    _, step = nvfp4_steps(q)
     codes = (dequantize(q).reshape(-1) / step).abs()
     grid = torch.tensor(compress.E2M1_GRID)
     assert (codes[:, None] - grid).abs().min(1).values.max() < 1e-5
@@ -74,9 +81,7 @@ def test_fp8_elementwise_error_bound(fmt, rel_bound, sub_bound):
 def test_nvfp4_error_bound():
     x = heavy_tailed(16, 128)
     q = quantize(x, "nvfp4")
-    tensor_scale = q.buffer[:4].clone().view(torch.float32)
-    block_scale = q.buffer[4:4 + 128].view(torch.float8_e4m3fn).float()
-    step = (block_scale * tensor_scale).repeat_interleave(16)
+    block_scale, step = nvfp4_steps(q)
     err = (dequantize(q) - x).abs().reshape(-1)
     # half the widest grid gap (4 -> 6) is one block unit; rounding a normal e4m3 block scale
     # can push the block max to 6.375 units, clipped by < 1 unit. (Blocks 10^5 below the tensor
