@@ -1,6 +1,16 @@
 """
 GeoFP8: geometry-aware FP8 gradient communication, in one readable file.
 
+Two geometries live here side by side, behind one communicator:
+
+  * the published GeoFP8 (arXiv 2607.07494; section 3b): each linear layer's gradient is sent
+    in the whitened coordinates of its K-FAC input factor, W~ = W_g F^-T with F F^T = A + damping,
+    A = E[a a^T] of the layer's inputs (low-rank + diagonal), and mapped back, W = W~ F^T;
+  * this project's variant, the two-sided subspace rotation (section 3), described first below;
+
+and two collectives: this project's two-stage FP8 collective (section 2) and the paper's one
+all_reduce SUM of FP8 codes with one scale per tensor (section 2b).
+
 The problem
 -----------
 Data-parallel training averages the W ranks' gradients every step. Sending them in FP8 instead
@@ -13,8 +23,8 @@ the energy. In the original ("Euclidean") coordinates every element is the sum o
 dominant part and a small bulk part, so every element's rounding error is ~6 % of the *dominant*
 part, spread over all m*n elements and all directions - it swamps the small directions.
 
-The idea
---------
+The subspace rotation
+---------------------
 Send the gradient G (m x n) in coordinates aligned with its dominant subspaces:
 
     encode:  H = P^T G Q        P (m x m), Q (n x n) orthogonal, shared by all ranks
@@ -45,12 +55,13 @@ never used, so every rank computes the same bases (verified by a checksum). Unde
 holds only a block of rows of the mean; the same iteration runs with its partial products
 summed over ranks (RowBlocks), and the decode needs one small r x n sum (decode_geo_rows).
 
-Not every matrix gains: 1-D tensors, small tensors and the vocabulary dimension of the embedding
-and output head stay Euclidean, and each remaining matrix switches to geometry-aware coordinates
-only when its measured codec error is lower there (with hysteresis).
+Not every matrix gains (for either geometry): 1-D tensors, small tensors and the vocabulary
+dimension of the embedding and output head stay Euclidean, and with select="gain" (the default)
+each remaining matrix switches to geometry-aware coordinates only when its measured codec error
+is lower there (with hysteresis); select="fragile" is the paper's profiled rule instead.
 
-The collective (same for Euclidean FP8 and GeoFP8)
---------------------------------------------------
+The two-stage collective (this project's default, for every geometry)
+---------------------------------------------------------------------
     quantize this rank's tensors, cut into W shards  -> all_to_all (uint8, scales inline)
     each rank decodes the W copies of its shard, sums them in fp32, divides by W
     re-quantizes its averaged shard                  -> all_gather
@@ -58,9 +69,10 @@ The collective (same for Euclidean FP8 and GeoFP8)
 Wire bytes per rank ~ 2 (W-1)/W N (1 + 4/block) versus 2 (W-1)/W N 2 for a bf16 ring all-reduce:
 ~0.516x at block 128. `simulate_mean` runs exactly the same numerics in one process.
 
-Reading order: codecs (quantize/dequantize), the collective, the transform, geometry estimation,
-and the communicator that train.py calls once per step. Functions marked @hot_path run through
-torch.compile after compile_hot_path() (train.py --compile); the numbers are the same.
+Reading order: codecs (quantize/dequantize), the two collectives, the rotation, the whitening,
+geometry estimation, and the communicator that train.py calls once per step. Functions marked
+@hot_path run through torch.compile after compile_hot_path() (train.py --compile); the numbers
+are the same.
 """
 
 import contextlib
@@ -82,6 +94,7 @@ FP8_FORMATS = {  # name -> (torch dtype, largest finite value)
     "e4m3": (torch.float8_e4m3fn, 448.0),
     "e5m2": (torch.float8_e5m2, 57344.0),
 }
+FP8_MAX = {dtype: fmax for dtype, fmax in FP8_FORMATS.values()}
 FP8_MAX_CODE = {torch.float8_e4m3fn: 0x7E, torch.float8_e5m2: 0x7B}  # largest finite magnitude
 FORMATS = ("e4m3", "e5m2", "nvfp4")
 NVFP4_BLOCK = 16        # NVFP4 always scales blocks of 16 values; `block` does not apply to it
@@ -538,6 +551,135 @@ def simulate_mean(worker_tensors, fmt="e4m3", block=128, stochastic=False, seed=
 
 
 # =============================================================================
+# 2b. The paper's collective: one scale per tensor, one all_reduce SUM of FP8 codes
+# =============================================================================
+#
+# The published GeoFP8 sends each tensor with ONE e5m2 scale that is the same on every rank
+# (s = fmax / max over ranks of amax: one tiny all-reduce MAX), and sums the FP8 codes
+# themselves with NCCL's float8 all_reduce. NCCL adds two FP8 values by widening both to fp16,
+# adding, and rounding back to FP8 with saturation at the format's max - at every hop. So,
+# unlike the two-stage collective (which sums in fp32), the partial sums are re-rounded W - 1
+# times, and a sum that outgrows the format's max is clipped: the shared scale only guarantees
+# that ONE rank's values fit. Decode: sum / (s W). On GPU this is NCCL's own all_reduce; on CPU
+# (gloo) and in the simulator the same arithmetic is emulated hop by hop, so its error growth
+# with W can be measured on one machine. Wire bytes per rank: 2 (W-1)/W N, one byte an element.
+
+SUM_ORDERS = ("ring", "tree")
+# one output tensor for the W inputs (torch 2.13 renamed all_gather_into_tensor)
+all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
+def fp8_add(a, b, dtype):
+    """One hop of NCCL's FP8 sum on uint8 codes: widen to fp16, add in fp16, round back to FP8,
+    saturating at +-max (fp16 itself overflows to inf above 65504; that saturates too)."""
+    fmax = FP8_MAX[dtype]
+    total = a.view(dtype).half() + b.view(dtype).half()
+    return total.float().clamp(-fmax, fmax).to(dtype).view(torch.uint8)
+
+
+def fp8_sum(codes, dtype, order="ring"):
+    """Sum W ranks' FP8 codes as NCCL's all_reduce does: codes (W, N) uint8 -> (N,) uint8.
+
+    ring: the buffer is cut into W chunks; chunk c's partial sum starts at rank c+1 and travels
+      once around the ring (c+1, c+2, ..., c), each rank adding its own value: W - 1 roundings.
+    tree: a balanced binary tree in rank order, ((x0 + x1) + (x2 + x3)) + ...: log2 W roundings
+      per element - a model of the shallower orders NCCL prefers for FP8 where its topology
+      allows (not NCCL's exact tree)."""
+    world, n = codes.shape
+    if order == "ring":
+        chunk = torch.arange(n, device=codes.device) * world // n    # (N,) chunk of each element
+        def from_rank(hop):                                          # the value added at a hop
+            return codes.gather(0, ((chunk + hop) % world)[None])[0]
+        total = from_rank(1)
+        for hop in range(2, world + 1):
+            total = fp8_add(total, from_rank(hop), dtype)
+        return total
+    level = list(codes.unbind(0))
+    while len(level) > 1:
+        pairs = [fp8_add(level[i], level[i + 1], dtype) for i in range(0, len(level) - 1, 2)]
+        level = pairs + level[len(pairs) * 2:]
+    return level[0]
+
+
+def fp8_sum_encode(tensors, fmt, amax):
+    """Per-tensor codes (one flat uint8 buffer) and scales s = fmax / amax (amax: (T,) fp32)."""
+    dtype, fmax = FP8_FORMATS[fmt]
+    scales = torch.where(amax > 0, fmax / amax, torch.ones_like(amax)).clamp(max=FP32_MAX)
+    codes = [(t.float().reshape(-1) * s).clamp(-fmax, fmax).to(dtype).view(torch.uint8)
+             for t, s in zip(tensors, scales.unbind())]
+    return torch.cat(codes), scales
+
+
+def fp8_sum_decode(codes, tensors, scales, fmt, world=1):
+    """codes / (s W) per tensor, shaped like `tensors` (W = 1: a rank's own round trip)."""
+    dtype = FP8_FORMATS[fmt][0]
+    values = codes.view(dtype).float().split([t.numel() for t in tensors])
+    return [(v / (s * world)).view(t.shape) for v, s, t in zip(values, scales.unbind(), tensors)]
+
+
+def saturated_fraction(summed, tensors, fmt):
+    """(T,) each tensor's fraction of summed codes at +-max: the published fragility score."""
+    dtype, fmax = FP8_FORMATS[fmt]
+    values = summed.view(dtype).float().split([t.numel() for t in tensors])
+    return torch.stack([(v.abs() >= fmax).float().mean() for v in values])
+
+
+def fp8_sum_bytes(numel, world):
+    """Bytes a rank sends in the ring all-reduce of N one-byte codes (scales' MAX not counted)."""
+    return 0 if world == 1 else int(2 * (world - 1) * numel // world)
+
+
+def all_reduce_fp8_sum(tensors, fmt="e5m2", group=None, order="ring", local_scales=False):
+    """The paper's collective: returns (means, bytes_sent, local, saturated).
+
+    local: this rank's own round trip (its codes decoded with its scale), for error feedback.
+    saturated: (T,) fraction of each tensor's summed codes at +-max (the fragility profile).
+    local_scales=True reproduces the published defect: every rank encodes with and decodes by
+    its OWN amax (no MAX all-reduce), so the ranks decode the same sum into different means."""
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    amax = torch.stack([t.detach().abs().amax().float() for t in tensors])     # (T,)
+    if world > 1 and not local_scales:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    codes, scales = fp8_sum_encode(tensors, fmt, amax)
+    dtype = FP8_FORMATS[fmt][0]
+    local = fp8_sum_decode(codes, tensors, scales, fmt)
+    if world == 1:
+        summed = codes
+    elif codes.is_cuda:   # NCCL's native float8 sum (fp16 adds, saturating), in its own order
+        summed = codes.view(dtype)
+        try:
+            dist.all_reduce(summed, group=group)
+        except RuntimeError as e:
+            raise RuntimeError("this torch/NCCL cannot all_reduce float8 tensors (needs NCCL >= "
+                               "2.24 and a GPU of compute capability >= 9.0); use the two-stage "
+                               f"collective (--collective=two-stage) instead: {e}") from None
+        summed = summed.view(torch.uint8)
+    else:                 # gloo has no float8 sum: gather every rank's codes, add them as NCCL would
+        gathered = codes.new_empty(world * codes.numel())
+        all_gather_flat(gathered, codes, group=group)
+        summed = fp8_sum(gathered.view(world, -1), dtype, order)
+    means = fp8_sum_decode(summed, tensors, scales, fmt, world)
+    return means, fp8_sum_bytes(codes.numel(), world), local, saturated_fraction(summed, tensors, fmt)
+
+
+def simulate_fp8_sum(worker_tensors, fmt="e5m2", order="ring", local_scales=False):
+    """The numerics of all_reduce_fp8_sum for W workers in one process - exactly those of its
+    gloo emulation (NCCL adds in its own chunk order and algorithm). Returns (means
+    as worker 0 decodes them, bytes per rank, per-worker local round trips, saturated)."""
+    world = len(worker_tensors)
+    amaxes = [torch.stack([t.abs().amax().float() for t in ts]) for ts in worker_tensors]
+    shared = torch.stack(amaxes).amax(0)
+    encoded = [fp8_sum_encode(ts, fmt, a if local_scales else shared)
+               for ts, a in zip(worker_tensors, amaxes)]
+    dtype = FP8_FORMATS[fmt][0]
+    summed = fp8_sum(torch.stack([codes for codes, _ in encoded]), dtype, order)
+    means = fp8_sum_decode(summed, worker_tensors[0], encoded[0][1], fmt, world)
+    local = [fp8_sum_decode(codes, ts, scales, fmt) for (codes, scales), ts in zip(encoded, worker_tensors)]
+    return (means, fp8_sum_bytes(encoded[0][0].numel(), world), local,
+            saturated_fraction(summed, worker_tensors[0], fmt))
+
+
+# =============================================================================
 # 3. The transform: orthogonal bases completed from r vectors by Householder reflectors
 # =============================================================================
 
@@ -697,6 +839,227 @@ def swap_entries_rows(matrices):
 
 
 # =============================================================================
+# 3b. The published transform: whitening by the K-FAC factors of a linear layer
+# =============================================================================
+#
+# GeoFP8 as published takes its geometry from K-FAC. For a linear layer y = W a (W: d_out x d_in)
+# the Fisher is approximated by A (x) G, with A = E[a a^T] the layer's input second moment
+# (d_in x d_in, uncentred, per token) and G = E[delta delta^T] on the output side. With a factor
+# F, F F^T = A + damping I, the gradient is sent in whitened coordinates and mapped back:
+#
+#     encode:  W~ = W_g F^-T       each row of W_g mixes along d_in (rows stay independent)
+#     decode:  W  = W~ F^T
+#
+# (output side: W~ = F_G^-1 W_g, W = F_G W~). Unlike the subspace rotation this map is not
+# orthogonal: an error E made in W~ returns as E F^T, so it is small along input directions of
+# small variance and large along those of large variance. The published deployment whitens only
+# the input side, with A low-rank + diagonal: A^ = U L U^T + D (top-r eigenpairs, D the rest of
+# A's diagonal, floored), and applies F by a dense triangular solve. A factor of A^ can instead
+# be applied in O(d_in r) per row: with K = D^-1/2 U L^1/2 = Q S (thin SVD, Q d_in x r),
+#
+#     F    = D^1/2 (I + Q ((1 + S^2)^1/2 - 1) Q^T)        (F F^T = D + U L U^T = A^)
+#     F^-1 = (I + Q ((1 + S^2)^-1/2 - 1) Q^T) D^-1/2
+#
+# Any two factors of A^ differ by an orthogonal matrix (F = L O), so the metric - and the norm
+# of every whitened row - is the same as with the Cholesky factor L; the quantization grid is not.
+
+WHITEN_FACTORS = ("lowrank", "lowrank-dense", "full", "diag", "block")
+
+
+@dataclass
+class Whitening:
+    """One side's factor F (F F^T = A^ + damping I), in the form it is applied in:
+    full / lowrank-dense: L (d, d) lower triangular (Cholesky); block: L (nb, b, b), one Cholesky
+    factor per diagonal block; diag: sqrt_d (d,); lowrank: sqrt_d (d,) = D^1/2, Q (d, r) and the
+    r multipliers up = (1 + S^2)^1/2 - 1, down = (1 + S^2)^-1/2 - 1 of the formula above."""
+    kind: str
+    size: int                   # d
+    L: torch.Tensor = None
+    sqrt_d: torch.Tensor = None
+    Q: torch.Tensor = None
+    up: torch.Tensor = None
+    down: torch.Tensor = None
+
+    def whiten(self, X):
+        """X F^-T for X (m, d): every row of X to whitened coordinates."""
+        if self.kind == "lowrank":      # F^-T = D^-1/2 M^-1, M = I + Q diag(up) Q^T symmetric
+            Y = X / self.sqrt_d
+            return Y + ((Y @ self.Q) * self.down) @ self.Q.T
+        if self.kind == "diag":
+            return X / self.sqrt_d
+        if self.kind == "block":
+            blocks = self._blocks(X)                                    # (nb, m, b)
+            out = torch.linalg.solve_triangular(self.L.transpose(1, 2), blocks, upper=True,
+                                                left=False)
+            return self._unblocks(out, X)
+        return torch.linalg.solve_triangular(self.L.T, X, upper=True, left=False)
+
+    def unwhiten(self, X):
+        """X F^T for X (m, d): back to the original coordinates."""
+        if self.kind == "lowrank":      # F^T = M D^1/2: two thin products, then a scaling
+            return (X + ((X @ self.Q) * self.up) @ self.Q.T) * self.sqrt_d
+        if self.kind == "diag":
+            return X * self.sqrt_d
+        if self.kind == "block":
+            return self._unblocks(self._blocks(X) @ self.L.transpose(1, 2), X)
+        return X @ self.L.T
+
+    def _blocks(self, X):
+        """(m, d) -> (nb, m, b), zero-padding d up to nb * b."""
+        nb, b, _ = self.L.shape
+        X = torch.nn.functional.pad(X, (0, nb * b - X.shape[1]))
+        return X.view(X.shape[0], nb, b).transpose(0, 1)
+
+    def _unblocks(self, blocks, like):
+        return blocks.transpose(0, 1).reshape(like.shape[0], -1)[:, : like.shape[1]]
+
+    def dense(self):
+        """F as a dense (d, d) matrix: the reference the tests compare the applied forms with."""
+        if self.kind in ("full", "lowrank-dense"):
+            return self.L
+        if self.kind == "block":
+            return torch.block_diag(*self.L)[: self.size, : self.size]
+        F = torch.diag(self.sqrt_d)
+        if self.kind == "lowrank":
+            eye = torch.eye(self.size, dtype=F.dtype, device=F.device)
+            F = F @ (eye + (self.Q * self.up) @ self.Q.T)
+        return F
+
+    def tensors(self):
+        return {k: v for k, v in (("L", self.L), ("sqrt_d", self.sqrt_d), ("Q", self.Q),
+                                  ("up", self.up), ("down", self.down)) if v is not None}
+
+
+def whitening_factor(A, kind="lowrank", rank=32, block=64, damping=1e-3, floor=1e-3):
+    """The factor of a second moment A (d x d) that GeoFP8 whitens with, F F^T = A^ + damping I.
+
+    lowrank: A^ = U L U^T + diag(max(diag(A - U L U^T), floor)) with the top-`rank` eigenpairs
+      (eigenvalues clipped at 0), applied in O(d r) per row. lowrank-dense: the same A^ with a
+      dense Cholesky factor (what the published artifact does). full: A itself (Cholesky).
+      diag: A's diagonal only. block: A's diagonal blocks of `block` x `block` (Cholesky each).
+    Computed in float64 (the eigen- and Cholesky decompositions of a nearly singular A need it),
+    returned in A's dtype."""
+    if kind not in WHITEN_FACTORS:
+        raise ValueError(f"unknown whitening factor {kind!r}; choose one of {', '.join(WHITEN_FACTORS)}")
+    dtype, d = A.dtype, A.shape[0]
+    A = (A.double() + A.double().T) / 2
+    eye = torch.eye(d, dtype=A.dtype, device=A.device)
+    if kind == "full":
+        return Whitening(kind, d, L=torch.linalg.cholesky(A + damping * eye).to(dtype))
+    if kind == "diag":
+        return Whitening(kind, d, sqrt_d=(A.diagonal().clamp(min=0) + damping).sqrt().to(dtype))
+    if kind == "block":
+        nb = -(-d // block)
+        padded = torch.eye(nb * block, dtype=A.dtype, device=A.device)  # identity on the padding
+        padded[:d, :d] = A
+        blocks = torch.stack([padded[i * block:(i + 1) * block, i * block:(i + 1) * block]
+                              for i in range(nb)])
+        damp = damping * torch.eye(block, dtype=A.dtype, device=A.device)
+        return Whitening(kind, d, L=torch.linalg.cholesky(blocks + damp).to(dtype))
+    r = min(rank, d)
+    values, vectors = torch.linalg.eigh(A)                             # ascending
+    U, lam = vectors[:, -r:], values[-r:].clamp(min=0)                 # (d, r), (r,)
+    rest = (A.diagonal() - (U.pow(2) * lam).sum(1)).clamp(min=floor)   # (d,) diagonal residual
+    if kind == "lowrank-dense":
+        A_hat = (U * lam) @ U.T + torch.diag(rest)
+        return Whitening(kind, d, L=torch.linalg.cholesky(A_hat + damping * eye).to(dtype))
+    D = rest + damping
+    K = U * lam.sqrt() / D.sqrt()[:, None]                             # D^-1/2 U L^1/2
+    Q, S, _ = torch.linalg.svd(K, full_matrices=False)
+    return Whitening(kind, d, sqrt_d=D.sqrt().to(dtype), Q=Q.to(dtype),
+                     up=((1 + S.pow(2)).sqrt() - 1).to(dtype),
+                     down=((1 + S.pow(2)).rsqrt() - 1).to(dtype))
+
+
+def blend_factors(old, new, decay):
+    """The published factor smoothing, F <- decay F_old + (1 - decay) F_new, for the triangular
+    kinds (a blend of two triangular factors is still one). The low-rank form is not closed under
+    blending, so it is smoothed through its second moment (the EMA of A) only."""
+    if old is None or decay == 0 or new.kind == "lowrank" or old.kind != new.kind:
+        return new
+    return Whitening(new.kind, new.size, **{k: decay * getattr(old, k) + (1 - decay) * v
+                                            for k, v in new.tensors().items()})
+
+
+class KroneckerMoments:
+    """Collects the K-FAC statistics of some linear layers: input[name] = sum of a a^T over
+    tokens (a forward pre-hook on the layer's input) and output[name] = sum of delta delta^T (a
+    hook on the gradient of the layer's output), in fp32, with token counts. Only training
+    forwards with autograd on count (an evaluation in between adds nothing), and only while
+    `active()` is true. take() returns the per-token means collected since the last take().
+    `layers` maps weight names to nn.Linear modules (see linear_layers).
+
+    The hooks exist between attach() and detach(). train.py attaches them for the forward
+    passes of refresh steps only, which it runs eagerly, so a torch.compile'd graph never
+    contains them; the DDP hook keeps them attached and lets `active()` decide."""
+
+    def __init__(self, layers, active=lambda: True, sides=("input",)):
+        self.layers, self.active, self.sides = layers, active, sides
+        self.sums, self.counts, self.handles = {}, {}, []
+
+    def attach(self):
+        for name, module in self.layers.items():
+            if "input" in self.sides:
+                self.handles.append(module.register_forward_pre_hook(self._input_hook(name)))
+            if "output" in self.sides:
+                self.handles.append(module.register_forward_hook(self._output_hook(name)))
+        return self
+
+    def detach(self):
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def _collecting(self, module):
+        return module.training and torch.is_grad_enabled() and self.active()
+
+    def _add(self, key, x):
+        with torch.autocast(x.device.type, enabled=False):    # fp32 sums, also under autocast
+            x = x.detach().reshape(-1, x.shape[-1]).float()      # (tokens, d)
+            self.sums[key] = self.sums.get(key, 0) + x.T @ x
+        self.counts[key] = self.counts.get(key, 0) + x.shape[0]
+
+    def _input_hook(self, name):
+        def hook(module, args):
+            if self._collecting(module):
+                self._add(("input", name), args[0])
+        return hook
+
+    def _output_hook(self, name):
+        def hook(module, args, out):
+            if self._collecting(module) and out.requires_grad:
+                out.register_hook(lambda grad: self._add(("output", name), grad))
+        return hook
+
+    def take(self):
+        """{"input": {name: A}, "output": {name: G}, "tokens": {side: {name: count}}}: the
+        means per token since the last take(); empty if nothing came."""
+        means = {"input": {}, "output": {}, "tokens": {"input": {}, "output": {}}}
+        for (side, name), total in self.sums.items():
+            means[side][name] = total / self.counts[(side, name)]
+            means["tokens"][side][name] = self.counts[(side, name)]
+        self.sums, self.counts = {}, {}
+        return means
+
+
+def linear_layers(model, names=None):
+    """{weight name: the nn.Linear owning it}, found by module type (never by name or shape).
+    Restricted to `names` if given. A weight shared with a non-linear module (a tied embedding)
+    is left out: its gradient is not W_g = sum delta a^T of one layer."""
+    owners = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), []).append(module)
+    found = {}
+    for name, param in model.named_parameters():
+        modules = owners.get(id(param), [])
+        if (len(modules) == 1 and isinstance(modules[0], torch.nn.Linear)
+                and param is modules[0].weight and (names is None or name in names)):
+            found[name] = modules[0]
+    return found
+
+
+# =============================================================================
 # 4. Geometry estimation from decoded mean gradients
 # =============================================================================
 
@@ -810,36 +1173,79 @@ def random_orthogonal(n, seed, device, dtype=torch.float32):
 # 5. The communicator: which tensors go geometry-aware, their state, one call per step
 # =============================================================================
 
+GEOMETRIES = ("whiten", "subspace", "euclidean")
+SELECTIONS = ("gain", "all", "list", "fragile")
+COLLECTIVES = ("two-stage", "fp8-sum")
+
+
 @dataclass
 class GeoOptions:
+    # geometry: "whiten" - the published GeoFP8 (K-FAC whitening, section 3b); "subspace" - this
+    # project's two-sided rotation toward dominant subspaces (section 3); "euclidean" - plain FP8
+    geometry: str = "whiten"
     fmt: str = "e4m3"
     block: object = 128             # int, "row" or "tensor" (nvfp4 always uses 16)
-    geo: bool = True                # False: Euclidean FP8 (same collective, no transform)
-    rank: int = 16                  # r, per side, capped at min(m, n) // 2
-    refresh: int = 4                # re-estimate the bases every N steps
+    collective: str = "two-stage"   # or "fp8-sum": the paper's per-tensor scales + FP8 all_reduce
+    sum_order: str = "ring"         # fp8-sum: the order NCCL adds in ("ring" or "tree")
+    scale_sync_every: int = 1       # fp8-sum: >1 reproduces the published local-scale defect
+    refresh: int = 0                # re-estimate the geometry every N steps (0: 50 whiten, 4 subspace)
     warmup: int = 0                 # steps sent in Euclidean coordinates before GeoFP8 starts
+    # which matrices use it: "gain" (measured: the codec error must drop by enter_gain), "all",
+    # "list" (the names in geo_layers, e.g. from nanogeo.profile), "fragile" (the top_k matrices
+    # by fraction of saturated FP8 sums over the warmup steps; needs collective="fp8-sum")
+    select: str = "gain"
+    geo_layers: tuple = ()
+    top_k: int = 0
+    enter_gain: float = 1.10        # switch a layer to geo when Euclid error / geo error >= this
+    exit_gain: float = 1.00         # ... and back to Euclidean when it falls below this
+    min_numel: int = 4096           # smaller matrices are not worth a transform
+    vocab_size: int = 0             # matrices with a dimension of this size stay Euclidean
+    # whitening (published GeoFP8)
+    factor: str = "lowrank"         # lowrank | lowrank-dense | full | diag | block (section 3b)
+    whiten_rank: int = 32           # r of the low-rank factor
+    whiten_block: int = 64          # block size of factor="block"
+    whiten_sides: str = "input"     # "input" (published), "output", "both"
+    damping: float = 1e-3
+    moment_decay: float = 0.95      # EMA of the second moments across refreshes
+    factor_decay: float = 0.0       # EMA of the triangular factor itself (published: 0.95)
+    # subspace rotation
+    rank: int = 16                  # r, per side, capped at min(m, n) // 2
     decay: float = 0.0              # EMA of the covariance; 0 = bases from the latest mean only
     iters: int = 1                  # subspace iterations per refresh
     full: bool = False              # exact dense eigenbases (reference / ablation)
     sides: str = "both"             # "both", "left", "right" (ablation)
     basis: str = "householder"      # "householder" or "random" (dense random rotation, ablation)
     scatter_core: bool = True       # give each core coordinate its own scaling block
-    min_numel: int = 4096           # smaller matrices are not worth a transform
-    enter_gain: float = 1.10        # switch a layer to geo when Euclid error / geo error >= this
-    exit_gain: float = 1.00         # ... and back to Euclidean when it falls below this
+    # codec extras
     error_feedback: bool = False    # keep each rank's stage-1 quantization error, add it back
-    stochastic: bool = False        # stochastic rounding
+    feedback_geo_only: bool = False # ... only on the geometry-aware matrices (as published)
+    stale_residual: bool = False    # ablation: keep the residual in the old coordinates (defect c)
+    stochastic: bool = False        # stochastic rounding (two-stage collective only)
     seed: int = 0
-    vocab_size: int = 0             # matrices with a dimension of this size stay Euclidean
 
     def __post_init__(self):
         check_codec(self.fmt, self.block)
-        if self.sides not in ("both", "left", "right"):
-            raise ValueError("sides must be 'both', 'left' or 'right'")
-        if self.basis not in ("householder", "random"):
-            raise ValueError("basis must be 'householder' or 'random'")
-        if self.rank < 1 or self.refresh < 1:
-            raise ValueError("rank and refresh must be >= 1")
+        for key, allowed in (("geometry", GEOMETRIES), ("select", SELECTIONS),
+                             ("collective", COLLECTIVES), ("sum_order", SUM_ORDERS),
+                             ("factor", WHITEN_FACTORS), ("sides", ("both", "left", "right")),
+                             ("whiten_sides", ("input", "output", "both")),
+                             ("basis", ("householder", "random"))):
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"{key} must be one of {', '.join(allowed)}, got {getattr(self, key)!r}")
+        if self.refresh == 0:
+            self.refresh = 50 if self.geometry == "whiten" else 4
+        if self.rank < 1 or self.refresh < 1 or self.whiten_rank < 1 or self.scale_sync_every < 1:
+            raise ValueError("rank, whiten_rank, refresh and scale_sync_every must be >= 1")
+        if self.collective == "fp8-sum" and (self.fmt == "nvfp4" or self.stochastic):
+            raise ValueError("the fp8-sum collective sums e4m3/e5m2 codes with nearest rounding; "
+                             "use collective='two-stage' for nvfp4 or stochastic rounding")
+        if self.collective == "fp8-sum":
+            self.block = "tensor"   # its one scale per tensor; the gain check measures that codec
+        if self.select == "fragile" and (self.collective != "fp8-sum" or self.top_k < 1
+                                         or self.warmup < 1):
+            raise ValueError("select='fragile' profiles saturated FP8 sums during the warmup: it "
+                             "needs collective='fp8-sum', warmup >= 1 and top_k >= 1")
+        self.geo_layers = tuple(self.geo_layers)
 
 
 VOCAB_NAME_HINTS = ("embed", "lm_head", "wte", "tok_emb", "output.weight")
@@ -847,8 +1253,14 @@ VOCAB_NAME_HINTS = ("embed", "lm_head", "wte", "tok_emb", "output.weight")
 
 def exemption(name, shape, opts):
     """Why a tensor stays Euclidean (a short reason), or None if it is a GeoFP8 candidate."""
+    if opts.geometry == "euclidean":
+        return "euclidean mode"
     if len(shape) != 2:
         return "not 2-D"
+    if opts.select == "list" and name not in opts.geo_layers:
+        return "not selected"
+    if opts.select == "list":       # an explicit list is the user's decision
+        return None
     if (opts.vocab_size and opts.vocab_size in shape) or any(h in name for h in VOCAB_NAME_HINTS):
         return "vocabulary"
     if math.prod(shape) < opts.min_numel:
@@ -858,8 +1270,8 @@ def exemption(name, shape, opts):
 
 @dataclass
 class LayerGeometry:
-    """Geometry state of one matrix: r (m + n) + 2 r^2 + 2 r numbers. The dominant subspaces
-    are kept only in Householder form (U = P[:, :r] up to signs), not a second time as U, V."""
+    """Subspace-rotation state of one matrix: r (m + n) + 2 r^2 + 2 r numbers. The dominant
+    subspaces are kept only in Householder form (U = P[:, :r] up to signs), not a second time."""
     shape: tuple
     rank: int
     seed: int
@@ -872,14 +1284,62 @@ class LayerGeometry:
     energy: float = float("nan")        # fraction of the mean's energy in the r x r core
     transform: tuple = field(default=(None, None), repr=False)  # (left, right), derived
     swaps: tuple = field(default=None, repr=False)              # core_swaps, fixed by shape
+    orthogonal = True                   # errors in coordinates are errors in the gradient
+
+    @property
+    def ready(self):
+        return self.left_basis is not None
+
+    def encode(self, g):
+        return swap_entries(encode_geo(g, *self.transform), self.swaps)
+
+    def decode(self, h):
+        return decode_geo(swap_entries(h, self.swaps), *self.transform)
+
+    def tensors(self):
+        return [self.left_basis.Y, self.left_basis.T, self.right_basis.Y, self.right_basis.T,
+                self.left_energy, self.right_energy]
+
+
+@dataclass
+class WhitenedLayer:
+    """Published-GeoFP8 state of one linear layer's weight: the EMA second moments and the
+    factors of each whitened side ("input": A, d_in x d_in; "output": G, d_out x d_out)."""
+    shape: tuple
+    moments: dict = field(default_factory=dict)     # side -> EMA of A or G
+    factors: dict = field(default_factory=dict)     # side -> Whitening
+    use_geo: bool = False
+    gain: float = float("nan")
+    energy: float = float("nan")                    # (subspace only)
+    orthogonal = False
+
+    @property
+    def ready(self):
+        return bool(self.factors)
+
+    def encode(self, g):
+        """W~ = F_G^-1 W_g F_A^-T for the sides that have a factor."""
+        h = self.factors["input"].whiten(g) if "input" in self.factors else g
+        return self.factors["output"].whiten(h.T).T if "output" in self.factors else h
+
+    def decode(self, h):
+        """W = F_G W~ F_A^T."""
+        g = self.factors["output"].unwhiten(h.T).T if "output" in self.factors else h
+        return self.factors["input"].unwhiten(g) if "input" in self.factors else g
+
+    def tensors(self):
+        return ([m for m in self.moments.values()]
+                + [t for f in self.factors.values() for t in f.tensors().values()])
 
 
 class GeoFP8Communicator:
     """Gradient averaging with FP8 (Euclidean or GeoFP8) for a fixed list of named tensors.
 
-    `reduce(grads)` averages across the process group in place (train.py, the DDP hook);
-    `reduce_workers(per_worker_grads)` runs the identical numerics for W simulated workers in one
-    process (the fidelity tool, tests). Both return the bytes one rank sends."""
+    `reduce(grads, moments)` averages across the process group in place (train.py, the DDP
+    hook); `reduce_workers(per_worker_grads, moments)` runs the identical numerics for W
+    simulated workers in one process (the fidelity tool, tests). Both return the bytes one rank
+    sends. `moments` are the whitened layers' K-FAC statistics (KroneckerMoments.take()) on the
+    steps where `wants_moments()` is true; the subspace rotation needs none."""
 
     def __init__(self, named_shapes, options=None, group=None, timer=NO_TIMER):
         self.opts = options or GeoOptions()
@@ -890,108 +1350,248 @@ class GeoFP8Communicator:
         self.reasons = {}
         self.layers = {}
         for n, shape in named_shapes:
-            reason = exemption(n, shape, self.opts) if self.opts.geo else "euclidean mode"
+            reason = exemption(n, shape, self.opts)
             if reason:
                 self.reasons[n] = reason
-                continue
-            r = min(shape) if self.opts.full else min(self.opts.rank, min(shape) // 2)
-            layer = LayerGeometry(tuple(shape), r, seed=zlib.crc32(n.encode()))
-            if self.opts.scatter_core and not self.opts.full and self.opts.basis == "householder":
-                block = NVFP4_BLOCK if self.opts.fmt == "nvfp4" else self.opts.block
-                layer.swaps = core_swaps(shape, r, block)
-            self.layers[n] = layer
+            elif self.opts.geometry == "whiten":
+                self.layers[n] = WhitenedLayer(tuple(shape))
+            else:
+                self.layers[n] = self._subspace_layer(n, tuple(shape))
+        unknown = set(self.opts.geo_layers) - set(self.names) if self.opts.select == "list" else ()
+        if unknown:
+            raise ValueError(f"geo_layers names {len(unknown)} tensors this model does not have, "
+                             f"e.g. {sorted(unknown)[0]!r}: profile this model (nanogeo.profile)")
         self.step = 0
         self.residuals = {}     # worker index -> {name: fp32 residual}, with error feedback
+        self.saturation = None  # fp8-sum: running sum of each tensor's saturated fraction
+        self.saturation_steps = 0
+
+    def _subspace_layer(self, name, shape):
+        r = min(shape) if self.opts.full else min(self.opts.rank, min(shape) // 2)
+        layer = LayerGeometry(shape, r, seed=zlib.crc32(name.encode()))
+        if self.opts.scatter_core and not self.opts.full and self.opts.basis == "householder":
+            block = NVFP4_BLOCK if self.opts.fmt == "nvfp4" else self.opts.block
+            layer.swaps = core_swaps(shape, r, block)
+        return layer
 
     # -- coordinates ---------------------------------------------------------------------------
 
     def is_geo(self, name):
         layer = self.layers.get(name)
-        return (layer is not None and layer.use_geo and layer.transform[0] is not None
-                and self.step > self.opts.warmup)
+        return layer is not None and layer.use_geo and layer.ready and self.step > self.opts.warmup
 
     def coords(self, name):
         return "geo" if self.is_geo(name) else "euclidean"
 
     def to_coords(self, name, g):
-        if not self.is_geo(name):
-            return g
-        layer = self.layers[name]
-        return swap_entries(encode_geo(g, *layer.transform), layer.swaps)
+        return self.layers[name].encode(g) if self.is_geo(name) else g
 
     def from_coords(self, name, h):
-        if not self.is_geo(name):
-            return h
-        layer = self.layers[name]
-        return decode_geo(swap_entries(h, layer.swaps), *layer.transform)
+        return self.layers[name].decode(h) if self.is_geo(name) else h
+
+    def wants_moments(self):
+        """True on the steps whose K-FAC statistics the next reduce() refreshes the factors from
+        (the published method collects them on refresh steps only)."""
+        return self.opts.geometry == "whiten" and bool(self.layers) and self.step % self.opts.refresh == 0
+
+    def moment_layers(self):
+        """Names of the weights whose layers' statistics the whitening needs."""
+        return list(self.layers) if self.opts.geometry == "whiten" else []
+
+    def whitened_sides(self):
+        sides = self.opts.whiten_sides
+        return ("input", "output") if sides == "both" else (sides,)
 
     # -- one step --------------------------------------------------------------------------------
+
+    def _has_feedback(self, name):
+        return self.opts.error_feedback and (not self.opts.feedback_geo_only or self.is_geo(name))
 
     def _prepare(self, grads, worker):
         """(gradients as sent, in original coordinates; the same in the coordinates in use)."""
         residual = self.residuals.get(worker, {})
-        sent = [g.float() + residual[n] if self.opts.error_feedback and n in residual else g.float()
-                for n, g in zip(self.names, grads)]
-        return sent, [self.to_coords(n, g) for n, g in zip(self.names, sent)]
+        sent, coords = [], []
+        for n, g in zip(self.names, grads):
+            g, r = g.float(), residual.get(n) if self._has_feedback(n) else None
+            if r is not None and not self.opts.stale_residual:
+                g = g + r                   # the residual, in original coordinates
+            c = self.to_coords(n, g)
+            if r is not None and self.opts.stale_residual:
+                c = c + r                   # defect (c): coordinates it was measured in
+            sent.append(g)
+            coords.append(c)
+        return sent, coords
 
     def _keep_residual(self, worker, coords, local):
-        """Error feedback: the part of this worker's gradient that stage 1 lost, in original
-        coordinates (the rotation is orthogonal, so this is exact)."""
-        self.residuals[worker] = {n: self.from_coords(n, c - l)
-                                  for n, c, l in zip(self.names, coords, local)}
+        """Error feedback: the part of this worker's gradient that the codec lost, mapped back
+        to original coordinates - so a refresh of the geometry re-expresses it in the new ones
+        at the next encode (the published method keeps it in the old coordinates: defect c)."""
+        self.residuals[worker] = {
+            n: (c - l) if self.opts.stale_residual else self.from_coords(n, c - l)
+            for n, c, l in zip(self.names, coords, local) if self._has_feedback(n)}
 
-    def _finish(self, mean_coords, worker_grads, all_reduce=None):
-        """Decode the averaged coordinates; on refresh steps update the geometry."""
-        with self.timer.stage("rotate"):
-            means = [self.from_coords(n, h) for n, h in zip(self.names, mean_coords)]
-        self.advance(dict(zip(self.names, means)), worker_grads, all_reduce)
-        return means
+    def _collective(self, coords):
+        """(means in coordinates, bytes sent, this rank's local round trip) for this rank."""
+        opts = self.opts
+        if opts.collective == "fp8-sum":
+            means, sent, local, saturated = all_reduce_fp8_sum(
+                coords, opts.fmt, self.group, opts.sum_order, self._local_scales())
+            self._count_saturation(saturated)
+            return means, sent, local
+        return all_reduce_mean(coords, opts.fmt, opts.block, self.group, opts.stochastic,
+                               opts.seed * 7919 + self.step, return_local=True, timer=self.timer)
 
-    def advance(self, means, worker_grads, all_reduce=None, rows=None):
-        """Count a finished step; on refresh steps update the geometry. `means` maps names to
-        decoded mean gradients - under FSDP only this rank's block of rows, described by
-        rows[name] (a RowBlocks; whole tensors otherwise)."""
-        self.step += 1
-        if self.layers and (self.step % self.opts.refresh == 0
-                            or any(l.left_basis is None for l in self.layers.values())):
-            with self.timer.stage("geometry"):
-                self._refresh(means, worker_grads, all_reduce, rows or {})
-            if all_reduce is not None and self.step % self.opts.refresh == 0:
-                self._verify_bases()
+    def _local_scales(self):
+        return self.opts.scale_sync_every > 1 and self.step % self.opts.scale_sync_every != 0
 
-    def reduce(self, grads):
+    def _count_saturation(self, saturated):
+        """Add up the fragility profile: during the warmup for select="fragile", always in
+        Euclidean mode (nanogeo.profile). Stays on the device: no host sync."""
+        profiling = self.opts.select == "fragile" and self.step < self.opts.warmup
+        if profiling or self.opts.geometry == "euclidean":
+            self.saturation = saturated if self.saturation is None else self.saturation + saturated
+            self.saturation_steps += 1
+
+    def fragility(self):
+        """{name: mean fraction of saturated FP8 sums} over the steps so far (fp8-sum only)."""
+        if self.saturation is None:
+            return {}
+        scores = (self.saturation / self.saturation_steps).tolist()
+        return dict(zip(self.names, scores))
+
+    def reduce(self, grads, moments=None):
         """Average grads (a list matching the names) across the group, in place. Returns bytes sent."""
         rank = dist.get_rank(self.group) if dist.is_initialized() else 0
         with self.timer.stage("rotate"):
             sent_grads, coords = self._prepare(grads, rank)
-        mean_coords, sent, local = all_reduce_mean(
-            coords, self.opts.fmt, self.opts.block, self.group, self.opts.stochastic,
-            self.opts.seed * 7919 + self.step, return_local=True, timer=self.timer)
+        mean_coords, sent, local = self._collective(coords)
         if self.opts.error_feedback:
             self._keep_residual(rank, coords, local)
-        summed = ((lambda t: dist.all_reduce(t, group=self.group)) if dist.is_initialized()
-                  else None)
-        for g, m in zip(grads, self._finish(mean_coords, [sent_grads], summed)):
+        all_reduce_sum = ((lambda t: dist.all_reduce(t, group=self.group))
+                          if dist.is_initialized() else None)
+        if moments is not None and all_reduce_sum is not None:
+            moments = average_moments(moments, {n: self.shapes[n] for n in self.moment_layers()},
+                                      self.whitened_sides(), all_reduce_sum, grads[0].device)
+        for g, m in zip(grads, self._finish(mean_coords, [sent_grads], all_reduce_sum, moments)):
             g.copy_(m)
         return sent
 
-    def reduce_workers(self, worker_grads):
-        """The same numerics for W simulated workers. Returns (means, bytes sent per rank)."""
+    def reduce_workers(self, worker_grads, moments=None):
+        """The same numerics for W simulated workers (moments: already averaged over all of
+        them). Returns (means, bytes sent per rank)."""
         prepared = [self._prepare(g, i) for i, g in enumerate(worker_grads)]
         coords = [c for _, c in prepared]
-        mean_coords, sent, local = simulate_mean(coords, self.opts.fmt, self.opts.block,
-                                                 self.opts.stochastic,
-                                                 self.opts.seed * 7919 + self.step,
-                                                 return_local=True)
-        if self.opts.error_feedback:
+        opts = self.opts
+        if opts.collective == "fp8-sum":
+            mean_coords, sent, local, saturated = simulate_fp8_sum(
+                coords, opts.fmt, opts.sum_order, self._local_scales())
+            self._count_saturation(saturated)
+        else:
+            mean_coords, sent, local = simulate_mean(coords, opts.fmt, opts.block, opts.stochastic,
+                                                     opts.seed * 7919 + self.step, return_local=True)
+        if opts.error_feedback:
             for i in range(len(coords)):
                 self._keep_residual(i, coords[i], local[i])
-        return self._finish(mean_coords, [g for g, _ in prepared]), sent
+        return self._finish(mean_coords, [g for g, _ in prepared], moments=moments), sent
+
+    def _finish(self, mean_coords, worker_grads, all_reduce=None, moments=None):
+        """Decode the averaged coordinates; on refresh steps update the geometry."""
+        with self.timer.stage("rotate"):
+            means = [self.from_coords(n, h) for n, h in zip(self.names, mean_coords)]
+        self.advance(dict(zip(self.names, means)), worker_grads, all_reduce, moments=moments)
+        return means
+
+    def advance(self, means, worker_grads, all_reduce=None, rows=None, moments=None):
+        """Count a finished step; on refresh steps update the geometry. `means` maps names to
+        decoded mean gradients - under FSDP only this rank's block of rows, described by
+        rows[name] (a RowBlocks; whole tensors otherwise)."""
+        whiten_now = self.step % self.opts.refresh == 0 and moments is not None  # of this step
+        self.step += 1
+        if not self.layers:
+            return
+        with self.timer.stage("geometry"):
+            if self.opts.geometry == "whiten":
+                refreshed = whiten_now
+                if whiten_now:
+                    self._refresh_whitening(moments, worker_grads, all_reduce)
+            else:
+                refreshed = self.step % self.opts.refresh == 0
+                if refreshed or any(not l.ready for l in self.layers.values()):
+                    self._refresh(means, worker_grads, all_reduce, rows or {})
+            if self.opts.select == "fragile" and self.step == self.opts.warmup:
+                self._select_fragile()
+        if all_reduce is not None and refreshed:
+            self._verify_bases()
+
+    # -- selection ---------------------------------------------------------------------------------
+
+    def _codec_error(self, x):
+        return (dequantize(quantize(x, self.opts.fmt, self.opts.block)) - x).pow(2).sum()
+
+    def _measure_gains(self, names, worker_grads, all_reduce=None):
+        """Euclidean codec error / geometry-aware codec error of the gradients actually sent, with
+        the geometry in use - measured on each rank's own gradients, summed by one all-reduce,
+        so every rank takes the same decision. The error is measured in the original
+        coordinates (for an orthogonal map it is the same in coordinates, which is cheaper)."""
+        errors = []
+        for n in names:
+            layer = self.layers[n]
+            for grads in worker_grads:
+                g = grads[self.names.index(n)]
+                h = layer.encode(g)
+                if layer.orthogonal:
+                    geo = self._codec_error(h)
+                else:
+                    geo = (layer.decode(dequantize(quantize(h, self.opts.fmt, self.opts.block)))
+                           - g).pow(2).sum()
+                errors += [self._codec_error(g), geo]
+        errors = torch.stack(errors).double().view(len(names), len(worker_grads), 2).sum(1)
+        if all_reduce is not None:
+            all_reduce(errors)
+        return errors.cpu()                                 # one transfer per refresh
+
+    def _decide(self, names, errors):
+        """Hysteresis on the measured gain: enter geo at enter_gain, leave below exit_gain."""
+        for n, (euclid, geo) in zip(names, errors.tolist()):
+            layer = self.layers[n]
+            layer.gain = math.sqrt(euclid / geo) if geo > 0 else (float("inf") if euclid > 0 else 1.0)
+            if self.opts.select == "gain":
+                threshold = self.opts.exit_gain if layer.use_geo else self.opts.enter_gain
+                layer.use_geo = layer.gain >= threshold
+            elif self.opts.select in ("all", "list"):
+                layer.use_geo = True
+
+    def _select_fragile(self):
+        """The published selection: the top_k matrices by mean fraction of saturated FP8 sums
+        over the profiled (warmup) steps go geometry-aware; the others stay Euclidean for good."""
+        scores = self.fragility()
+        ranked = sorted(self.layers, key=lambda n: -scores.get(n, 0.0))
+        for k, n in enumerate(ranked):
+            self.layers[n].use_geo = k < self.opts.top_k
 
     # -- geometry ----------------------------------------------------------------------------------
 
-    def _codec_error(self, x):
-        return (dequantize(quantize(x, self.opts.fmt, self.opts.block)) - x).pow(2).sum().item()
+    def _refresh_whitening(self, moments, worker_grads, all_reduce=None):
+        """New factors from this step's second moments (identical on every rank: averaged over
+        the ranks), smoothed by the EMA of the moments (and of the factor, if factor_decay)."""
+        opts = self.opts
+        updated = []
+        for n, layer in self.layers.items():
+            for side in ("input", "output"):
+                moment = moments.get(side, {}).get(n)
+                if moment is None or opts.whiten_sides not in (side, "both"):
+                    continue
+                old = layer.moments.get(side)
+                layer.moments[side] = (moment.float() if old is None
+                                       else opts.moment_decay * old + (1 - opts.moment_decay) * moment)
+                factor = whitening_factor(layer.moments[side], opts.factor, opts.whiten_rank,
+                                          opts.whiten_block, opts.damping)
+                layer.factors[side] = blend_factors(layer.factors.get(side), factor,
+                                                    opts.factor_decay)
+                if n not in updated:
+                    updated.append(n)
+        if updated and opts.select != "fragile":
+            self._decide(updated, self._measure_gains(updated, worker_grads, all_reduce))
 
     def _transform(self, layer, mean):
         opts = self.opts
@@ -1017,88 +1617,74 @@ class GeoFP8Communicator:
         layer.left_basis, layer.right_basis = HouseholderBasis.complete(U), HouseholderBasis.complete(V)
         layer.transform = self._transform(layer, mean)
         total = rows.sum(mean.pow(2).sum()).item()
-        core = rows.sum((rows.mine(U).T @ mean @ V).pow(2).sum()).item()
+        core = rows.sum(rows.mine(U).T @ mean @ V).pow(2).sum().item()   # sum, then square
         layer.energy = core / total if total else 0.0
 
     def _refresh(self, means, worker_grads, all_reduce=None, rows=None):
-        """Update the bases from the decoded mean (identical on every rank) and decide each
-        layer's coordinates by measured gain.
+        """Subspace rotation: update the bases from the decoded mean (identical on every rank)
+        and decide each layer's coordinates by measured gain.
 
         The evidence: the codec's error on the gradients actually being sent, in both coordinate
         systems, with the bases in use - estimated from earlier steps, exactly the situation of
         the next step (out of sample). The decoded mean cannot serve here: it already lies on the
-        FP8 grid of the coordinates it was sent in, so it would always favour those. Every rank
-        measures its own gradient, one all-reduce sums the errors, and every rank takes the same
-        decision. Local gradients are used only for this measurement, never for the bases."""
-        opts = self.opts
+        FP8 grid of the coordinates it was sent in, so it would always favour those. Local
+        gradients are used only for this measurement, never for the bases."""
         names = list(self.layers)
-        fresh = [n for n in names if self.layers[n].left_basis is None]
+        fresh = [n for n in names if not self.layers[n].ready]
         rows = rows or {}
         for n in fresh:  # a layer's first bases: nothing earlier to judge by, so judge these
             self._update_bases(self.layers[n], means[n], rows.get(n, ALL_ROWS))
-        errors = torch.zeros(2, len(names), dtype=torch.float64)
-        for k, n in enumerate(names):
-            transform = self.layers[n].transform
-            for grads in worker_grads:
-                g = grads[self.names.index(n)]
-                errors[0, k] += self._codec_error(g)
-                errors[1, k] += self._codec_error(
-                    swap_entries(encode_geo(g, *transform), self.layers[n].swaps))
-        if all_reduce is not None:
-            device = means[names[0]].device
-            errors = errors.to(device)
-            all_reduce(errors)
-            errors = errors.cpu()
-        for k, n in enumerate(names):
-            layer = self.layers[n]
-            euclid, geo = errors[0, k].item(), errors[1, k].item()
-            layer.gain = math.sqrt(euclid / geo) if geo > 0 else (float("inf") if euclid > 0 else 1.0)
-            threshold = opts.exit_gain if layer.use_geo else opts.enter_gain
-            layer.use_geo = layer.gain >= threshold
-            if self.step % opts.refresh == 0 and n not in fresh:
-                self._update_bases(layer, means[n], rows.get(n, ALL_ROWS))
+        if self.opts.select != "fragile":
+            self._decide(names, self._measure_gains(names, worker_grads, all_reduce))
+        if self.step % self.opts.refresh == 0:
+            for n in names:
+                if n not in fresh:
+                    self._update_bases(self.layers[n], means[n], rows.get(n, ALL_ROWS))
 
     def _checksum(self):
         total = torch.zeros((), dtype=torch.float64)
         for i, layer in enumerate(self.layers.values()):
-            if layer.left_basis is not None:
-                total += (layer.left_basis.Y.double().sum() * (i + 1)
-                          + layer.right_basis.Y.double().sum() * (i + 2)
-                          + layer.left_basis.T.double().sum() + layer.right_basis.T.double().sum()
-                          + layer.use_geo * 0.5).cpu()
+            if layer.ready:
+                total += sum(t.double().sum() * (i + k + 1) for k, t in enumerate(layer.tensors())).cpu()
+                total += layer.use_geo * 0.5
         return total
 
     def _verify_bases(self):
-        """Every rank computed its bases from the same bytes, so they must agree bit for bit.
+        """Every rank computed its geometry from the same bytes, so it must agree bit for bit.
         One tiny all-reduce checks it; on a mismatch (nondeterministic kernels, say) rank 0's
         state is broadcast and a warning printed."""
+        ready = [l for l in self.layers.values() if l.ready]
+        if not ready:               # nothing computed yet (no statistics came): nothing to check
+            return
         mine = self._checksum()
-        device = next(iter(self.layers.values())).left_basis.Y.device
+        device = ready[0].tensors()[0].device
         both = torch.stack([mine, -mine]).to(device)
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
         if both[0].item() == mine.item() and -both[1].item() == mine.item():
             return
-        print(f"compress.py: warning: GeoFP8 bases differ across ranks at step {self.step}; "
+        print(f"compress.py: warning: GeoFP8 geometry differs across ranks at step {self.step}; "
               "using rank 0's", flush=True)
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         for layer in self.layers.values():
+            if not layer.ready:
+                continue
             flags = torch.tensor([float(layer.use_geo)], device=device)
-            for t in (layer.left_basis.Y, layer.left_basis.T, layer.right_basis.Y,
-                      layer.right_basis.T, layer.left_energy, layer.right_energy, flags):
+            for t in layer.tensors() + [flags]:
                 dist.broadcast(t, src=src, group=self.group)
             layer.use_geo = bool(flags.item())
-            layer.transform = self._transform(layer, None) if not self.opts.full else layer.transform
+            if isinstance(layer, LayerGeometry) and not self.opts.full:
+                layer.transform = self._transform(layer, None)
 
     # -- reporting and checkpoints -------------------------------------------------------------
 
     def state_bytes(self):
-        """Memory held for geometry (reflectors, energies; dense bases in ablations), in bytes."""
+        """Memory held for geometry (reflectors, energies, moments, factors; dense bases in
+        ablations), in bytes."""
         total = 0
         for layer in self.layers.values():
-            tensors = [layer.left_energy, layer.right_energy]
-            for basis in (layer.left_basis, layer.right_basis):
-                tensors += [basis.Y, basis.T] if basis is not None else []
-            tensors += [t for t in layer.transform if isinstance(t, torch.Tensor)]
+            tensors = layer.tensors() if layer.ready else []
+            if isinstance(layer, LayerGeometry):
+                tensors += [t for t in layer.transform if isinstance(t, torch.Tensor)]
             total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
         return total
 
@@ -1109,7 +1695,8 @@ class GeoFP8Communicator:
             shape = "x".join(map(str, self.shapes[n]))
             if n in self.layers:
                 l = self.layers[n]
-                lines.append(f"{n:40s} {shape:>12s} {l.rank:4d} {self.coords(n):>10s} "
+                rank = l.rank if isinstance(l, LayerGeometry) else self.opts.whiten_rank
+                lines.append(f"{n:40s} {shape:>12s} {rank:4d} {self.coords(n):>10s} "
                              f"{l.gain:6.2f} {l.energy:6.2f}")
             else:
                 lines.append(f"{n:40s} {shape:>12s} {'-':>4s} {'euclidean':>10s} "
@@ -1117,22 +1704,68 @@ class GeoFP8Communicator:
         return "\n".join(lines)
 
     def state_dict(self):
-        layers = {n: {"left_Y": l.left_basis.Y, "left_T": l.left_basis.T,
-                      "right_Y": l.right_basis.Y, "right_T": l.right_basis.T,
-                      "left_energy": l.left_energy,
-                      "right_energy": l.right_energy, "use_geo": l.use_geo, "gain": l.gain,
-                      "energy": l.energy}
-                  for n, l in self.layers.items() if l.left_basis is not None}
+        layers = {}
+        for n, l in self.layers.items():
+            if not l.ready:
+                continue
+            if isinstance(l, LayerGeometry):
+                layers[n] = {"left_Y": l.left_basis.Y, "left_T": l.left_basis.T,
+                             "right_Y": l.right_basis.Y, "right_T": l.right_basis.T,
+                             "left_energy": l.left_energy, "right_energy": l.right_energy,
+                             "use_geo": l.use_geo, "gain": l.gain, "energy": l.energy}
+            else:
+                layers[n] = {"moments": dict(l.moments), "use_geo": l.use_geo, "gain": l.gain,
+                             "factors": {side: {"kind": f.kind, "size": f.size, **f.tensors()}
+                                         for side, f in l.factors.items()}}
         residuals = {w: dict(r) for w, r in self.residuals.items()}
-        return {"step": self.step, "layers": layers, "residuals": residuals}
+        return {"geometry": self.opts.geometry, "step": self.step, "layers": layers,
+                "residuals": residuals,
+                "saturation": self.saturation, "saturation_steps": self.saturation_steps}
 
     def load_state_dict(self, state):
+        saved = state.get("geometry", "subspace")       # checkpoints before the whitening existed
+        if state["layers"] and saved != self.opts.geometry:
+            raise ValueError(f"the communicator state is for geometry={saved!r}, not "
+                             f"{self.opts.geometry!r}: resume with the same method")
         self.step = state["step"]
         self.residuals = {w: dict(r) for w, r in state.get("residuals", {}).items()}
+        self.saturation = state.get("saturation")
+        self.saturation_steps = state.get("saturation_steps", 0)
         for n, s in state["layers"].items():
             layer = self.layers[n]
+            layer.use_geo, layer.gain = s["use_geo"], s["gain"]
+            if isinstance(layer, WhitenedLayer):
+                layer.moments = dict(s["moments"])
+                layer.factors = {side: Whitening(**f) for side, f in s["factors"].items()}
+                continue
             layer.left_basis = HouseholderBasis(s["left_Y"], s["left_T"])
             layer.right_basis = HouseholderBasis(s["right_Y"], s["right_T"])
             layer.left_energy, layer.right_energy = s["left_energy"], s["right_energy"]
-            layer.use_geo, layer.gain, layer.energy = s["use_geo"], s["gain"], s["energy"]
+            layer.energy = s["energy"]
             layer.transform = self._transform(layer, None)
+
+
+def average_moments(moments, shapes, sides, all_reduce, device):
+    """The token-weighted mean over ranks of every rank's K-FAC statistics, in one all-reduce
+    over a fixed list of (side, layer) slots - the same list on every rank, whatever each rank
+    collected (a layer a rank did not run contributes zero tokens). Afterwards every rank holds
+    the same A and G, so every rank computes the same factors. One host sync (the counts)."""
+    tokens = moments.get("tokens", {})
+    slots, parts = [], []
+    for side in sides:
+        for n, shape in shapes.items():
+            d = shape[1] if side == "input" else shape[0]
+            m, count = moments.get(side, {}).get(n), tokens.get(side, {}).get(n, 0)
+            parts.append(m.reshape(-1) * count if m is not None
+                         else torch.zeros(d * d, device=device))
+            slots.append((side, n, d))
+    counts = torch.tensor([float(tokens.get(side, {}).get(n, 0)) for side, n, _ in slots],
+                          device=device)
+    flat = torch.cat(parts + [counts])
+    all_reduce(flat)
+    totals = flat[: -len(slots)].split([d * d for _, _, d in slots])
+    out = {side: {} for side in sides}
+    for (side, n, d), total, count in zip(slots, totals, flat[-len(slots):].tolist()):
+        if count > 0:
+            out[side][n] = total.view(d, d) / count
+    return out

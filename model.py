@@ -22,11 +22,16 @@ What makes it "Llama" rather than GPT-2:
     n_head // n_kv_head query heads. Cuts the KV projection (and KV cache) without hurting much.
   * No biases anywhere.
 
-Presets (parameter counts with the GPT-2 vocabulary padded to 50304, untied embeddings):
+Presets (parameter counts with the GPT-2 vocabulary padded to 50304):
   cpu-tiny    ~ 13.7M  (6.4M of it the two vocab matrices)  for CI and the 2-core CPU demo
-  llama-300m  ~ 302M
-  llama-600m  ~ 608M
-Run `python model.py` to print them.
+  llama-300m  ~ 302M   untied embeddings, GQA
+  llama-600m  ~ 608M   untied embeddings, GQA
+  paper-300m  ~ 354M   the GeoFP8 paper's 300M model: 24 x 1024, FFN 2736, 16 heads, no GQA,
+                       seq 4096, tied embeddings; 335M with the paper's 32000-token vocabulary,
+                       302M without the embedding
+  paper-600m  ~ 699M   the paper's 600M model: 32 x 1280, FFN 3456, 20 heads, no GQA, seq 2048,
+                       tied; 675M at vocabulary 32000, 634M without the embedding
+Run `python model.py` to print them (with a second count at vocabulary 32000).
 """
 
 import math
@@ -67,7 +72,14 @@ PRESETS = {
     "cpu-tiny":   dict(n_layer=4, n_embd=128, n_head=4, n_kv_head=2, block_size=128),
     "llama-300m": dict(n_layer=18, n_embd=1024, n_head=16, n_kv_head=4, block_size=2048),
     "llama-600m": dict(n_layer=23, n_embd=1408, n_head=22, n_kv_head=2, block_size=2048),
+    # the GeoFP8 paper's two models: full multi-head attention (no GQA), tied embeddings, its
+    # FFN widths; our GPT-2 vocabulary instead of the paper's Llama-2 one (PAPER_VOCAB_SIZE)
+    "paper-300m": dict(n_layer=24, n_embd=1024, n_head=16, n_kv_head=16, ffn_hidden=2736,
+                       block_size=4096, tie_embeddings=True),
+    "paper-600m": dict(n_layer=32, n_embd=1280, n_head=20, n_kv_head=20, ffn_hidden=3456,
+                       block_size=2048, tie_embeddings=True),
 }
+PAPER_VOCAB_SIZE = 32000  # the Llama-2 tokenizer the paper trained with
 
 
 def model_config(preset: str, **overrides) -> ModelConfig:
@@ -209,6 +221,27 @@ class Llama(nn.Module):
         ]
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
 
+    def configure_muon(self, weight_decay, learning_rate, betas, muon_lr, muon_momentum,
+                       ns_steps, adjust_lr_fn, fused=None):
+        """(Muon, AdamW), to be stepped together. torch.optim.Muon orthogonalizes each update
+        matrix with a few Newton-Schulz iterations, which only makes sense for the hidden
+        matrices: the nn.Linear weights inside the transformer blocks. The token embedding and the
+        output head (a lookup table and a classifier, tied or not) and the norm gains stay with
+        AdamW, which decays its matrices only, as in configure_optimizers. The split is read from
+        which module owns a parameter, not from its name or shape."""
+        hidden = {id(m.weight) for layer in self.layers for m in layer.modules()
+                  if isinstance(m, nn.Linear)}
+        params = [p for p in self.parameters() if p.requires_grad]
+        muon = torch.optim.Muon([p for p in params if id(p) in hidden], lr=muon_lr,
+                                weight_decay=weight_decay, momentum=muon_momentum,
+                                ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
+        rest = [p for p in params if id(p) not in hidden]
+        groups = [
+            {"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        return muon, torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
+
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward): 6 N for the matmuls plus the
         attention scores, 12 * n_layer * n_embd * T (PaLM appendix B). The embedding lookup is
@@ -219,8 +252,11 @@ class Llama(nn.Module):
 
 
 if __name__ == "__main__":
+    # second column: the same shapes with the paper's vocabulary, to compare with its counts
     for name in PRESETS:
         cfg = model_config(name)
         with torch.device("meta"):
             model = Llama(cfg)
-        print(f"{name:12s} {model.num_params() / 1e6:8.1f}M parameters  {asdict(cfg)}")
+            paper_vocab = Llama(model_config(name, vocab_size=PAPER_VOCAB_SIZE))
+        print(f"{name:12s} {model.num_params() / 1e6:8.1f}M parameters "
+              f"({paper_vocab.num_params() / 1e6:6.1f}M at vocab {PAPER_VOCAB_SIZE})  {asdict(cfg)}")

@@ -3,7 +3,7 @@ Train a Llama on token shards, one process or many, with the gradient communicat
 
     python train.py                                    # one process (CPU or one GPU)
     torchrun --standalone --nproc_per_node=4 train.py  # data parallel on one node
-    torchrun --standalone --nproc_per_node=2 train.py --comm=geofp8 --geo_rank=8
+    torchrun --standalone --nproc_per_node=2 train.py --comm=geofp8 --whiten_rank=16
 
 How data parallelism works here (no DistributedDataParallel wrapper, on purpose):
   1. Every rank builds the same model from the same seed, so the parameters start identical.
@@ -14,9 +14,14 @@ How data parallelism works here (no DistributedDataParallel wrapper, on purpose)
        --comm=fp32    all-reduce in fp32 (the reference)
        --comm=bf16    cast to bf16, all-reduce, cast back (what most clusters send today)
        --comm=fp8     Euclidean FP8: quantize, all_to_all, reduce, re-quantize, all_gather
-       --comm=geofp8  the same collective in geometry-aware coordinates (see compress.py)
-  4. Every rank now holds bit-identical averaged gradients, clips them and takes the same AdamW
-     step, so the parameters stay bit-identical without ever being broadcast again.
+       --comm=geofp8  the same collective in the whitened coordinates of each layer's K-FAC
+                      input factor (the published GeoFP8; see compress.py)
+       --comm=subspace  ... in coordinates rotated toward the dominant subspaces (ours)
+     --collective=fp8-sum swaps the two-stage collective for the paper's one FP8 all_reduce SUM.
+  4. Every rank now holds bit-identical averaged gradients, clips them and takes the same
+     optimizer step (AdamW; or with --optimizer=muon, Muon on the transformer blocks' matrices
+     and AdamW on the rest), so the parameters stay bit-identical without ever being broadcast
+     again.
 
 Configuration: one dataclass, `TrainConfig`; every field is a flag `--name=value`. `--preset`
 picks a model size and sensible defaults for it; explicit flags win. Unknown flags are an error.
@@ -47,7 +52,7 @@ from prepare_data import ShardError, read_header, read_shard
 
 @dataclass
 class TrainConfig:
-    preset: str = "cpu-tiny"          # model size: cpu-tiny | llama-300m | llama-600m
+    preset: str = "cpu-tiny"          # cpu-tiny | llama-300m | llama-600m | paper-300m | paper-600m
     data_dir: str = "data/shakespeare"
     out_dir: str = "out"
     # schedule
@@ -62,6 +67,12 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0            # 0 disables clipping
+    # optimizer
+    optimizer: str = "adamw"          # adamw | muon (Muon on the block matrices, AdamW on the rest)
+    muon_lr: float = 5e-4             # Muon's peak lr; follows learning_rate's warm-up and cosine
+    muon_momentum: float = 0.9
+    muon_ns_steps: int = 5            # Newton-Schulz iterations per update
+    muon_adjust_lr: str = "match_rms_adamw"  # torch.optim.Muon's per-shape lr scaling
     # evaluation, logging, checkpoints
     eval_interval: int = 100          # validation loss every N steps (and at the end)
     eval_iters: int = 10              # validation batches per rank
@@ -74,13 +85,22 @@ class TrainConfig:
     overwrite: bool = False           # allow replacing another run's checkpoint in out_dir
     keep_ckpts: int = 2               # ckpt.pt plus the K-1 previous ones (ckpt-STEP.pt)
     # gradient communication
-    comm: str = "fp32"                # fp32 | bf16 | fp8 | geofp8
-    fmt: str = "e4m3"                 # fp8/geofp8 wire format: e4m3 | e5m2 | nvfp4
+    comm: str = "fp32"                # fp32 | bf16 | fp8 | geofp8 (published) | subspace (ours)
+    fmt: str = "e4m3"                 # FP8 wire format: e4m3 | e5m2 | nvfp4
     block: str = "128"                # scale granularity: elements per block, row or tensor
-    geo_rank: int = 16                # r, dominant directions per side (capped at min(m,n)/2)
-    geo_refresh: int = 4              # re-estimate the bases every N steps
+    collective: str = "two-stage"     # two-stage | fp8-sum (the paper's: one FP8 all_reduce SUM)
+    sum_order: str = "ring"           # fp8-sum: the order the FP8 partial sums are added in
+    scale_sync_every: int = 1         # fp8-sum: >1 = the published local-scale defect (ablation)
+    geo_layers: str = "gain"          # gain | all | fragile:K | FILE (a list from nanogeo.profile)
+    geo_refresh: int = 0              # re-estimate the geometry every N steps (0: 50 geofp8, 4 subspace)
     geo_warmup: int = 10              # steps in Euclidean coordinates before GeoFP8 starts
+    whiten_factor: str = "lowrank"    # geofp8: lowrank | lowrank-dense | full | diag | block
+    whiten_rank: int = 32             # geofp8: r of the low-rank input factor
+    whiten_sides: str = "input"       # geofp8: input (published) | output | both
+    factor_decay: float = 0.0         # geofp8: EMA of the triangular factor (published: 0.95)
+    geo_rank: int = 16                # subspace: r, dominant directions per side (<= min(m,n)/2)
     error_feedback: bool = False      # add back each rank's own quantization error next step
+    feedback_geo_only: bool = False   # ... on the geometry-aware matrices only (as published)
     stochastic_round: bool = False    # unbiased stochastic rounding instead of nearest
     # system
     device: str = "auto"              # auto | cpu | cuda
@@ -99,11 +119,22 @@ TRAIN_PRESETS = {
     "llama-600m": dict(batch_size=4, block_size=2048, grad_accum=2, learning_rate=1e-3,
                        min_lr=1e-4, max_iters=20000, warmup_iters=1000, eval_interval=500,
                        eval_iters=20, ckpt_interval=1000),
+    # the paper's recipe: Muon (lr 5e-4 -> 5e-5, momentum 0.9, 5 Newton-Schulz steps, weight
+    # decay 0.1) with AdamW (0.9, 0.95) on embeddings and gains, clip 1.0; 16K tokens per rank-step
+    "paper-300m": dict(batch_size=2, block_size=4096, grad_accum=2, optimizer="muon",
+                       learning_rate=5e-4, min_lr=5e-5, max_iters=20000, warmup_iters=1000,
+                       eval_interval=500, eval_iters=20, ckpt_interval=1000),
+    "paper-600m": dict(batch_size=4, block_size=2048, grad_accum=2, optimizer="muon",
+                       learning_rate=5e-4, min_lr=5e-5, max_iters=20000, warmup_iters=1000,
+                       eval_interval=500, eval_iters=20, ckpt_interval=1000),
 }
 
-CHOICES = {"comm": ("fp32", "bf16", "fp8", "geofp8"), "device": ("auto", "cpu", "cuda"),
-           "fmt": compress.FORMATS,
-           "preset": tuple(model_lib.PRESETS)}
+CHOICES = {"comm": ("fp32", "bf16", "fp8", "geofp8", "subspace"),
+           "device": ("auto", "cpu", "cuda"), "fmt": compress.FORMATS,
+           "collective": compress.COLLECTIVES, "sum_order": compress.SUM_ORDERS,
+           "whiten_factor": compress.WHITEN_FACTORS, "whiten_sides": ("input", "output", "both"),
+           "preset": tuple(model_lib.PRESETS),
+           "optimizer": ("adamw", "muon"), "muon_adjust_lr": ("original", "match_rms_adamw")}
 
 
 class ConfigError(ValueError):
@@ -124,13 +155,20 @@ def parse_value(field, text):
         raise ConfigError(f"--{field.name} expects {kind.__name__}, got {text!r}") from None
 
 
-def parse_config(argv, config_class=TrainConfig, presets=TRAIN_PRESETS, choices=CHOICES):
-    """--key=value flags -> config. The preset fills defaults, explicit flags override them."""
+BOOL_WORDS = ("1", "true", "yes", "on", "0", "false", "no", "off")
+
+
+def parse_config(argv, config_class=TrainConfig, presets=TRAIN_PRESETS, choices=CHOICES,
+                 doc=None):
+    """--key=value (or --key value) flags -> config. The preset fills defaults, explicit flags
+    override them. `doc` is what --help prints above the flags (the calling module's docstring)."""
     fields = {f.name: f for f in dataclasses.fields(config_class)}
     given = {}
-    for arg in argv:
+    argv = list(argv)
+    while argv:
+        arg = argv.pop(0)
         if arg in ("-h", "--help"):
-            print(__doc__)
+            print(doc or __doc__)
             print("flags (default):")
             for f in fields.values():
                 print(f"  --{f.name}={f.default}")
@@ -142,10 +180,14 @@ def parse_config(argv, config_class=TrainConfig, presets=TRAIN_PRESETS, choices=
             close = [k for k in fields if k.startswith(key[:3])]
             hint = f" (did you mean --{close[0]}?)" if close else ""
             raise ConfigError(f"unknown flag --{key}{hint}; see --help for the list")
-        if not has_value:
-            if fields[key].type is not bool:
-                raise ConfigError(f"--{key} needs a value: --{key}=VALUE")
-            value = "true"
+        if not has_value:   # --key value, or a bare boolean --key
+            is_bool = fields[key].type is bool
+            if argv and not argv[0].startswith("--") and (not is_bool or argv[0].lower() in BOOL_WORDS):
+                value = argv.pop(0)
+            elif is_bool:
+                value = "true"
+            else:
+                raise ConfigError(f"--{key} needs a value: --{key}=VALUE or --{key} VALUE")
         given[key] = parse_value(fields[key], value)
     preset = given.get("preset", config_class.preset)
     if preset not in presets:
@@ -155,10 +197,16 @@ def parse_config(argv, config_class=TrainConfig, presets=TRAIN_PRESETS, choices=
         if getattr(config, key) not in allowed:
             raise ConfigError(f"--{key}={getattr(config, key)} is not one of {', '.join(allowed)}")
     positive = ("max_iters", "batch_size", "block_size", "grad_accum", "eval_interval",
-                "eval_iters", "log_interval", "geo_rank", "geo_refresh")
+                "eval_iters", "log_interval", "geo_rank", "whiten_rank", "scale_sync_every",
+                "muon_ns_steps")
     for key in positive:
         if hasattr(config, key) and getattr(config, key) < 1:
             raise ConfigError(f"--{key} must be >= 1, got {getattr(config, key)}")
+    if getattr(config, "learning_rate", 1) <= 0:  # every group's lr is a multiple of it
+        raise ConfigError(f"--learning_rate must be > 0, got {config.learning_rate}")
+    stray = [k for k in given if k.startswith("muon_")]
+    if stray and getattr(config, "optimizer", None) != "muon":
+        raise ConfigError(f"--{stray[0]} applies only with --optimizer=muon")
     if hasattr(config, "block"):
         parse_block(config.block)
     return config
@@ -218,25 +266,61 @@ def ring_allreduce_bytes(numel, bytes_per_element, world_size):
     return int(2 * (world_size - 1) * numel * bytes_per_element // world_size)
 
 
+GEOMETRY = {"fp8": "euclidean", "geofp8": "whiten", "subspace": "subspace"}
+
+
+def parse_geo_layers(text):
+    """--geo_layers -> GeoOptions fields: 'gain', 'all', 'fragile:K' (the K matrices whose FP8
+    sums saturate most during the warm-up) or a file listing weight names (nanogeo.profile)."""
+    if text in ("gain", "all"):
+        return {"select": text}
+    if text.startswith("fragile:"):
+        k = text.partition(":")[2]
+        if not k.isdigit() or int(k) < 1:
+            raise ConfigError(f"--geo_layers={text}: use fragile:K with K >= 1, e.g. fragile:4")
+        return {"select": "fragile", "top_k": int(k)}
+    if not os.path.isfile(text):
+        raise ConfigError(f"--geo_layers={text}: not gain, all, fragile:K or an existing file; "
+                          "write one with `python -m nanogeo.profile`")
+    with open(text) as f:
+        names = json.load(f)["selected"] if text.endswith(".json") else f.read().split()
+    return {"select": "list", "geo_layers": tuple(names)}
+
+
 def geo_options(cfg, vocab_size):
     """compress.GeoOptions from the training flags (shared with the DDP hook and tools)."""
-    return compress.GeoOptions(
-        fmt=cfg.fmt, block=parse_block(cfg.block), geo=cfg.comm == "geofp8", rank=cfg.geo_rank,
-        refresh=cfg.geo_refresh, warmup=cfg.geo_warmup, error_feedback=cfg.error_feedback,
-        stochastic=cfg.stochastic_round, seed=cfg.seed, vocab_size=vocab_size)
+    try:
+        return compress.GeoOptions(
+            geometry=GEOMETRY[cfg.comm], fmt=cfg.fmt, block=parse_block(cfg.block),
+            collective=cfg.collective, sum_order=cfg.sum_order,
+            scale_sync_every=cfg.scale_sync_every, refresh=cfg.geo_refresh, warmup=cfg.geo_warmup,
+            factor=cfg.whiten_factor, whiten_rank=cfg.whiten_rank, whiten_sides=cfg.whiten_sides,
+            factor_decay=cfg.factor_decay, rank=cfg.geo_rank, error_feedback=cfg.error_feedback,
+            feedback_geo_only=cfg.feedback_geo_only,
+            stochastic=cfg.stochastic_round, seed=cfg.seed, vocab_size=vocab_size,
+            **parse_geo_layers(cfg.geo_layers))
+    except ValueError as e:     # a combination GeoOptions rejects; its message names the fix
+        raise ConfigError(str(e)) from None
 
 
 def make_communicator(cfg, model, world_size):
-    """State that survives between steps for the compressed collectives (geometry, residuals).
-    None for fp32 and bf16, which are stateless."""
+    """State that survives between steps for the compressed collectives (geometry, residuals),
+    and for the published GeoFP8 the hooks that collect its layers' input statistics.
+    (None, None) for fp32 and bf16, which are stateless."""
     if cfg.comm in ("fp32", "bf16"):
-        return None
+        return None, None
     named = [(n, p.shape) for n, p in model.named_parameters() if p.requires_grad]
-    return compress.GeoFP8Communicator(named, geo_options(cfg, model.config.vocab_size))
+    communicator = compress.GeoFP8Communicator(named, geo_options(cfg, model.config.vocab_size))
+    moments = None
+    if communicator.moment_layers():
+        sides = ("input", "output") if cfg.whiten_sides == "both" else (cfg.whiten_sides,)
+        layers = compress.linear_layers(model, communicator.moment_layers())
+        moments = compress.KroneckerMoments(layers, sides=sides)   # attached on refresh steps
+    return communicator, moments
 
 
 @torch.no_grad()
-def reduce_gradients(params, cfg, communicator, world_size):
+def reduce_gradients(params, cfg, communicator, world_size, moments=None):
     """Average the .grad of params across all ranks, in place. Returns the bytes this rank sent.
 
     Called once per optimizer step, after the last micro-step's backward."""
@@ -257,7 +341,10 @@ def reduce_gradients(params, cfg, communicator, world_size):
             offset += g.numel()
         return ring_allreduce_bytes(flat.numel(), flat.new_empty((), dtype=dtype).element_size(),
                                     world_size)
-    return communicator.reduce(grads)
+    # The published GeoFP8 refreshes its factors from its layers' input statistics, which
+    # forward pre-hooks (`moments`) collected during this step's forward passes on refresh steps.
+    stats = moments.take() if moments is not None and communicator.wants_moments() else None
+    return communicator.reduce(grads, stats)
 
 
 # -----------------------------------------------------------------------------
@@ -269,6 +356,43 @@ def learning_rate(cfg, step):
         return cfg.learning_rate * (step + 1) / cfg.warmup_iters
     progress = min(1.0, (step - cfg.warmup_iters) / max(1, cfg.max_iters - cfg.warmup_iters))
     return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (cfg.learning_rate - cfg.min_lr)
+
+
+def make_optimizers(cfg, model, fused=False):
+    """[AdamW], or [Muon, AdamW] with --optimizer=muon (Muon on the transformer blocks'
+    matrices, AdamW on the rest), stepped together. AdamW is always the last one."""
+    betas = (cfg.beta1, cfg.beta2)
+    if cfg.optimizer == "muon":
+        return list(model.configure_muon(cfg.weight_decay, cfg.learning_rate, betas, cfg.muon_lr,
+                                         cfg.muon_momentum, cfg.muon_ns_steps,
+                                         cfg.muon_adjust_lr, fused=fused))
+    return [model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, betas, fused=fused)]
+
+
+def optimizer_states(optimizers):
+    """The checkpoint's optimizer entries: AdamW under "optimizer", Muon under "muon"."""
+    *muon, adamw = optimizers
+    return {"optimizer": adamw.state_dict(), "muon": muon[0].state_dict() if muon else {}}
+
+
+def load_optimizers(optimizers, ckpt):
+    *muon, adamw = optimizers
+    adamw.load_state_dict(ckpt["optimizer"])
+    if muon:
+        muon[0].load_state_dict(ckpt["muon"])
+
+
+def peak_lrs(optimizers):
+    """Each param group's peak learning rate, as the optimizers were built."""
+    return [[group["lr"] for group in o.param_groups] for o in optimizers]
+
+
+def set_learning_rates(optimizers, peaks, lr, base_lr):
+    """One warm-up and cosine for every group, scaled to the group's own peak (lr / base_lr is
+    the schedule's factor; peak / base_lr is exactly 1.0 for AdamW's groups)."""
+    for o, group_peaks in zip(optimizers, peaks):
+        for group, peak in zip(o.param_groups, group_peaks):
+            group["lr"] = lr * (peak / base_lr)
 
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12,
@@ -295,12 +419,9 @@ def parameter_checksum(params):
 
 
 def gradients_finite(params, world_size, device):
-    """True on every rank iff no rank has a NaN/inf gradient: one 1-element all-reduce."""
-    bad = torch.zeros(1, device=device)
-    for p in params:
-        if not torch.isfinite(p.grad).all():
-            bad += 1
-            break
+    """True on every rank iff no rank has a NaN/inf gradient: one 1-element all-reduce and one
+    transfer to the host (the flags of all parameters are combined on the device)."""
+    bad = torch.stack([~torch.isfinite(p.grad).all() for p in params]).any().float().reshape(1)
     if world_size > 1:
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     return bad.item() == 0
@@ -383,6 +504,9 @@ def train(cfg):
         if ckpt["config"]["preset"] != cfg.preset:
             raise ConfigError(f"{ckpt_path} is a --preset={ckpt['config']['preset']} run; "
                               f"resume it with that preset or use another --out_dir")
+        if ckpt["config"].get("optimizer", "adamw") != cfg.optimizer:
+            raise ConfigError(f"{ckpt_path} is an --optimizer={ckpt['config'].get('optimizer', 'adamw')}"
+                              " run; resume it with that optimizer or use another --out_dir")
     elif os.path.exists(ckpt_path) and not (cfg.overwrite or restarts):
         raise ConfigError(f"{cfg.out_dir} already holds another run's checkpoint; pass --resume to "
                           "continue it, --overwrite=true to replace it, or choose another --out_dir")
@@ -393,15 +517,15 @@ def train(cfg):
     model = torch.compile(raw_model, dynamic=False) if cfg.compile else raw_model
     compress.compile_hot_path(cfg.compile)      # the codec and transform kernels too
     params = [p for p in raw_model.parameters() if p.requires_grad]
-    optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate,
-                                               (cfg.beta1, cfg.beta2), fused=device.type == "cuda")
-    communicator = make_communicator(cfg, raw_model, world_size)
+    optimizers = make_optimizers(cfg, raw_model, fused=device.type == "cuda")
+    peaks = peak_lrs(optimizers)    # read before a checkpoint overwrites "lr" with its last value
+    communicator, moments = make_communicator(cfg, raw_model, world_size)
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
                 else contextlib.nullcontext())
     start_step = 0
     if ckpt is not None:
         raw_model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
+        load_optimizers(optimizers, ckpt)
         if communicator is not None and ckpt.get("communicator"):
             communicator.load_state_dict(ckpt["communicator"])
         start_step = ckpt["step"]
@@ -449,7 +573,7 @@ def train(cfg):
             old = sorted(f for f in os.listdir(cfg.out_dir) if f.startswith("ckpt-"))
             for name in old[: max(0, len(old) - (cfg.keep_ckpts - 1))]:
                 os.remove(os.path.join(cfg.out_dir, name))
-        atomic_save({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
+        atomic_save({"model": raw_model.state_dict(), **optimizer_states(optimizers),
                      "step": step, "config": asdict(cfg), "model_config": asdict(mcfg),
                      "communicator": communicator.state_dict() if communicator else {},
                      "rng": {"torch": torch.get_rng_state()}}, ckpt_path)
@@ -466,27 +590,38 @@ def train(cfg):
     for step in range(start_step, cfg.max_iters):
         t0 = time.time()
         lr = learning_rate(cfg, step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        set_learning_rates(optimizers, peaks, lr, cfg.learning_rate)
         loss_sum = 0.0
+        # on the published GeoFP8's refresh steps, hooks collect the whitened layers' input
+        # statistics; those forwards run eagerly, so a compiled graph never contains the hooks
+        collect = moments is not None and communicator.wants_moments()
+        if collect:
+            moments.attach()
+        forward = raw_model if collect else model
         for micro in range(cfg.grad_accum):
             x, y = get_batch(data["train"], cfg.batch_size, cfg.block_size,
                              batch_rng(cfg.seed, rank, step, micro), device)
             with autocast:
-                _, loss = model(x, y)
+                _, loss = forward(x, y)
             # .grad accumulates locally; no communication until the last micro-step
             (loss / cfg.grad_accum).backward()
             loss_sum += loss.item()
+        if collect:
+            moments.detach()
         if not gradients_finite(params, world_size, device):
             # skipped on every rank alike; geometry and error-feedback state stay untouched
             log(f"step {step + 1}: warning: non-finite gradient on some rank; step skipped")
-            optimizer.zero_grad(set_to_none=True)
+            if collect:
+                moments.take()      # this step's statistics go with it
+            for o in optimizers:
+                o.zero_grad(set_to_none=True)
             continue
-        wire_bytes = reduce_gradients(params, cfg, communicator, world_size)
+        wire_bytes = reduce_gradients(params, cfg, communicator, world_size, moments)
         grad_norm = (torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip > 0
                      else torch.norm(torch.stack([p.grad.norm() for p in params])))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        for o in optimizers:
+            o.step()
+            o.zero_grad(set_to_none=True)
         if cfg.check_every and world_size > 1 and (step + 1) % cfg.check_every == 0:
             check_ranks_agree(params, step + 1, device)
         train_loss = loss_sum / cfg.grad_accum  # this rank's loss; ranks differ by their data
@@ -497,7 +632,7 @@ def train(cfg):
         done = step + 1
         if done % cfg.eval_interval == 0 or done == cfg.max_iters:
             val_loss = evaluate()
-            if cfg.comm == "geofp8" and done > cfg.geo_warmup:
+            if cfg.comm in ("geofp8", "subspace") and done > cfg.geo_warmup:
                 log(f"GeoFP8 layers at step {done}:\n{communicator.table()}")
         if done % cfg.log_interval == 0 or done == cfg.max_iters:
             record = {"step": done, "loss": train_loss, "val_loss": val_loss, "lr": lr,

@@ -6,7 +6,9 @@ Convergence ablation: the same training run with each gradient communication met
 Runs `torchrun --standalone --nproc_per_node=N train.py` once per method (same seed, same data,
 same schedule; extra flags after `--` go to every run), reads each run's log.jsonl, and writes
 out_dir/ablation.md (final train/val loss, gap to fp32, wire bytes per step, time per step) and,
-with matplotlib installed, out_dir/loss.png. Methods: fp32, bf16, fp8, geofp8, nvfp4, geo-nvfp4.
+with matplotlib installed, out_dir/loss.png. Methods: fp32, bf16, fp8, fp8-ef (with error
+feedback), fp8-paper (the paper's FP8-sum collective), geofp8 (published), subspace (ours),
+nvfp4, geo-nvfp4, subspace-nvfp4.
 """
 
 import argparse
@@ -16,8 +18,11 @@ import subprocess
 import sys
 
 COMMS = {"fp32": ["--comm=fp32"], "bf16": ["--comm=bf16"], "fp8": ["--comm=fp8"],
-         "geofp8": ["--comm=geofp8"], "nvfp4": ["--comm=fp8", "--fmt=nvfp4"],
-         "geo-nvfp4": ["--comm=geofp8", "--fmt=nvfp4"]}
+         "fp8-ef": ["--comm=fp8", "--error_feedback"],
+         "fp8-paper": ["--comm=fp8", "--fmt=e5m2", "--collective=fp8-sum"],
+         "geofp8": ["--comm=geofp8"], "subspace": ["--comm=subspace"],
+         "nvfp4": ["--comm=fp8", "--fmt=nvfp4"], "geo-nvfp4": ["--comm=geofp8", "--fmt=nvfp4"],
+         "subspace-nvfp4": ["--comm=subspace", "--fmt=nvfp4"]}
 
 
 def run(comm, nproc, out_dir, extra):

@@ -66,9 +66,9 @@ def planted_gradients(shapes, step, rank, world):
 
 METHODS = {
     "fp32": None, "bf16": None,
-    "fp8": compress.GeoOptions(geo=False),
-    "geofp8": compress.GeoOptions(geo=True, min_numel=4096),
-    "nvfp4": compress.GeoOptions(geo=False, fmt="nvfp4"),
+    "fp8": compress.GeoOptions(geometry="euclidean"),
+    "subspace": compress.GeoOptions(geometry="subspace", min_numel=4096),
+    "nvfp4": compress.GeoOptions(geometry="euclidean", fmt="nvfp4"),
 }
 
 
@@ -139,8 +139,8 @@ def measure_overhead(steps, preset="cpu-tiny", batch_size=8, block_size=128, ref
     fwd_bwd_s = (time.perf_counter() - t0) / steps
 
     results = {}
-    for name, opts in (("fp8", compress.GeoOptions(geo=False, vocab_size=cfg.vocab_size)),
-                       ("geofp8", compress.GeoOptions(geo=True, vocab_size=cfg.vocab_size,
+    for name, opts in (("fp8", compress.GeoOptions(geometry="euclidean", vocab_size=cfg.vocab_size)),
+                       ("subspace", compress.GeoOptions(geometry="subspace", vocab_size=cfg.vocab_size,
                                                       refresh=refresh, rank=rank))):
         comm = compress.GeoFP8Communicator(named, opts)
         comm.reduce_workers([grads])  # first bases
@@ -149,17 +149,17 @@ def measure_overhead(steps, preset="cpu-tiny", batch_size=8, block_size=128, ref
             comm.reduce_workers([grads])
         results[name] = (time.perf_counter() - t0) / steps
         geo_layers = sum(comm.coords(n) == "geo" for n, _ in named)
-    overhead = results["geofp8"] - results["fp8"]
+    overhead = results["subspace"] - results["fp8"]
     return {"preset": preset, "refresh": refresh, "rank": rank,
             "tokens": batch_size * block_size, "fwd_bwd_ms": fwd_bwd_s * 1000,
-            "fp8_codec_ms": results["fp8"] * 1000, "geofp8_codec_ms": results["geofp8"] * 1000,
+            "fp8_codec_ms": results["fp8"] * 1000, "subspace_codec_ms": results["subspace"] * 1000,
             "geo_overhead_ms": overhead * 1000, "overhead_vs_fwd_bwd": overhead / fwd_bwd_s,
             "geo_layers": geo_layers}
 
 
 def fsdp_fidelity(checkpoint, steps, last, rank, sides="both", data_dir="data/shakespeare",
                   batch_size=8, block_size=128):
-    """Three FSDP2 copies of one checkpoint, each step the same batches: fp32 / fp8 / geofp8."""
+    """Three FSDP2 copies of one checkpoint, each step the same batches: fp32 / fp8 / subspace."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from nanogeo.fsdp import use_geofp8
@@ -171,16 +171,17 @@ def fsdp_fidelity(checkpoint, steps, last, rank, sides="both", data_dir="data/sh
     data = train.load_data(types.SimpleNamespace(data_dir=data_dir, block_size=block_size),
                            mcfg.vocab_size)
     nets, comms = {}, {}
-    for method in ("fp32", "fp8", "geofp8"):
+    for method in ("fp32", "fp8", "subspace"):
         net = model_lib.Llama(mcfg).to(device)
         net.load_state_dict(ckpt["model"])
         for block in net.layers:
             fully_shard(block, mesh=mesh)
         fully_shard(net, mesh=mesh)
         if method != "fp32":
-            comms[method] = use_geofp8(net, geo=method == "geofp8", rank=rank, sides=sides)
+            comms[method] = use_geofp8(net, geometry="subspace" if method == "subspace" else "euclidean",
+                                       rank=rank, sides=sides)
         nets[method] = net
-    candidates = {n for c in comms["geofp8"] for n in c.comm.layers}
+    candidates = {n for c in comms["subspace"] for n in c.comm.layers}
     sq = {m: torch.zeros(4, dtype=torch.float64) for m in comms}   # err, ref; matrices' err, ref
     seconds = {m: 0.0 for m in nets}
     for step in range(steps):
@@ -209,7 +210,7 @@ def fsdp_fidelity(checkpoint, steps, last, rank, sides="both", data_dir="data/sh
         dist.all_reduce(total)
         v.copy_(total.cpu())
     out = {"world": world, "steps": steps, "last": last, "rank": rank, "sides": sides,
-           "geo_matrices": sum(c.comm.coords(n) == "geo" for c in comms["geofp8"] for n in c.names),
+           "geo_matrices": sum(c.comm.coords(n) == "geo" for c in comms["subspace"] for n in c.names),
            "candidate_matrices": len(candidates)}
     for method, v in sq.items():
         out[method] = {"rel_err_all": math.sqrt(v[0] / v[1]),
@@ -218,7 +219,7 @@ def fsdp_fidelity(checkpoint, steps, last, rank, sides="both", data_dir="data/sh
                        "geometry_bytes_per_step": sum(c.geometry_bytes for c in comms[method]) / steps}
     for method, s in seconds.items():
         out.setdefault(method, {})["backward_ms"] = s / last * 1000
-    out["geofp8_vs_fp8_matrix_error"] = (out["geofp8"]["rel_err_matrices"]
+    out["subspace_vs_fp8_matrix_error"] = (out["subspace"]["rel_err_matrices"]
                                          / out["fp8"]["rel_err_matrices"])
     return out
 
@@ -237,7 +238,7 @@ def main(argv=None):
     parser.add_argument("mode", choices=["collective", "overhead", "flops", "fsdp"])
     parser.add_argument("--sizes", default="1,4,16", help="million elements per bucket")
     parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--methods", default="fp32,bf16,fp8,geofp8,nvfp4")
+    parser.add_argument("--methods", default="fp32,bf16,fp8,subspace,nvfp4")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--refresh", default="1,4", help="basis refresh intervals to try")
     parser.add_argument("--preset", default="llama-600m")
@@ -246,7 +247,7 @@ def main(argv=None):
     parser.add_argument("--checkpoint", default="out/ablate/fp32/ckpt.pt", help="fsdp mode")
     parser.add_argument("--last", type=int, default=8, help="fsdp mode: steps measured")
     parser.add_argument("--sides", default="both", choices=["both", "left", "right"],
-                        help="fsdp mode: which sides GeoFP8 rotates (an ablation)")
+                        help="fsdp mode: which sides the subspace rotation rotates (an ablation)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the codec and transform (compress.compile_hot_path)")
     parser.add_argument("--json", default=None)

@@ -1,20 +1,35 @@
 """
-Capture real gradients of W data-parallel workers into a gradient file (DESIGN.md section 5).
+Capture real gradients of W data-parallel workers into a gradient file.
 
     python -m nanogeo.capture --out grads.pt --workers=4 --train_steps=200 --capture_steps=4
+    python -m nanogeo.capture --out grads_muon.pt --optimizer=muon --workers=4 --train_steps=200
 
 Trains a preset in one process for --train_steps with the exact fp32 mean of W workers'
 gradients (each worker its own micro-batch, as in data parallelism), or starts from a train.py
-checkpoint (--checkpoint=out/demo/ckpt.pt), then records --capture_steps successive steps: for each,
-every worker's gradient, after which the model is stepped with their exact mean. Adam's
-exp_avg_sq at the end is saved as optimizer_v (for errors in Adam-normalised units).
+checkpoint (--checkpoint=out/demo/ckpt.pt), then records --capture_steps successive steps. The
+file holds, oldest step first:
+
+    steps       [[{name: fp32 gradient} per worker] per step]
+    inputs      [{weight name: A = a^T a / tokens} per step]     each nn.Linear without a vocabulary
+    outputs     [{weight name: G = delta^T delta / tokens} per step]   dimension, all workers' tokens
+    optimizer   {"groups": [{"class": "AdamW" | "Muon", "params": [names], "hyper": {kwargs}}],
+                 (not with --keep=linear, which keeps only the linear layers' weights)
+                 "state": {name: torch's per-parameter state}}   as it was before the first step
+    optimizer_v {name: exp_avg_sq} at the end (AdamW's parameters; legacy)
+    vocab_size  the model's vocabulary size (tools read roles from here, never from shapes)
+    grad_clip   the global-norm clip applied to every mean before the optimizer step
+
+Every recorded step is taken with the exact mean, so a tool can replay the optimizer from the
+recorded state to know its state at every step.
 """
 
+import inspect
 import sys
 from dataclasses import dataclass
 
 import torch
 
+import compress
 import model as model_lib
 import train
 
@@ -30,6 +45,7 @@ class CaptureConfig:
     capture_steps: int = 4
     batch_size: int = 8
     block_size: int = 128
+    optimizer: str = "adamw"          # adamw | muon (Muon on the blocks' matrices, as train.py)
     learning_rate: float = 3e-3
     min_lr: float = 3e-4
     warmup_iters: int = 20
@@ -37,57 +53,118 @@ class CaptureConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
+    muon_lr: float = 5e-4
+    muon_momentum: float = 0.9
+    muon_ns_steps: int = 5
+    muon_adjust_lr: str = "match_rms_adamw"
+    keep: str = "all"                 # all | linear: only the linear layers' weights (the ones
+                                      # with moments) - small files for many workers
     seed: int = 1337
 
 
-def capture(cfg: CaptureConfig):
+def simulated_training(cfg, record_from, collect_moments=False):
+    """Train cfg.preset in one process as cfg.workers data-parallel workers, stepping with the
+    exact fp32 mean of their gradients. Yields (step, model, optimizers, workers, moments, loss)
+    for every step >= record_from *before* the optimizer takes it: workers is [{name: gradient}]
+    per worker, moments the K-FAC statistics of every nn.Linear over all workers' tokens
+    (compress.KroneckerMoments.take(); None unless collect_moments), loss the workers' mean."""
     torch.manual_seed(cfg.seed)
     mcfg = model_lib.model_config(cfg.preset, block_size=cfg.block_size)
     model = model_lib.Llama(mcfg)
-    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2))
+    optimizers = train.make_optimizers(cfg, model, fused=False)
     start = 0
     if cfg.checkpoint:
         ckpt = torch.load(cfg.checkpoint, map_location="cpu", weights_only=True)
         model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
+        train.load_optimizers(optimizers, ckpt)
         start = ckpt["step"]
+        record_from += start
     data = train.load_data(cfg, mcfg.vocab_size)
     params = dict(model.named_parameters())
     schedule = train.TrainConfig(learning_rate=cfg.learning_rate, min_lr=cfg.min_lr,
                                  warmup_iters=cfg.warmup_iters,
-                                 max_iters=start + cfg.train_steps + cfg.capture_steps)
-    steps = []
-    total = 0 if cfg.checkpoint else cfg.train_steps
-    for step in range(start, start + total + cfg.capture_steps):
-        workers = []
+                                 max_iters=record_from + cfg.capture_steps)
+    peak_lrs = train.peak_lrs(optimizers)
+    recording = [False]
+    # every linear layer but those with a vocabulary dimension (the head's G alone would be
+    # vocab x vocab); the vocabulary size comes from the model's config
+    layers = {n: m for n, m in compress.linear_layers(model).items()
+              if mcfg.vocab_size not in m.weight.shape}
+    moments = (compress.KroneckerMoments(layers, lambda: recording[0], ("input", "output")).attach()
+               if collect_moments else None)
+    for step in range(start, record_from + cfg.capture_steps):
+        recording[0] = step >= record_from
+        workers, loss = [], 0.0
         for w in range(cfg.workers):
             x, y = train.get_batch(data["train"], cfg.batch_size, cfg.block_size,
                                    train.batch_rng(cfg.seed, w, step, 0), "cpu")
             model.zero_grad(set_to_none=True)
-            model(x, y)[1].backward()
+            worker_loss = model(x, y)[1]
+            worker_loss.backward()
+            loss += worker_loss.item() / cfg.workers
             workers.append({n: p.grad.detach().clone() for n, p in params.items()})
+        if recording[0]:
+            yield step, model, optimizers, workers, moments.take() if moments else None, loss
         for n, p in params.items():
             p.grad = sum(w[n] for w in workers) / cfg.workers
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        for group in optimizer.param_groups:
-            group["lr"] = train.learning_rate(schedule, step)
-        optimizer.step()
-        if step >= start + total:
-            steps.append(workers)
-            print(f"captured step {step}: {cfg.workers} workers, loss {model(x, y)[1].item():.3f}")
-        elif step % 50 == 0:
+        train.set_learning_rates(optimizers, peak_lrs, train.learning_rate(schedule, step),
+                                 cfg.learning_rate)
+        for opt in optimizers:
+            opt.step()
+        if not recording[0] and step % 50 == 0:
             print(f"train step {step}")
-    optimizer_v = {n: optimizer.state[p]["exp_avg_sq"].clone() for n, p in params.items()}
-    torch.save({"steps": steps, "optimizer_v": optimizer_v}, cfg.out)
-    print(f"wrote {cfg.out}: {len(steps)} steps x {cfg.workers} workers x {len(params)} tensors")
+
+
+def optimizer_record(optimizers, model):
+    """The optimizers as the gradient file describes them: each param group's torch class,
+    parameter names and constructor arguments, and each parameter's state (copied)."""
+    names = {p: n for n, p in model.named_parameters()}
+    groups, state = [], {}
+    for opt in optimizers:
+        accepted = inspect.signature(type(opt).__init__).parameters
+        for group in opt.param_groups:
+            groups.append({"class": type(opt).__name__,
+                           "params": [names[p] for p in group["params"]],
+                           "hyper": {k: v for k, v in group.items()
+                                     if k in accepted and k != "params"}})
+        for p, s in opt.state.items():
+            state[names[p]] = {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+    return {"groups": groups, "state": state}
+
+
+def capture(cfg: CaptureConfig):
+    steps, inputs, outputs, record = [], [], [], None
+    record_from = 0 if cfg.checkpoint else cfg.train_steps
+    for step, model, optimizers, workers, moments, loss in simulated_training(cfg, record_from,
+                                                                               True):
+        if record is None:
+            record = optimizer_record(optimizers, model)
+        if cfg.keep == "linear":
+            workers = [{n: w[n] for n in moments["input"]} for w in workers]
+        steps.append(workers)
+        inputs.append(moments["input"])
+        outputs.append(moments["output"])
+        print(f"captured step {step}: {cfg.workers} workers, loss {loss:.3f}")
+    adamw = [o for o in optimizers if isinstance(o, torch.optim.AdamW)]
+    names = {p: n for n, p in model.named_parameters()}
+    optimizer_v = {names[p]: o.state[p]["exp_avg_sq"].clone() for o in adamw for p in o.state}
+    data = {"steps": steps, "inputs": inputs, "outputs": outputs, "vocab_size": model.config.vocab_size}
+    if cfg.keep == "all":   # the optimizer replays only on the whole model (clipping is global)
+        data.update(optimizer=record, optimizer_v=optimizer_v, grad_clip=cfg.grad_clip)
+    torch.save(data, cfg.out)
+    print(f"wrote {cfg.out}: {len(steps)} steps x {cfg.workers} workers x {len(names)} tensors, "
+          f"{cfg.optimizer}")
 
 
 def main(argv=None):
     try:
         cfg = train.parse_config(sys.argv[1:] if argv is None else argv, CaptureConfig,
                                  presets={name: {} for name in model_lib.PRESETS},
-                                 choices={"preset": tuple(model_lib.PRESETS)})
+                                 choices={"preset": tuple(model_lib.PRESETS),
+                                          "optimizer": ("adamw", "muon"),
+                                          "keep": ("all", "linear")}, doc=__doc__)
         capture(cfg)
     except (train.ConfigError, train.ShardError) as e:
         sys.exit(f"nanogeo.capture: error: {e}")

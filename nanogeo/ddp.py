@@ -5,14 +5,22 @@ GeoFP8 for any DistributedDataParallel model, as a DDP communication hook.
     from nanogeo.ddp import GeoFP8HookState, geofp8_hook
 
     model = DDP(model)
-    model.register_comm_hook(GeoFP8HookState(model, rank=16, warmup=10), geofp8_hook)
+    model.register_comm_hook(GeoFP8HookState(model), geofp8_hook)          # published GeoFP8
+    model.register_comm_hook(GeoFP8HookState(model, geometry="subspace", rank=16), geofp8_hook)
 
 DDP hands the hook one bucket at a time: a flat buffer holding several parameters' gradients.
 The hook names the parameters in the bucket, averages their gradients with compress.py's
 two-stage FP8 collective (in geometry-aware coordinates where that measurably helps), writes the
 mean back into the bucket and returns it as an already-completed future. Options are those of
-compress.GeoOptions (the same as train.py's flags): fmt, block, geo, rank, refresh, warmup,
-error_feedback, stochastic, ...
+compress.GeoOptions (the same as train.py's flags): geometry, fmt, block, collective, select,
+factor, refresh, warmup, error_feedback, ...
+
+The published method (geometry="whiten") needs each linear layer's input second moment: the
+state registers a forward pre-hook on every nn.Linear whose weight is a candidate (found by module
+type) and collects a^T a on refresh steps; each bucket's communicator averages its layers'
+moments over the ranks before it refreshes their factors. (The output side, G = E[delta delta^T],
+is collected during the backward pass and is complete only after DDP's hooks have fired: the
+hook supports the input side only.)
 
 Buckets: DDP rebuilds its buckets once, after the first iteration, in the order gradients became
 ready. Each distinct bucket gets its own communicator; when a new bucket appears, the geometry
@@ -50,6 +58,36 @@ class GeoFP8HookState:
         self.communicators = {}     # tuple of names -> GeoFP8Communicator
         self.bytes_sent = 0         # since the last reset_bytes()
         self.streams = {}           # CUDA device -> the hook's side stream
+        self.moments = None         # the whitened layers' K-FAC statistics (geometry="whiten")
+        if self.options.geometry == "whiten":
+            if self.options.whiten_sides != "input":
+                raise ValueError("nanogeo.ddp: the DDP hook whitens the input side only; "
+                                 "use whiten_sides='input'")
+            candidates = [n for n, p in module.named_parameters()
+                          if compress.exemption(n, tuple(p.shape), self.options) is None]
+            if self.options.select == "fragile":
+                raise ValueError("nanogeo.ddp: select='fragile' would pick top_k per bucket; "
+                                 "profile with nanogeo.profile and pass select='list', geo_layers=...")
+            self.moments = compress.KroneckerMoments(compress.linear_layers(module, candidates),
+                                                     self.collecting).attach()
+            # collected by the forward, not yet used by a bucket: {name: A}, {name: tokens}
+            self.pending = {"input": {}, "tokens": {}}
+
+    def collecting(self):
+        """Collect statistics in this forward pass? On the first iteration (no bucket seen yet)
+        and whenever a bucket's communicator is at a refresh step."""
+        return not self.communicators or any(c.wants_moments() for c in self.communicators.values())
+
+    def moments_for(self, comm):
+        """The statistics of this bucket's whitened layers, if this step collected them."""
+        if self.moments is None or not comm.wants_moments():
+            return None
+        taken = self.moments.take()                  # what the forward just collected
+        self.pending["input"].update(taken["input"])
+        self.pending["tokens"].update(taken["tokens"]["input"])
+        names = [n for n in comm.moment_layers() if n in self.pending["input"]]
+        return {"input": {n: self.pending["input"].pop(n) for n in names},
+                "tokens": {"input": {n: self.pending["tokens"].pop(n) for n in names}}}
 
     def communicator(self, names, shapes):
         key = tuple(names)
@@ -96,15 +134,18 @@ def geofp8_hook(state: GeoFP8HookState,
     names = [state.names[p] for p in params]
     comm = state.communicator(names, [tuple(p.shape) for p in params])
     buffer = bucket.buffer()
+    moments = state.moments_for(comm)       # before the side stream: its tensors stay on ours
     if not buffer.is_cuda:
-        state.bytes_sent += comm.reduce(bucket.gradients())   # views of the buffer: in place
+        state.bytes_sent += comm.reduce(bucket.gradients(), moments)   # views: in place
         future = torch.futures.Future()
         future.set_result(buffer)
         return future
     stream = state.stream(buffer.device)
     stream.wait_stream(torch.cuda.current_stream(buffer.device))   # the gradients are ready
     with torch.cuda.stream(stream):
-        state.bytes_sent += comm.reduce(bucket.gradients())
+        for side in (moments or {}).get("input", {}).values():
+            side.record_stream(stream)      # allocated on the compute stream, used on ours
+        state.bytes_sent += comm.reduce(bucket.gradients(), moments)
         # a CUDA-aware future: whoever waits on it waits for this stream's work so far
         future = torch.futures.Future(devices=[buffer.device])
         future.set_result(buffer)

@@ -1,5 +1,5 @@
 """
-How faithfully does each method deliver the mean gradient? (DESIGN.md section 5)
+How faithfully does each method deliver the mean gradient?
 
     python -m nanogeo.fidelity grads.pt [--methods bf16,fp8-block,geofp8] [--json OUT] [--last K]
 
@@ -10,10 +10,22 @@ on - and reports for the last K steps (averaged): per tensor and in total, the r
 of the decoded mean against the exact fp32 mean, cosine similarity, the error in Adam-normalised
 units when the file has optimizer_v, and wire bytes per rank.
 
-Methods: bf16, fp8-tensor, fp8-row, fp8-block, geofp8, geofp8-full, nvfp4, geo-nvfp4.
+Methods (each with the two-stage e4m3 block-128 collective unless it says otherwise):
+    bf16            the bf16 ring all-reduce
+    fp8-tensor, fp8-row, fp8-block      Euclidean FP8, one scale per tensor / row / 128 values
+    fp8-paper       Euclidean, the paper's collective: e5m2, one scale per tensor shared by all
+                    ranks, one FP8 all_reduce SUM (fp16 adds, saturating), emulated in ring order
+    geofp8          the published GeoFP8: K-FAC input whitening, low-rank 32 (needs `inputs`)
+    geofp8-paper    the published method with the paper's collective, factor (low-rank applied
+                    by a dense Cholesky factor, smoothed) and error feedback on its layers
+    subspace, subspace-full     this project's two-sided rotation (r = 16; exact dense bases)
+    nvfp4, geo-nvfp4, subspace-nvfp4    NVFP4 Euclidean / whitened / rotated
 Any method takes GeoOptions overrides after colons, for ablations:
-    geofp8:rank=8   geofp8:sides=left   geofp8:basis=random   fp8-block:block=32
-    geofp8:refresh=4:decay=0.5   fp8-block:error_feedback=1   geofp8:stochastic=1
+    geofp8:factor=diag   geofp8:factor=block:whiten_block=64   geofp8:whiten_rank=8
+    geofp8:whiten_sides=both   geofp8:select=all   fp8-paper:sum_order=tree
+    subspace:rank=8   subspace:sides=left   fp8-block:error_feedback=1   fp8-block:block=32
+The whitening methods read each step's input (and output) second moments from the file; the
+vocabulary dimension stays Euclidean, its size from --vocab_size or the file's vocab_size.
 """
 
 import argparse
@@ -26,21 +38,27 @@ import torch
 
 import compress
 
+PAPER_CODEC = dict(fmt="e5m2", block="tensor", collective="fp8-sum")
 METHODS = {  # name -> GeoOptions fields (None: the bf16 ring all-reduce)
     "bf16": None,
-    "fp8-tensor": dict(geo=False, block="tensor"),
-    "fp8-row": dict(geo=False, block="row"),
-    "fp8-block": dict(geo=False, block=128),
-    "geofp8": dict(geo=True),
-    "geofp8-full": dict(geo=True, full=True),
-    "nvfp4": dict(geo=False, fmt="nvfp4"),
-    "geo-nvfp4": dict(geo=True, fmt="nvfp4"),
+    "fp8-tensor": dict(geometry="euclidean", block="tensor"),
+    "fp8-row": dict(geometry="euclidean", block="row"),
+    "fp8-block": dict(geometry="euclidean", block=128),
+    "fp8-paper": dict(geometry="euclidean", **PAPER_CODEC),
+    "geofp8": dict(geometry="whiten"),
+    "geofp8-paper": dict(geometry="whiten", factor="lowrank-dense", factor_decay=0.95,
+                         error_feedback=True, feedback_geo_only=True, **PAPER_CODEC),
+    "subspace": dict(geometry="subspace"),
+    "subspace-full": dict(geometry="subspace", full=True),
+    "nvfp4": dict(geometry="euclidean", fmt="nvfp4"),
+    "geo-nvfp4": dict(geometry="whiten", fmt="nvfp4"),
+    "subspace-nvfp4": dict(geometry="subspace", fmt="nvfp4"),
 }
-DEFAULT_METHODS = "bf16,fp8-tensor,fp8-row,fp8-block,geofp8,nvfp4,geo-nvfp4"
+DEFAULT_METHODS = "bf16,fp8-tensor,fp8-row,fp8-block,fp8-paper,geofp8,geofp8-paper,subspace,nvfp4"
 
 
 def method_options(spec, vocab_size):
-    """'geofp8:rank=8:sides=left' -> GeoOptions (or None for bf16)."""
+    """'subspace:rank=8:sides=left' -> GeoOptions (or None for bf16)."""
     name, *overrides = spec.split(":")
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
@@ -59,6 +77,8 @@ def method_options(spec, vocab_size):
             options[key] = value.lower() in ("1", "true", "yes")
         elif key == "block":
             options[key] = int(value) if value.isdigit() else value
+        elif key == "geo_layers":
+            options[key] = tuple(value.split("+"))
         else:
             options[key] = type(default)(value)
     return compress.GeoOptions(**options)
@@ -89,8 +109,9 @@ def tensor_bytes(layout, index):
     return total / world
 
 
-def run_method(spec, steps, names, vocab_size):
-    """Means delivered by one method for every step, and bytes per rank, plus coords used."""
+def run_method(spec, steps, names, vocab_size, moments=None):
+    """Means delivered by one method for every step, and bytes per rank, plus coords used.
+    moments[s] = {"input": {name: A}, "output": {name: G}} of step s, for the whitening."""
     options = method_options(spec, vocab_size)
     shapes = [steps[0][0][n].shape for n in names]
     results = []
@@ -101,34 +122,133 @@ def run_method(spec, steps, names, vocab_size):
             results.append((means, sent, per_tensor, ["euclidean"] * len(names)))
         return results
     comm = compress.GeoFP8Communicator(list(zip(names, shapes)), options)
-    layout = compress.shard_layout(tuple(tuple(s) for s in shapes), options.fmt, options.block,
-                                   len(steps[0]))
-    per_tensor = [tensor_bytes(layout, i) for i in range(len(names))]  # fixed by the shapes
-    for workers in steps:
+    if comm.moment_layers() and moments is None:
+        raise ValueError(f"{spec} whitens with each layer's input second moments, but the file "
+                         "has no 'inputs'; capture one with `python -m nanogeo.capture`")
+    world = len(steps[0])
+    if options.collective == "fp8-sum":   # one byte per element in a ring all-reduce
+        per_tensor = [compress.fp8_sum_bytes(math.prod(s), world) for s in shapes]
+    else:
+        layout = compress.shard_layout(tuple(tuple(s) for s in shapes), options.fmt,
+                                       options.block, world)
+        per_tensor = [tensor_bytes(layout, i) for i in range(len(names))]  # fixed by the shapes
+    for s, workers in enumerate(steps):
         coords = [comm.coords(n) for n in names]  # the coordinates this step is sent in
-        means, sent = comm.reduce_workers([[w[n] for n in names] for w in workers])
+        means, sent = comm.reduce_workers([[w[n] for n in names] for w in workers],
+                                          moments[s] if moments else None)
         results.append((means, sent, per_tensor, coords))
     return results
 
 
-def evaluate(path, methods, last=1):
+def optimizer_step(record, state, grads, grad_clip):
+    """One step of the file's optimizers (torch's own classes, rebuilt from their recorded
+    constructor arguments) from `state`, on parameters at zero, with `grads` clipped by their
+    global norm as in training. Returns ({name: update}, {name: new state}). The parameters
+    start at zero, so the update holds exactly the gradient-driven part: weight decay moves the
+    same parameter by the same amount whatever the gradient, so it drops out of the difference."""
+    params = {n: torch.zeros_like(g, requires_grad=True) for n, g in grads.items()}
+    scale = 1.0
+    if grad_clip > 0:
+        norm = torch.stack([g.norm() for g in grads.values()]).norm().item()
+        scale = min(1.0, grad_clip / (norm + 1e-6))           # clip_grad_norm_'s rule
+    optimizers = []
+    for group in record["groups"]:
+        opt = getattr(torch.optim, group["class"])([params[n] for n in group["params"]],
+                                                   **group["hyper"])
+        for n in group["params"]:
+            if n in state:
+                opt.state[params[n]] = {k: v.clone() if torch.is_tensor(v) else v
+                                        for k, v in state[n].items()}
+            params[n].grad = grads[n] * scale
+        optimizers.append(opt)
+    with torch.no_grad():
+        for opt in optimizers:
+            opt.step()
+    new_state = {n: dict(opt.state[params[n]]) for opt, group in zip(optimizers, record["groups"])
+                 for n in group["params"]}
+    return {n: p.detach() for n, p in params.items()}, new_state
+
+
+def optimizer_classes(record):
+    """{name: "adamw" | "muon"}: the optimizer each parameter belongs to."""
+    return {n: group["class"].lower() for group in record["groups"] for n in group["params"]}
+
+
+def exact_updates(record, exact, grad_clip):
+    """Replay the optimizer on the exact means: (state before each step, exact update of each
+    step)."""
+    states, updates, state = [], [], record["state"]
+    for mean in exact:
+        states.append(state)
+        update, state = optimizer_step(record, state, mean, grad_clip)
+        updates.append(update)
+    return states, updates
+
+
+def file_moments(data):
+    """Per step {"input": {name: A}, "output": {name: G}} from a gradient file, or None."""
+    if "inputs" not in data:
+        return None
+    outputs = data.get("outputs") or [{} for _ in data["inputs"]]
+    return [{"input": a, "output": g} for a, g in zip(data["inputs"], outputs)]
+
+
+def update_errors(record, states, exact, results, names, classes, grad_clip):
+    """The relative L2 difference between the update the file's optimizer takes from the
+    decoded mean and from the exact mean, per layer and per optimizer ("adamw", "muon"; over all
+    of its parameters), averaged over the steps given."""
+    layers = {n: {classes[n]: 0.0} for n in names}
+    total = {c: 0.0 for c in set(classes.values())}
+    for state, ref, (means, *_) in zip(states, exact, results):
+        update, _ = optimizer_step(record, state, dict(zip(names, means)), grad_clip)
+        err2 = {c: 0.0 for c in total}
+        ref2 = {c: 0.0 for c in total}
+        for n in names:
+            e2, r2 = (update[n] - ref[n]).pow(2).sum().item(), ref[n].pow(2).sum().item()
+            layers[n][classes[n]] += math.sqrt(e2 / r2) / len(states) if r2 else 0.0
+            err2[classes[n]] += e2
+            ref2[classes[n]] += r2
+        for c in total:
+            total[c] += math.sqrt(err2[c] / ref2[c]) / len(states) if ref2[c] else 0.0
+    return {"total": total, "layers": layers}
+
+
+def evaluate(path, methods, last=1, vocab_size=None, round_trip=False):
+    """The report for every method spec. round_trip=True sends the exact mean once through each
+    codec instead of the workers through the collective (the paper's Table I: one FP8 round
+    trip; the collectives are idempotent for a single worker)."""
     data = torch.load(path, map_location="cpu", weights_only=True)
     steps = data["steps"]
     if not steps or not steps[0]:
         raise ValueError(f"{path} holds no steps")
     names = list(steps[0][0])
+    if round_trip:
+        steps = [[{n: sum(w[n].float() for w in workers) / len(workers) for n in names}]
+                 for workers in steps]
     adam_v = data.get("optimizer_v")
-    vocab_size = max(max(t.shape) for t in steps[0][0].values())  # the largest dimension
+    vocab_size = vocab_size if vocab_size is not None else data.get("vocab_size", 0)
+    moments = file_moments(data)
     exact = [{n: sum(w[n].float() for w in workers) / len(workers) for n in names}
              for workers in steps]
+    record, grad_clip = data.get("optimizer"), data.get("grad_clip", 0.0)
+    if record is not None:      # what the optimizer does with the exact means, step by step
+        classes = optimizer_classes(record)
+        states, updates = exact_updates(record, exact, grad_clip)
     report = {}
     for spec in methods:
-        results = run_method(spec, steps, names, vocab_size)
-        layers = {n: {"rel_err": 0.0, "cos": 0.0, "bytes": 0.0, "ref_norm": 0.0} for n in names}
+        results = run_method(spec, steps, names, vocab_size, moments)
+        layers = {n: {"rel_err": 0.0, "cos": 0.0, "bytes": 0.0, "ref_norm": 0.0, "max_err": 0.0,
+                      "mse": 0.0} for n in names}
         total = {"rel_err": 0.0, "cos": 0.0, "bytes": 0.0, "matrices_rel_err": 0.0}
         if adam_v is not None:
             total["adam_rel_err"] = 0.0
         chosen = results[-last:]
+        if record is not None:
+            update_err = update_errors(record, states[-last:], updates[-last:], chosen, names,
+                                       classes, grad_clip)
+            total["update_err"] = update_err["total"]
+            for n in names:
+                layers[n]["update_err"] = update_err["layers"][n]
         for (means, sent, per_tensor, coords), ref in zip(chosen, exact[-last:]):
             err2 = ref2 = mat_err2 = mat_ref2 = dot = mean2 = adam_err2 = adam_ref2 = 0.0
             for n, m, b, c in zip(names, means, per_tensor, coords):
@@ -140,11 +260,13 @@ def evaluate(path, methods, last=1):
                 layer["cos"] += d / math.sqrt(r2 * m2) / last if r2 and m2 else 0.0
                 layer["bytes"] += b / last
                 layer["ref_norm"] += math.sqrt(r2) / last
+                layer["max_err"] += (m - r).abs().max().item() / last
+                layer["mse"] += e2 / r.numel() / last
                 layer["coords"] = c
                 err2, ref2, dot, mean2 = err2 + e2, ref2 + r2, dot + d, mean2 + m2
-                if r.dim() == 2 and vocab_size not in r.shape:  # the transformer matrices
+                if r.dim() == 2 and vocab_size not in r.shape:  # the matrices but vocabulary
                     mat_err2, mat_ref2 = mat_err2 + e2, mat_ref2 + r2
-                if adam_v is not None:
+                if adam_v is not None and n in adam_v:      # AdamW's parameters
                     scale = adam_v[n].sqrt() + 1e-8
                     adam_err2 += ((m - r) / scale).pow(2).sum().item()
                     adam_ref2 += (r / scale).pow(2).sum().item()
@@ -175,6 +297,9 @@ def print_report(report):
             print(f"{'TOTAL ' + key:34s}" + "".join(
                 f"{report[m]['total'][key]:17.4f}" if key != "bytes"
                 else f"{report[m]['total'][key] / 1e6:15.3f}MB" for m in methods))
+    for c in report[methods[0]]["total"].get("update_err", {}):
+        print(f"{'TOTAL update_err ' + c:34s}" + "".join(
+            f"{report[m]['total']['update_err'][c]:17.4f}" for m in methods))
     base = report.get("bf16")
     if base:
         print(f"{'bytes vs bf16 ring':34s}" + "".join(
@@ -207,9 +332,14 @@ def main(argv=None):
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None, help="per-layer error bars (needs matplotlib)")
     parser.add_argument("--last", type=int, default=1, help="average over the last K steps")
+    parser.add_argument("--vocab_size", type=int, default=None,
+                        help="vocabulary size (default: the file's vocab_size; 0 = none)")
+    parser.add_argument("--round_trip", action="store_true",
+                        help="one codec round trip of the exact mean instead of the collective")
     args = parser.parse_args(argv)
     try:
-        report = evaluate(args.path, args.methods.split(","), args.last)
+        report = evaluate(args.path, args.methods.split(","), args.last, args.vocab_size,
+                          args.round_trip)
     except (ValueError, FileNotFoundError, KeyError) as e:
         sys.exit(f"nanogeo.fidelity: error: {e}")
     print_report(report)

@@ -110,9 +110,11 @@ def average(total, op, world):
 
 class GeoFP8ReduceScatter(FP8ReduceScatter):
     """GeoFP8 reduce-scatter for one FSDP module (its one parameter group). `options` are
-    compress.GeoOptions (train.py's flags): fmt, block, geo, rank, refresh, warmup, stochastic..."""
+    compress.GeoOptions (train.py's flags): geometry ("subspace" or "euclidean"), fmt, block,
+    rank, refresh, warmup, stochastic..."""
 
     def __init__(self, module, prefix="", **options):
+        options.setdefault("geometry", "subspace")   # the method built for FSDP's row shards
         groups = module._get_fsdp_state()._fsdp_param_groups
         if len(groups) != 1:
             raise ValueError("nanogeo.fsdp: a module needs exactly one FSDP parameter group; "
@@ -121,6 +123,10 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
                 options.get("basis", "householder") != "householder":
             raise ValueError("nanogeo.fsdp: error_feedback, full and random bases are not "
                              "supported with FSDP; drop those options")
+        if options.get("geometry", "subspace") == "whiten" or options.get("collective") == "fp8-sum":
+            raise ValueError("nanogeo.fsdp: FSDP2 supports geometry='subspace' or 'euclidean' "
+                             "with the two-stage collective; the published whitening runs "
+                             "under DDP (nanogeo.ddp) or train.py")
         self.fsdp_params = groups[0].fsdp_params
         if any(p.fsdp_placement.dim != 0 for p in self.fsdp_params):
             raise ValueError("nanogeo.fsdp: only FSDP's default Shard(0) placement is supported; "

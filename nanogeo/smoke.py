@@ -87,7 +87,7 @@ def check_codec(device, numel, iters):
 
 
 def rotated_shapes(net):
-    opts = compress.GeoOptions(vocab_size=net.config.vocab_size)
+    opts = compress.GeoOptions(geometry="subspace", vocab_size=net.config.vocab_size)
     return [tuple(p.shape) for n, p in net.named_parameters()
             if compress.exemption(n, tuple(p.shape), opts) is None]
 
@@ -129,7 +129,7 @@ def check_ddp(device):
         ids = [device.index] if device.type == "cuda" else None
         net = DDP(net, device_ids=ids)
         if hooked:
-            state = GeoFP8HookState(net, warmup=1, rank=8)
+            state = GeoFP8HookState(net, geometry="subspace", warmup=1, rank=8)
             net.register_comm_hook(state, geofp8_hook)
         nets.append(net)
     errors = []

@@ -51,7 +51,7 @@ def ddp_rank(rank, world_size, out, hook_options):
 
 def test_ddp_hook_matches_fp32_ddp_within_fp8_error(tmp_path):
     out = str(tmp_path / "ddp")
-    run_ranks(ddp_rank, 2, out, {"rank": 8, "warmup": 1})
+    run_ranks(ddp_rank, 2, out, {"geometry": "subspace", "rank": 8, "warmup": 1})
     r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
     assert torch.equal(r0["params"], r1["params"])      # ranks stay bit-identical
     assert max(r0["errors"]) < 0.05                     # e4m3 two-stage error is a few percent
@@ -62,7 +62,20 @@ def test_ddp_hook_matches_fp32_ddp_within_fp8_error(tmp_path):
 
 def test_ddp_hook_nvfp4_euclidean(tmp_path):
     out = str(tmp_path / "ddp")
-    run_ranks(ddp_rank, 2, out, {"fmt": "nvfp4", "geo": False})
+    run_ranks(ddp_rank, 2, out, {"fmt": "nvfp4", "geometry": "euclidean"})
     r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
     assert torch.equal(r0["params"], r1["params"])
     assert max(r0["errors"]) < 0.2
+
+
+def test_ddp_hook_published_whitening(tmp_path):
+    """The default hook is the published GeoFP8: forward pre-hooks collect each linear layer's
+    input second moment on refresh steps, every bucket averages its layers' moments over the
+    ranks, and the whitened layers decode to the same bytes on every rank."""
+    out = str(tmp_path / "ddp")
+    run_ranks(ddp_rank, 2, out, {"warmup": 1, "refresh": 2, "select": "all"})
+    r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
+    assert torch.equal(r0["params"], r1["params"])
+    assert max(r0["errors"]) < 0.05
+    assert r0["coords"]["0.weight"] == "euclidean"       # the embedding (vocabulary dimension)
+    assert "geo" in r0["coords"].values()

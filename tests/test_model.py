@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from model import Llama, ModelConfig, PRESETS, apply_rotary, model_config, rotary_table
+from model import (Llama, ModelConfig, PAPER_VOCAB_SIZE, PRESETS, apply_rotary, model_config,
+                   rotary_table)
 
 
 def naive_rope(x, theta=10000.0):
@@ -106,9 +107,61 @@ def test_optimizer_groups_decay_only_matrices():
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
 
 
+def ids(params):
+    return sorted(id(p) for p in params)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_muon_takes_exactly_the_block_matrices(tie):
+    """Muon gets the seven matrices of every block; AdamW the embedding, the head (its own tensor
+    or the embedding's) and every norm gain; nothing is left out or counted twice."""
+    model = tiny(tie_embeddings=tie)
+    muon, adamw = model.configure_muon(0.1, 1e-3, (0.9, 0.95), muon_lr=5e-4, muon_momentum=0.9,
+                                       ns_steps=5, adjust_lr_fn="match_rms_adamw")
+    blocks = list(model.layers)
+    expected_muon = [m.weight for b in blocks for m in (b.attn.wq, b.attn.wk, b.attn.wv, b.attn.wo,
+                                                         b.mlp.w1, b.mlp.w2, b.mlp.w3)]
+    expected_adamw = [model.tok_embeddings.weight, model.norm.weight,
+                      *[b.attn_norm.weight for b in blocks], *[b.mlp_norm.weight for b in blocks]]
+    if not tie:
+        expected_adamw.append(model.lm_head.weight)
+    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    [muon_group] = muon.param_groups
+    decay, no_decay = adamw.param_groups
+    assert ids(muon_group["params"]) == ids(expected_muon)
+    assert ids(decay["params"] + no_decay["params"]) == ids(expected_adamw)
+    assert ids(muon_group["params"] + decay["params"] + no_decay["params"]) == ids(model.parameters())
+    assert muon_group["lr"] == 5e-4 and muon_group["momentum"] == 0.9 and muon_group["ns_steps"] == 5
+    assert muon_group["adjust_lr_fn"] == "match_rms_adamw"
+    assert muon_group["weight_decay"] == 0.1 and decay["weight_decay"] == 0.1
+    assert all(p.dim() == 1 for p in no_decay["params"]) and no_decay["weight_decay"] == 0.0
+    assert decay["lr"] == 1e-3 and decay["betas"] == (0.9, 0.95)
+
+
+@pytest.mark.parametrize("name,n_layer,n_embd,ffn,heads,seq,size", [
+    ("paper-300m", 24, 1024, 2736, 16, 4096, (0.30e9, 0.31e9)),
+    ("paper-600m", 32, 1280, 3456, 20, 2048, (0.60e9, 0.65e9))])
+def test_paper_presets(name, n_layer, n_embd, ffn, heads, seq, size):
+    """The GeoFP8 paper's models: full multi-head attention, tied embeddings, its FFN widths.
+    The sizes in their names match the transformer blocks' parameters (302M, 634M)."""
+    with torch.device("meta"):
+        model = Llama(model_config(name))
+        paper_vocab = Llama(model_config(name, vocab_size=PAPER_VOCAB_SIZE))
+    cfg = model.config
+    assert (cfg.n_layer, cfg.n_embd, cfg.ffn_hidden, cfg.n_head, cfg.block_size) == (
+        n_layer, n_embd, ffn, heads, seq)
+    assert cfg.n_kv_head == cfg.n_head and cfg.tie_embeddings and cfg.vocab_size == 50304
+    assert model.lm_head.weight is model.tok_embeddings.weight
+    assert model.layers[0].mlp.w1.weight.shape == (ffn, n_embd)
+    assert model.layers[0].attn.wk.weight.shape == (n_embd, n_embd)
+    blocks = model.num_params() - cfg.vocab_size * n_embd - n_embd  # less embedding, final norm
+    assert size[0] <= blocks <= size[1]
+    assert paper_vocab.num_params() == model.num_params() - (50304 - 32000) * n_embd
+
+
 def test_bad_model_config_is_rejected():
     with pytest.raises(ValueError, match="multiple of n_kv_head"):
         ModelConfig(n_head=4, n_kv_head=3)
     with pytest.raises(ValueError, match="unknown model preset"):
         model_config("llama-7b")
-    assert set(PRESETS) == {"cpu-tiny", "llama-300m", "llama-600m"}
+    assert set(PRESETS) == {"cpu-tiny", "llama-300m", "llama-600m", "paper-300m", "paper-600m"}

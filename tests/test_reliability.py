@@ -2,6 +2,7 @@
 import json
 import os
 
+import pytest
 import torch
 
 import model as model_lib
@@ -79,11 +80,34 @@ def test_rank_divergence_is_caught(tiny_corpus, tmp_path):
         assert "parameters differ across ranks at step 2" in result["error"]
 
 
-def test_resume_is_exact(tiny_corpus, tmp_path, monkeypatch):
+@pytest.mark.parametrize("method", [("--comm=subspace", "--geo_rank=4"),
+                                    ("--comm=geofp8", "--geo_refresh=2", "--whiten_rank=4")])
+def test_resume_is_exact(tiny_corpus, tmp_path, monkeypatch, method):
     """Interrupted at step 4 and resumed from the step-3 checkpoint = never interrupted, bit for
-    bit, with GeoFP8 state, error feedback and stochastic rounding in play."""
-    extra = ("--max_iters=6", "--ckpt_interval=3", "--comm=geofp8", "--geo_warmup=1",
-             "--geo_rank=4", "--error_feedback", "--stochastic_round")
+    bit, with the geometry (rotation bases, or whitening moments and factors across a refresh),
+    error feedback and stochastic rounding in play."""
+    extra = ("--max_iters=6", "--ckpt_interval=3", "--geo_warmup=1", *method,
+             "--error_feedback", "--stochastic_round")
+    whole, resumed = interrupted_and_resumed(tiny_corpus, tmp_path, monkeypatch, extra)
+    assert resumed["param_sha256"] == whole["param_sha256"]
+    assert resumed["final_train_loss"] == whole["final_train_loss"]
+
+
+def test_resume_is_exact_with_muon(tiny_corpus, tmp_path, monkeypatch):
+    """The same with --optimizer=muon: Muon's momentum buffers and AdamW's moments both come
+    back from the checkpoint; an AdamW resume of it is refused."""
+    extra = ("--max_iters=6", "--ckpt_interval=3", "--optimizer=muon")
+    whole, resumed = interrupted_and_resumed(tiny_corpus, tmp_path, monkeypatch, extra)
+    assert resumed["param_sha256"] == whole["param_sha256"]
+    assert resumed["final_train_loss"] == whole["final_train_loss"]
+    assert torch.load(tmp_path / "b" / "ckpt.pt", weights_only=True)["muon"]["state"]
+    with pytest.raises(train.ConfigError, match="--optimizer=muon run"):
+        train.train(train.parse_config(tiny_args(tiny_corpus, tmp_path / "b", "--resume")))
+
+
+def interrupted_and_resumed(tiny_corpus, tmp_path, monkeypatch, extra):
+    """(summary of the whole run in tmp_path/a, summary of the run in tmp_path/b that crashed at
+    step 4 and was resumed from its step-3 checkpoint)."""
     whole = train.train(train.parse_config(tiny_args(tiny_corpus, tmp_path / "a", *extra)))
     assert sorted(os.listdir(tmp_path / "a")) == ["ckpt-0000003.pt", "ckpt.pt", "log.jsonl"]
 
@@ -102,8 +126,7 @@ def test_resume_is_exact(tiny_corpus, tmp_path, monkeypatch):
     assert torch.load(tmp_path / "b" / "ckpt.pt", weights_only=True)["step"] == 3
     resumed = train.train(train.parse_config(tiny_args(tiny_corpus, tmp_path / "b", *extra,
                                                        "--resume")))
-    assert resumed["param_sha256"] == whole["param_sha256"]
-    assert resumed["final_train_loss"] == whole["final_train_loss"]
+    return whole, resumed
 
 
 def test_elastic_restart_resumes_and_finishes(tiny_corpus, tmp_path):

@@ -25,7 +25,7 @@ def test_capture_writes_the_gradient_file_contract(tiny_corpus, tmp_path):
 
 def collective_rank(rank, world_size, out):
     dist.init_process_group("gloo")
-    rows = bench.time_collective([0.02], 1, ["fp32", "bf16", "fp8", "geofp8", "nvfp4"])
+    rows = bench.time_collective([0.02], 1, ["fp32", "bf16", "fp8", "subspace", "nvfp4"])
     torch.save(rows, f"{out}.{rank}")
     dist.destroy_process_group()
 
@@ -36,7 +36,7 @@ def test_bench_collective_reports_bytes(tmp_path):
     rows = {r["method"]: r for r in torch.load(f"{out}.0")}
     assert rows["fp32"]["bytes_vs_bf16"] == 2.0 and rows["bf16"]["bytes_vs_bf16"] == 1.0
     assert 0.5 < rows["fp8"]["bytes_vs_bf16"] <= 0.52
-    assert rows["geofp8"]["bytes_sent"] == rows["fp8"]["bytes_sent"]
+    assert rows["subspace"]["bytes_sent"] == rows["fp8"]["bytes_sent"]
     assert rows["nvfp4"]["bytes_vs_bf16"] <= 0.30
     assert {"quantize", "all_to_all", "reduce", "all_gather", "decode"} <= set(rows["fp8"]["breakdown_ms"])
 
@@ -91,3 +91,44 @@ def test_smoke_test_runs_on_cpu(tmp_path):
         ("e4m3", False), ("e4m3", True), ("e5m2", False), ("e5m2", True), ("nvfp4", False)}
     assert max(result["ddp"]["rel_err_per_step"]) < 0.05 and result["ddp"]["geo_matrices"] > 0
     assert result["step"]["eager_ms"] > 0 and result["transform"]["matrices"] == 28
+
+
+def test_capture_records_moments_and_optimizer(tiny_corpus, tmp_path):
+    out = tmp_path / "grads.pt"
+    capture.main(["--out", str(out), f"--data_dir={tiny_corpus}", "--workers=2",
+                  "--train_steps=1", "--capture_steps=2", "--batch_size=2", "--block_size=16",
+                  "--optimizer=muon"])
+    data = torch.load(out, weights_only=True)
+    a = data["inputs"][0]["layers.0.mlp.w2.weight"]
+    assert a.shape == (384, 384) and torch.allclose(a, a.T)        # the SwiGLU product's A
+    assert data["outputs"][0]["layers.0.mlp.w2.weight"].shape == (128, 128)
+    assert "lm_head.weight" not in data["inputs"][0]                 # vocabulary: no moments
+    classes = {g["class"] for g in data["optimizer"]["groups"]}
+    assert classes == {"Muon", "AdamW"} and data["vocab_size"] == 50304
+    muon = next(g for g in data["optimizer"]["groups"] if g["class"] == "Muon")
+    assert "layers.0.attn.wq.weight" in muon["params"] and "lm_head.weight" not in muon["params"]
+    from nanogeo import fidelity
+    report = fidelity.evaluate(str(out), ["fp8-block", "geofp8:select=all"], last=1)
+    for method in report.values():      # real optimizer steps: FP8 moves them, but not wholly
+        assert set(method["total"]["update_err"]) == {"muon", "adamw"}
+        assert 0 < method["layers"]["layers.0.attn.wq.weight"]["update_err"]["muon"] < 1
+        assert "adamw" in method["layers"]["lm_head.weight"]["update_err"]
+    assert report["geofp8:select=all"]["layers"]["layers.0.mlp.w2.weight"]["coords"] == "geo"
+
+
+def test_profile_and_tables(tiny_corpus, tmp_path):
+    from nanogeo import profile, tables
+    out = tmp_path / "layers.json"
+    profile.main([f"--out={out}", f"--data_dir={tiny_corpus}", "--workers=4", "--steps=2",
+                  "--batch_size=1", "--block_size=16", "--top_k=3"])
+    result = json.load(open(out))
+    assert len(result["selected"]) == 3 and len(result["scores"]) == 4 * 7
+    ranked = sorted(result["scores"].values(), reverse=True)
+    assert [result["scores"][n] for n in result["selected"]] == ranked[:3]
+    grads = tmp_path / "grads.pt"
+    capture.main([f"--out={grads}", f"--data_dir={tiny_corpus}", "--workers=2", "--train_steps=0",
+                  "--capture_steps=2", "--batch_size=2", "--block_size=16"])
+    table = tables.tables(str(grads), "round-trip", last=1)
+    rows = {r["row"]: r for r in table["rows"]}
+    assert rows["Euclidean"]["all"]["vs_euclid"] == 1.0 and rows["Euclidean"]["geo_matrices"] == 0
+    assert rows["low-rank A 32"]["geo_matrices"] == 4 * 7 and table["down_matrices"] == 4

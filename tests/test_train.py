@@ -14,6 +14,30 @@ from model import Llama, ModelConfig
 from train import ConfigError, parse_config
 
 
+def test_flags_take_values_either_way(tmp_path):
+    a = parse_config(["--comm", "geofp8", "--max_iters", "7", "--compile", "--resume", "false"])
+    b = parse_config(["--comm=geofp8", "--max_iters=7", "--compile"])
+    assert a == b
+    assert parse_config(["--compile", "--comm=fp8"]).compile is True
+
+
+def test_geo_layers_flag(tmp_path):
+    geo = lambda *flags: train.geo_options(parse_config(["--comm=geofp8", *flags]), 50304)
+    assert geo("--geo_layers=all").select == "all"
+    listed = tmp_path / "layers.json"
+    listed.write_text(json.dumps({"selected": ["layers.0.mlp.w2.weight"], "scores": {}}))
+    opts = geo(f"--geo_layers={listed}")
+    assert opts.select == "list" and opts.geo_layers == ("layers.0.mlp.w2.weight",)
+    paper = geo("--geo_layers=fragile:4", "--collective=fp8-sum", "--fmt=e5m2")
+    assert paper.select == "fragile" and paper.top_k == 4 and paper.refresh == 50
+    with pytest.raises(ConfigError, match="fragile:K"):
+        geo("--geo_layers=fragile:x")
+    with pytest.raises(ConfigError, match="nanogeo.profile"):
+        geo(f"--geo_layers={tmp_path}/missing.json")
+    with pytest.raises(ConfigError, match="fp8-sum"):        # the profile needs that collective
+        geo("--geo_layers=fragile:4")
+
+
 def test_config_defaults_presets_and_overrides():
     cfg = parse_config([])
     assert cfg.preset == "cpu-tiny" and cfg.comm == "fp32"
@@ -21,6 +45,18 @@ def test_config_defaults_presets_and_overrides():
     assert cfg.block_size == 2048 and cfg.batch_size == 2 and cfg.compile is True
     assert parse_config(["--resume=false"]).resume is False
     assert parse_config(["--learning_rate=1e-4"]).learning_rate == 1e-4
+
+
+def test_paper_presets_default_to_the_papers_muon_recipe():
+    cfg = parse_config(["--preset=paper-600m"])
+    assert (cfg.block_size, cfg.optimizer, cfg.muon_lr, cfg.muon_momentum, cfg.muon_ns_steps) == (
+        2048, "muon", 5e-4, 0.9, 5)
+    assert (cfg.learning_rate, cfg.min_lr, cfg.weight_decay, cfg.grad_clip) == (5e-4, 5e-5, 0.1, 1.0)
+    assert parse_config(["--preset=paper-300m"]).block_size == 4096
+    cfg = parse_config(["--preset=paper-300m", "--optimizer=adamw", "--batch_size=1"])
+    assert cfg.optimizer == "adamw" and cfg.batch_size == 1
+    assert parse_config(["--optimizer=muon", "--muon_lr=0.02"]).muon_lr == 0.02
+    assert parse_config([]).optimizer == "adamw"
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -33,6 +69,11 @@ def test_config_defaults_presets_and_overrides():
     (["--batch_size=0"], "--batch_size must be >= 1"),
     (["max_iters=3"], "flags look like --key=value"),
     (["--max_iters"], "needs a value"),
+    (["--optimizer=sgd"], "--optimizer=sgd is not one of adamw, muon"),
+    (["--muon_lr=0.02"], "--muon_lr applies only with --optimizer=muon"),
+    (["--preset=paper-300m", "--optimizer=adamw", "--muon_momentum=0.95"], "only with --optimizer"),
+    (["--optimizer=muon", "--muon_ns_steps=0"], "--muon_ns_steps must be >= 1"),
+    (["--learning_rate=0"], "--learning_rate must be > 0"),
 ])
 def test_config_errors(argv, message):
     with pytest.raises(ConfigError, match=message):
@@ -74,6 +115,23 @@ def test_two_process_training_learns_and_stays_identical(tiny_corpus, tmp_path):
     n = sum(p.numel() for p in Llama(ModelConfig(block_size=32)).parameters())
     assert steps[-1]["wire_bytes"] == 4 * n and steps[-1]["wire_vs_bf16"] == 2.0
     assert "summary" in lines[-1] and os.path.exists(tmp_path / "out" / "ckpt.pt")
+
+
+def test_two_process_muon_training_learns_and_stays_identical(tiny_corpus, tmp_path):
+    """--optimizer=muon: Muon on the block matrices, AdamW on the rest, both on one schedule."""
+    argv = tiny_args(tiny_corpus, tmp_path / "out", "--optimizer=muon")
+    run_ranks(train_rank, 2, argv, str(tmp_path))
+    r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))
+    assert r0["final_val_loss"] < r0["initial_val_loss"] - 1.0
+    assert r0["param_sha256"] == r1["param_sha256"]
+    ckpt = torch.load(tmp_path / "out" / "ckpt.pt", weights_only=True)
+    [muon_group] = ckpt["muon"]["param_groups"]
+    assert len(muon_group["params"]) == 4 * 7 and len(ckpt["muon"]["state"]) == 4 * 7
+    # the last step's lrs: AdamW on the schedule, Muon on the same schedule scaled to its peak
+    cfg = parse_config(argv)
+    last = train.learning_rate(cfg, cfg.max_iters - 1)
+    assert all(g["lr"] == last for g in ckpt["optimizer"]["param_groups"])
+    assert muon_group["lr"] == last * (5e-4 / cfg.learning_rate)
 
 
 def grad_rank(rank, world_size, path):
@@ -125,7 +183,14 @@ def test_resume_refusals(tiny_corpus, tmp_path):
     assert summary["steps"] == 2
 
 
-@pytest.mark.parametrize("extra", [["--comm=geofp8", "--geo_warmup=3", "--geo_rank=8"],
+PAPER_RECIPE = ["--comm=geofp8", "--collective=fp8-sum", "--fmt=e5m2", "--block=tensor",
+                "--geo_layers=fragile:3", "--geo_warmup=3", "--geo_refresh=4", "--error_feedback",
+                "--feedback_geo_only", "--whiten_factor=lowrank-dense", "--factor_decay=0.95"]
+
+
+@pytest.mark.parametrize("extra", [["--comm=geofp8", "--geo_warmup=3", "--geo_refresh=4"],
+                                   ["--comm=subspace", "--geo_warmup=3", "--geo_rank=8"],
+                                   PAPER_RECIPE,
                                    ["--comm=fp8", "--fmt=nvfp4"]])
 def test_two_process_compressed_training_stays_identical(tiny_corpus, tmp_path, extra):
     argv = tiny_args(tiny_corpus, tmp_path / "out", "--max_iters=12", "--eval_interval=12", *extra)
@@ -137,9 +202,12 @@ def test_two_process_compressed_training_stays_identical(tiny_corpus, tmp_path, 
     bound = 0.30 if "--fmt=nvfp4" in extra else 0.52
     assert all(s["wire_vs_bf16"] <= bound for s in steps)
     ckpt = torch.load(tmp_path / "out" / "ckpt.pt", weights_only=True)
-    if "--comm=geofp8" in extra:
+    if "--comm=fp8" not in extra:
         layers = ckpt["communicator"]["layers"]
         assert layers and any(l["use_geo"] for l in layers.values())
+    if extra is PAPER_RECIPE:   # the profiled selection: exactly K matrices whitened
+        assert sum(l["use_geo"] for l in layers.values()) == 3
+        assert ckpt["communicator"]["saturation_steps"] == 3      # profiled in the warm-up
 
 
 def test_compile_matches_eager_and_saves_clean_keys(tiny_corpus, tmp_path):
