@@ -154,8 +154,8 @@ def capture(cfg: CaptureConfig):
     if cfg.keep == "all":   # the optimizer replays only on the whole model (clipping is global)
         data.update(optimizer=record, optimizer_v=optimizer_v, grad_clip=cfg.grad_clip)
     torch.save(data, cfg.out)
-    print(f"wrote {cfg.out}: {len(steps)} steps x {cfg.workers} workers x {len(names)} tensors, "
-          f"{cfg.optimizer}")
+    print(f"wrote {cfg.out}: {len(steps)} steps x {cfg.workers} workers x {len(steps[0][0])} "
+          f"tensors, {cfg.optimizer}")
 
 
 def main(argv=None):

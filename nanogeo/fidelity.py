@@ -213,12 +213,13 @@ def update_errors(record, states, exact, results, names, classes, grad_clip):
     return {"total": total, "layers": layers}
 
 
-def evaluate(path, methods, last=1, vocab_size=None, round_trip=False):
+def evaluate(path, methods, last=1, vocab_size=None, round_trip=False, workers=None):
     """The report for every method spec. round_trip=True sends the exact mean once through each
     codec instead of the workers through the collective (the paper's Table I: one FP8 round
-    trip; the collectives are idempotent for a single worker)."""
+    trip; the collectives are idempotent for a single worker). workers=K uses the file's first
+    K workers only (error growth with W on one model state)."""
     data = torch.load(path, map_location="cpu", weights_only=True)
-    steps = data["steps"]
+    steps = [step[:workers] for step in data["steps"]] if workers else data["steps"]
     if not steps or not steps[0]:
         raise ValueError(f"{path} holds no steps")
     names = list(steps[0][0])

@@ -3,7 +3,7 @@ The GeoFP8 paper's Tables I and II, reproduced on a gradient file of this projec
 
     python -m nanogeo.tables grads.pt --last 3                       # Table I: one round trip
     python -m nanogeo.tables grads.pt --last 3 --codec two-stage     # through the collectives
-    python -m nanogeo.tables grads_w32.pt --last 2 --codec fp8-sum
+    python -m nanogeo.tables grads_w32.pt --last 2 --codec fp8-sum --workers 8   # W = 8 of 32
 
 Every row sends the same captured gradients with a different geometry and reports, for the MLP
 down-projections (--group, the weights whose name ends so) and for all matrices (every 2-D
@@ -65,7 +65,8 @@ def group_summary(layers, names):
             "mse": sum(layers[n]["mse"] for n in names) / len(names)}
 
 
-def tables(path, codec="round-trip", last=1, group="mlp.w2.weight", vocab_size=None):
+def tables(path, codec="round-trip", last=1, group="mlp.w2.weight", vocab_size=None,
+           workers=None):
     import torch
     data = torch.load(path, map_location="cpu", weights_only=True)
     vocab = vocab_size if vocab_size is not None else data.get("vocab_size", 0)
@@ -75,7 +76,7 @@ def tables(path, codec="round-trip", last=1, group="mlp.w2.weight", vocab_size=N
     if not down:
         raise ValueError(f"no matrix name ends with --group={group}")
     specs = [spec(codec, options) for _, options, _ in ROWS]
-    report = fidelity.evaluate(path, specs, last, vocab_size, round_trip=codec == "round-trip")
+    report = fidelity.evaluate(path, specs, last, vocab_size, codec == "round-trip", workers)
     rows = []
     for (label, _, paper), s in zip(ROWS, specs):
         layers = report[s]["layers"]
@@ -85,7 +86,7 @@ def tables(path, codec="round-trip", last=1, group="mlp.w2.weight", vocab_size=N
     for r in rows:
         for key in ("down", "all"):
             r[key]["vs_euclid"] = r[key]["rel_err"] / rows[0][key]["rel_err"]
-    return {"codec": codec, "workers": len(data["steps"][0]), "last": last, "group": group,
+    return {"codec": codec, "workers": workers or len(data["steps"][0]), "last": last, "group": group,
             "down_matrices": len(down), "matrices": len(matrices), "rows": rows}
 
 
@@ -115,10 +116,12 @@ def main(argv=None):
     parser.add_argument("--group", default="mlp.w2.weight",
                         help="report separately the matrices whose name ends with this")
     parser.add_argument("--vocab_size", type=int, default=None)
+    parser.add_argument("--workers", type=int, default=None, help="use the file's first K workers")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     try:
-        result = tables(args.path, args.codec, args.last, args.group, args.vocab_size)
+        result = tables(args.path, args.codec, args.last, args.group, args.vocab_size,
+                        args.workers)
     except (ValueError, FileNotFoundError, KeyError) as e:
         sys.exit(f"nanogeo.tables: error: {e}")
     print_tables(result)
