@@ -69,8 +69,16 @@ def check_nccl(device):
     means, _ = compress.all_reduce_mean(grads)
     error = (sum((a - b).pow(2).sum() for a, b in zip(means, grads))
              / sum(g.pow(2).sum() for g in grads)).sqrt().item()
+    # the paper's collective sums float8 codes in NCCL itself (needs NCCL >= 2.24, sm >= 90)
+    codes = torch.full((1000,), 2.0, device=device).to(torch.float8_e5m2)
+    try:
+        dist.all_reduce(codes)
+        float8_sum = bool((codes.float() == 2.0).all())   # one rank: the sum is the input
+    except RuntimeError as e:
+        float8_sum = f"unsupported: {str(e).splitlines()[0]}"
     return {"backend": dist.get_backend(), "uint8_all_to_all": torch.equal(recv, x),
-            "uint8_all_gather": torch.equal(slots[0], x), "all_reduce_mean_rel_err": error}
+            "uint8_all_gather": torch.equal(slots[0], x), "all_reduce_mean_rel_err": error,
+            "float8_all_reduce_sum": float8_sum}
 
 
 def check_codec(device, numel, iters):
