@@ -26,7 +26,9 @@ def batch(rank, step):
 
 def ddp_rank(rank, world_size, out, hook_options):
     dist.init_process_group("gloo")
-    plain, hooked = DDP(build()), DDP(build())
+    hook_options = dict(hook_options)
+    bucket_mb = hook_options.pop("bucket_cap_mb", 25)
+    plain, hooked = DDP(build()), DDP(build(), bucket_cap_mb=bucket_mb)
     state = GeoFP8HookState(hooked, min_numel=1024, **hook_options)
     hooked.register_comm_hook(state, geofp8_hook)
     loss_fn = nn.CrossEntropyLoss()
@@ -44,6 +46,7 @@ def ddp_rank(rank, world_size, out, hook_options):
         plain.module.load_state_dict(hooked.module.state_dict())
     params = torch.cat([p.detach().reshape(-1) for p in hooked.parameters()])
     torch.save({"errors": errors, "params": params, "bytes": state.reset_bytes(),
+                "buckets": len(state.communicators),
                 "coords": {n: c.coords(n) for comm in state.communicators.values()
                            for n, c in [(n, comm) for n in comm.names]}}, f"{out}.{rank}")
     dist.destroy_process_group()
@@ -71,10 +74,12 @@ def test_ddp_hook_nvfp4_euclidean(tmp_path):
 def test_ddp_hook_published_whitening(tmp_path):
     """The default hook is the published GeoFP8: forward pre-hooks collect each linear layer's
     input second moment on refresh steps, every bucket averages its layers' moments over the
-    ranks, and the whitened layers decode to the same bytes on every rank."""
+    ranks, and the whitened layers decode to the same bytes on every rank - here with small
+    buckets, so one forward's statistics serve several buckets, and across DDP's rebuild."""
     out = str(tmp_path / "ddp")
-    run_ranks(ddp_rank, 2, out, {"warmup": 1, "refresh": 2, "select": "all"})
+    run_ranks(ddp_rank, 2, out, {"warmup": 1, "refresh": 2, "select": "all", "bucket_cap_mb": 0.05})
     r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
+    assert r0["buckets"] > 2
     assert torch.equal(r0["params"], r1["params"])
     assert max(r0["errors"]) < 0.05
     assert r0["coords"]["0.weight"] == "euclidean"       # the embedding (vocabulary dimension)
