@@ -624,9 +624,11 @@ def saturated_fraction(summed, tensors, fmt):
     return torch.stack([(v.abs() >= fmax).float().mean() for v in values])
 
 
-def fp8_sum_bytes(numel, world):
-    """Bytes a rank sends in the ring all-reduce of N one-byte codes (scales' MAX not counted)."""
-    return 0 if world == 1 else int(2 * (world - 1) * numel // world)
+def ring_allreduce_bytes(numel, bytes_per_element, world_size):
+    """Bytes each rank sends in a ring all-reduce: reduce-scatter + all-gather, each moving
+    (W - 1) / W of the buffer. The FP8-sum collective sends one byte an element (its scales'
+    MAX all-reduce is not counted)."""
+    return int(2 * (world_size - 1) * numel * bytes_per_element // world_size)
 
 
 def all_reduce_fp8_sum(tensors, fmt="e5m2", group=None, order="ring", local_scales=False):
@@ -659,7 +661,8 @@ def all_reduce_fp8_sum(tensors, fmt="e5m2", group=None, order="ring", local_scal
         all_gather_flat(gathered, codes, group=group)
         summed = fp8_sum(gathered.view(world, -1), dtype, order)
     means = fp8_sum_decode(summed, tensors, scales, fmt, world)
-    return means, fp8_sum_bytes(codes.numel(), world), local, saturated_fraction(summed, tensors, fmt)
+    sent = ring_allreduce_bytes(codes.numel(), 1, world)
+    return means, sent, local, saturated_fraction(summed, tensors, fmt)
 
 
 def simulate_fp8_sum(worker_tensors, fmt="e5m2", order="ring", local_scales=False):
@@ -675,7 +678,7 @@ def simulate_fp8_sum(worker_tensors, fmt="e5m2", order="ring", local_scales=Fals
     summed = fp8_sum(torch.stack([codes for codes, _ in encoded]), dtype, order)
     means = fp8_sum_decode(summed, worker_tensors[0], encoded[0][1], fmt, world)
     local = [fp8_sum_decode(codes, ts, scales, fmt) for (codes, scales), ts in zip(encoded, worker_tensors)]
-    return (means, fp8_sum_bytes(encoded[0][0].numel(), world), local,
+    return (means, ring_allreduce_bytes(encoded[0][0].numel(), 1, world), local,
             saturated_fraction(summed, worker_tensors[0], fmt))
 
 
@@ -864,6 +867,7 @@ def swap_entries_rows(matrices):
 # of every whitened row - is the same as with the Cholesky factor L; the quantization grid is not.
 
 WHITEN_FACTORS = ("lowrank", "lowrank-dense", "full", "diag", "block")
+WHITEN_SIDES = ("input", "output", "both")
 
 
 @dataclass
@@ -1228,7 +1232,7 @@ class GeoOptions:
         for key, allowed in (("geometry", GEOMETRIES), ("select", SELECTIONS),
                              ("collective", COLLECTIVES), ("sum_order", SUM_ORDERS),
                              ("factor", WHITEN_FACTORS), ("sides", ("both", "left", "right")),
-                             ("whiten_sides", ("input", "output", "both")),
+                             ("whiten_sides", WHITEN_SIDES),
                              ("basis", ("householder", "random"))):
             if getattr(self, key) not in allowed:
                 raise ValueError(f"{key} must be one of {', '.join(allowed)}, got {getattr(self, key)!r}")

@@ -132,7 +132,7 @@ TRAIN_PRESETS = {
 CHOICES = {"comm": ("fp32", "bf16", "fp8", "geofp8", "subspace"),
            "device": ("auto", "cpu", "cuda"), "fmt": compress.FORMATS,
            "collective": compress.COLLECTIVES, "sum_order": compress.SUM_ORDERS,
-           "whiten_factor": compress.WHITEN_FACTORS, "whiten_sides": ("input", "output", "both"),
+           "whiten_factor": compress.WHITEN_FACTORS, "whiten_sides": compress.WHITEN_SIDES,
            "preset": tuple(model_lib.PRESETS),
            "optimizer": ("adamw", "muon"), "muon_adjust_lr": ("original", "match_rms_adamw")}
 
@@ -260,10 +260,7 @@ def load_data(cfg, vocab_size):
 # -----------------------------------------------------------------------------
 # gradient communication: the one seam
 
-def ring_allreduce_bytes(numel, bytes_per_element, world_size):
-    """Bytes each rank sends in a ring all-reduce: reduce-scatter + all-gather,
-    each moving (W - 1) / W of the buffer."""
-    return int(2 * (world_size - 1) * numel * bytes_per_element // world_size)
+ring_allreduce_bytes = compress.ring_allreduce_bytes   # 2 (W - 1) / W of the buffer per rank
 
 
 GEOMETRY = {"fp8": "euclidean", "geofp8": "whiten", "subspace": "subspace"}
@@ -313,9 +310,9 @@ def make_communicator(cfg, model, world_size):
     communicator = compress.GeoFP8Communicator(named, geo_options(cfg, model.config.vocab_size))
     moments = None
     if communicator.moment_layers():
-        sides = ("input", "output") if cfg.whiten_sides == "both" else (cfg.whiten_sides,)
         layers = compress.linear_layers(model, communicator.moment_layers())
-        moments = compress.KroneckerMoments(layers, sides=sides)   # attached on refresh steps
+        # its hooks are attached in train() for the forwards of refresh steps only
+        moments = compress.KroneckerMoments(layers, sides=communicator.whitened_sides())
     return communicator, moments
 
 

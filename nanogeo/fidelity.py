@@ -127,7 +127,7 @@ def run_method(spec, steps, names, vocab_size, moments=None):
                          "has no 'inputs'; capture one with `python -m nanogeo.capture`")
     world = len(steps[0])
     if options.collective == "fp8-sum":   # one byte per element in a ring all-reduce
-        per_tensor = [compress.fp8_sum_bytes(math.prod(s), world) for s in shapes]
+        per_tensor = [compress.ring_allreduce_bytes(math.prod(s), 1, world) for s in shapes]
     else:
         layout = compress.shard_layout(tuple(tuple(s) for s in shapes), options.fmt,
                                        options.block, world)
