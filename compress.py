@@ -1174,6 +1174,121 @@ def random_orthogonal(n, seed, device, dtype=torch.float32):
 
 
 # =============================================================================
+# 4b. The error the optimizer sees: what a gradient error does to the next update
+# =============================================================================
+# The relative L2 error of the averaged gradient is not what training feels. AdamW divides every
+# element by the root of its second moment, so an error on an element whose gradients are
+# usually tiny is magnified; a rotation spreads the quantisation error of a few large
+# coordinates over every element, including those. Muon orthogonalises the update, so what
+# matters is how an error moves the orthogonalised matrix. The per-layer decision (section 5)
+# therefore measures each codec's error through the optimizer that owns the layer, to first
+# order, from the optimizer's own state (identical on every rank under DDP).
+
+@dataclass
+class OptimizerView:
+    """One parameter's optimizer as the gain check needs it: "adamw" or "muon", its param
+    group's settings, and a function returning its per-parameter state now (empty before the
+    first step; read lazily, so an optimizer.load_state_dict() is seen)."""
+    kind: str
+    hyper: dict
+    read_state: object
+
+
+OPTIMIZER_KINDS = {"AdamW": "adamw", "Adam": "adamw", "Muon": "muon"}
+
+
+def optimizer_views(optimizers, model):
+    """{parameter name: OptimizerView} for the AdamW/Adam/Muon parameters of `optimizers`
+    (other optimizer classes: none, and their layers are judged in plain L2)."""
+    names = {p: n for n, p in model.named_parameters()}
+    views = {}
+    for opt in optimizers:
+        kind = OPTIMIZER_KINDS.get(type(opt).__name__)
+        for group in opt.param_groups if kind else ():
+            for p in group["params"]:
+                views[names[p]] = OptimizerView(kind, group, functools.partial(
+                    lambda o, q: o.state.get(q, {}), opt, p))
+    return views
+
+
+def newton_schulz(X, coefficients, steps, eps=1e-7):
+    """Muon's orthogonalisation (the quintic iteration of torch.optim.Muon) in fp32: the gain
+    check differences two calls, which bf16 rounding would drown."""
+    a, b, c = coefficients
+    wide = X.T if X.shape[0] > X.shape[1] else X
+    Y = wide / wide.norm().clamp(min=eps)
+    for _ in range(steps):
+        A = Y @ Y.T
+        Y = a * Y + (b * A + c * A @ A) @ Y
+    return Y.T if X.shape[0] > X.shape[1] else Y
+
+
+def local_tensor(t):
+    """A DTensor's local shard (FSDP2's sharded optimizer state), any other tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def adamw_sensitivity(view, g):
+    """d update / d g of AdamW's next step, element by element (its Jacobian is diagonal): with
+    m^ = (b1 m + (1 - b1) g) / c1, v^ = (b2 v + (1 - b2) g^2) / c2, s = sqrt(v^),
+        u = m^ / (s + eps),   du/dg = (1 - b1) / (c1 (s + eps)) - m^ (1 - b2) g / (c2 s (s + eps)^2).
+    The second term matters where the new gradient dominates v (quiet rows waking up)."""
+    state, (beta1, beta2), eps = view.read_state(), view.hyper["betas"], view.hyper["eps"]
+    step = float(state.get("step", 0)) + 1
+    c1, c2 = 1 - beta1 ** step, 1 - beta2 ** step
+    m, v = (local_tensor(state[k]).float() if k in state else torch.zeros_like(g)
+            for k in ("exp_avg", "exp_avg_sq"))
+    m_hat = (beta1 * m + (1 - beta1) * g) / c1
+    s = ((beta2 * v + (1 - beta2) * g * g) / c2).sqrt()
+    through_v = torch.where(s > 0, m_hat * (1 - beta2) * g / (c2 * s.clamp(min=1e-30) * (s + eps) ** 2),
+                            torch.zeros_like(s))
+    return (1 - beta1) / (c1 * (s + eps)) - through_v
+
+
+class UpdateError:
+    """Squared size of the change a gradient error makes to the next update of the optimizer
+    in `view`, to first order, when the decoded mean gradient is `mean` (both (m, n)):
+
+        none   ||delta||^2
+        adamw  ||J * delta||^2      J: AdamW's elementwise sensitivity (adamw_sensitivity)
+        muon   ||NS(X + c delta) - NS(X)||^2 / ...   X: the matrix Muon orthogonalises, c = dX/dg
+
+    Scalar factors common to every codec (learning rate, Muon's lr adjustment) are left out:
+    only ratios between codecs are used. `rows` (FSDP):
+    `mean` and the optimizer state hold only this rank's rows; the error is measured there
+    (Muon, which needs whole matrices, falls back to L2)."""
+
+    def __init__(self, view, mean, rows=None):
+        self.kind = view.kind if view is not None else "none"
+        self.rows = rows
+        if self.kind == "muon" and rows is not None:
+            self.kind = "none"
+        if self.kind == "adamw":
+            self.weight = adamw_sensitivity(view, mean.float())
+        elif self.kind == "muon":
+            state, hyper = view.read_state(), view.hyper
+            mu = hyper["momentum"]
+            buf = state.get("momentum_buffer")
+            buf = torch.zeros_like(mean, dtype=torch.float32) if buf is None else buf.float()
+            buf = buf.lerp(mean.float(), 1 - mu)                         # this step's buffer
+            self.X = mean.float().lerp(buf, mu) if hyper["nesterov"] else buf
+            self.c = (1 - mu) * (1 + mu) if hyper["nesterov"] else 1 - mu
+            self.ns = functools.partial(newton_schulz, coefficients=hyper["ns_coefficients"],
+                                        steps=hyper["ns_steps"])
+            self.base = self.ns(self.X)
+
+    def __call__(self, delta):
+        if self.rows is not None:
+            delta = self.rows.mine(delta)
+        if self.kind == "adamw":
+            return (delta * self.weight).pow(2).sum()
+        if self.kind == "muon":     # a directional derivative: a step small enough to be linear
+            eps = (1e-3 * self.X.norm()).clamp(min=1e-12) / (self.c * delta).norm().clamp(min=1e-30)
+            return (self.ns(self.X + eps * self.c * delta) - self.base).pow(2).sum() / eps ** 2
+        return delta.pow(2).sum()
+
+
+# =============================================================================
 # 5. The communicator: which tensors go geometry-aware, their state, one call per step
 # =============================================================================
 
@@ -1200,6 +1315,10 @@ class GeoOptions:
     select: str = "gain"
     geo_layers: tuple = ()
     top_k: int = 0
+    judge: str = "optimizer"        # gains in the error the layer's optimizer sees (section 4b;
+                                    # needs watch()) or in plain "l2" (ablation)
+    judge_every: int = 4            # whiten: also re-measure the gains every N steps between
+                                    # refreshes (the subspace rotation measures at each refresh)
     enter_gain: float = 1.10        # switch a layer to geo when Euclid error / geo error >= this
     exit_gain: float = 1.00         # ... and back to Euclidean when it falls below this
     min_numel: int = 4096           # smaller matrices are not worth a transform
@@ -1232,14 +1351,16 @@ class GeoOptions:
         for key, allowed in (("geometry", GEOMETRIES), ("select", SELECTIONS),
                              ("collective", COLLECTIVES), ("sum_order", SUM_ORDERS),
                              ("factor", WHITEN_FACTORS), ("sides", ("both", "left", "right")),
-                             ("whiten_sides", WHITEN_SIDES),
+                             ("whiten_sides", WHITEN_SIDES), ("judge", ("optimizer", "l2")),
                              ("basis", ("householder", "random"))):
             if getattr(self, key) not in allowed:
                 raise ValueError(f"{key} must be one of {', '.join(allowed)}, got {getattr(self, key)!r}")
         if self.refresh == 0:
             self.refresh = 50 if self.geometry == "whiten" else 4
-        if self.rank < 1 or self.refresh < 1 or self.whiten_rank < 1 or self.scale_sync_every < 1:
-            raise ValueError("rank, whiten_rank, refresh and scale_sync_every must be >= 1")
+        if min(self.rank, self.refresh, self.whiten_rank, self.scale_sync_every,
+               self.judge_every) < 1:
+            raise ValueError("rank, whiten_rank, refresh, scale_sync_every and judge_every "
+                             "must be >= 1")
         if self.collective == "fp8-sum" and (self.fmt == "nvfp4" or self.stochastic):
             raise ValueError("the fp8-sum collective sums e4m3/e5m2 codes with nearest rounding; "
                              "use collective='two-stage' for nvfp4 or stochastic rounding")
@@ -1252,11 +1373,11 @@ class GeoOptions:
         self.geo_layers = tuple(self.geo_layers)
 
 
-VOCAB_NAME_HINTS = ("embed", "lm_head", "wte", "tok_emb", "output.weight")
-
-
-def exemption(name, shape, opts):
-    """Why a tensor stays Euclidean (a short reason), or None if it is a GeoFP8 candidate."""
+def exemption(name, shape, opts, linear=None):
+    """Why a tensor stays Euclidean (a short reason), or None if it is a GeoFP8 candidate.
+    `linear`: the names of the model's nn.Linear weights (linear_layers; module types, never
+    names or shapes) - embedding tables, tied heads and other parameters are not layer
+    gradients and stay Euclidean. None: the caller knows no roles, every matrix is a candidate."""
     if opts.geometry == "euclidean":
         return "euclidean mode"
     if len(shape) != 2:
@@ -1265,7 +1386,9 @@ def exemption(name, shape, opts):
         return "not selected"
     if opts.select == "list":       # an explicit list is the user's decision
         return None
-    if (opts.vocab_size and opts.vocab_size in shape) or any(h in name for h in VOCAB_NAME_HINTS):
+    if linear is not None and name not in linear:
+        return "not a linear layer"
+    if opts.vocab_size and opts.vocab_size in shape:   # an untied output head
         return "vocabulary"
     if math.prod(shape) < opts.min_numel:
         return "small"
@@ -1288,7 +1411,6 @@ class LayerGeometry:
     energy: float = float("nan")        # fraction of the mean's energy in the r x r core
     transform: tuple = field(default=(None, None), repr=False)  # (left, right), derived
     swaps: tuple = field(default=None, repr=False)              # core_swaps, fixed by shape
-    orthogonal = True                   # errors in coordinates are errors in the gradient
 
     @property
     def ready(self):
@@ -1315,7 +1437,6 @@ class WhitenedLayer:
     use_geo: bool = False
     gain: float = float("nan")
     energy: float = float("nan")                    # (subspace only)
-    orthogonal = False
 
     @property
     def ready(self):
@@ -1345,7 +1466,7 @@ class GeoFP8Communicator:
     sends. `moments` are the whitened layers' K-FAC statistics (KroneckerMoments.take()) on the
     steps where `wants_moments()` is true; the subspace rotation needs none."""
 
-    def __init__(self, named_shapes, options=None, group=None, timer=NO_TIMER):
+    def __init__(self, named_shapes, options=None, group=None, timer=NO_TIMER, linear=None):
         self.opts = options or GeoOptions()
         self.group = group
         self.timer = timer          # a StageTimer to see where the time goes (benchmarks)
@@ -1354,7 +1475,7 @@ class GeoFP8Communicator:
         self.reasons = {}
         self.layers = {}
         for n, shape in named_shapes:
-            reason = exemption(n, shape, self.opts)
+            reason = exemption(n, shape, self.opts, linear)
             if reason:
                 self.reasons[n] = reason
             elif self.opts.geometry == "whiten":
@@ -1365,6 +1486,8 @@ class GeoFP8Communicator:
         if unknown:
             raise ValueError(f"geo_layers names {len(unknown)} tensors this model does not have, "
                              f"e.g. {sorted(unknown)[0]!r}: profile this model (nanogeo.profile)")
+        self.views = {}         # name -> OptimizerView (watch()); none: judged in plain L2
+        self.chosen = set(self.opts.geo_layers) if self.opts.select == "list" else set()
         self.step = 0
         self.residuals = {}     # worker index -> {name: fp32 residual}, with error feedback
         self.saturation = None  # fp8-sum: running sum of each tensor's saturated fraction
@@ -1405,6 +1528,12 @@ class GeoFP8Communicator:
     def whitened_sides(self):
         sides = self.opts.whiten_sides
         return ("input", "output") if sides == "both" else (sides,)
+
+    def watch(self, views):
+        """Judge each layer by the error its optimizer sees: views = optimizer_views(optimizers,
+        model) (section 4b). Without them a layer's coordinates are chosen by plain L2 error."""
+        self.views = dict(views)
+        return self
 
     # -- one step --------------------------------------------------------------------------------
 
@@ -1517,7 +1646,9 @@ class GeoFP8Communicator:
             if self.opts.geometry == "whiten":
                 refreshed = whiten_now
                 if whiten_now:
-                    self._refresh_whitening(moments, worker_grads, all_reduce)
+                    self._refresh_whitening(moments, means, worker_grads, all_reduce)
+                elif self.step % self.opts.judge_every == 0:
+                    refreshed = self._judge_whitening(means, worker_grads, all_reduce)
             else:
                 refreshed = self.step % self.opts.refresh == 0
                 if refreshed or any(not l.ready for l in self.layers.values()):
@@ -1529,53 +1660,58 @@ class GeoFP8Communicator:
 
     # -- selection ---------------------------------------------------------------------------------
 
-    def _codec_error(self, x):
-        return (dequantize(quantize(x, self.opts.fmt, self.opts.block)) - x).pow(2).sum()
+    def _round_trip(self, x):
+        return dequantize(quantize(x, self.opts.fmt, self.opts.block))
 
-    def _measure_gains(self, names, worker_grads, all_reduce=None):
-        """Euclidean codec error / geometry-aware codec error of the gradients actually sent, with
-        the geometry in use - measured on each rank's own gradients, summed by one all-reduce,
-        so every rank takes the same decision. The error is measured in the original
-        coordinates (for an orthogonal map it is the same in coordinates, which is cheaper)."""
+    def _measure_gains(self, names, worker_grads, means, all_reduce=None, rows=None):
+        """(euclidean, geometry-aware) error of the gradients actually sent, with the geometry in
+        use, as the layer's optimizer sees it (UpdateError) - measured on each rank's own
+        gradients, summed by one all-reduce, so every rank takes the same decision."""
         errors = []
         for n in names:
             layer = self.layers[n]
+            view = self.views.get(n) if self.opts.judge == "optimizer" else None
+            seen = UpdateError(view, means[n], (rows or {}).get(n))
             for grads in worker_grads:
-                g = grads[self.names.index(n)]
+                g = grads[self.names.index(n)].float()
                 h = layer.encode(g)
-                if layer.orthogonal:
-                    geo = self._codec_error(h)
-                else:
-                    geo = (layer.decode(dequantize(quantize(h, self.opts.fmt, self.opts.block)))
-                           - g).pow(2).sum()
-                errors += [self._codec_error(g), geo]
+                errors += [seen(self._round_trip(g) - g), seen(layer.decode(self._round_trip(h)) - g)]
         errors = torch.stack(errors).double().view(len(names), len(worker_grads), 2).sum(1)
         if all_reduce is not None:
             all_reduce(errors)
         return errors.cpu()                                 # one transfer per refresh
 
     def _decide(self, names, errors):
-        """Hysteresis on the measured gain: enter geo at enter_gain, leave below exit_gain."""
+        """Hysteresis on the measured gain: enter geo at enter_gain, leave below exit_gain. With
+        select="list" or "fragile" only the chosen layers may enter, and they leave too when
+        their geometry-aware error exceeds Euclidean's (enter_gain = exit_gain = 0: never)."""
         for n, (euclid, geo) in zip(names, errors.tolist()):
             layer = self.layers[n]
             layer.gain = math.sqrt(euclid / geo) if geo > 0 else (float("inf") if euclid > 0 else 1.0)
-            if self.opts.select == "gain":
-                threshold = self.opts.exit_gain if layer.use_geo else self.opts.enter_gain
-                layer.use_geo = layer.gain >= threshold
-            elif self.opts.select in ("all", "list"):
-                layer.use_geo = True
+            self._choose(n)
+
+    def _choose(self, name):
+        layer = self.layers[name]
+        if self.opts.select == "all":
+            layer.use_geo = True
+            return
+        threshold = self.opts.exit_gain if layer.use_geo else self.opts.enter_gain
+        eligible = self.opts.select == "gain" or name in self.chosen
+        layer.use_geo = eligible and (layer.gain >= threshold or math.isnan(layer.gain)
+                                      and threshold <= 0)
 
     def _select_fragile(self):
         """The published selection: the top_k matrices by mean fraction of saturated FP8 sums
-        over the profiled (warmup) steps go geometry-aware; the others stay Euclidean for good."""
+        over the profiled (warmup) steps may go geometry-aware, if their gain allows."""
         scores = self.fragility()
         ranked = sorted(self.layers, key=lambda n: -scores.get(n, 0.0))
-        for k, n in enumerate(ranked):
-            self.layers[n].use_geo = k < self.opts.top_k
+        self.chosen = set(ranked[:self.opts.top_k])
+        for n in ranked:
+            self._choose(n)
 
     # -- geometry ----------------------------------------------------------------------------------
 
-    def _refresh_whitening(self, moments, worker_grads, all_reduce=None):
+    def _refresh_whitening(self, moments, means, worker_grads, all_reduce=None):
         """New factors from this step's second moments (identical on every rank: averaged over
         the ranks), smoothed by the EMA of the moments (and of the factor, if factor_decay)."""
         opts = self.opts
@@ -1594,8 +1730,17 @@ class GeoFP8Communicator:
                                                     opts.factor_decay)
                 if n not in updated:
                     updated.append(n)
-        if updated and opts.select != "fragile":
-            self._decide(updated, self._measure_gains(updated, worker_grads, all_reduce))
+        if updated:
+            self._decide(updated, self._measure_gains(updated, worker_grads, means, all_reduce))
+
+    def _judge_whitening(self, means, worker_grads, all_reduce=None):
+        """Between refreshes, re-measure the gains with the factors in use, on gradients they
+        were not computed from: factors go stale (on a fast-moving model within a few steps,
+        BENCHMARKS.md section 12), and a layer must leave as soon as they do."""
+        ready = [n for n, l in self.layers.items() if l.ready]
+        if ready:
+            self._decide(ready, self._measure_gains(ready, worker_grads, means, all_reduce))
+        return bool(ready)
 
     def _transform(self, layer, mean):
         opts = self.opts
@@ -1638,8 +1783,7 @@ class GeoFP8Communicator:
         rows = rows or {}
         for n in fresh:  # a layer's first bases: nothing earlier to judge by, so judge these
             self._update_bases(self.layers[n], means[n], rows.get(n, ALL_ROWS))
-        if self.opts.select != "fragile":
-            self._decide(names, self._measure_gains(names, worker_grads, all_reduce))
+        self._decide(names, self._measure_gains(names, worker_grads, means, all_reduce, rows))
         if self.step % self.opts.refresh == 0:
             for n in names:
                 if n not in fresh:
@@ -1723,7 +1867,7 @@ class GeoFP8Communicator:
                                          for side, f in l.factors.items()}}
         residuals = {w: dict(r) for w, r in self.residuals.items()}
         return {"geometry": self.opts.geometry, "step": self.step, "layers": layers,
-                "residuals": residuals,
+                "residuals": residuals, "chosen": sorted(self.chosen),
                 "saturation": self.saturation, "saturation_steps": self.saturation_steps}
 
     def load_state_dict(self, state):
@@ -1735,6 +1879,7 @@ class GeoFP8Communicator:
         self.residuals = {w: dict(r) for w, r in state.get("residuals", {}).items()}
         self.saturation = state.get("saturation")
         self.saturation_steps = state.get("saturation_steps", 0)
+        self.chosen = set(state.get("chosen", self.chosen))
         for n, s in state["layers"].items():
             layer = self.layers[n]
             layer.use_geo, layer.gain = s["use_geo"], s["gain"]

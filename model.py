@@ -169,6 +169,34 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+def adamw(params, weight_decay, learning_rate, betas, fused=None):
+    """AdamW that decays the matrices (2-D and up) and not the gains and biases."""
+    params = [p for p in params if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
+
+
+def muon_and_adamw(model, blocks, weight_decay, learning_rate, betas, muon_lr, muon_momentum,
+                   ns_steps, adjust_lr_fn, fused=None):
+    """(Muon, AdamW), to be stepped together. torch.optim.Muon orthogonalizes each update
+    matrix with a few Newton-Schulz iterations, which only makes sense for the hidden
+    matrices: the nn.Linear weights inside the transformer `blocks`. The token embedding and the
+    output head (a lookup table and a classifier, tied or not), position tables, norm gains and
+    biases stay with AdamW, which decays its matrices only. The split is read from which module
+    owns a parameter, not from its name or shape."""
+    hidden = {id(m.weight) for block in blocks for m in block.modules()
+              if isinstance(m, nn.Linear)}
+    params = [p for p in model.parameters() if p.requires_grad]
+    muon = torch.optim.Muon([p for p in params if id(p) in hidden], lr=muon_lr,
+                            weight_decay=weight_decay, momentum=muon_momentum,
+                            ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
+    rest = [p for p in params if id(p) not in hidden]
+    return muon, adamw(rest, weight_decay, learning_rate, betas, fused)
+
+
 class Llama(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -214,33 +242,13 @@ class Llama(nn.Module):
     def configure_optimizers(self, weight_decay, learning_rate, betas, fused=None):
         """AdamW with weight decay on matrices only: 2-D weights (linears, embeddings) decay,
         1-D parameters (norm gains) do not, as in GPT-2/Llama recipes."""
-        params = [p for p in self.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
+        return adamw(self.parameters(), weight_decay, learning_rate, betas, fused)
 
     def configure_muon(self, weight_decay, learning_rate, betas, muon_lr, muon_momentum,
                        ns_steps, adjust_lr_fn, fused=None):
-        """(Muon, AdamW), to be stepped together. torch.optim.Muon orthogonalizes each update
-        matrix with a few Newton-Schulz iterations, which only makes sense for the hidden
-        matrices: the nn.Linear weights inside the transformer blocks. The token embedding and the
-        output head (a lookup table and a classifier, tied or not) and the norm gains stay with
-        AdamW, which decays its matrices only, as in configure_optimizers. The split is read from
-        which module owns a parameter, not from its name or shape."""
-        hidden = {id(m.weight) for layer in self.layers for m in layer.modules()
-                  if isinstance(m, nn.Linear)}
-        params = [p for p in self.parameters() if p.requires_grad]
-        muon = torch.optim.Muon([p for p in params if id(p) in hidden], lr=muon_lr,
-                                weight_decay=weight_decay, momentum=muon_momentum,
-                                ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
-        rest = [p for p in params if id(p) not in hidden]
-        groups = [
-            {"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        return muon, torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
+        """(Muon, AdamW), to be stepped together: see muon_and_adamw."""
+        return muon_and_adamw(self, self.layers, weight_decay, learning_rate, betas, muon_lr,
+                              muon_momentum, ns_steps, adjust_lr_fn, fused)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward): 6 N for the matmuls plus the

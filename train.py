@@ -300,14 +300,17 @@ def geo_options(cfg, vocab_size):
         raise ConfigError(str(e)) from None
 
 
-def make_communicator(cfg, model, world_size):
+def make_communicator(cfg, model, optimizers):
     """State that survives between steps for the compressed collectives (geometry, residuals),
     and for the published GeoFP8 the hooks that collect its layers' input statistics.
-    (None, None) for fp32 and bf16, which are stateless."""
+    (None, None) for fp32 and bf16, which are stateless. The candidates for GeoFP8 are the
+    nn.Linear weights (by module type), each judged by the error its optimizer sees."""
     if cfg.comm in ("fp32", "bf16"):
         return None, None
     named = [(n, p.shape) for n, p in model.named_parameters() if p.requires_grad]
-    communicator = compress.GeoFP8Communicator(named, geo_options(cfg, model.config.vocab_size))
+    communicator = compress.GeoFP8Communicator(named, geo_options(cfg, model.config.vocab_size),
+                                               linear=set(compress.linear_layers(model)))
+    communicator.watch(compress.optimizer_views(optimizers, model))
     moments = None
     if communicator.moment_layers():
         layers = compress.linear_layers(model, communicator.moment_layers())
@@ -516,7 +519,7 @@ def train(cfg):
     params = [p for p in raw_model.parameters() if p.requires_grad]
     optimizers = make_optimizers(cfg, raw_model, fused=device.type == "cuda")
     peaks = peak_lrs(optimizers)    # read before a checkpoint overwrites "lr" with its last value
-    communicator, moments = make_communicator(cfg, raw_model, world_size)
+    communicator, moments = make_communicator(cfg, raw_model, optimizers)
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
                 else contextlib.nullcontext())
     start_step = 0

@@ -142,7 +142,7 @@ def measure_overhead(steps, preset="cpu-tiny", batch_size=8, block_size=128, ref
     for name, opts in (("fp8", compress.GeoOptions(geometry="euclidean", vocab_size=cfg.vocab_size)),
                        ("subspace", compress.GeoOptions(geometry="subspace", vocab_size=cfg.vocab_size,
                                                       refresh=refresh, rank=rank))):
-        comm = compress.GeoFP8Communicator(named, opts)
+        comm = compress.GeoFP8Communicator(named, opts, linear=set(compress.linear_layers(net)))
         comm.reduce_workers([grads])  # first bases
         t0 = time.perf_counter()
         for _ in range(steps):

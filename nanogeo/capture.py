@@ -3,6 +3,7 @@ Capture real gradients of W data-parallel workers into a gradient file.
 
     python -m nanogeo.capture --out grads.pt --workers=4 --train_steps=200 --capture_steps=4
     python -m nanogeo.capture --out grads_muon.pt --optimizer=muon --workers=4 --train_steps=200
+    python -m nanogeo.capture --model=bytegpt --out grads_bytegpt.pt     # a GPT-2-style model
 
 Trains a preset in one process for --train_steps with the exact fp32 mean of W workers'
 gradients (each worker its own micro-batch, as in data parallelism), or starts from a train.py
@@ -17,6 +18,7 @@ file holds, oldest step first:
                  "state": {name: torch's per-parameter state}}   as it was before the first step
     optimizer_v {name: exp_avg_sq} at the end (AdamW's parameters; legacy)
     vocab_size  the model's vocabulary size (tools read roles from here, never from shapes)
+    linear      names of the nn.Linear weights (by module type): GeoFP8's candidates
     grad_clip   the global-norm clip applied to every mean before the optimizer step
 
 Every recorded step is taken with the exact mean, so a tool can replay the optimizer from the
@@ -32,11 +34,14 @@ import torch
 import compress
 import model as model_lib
 import train
+from nanogeo import bytegpt
 
 
 @dataclass
 class CaptureConfig:
     out: str = "grads.pt"
+    model: str = "llama"              # llama (model.py, --preset) | bytegpt (nanogeo.bytegpt:
+                                      # GPT-2 style, bytes of the Python standard library)
     preset: str = "cpu-tiny"
     data_dir: str = "data/shakespeare"
     checkpoint: str = ""              # a train.py ckpt.pt to start from (skips training)
@@ -69,8 +74,15 @@ def simulated_training(cfg, record_from, collect_moments=False):
     per worker, moments the K-FAC statistics of every nn.Linear over all workers' tokens
     (compress.KroneckerMoments.take(); None unless collect_moments), loss the workers' mean."""
     torch.manual_seed(cfg.seed)
-    mcfg = model_lib.model_config(cfg.preset, block_size=cfg.block_size)
-    model = model_lib.Llama(mcfg)
+    if cfg.model == "bytegpt":
+        if cfg.checkpoint:
+            raise train.ConfigError("--checkpoint holds a train.py model; drop it for --model=bytegpt")
+        model = bytegpt.ByteGPT(bytegpt.ByteGPTConfig(block_size=cfg.block_size))
+        data = bytegpt.stdlib_corpus()
+    else:
+        model = model_lib.Llama(model_lib.model_config(cfg.preset, block_size=cfg.block_size))
+        data = train.load_data(cfg, model.config.vocab_size)
+    mcfg = model.config
     optimizers = train.make_optimizers(cfg, model, fused=False)
     start = 0
     if cfg.checkpoint:
@@ -79,7 +91,6 @@ def simulated_training(cfg, record_from, collect_moments=False):
         train.load_optimizers(optimizers, ckpt)
         start = ckpt["step"]
         record_from += start
-    data = train.load_data(cfg, mcfg.vocab_size)
     params = dict(model.named_parameters())
     schedule = train.TrainConfig(learning_rate=cfg.learning_rate, min_lr=cfg.min_lr,
                                  warmup_iters=cfg.warmup_iters,
@@ -150,7 +161,8 @@ def capture(cfg: CaptureConfig):
     adamw = [o for o in optimizers if isinstance(o, torch.optim.AdamW)]
     names = {p: n for n, p in model.named_parameters()}
     optimizer_v = {names[p]: o.state[p]["exp_avg_sq"].clone() for o in adamw for p in o.state}
-    data = {"steps": steps, "inputs": inputs, "outputs": outputs, "vocab_size": model.config.vocab_size}
+    data = {"steps": steps, "inputs": inputs, "outputs": outputs,
+            "vocab_size": model.config.vocab_size, "linear": list(compress.linear_layers(model))}
     if cfg.keep == "all":   # the optimizer replays only on the whole model (clipping is global)
         data.update(optimizer=record, optimizer_v=optimizer_v, grad_clip=cfg.grad_clip)
     torch.save(data, cfg.out)
@@ -164,6 +176,7 @@ def main(argv=None):
                                  presets={name: {} for name in model_lib.PRESETS},
                                  choices={"preset": tuple(model_lib.PRESETS),
                                           "optimizer": ("adamw", "muon"),
+                                          "model": ("llama", "bytegpt"),
                                           "keep": ("all", "linear")}, doc=__doc__)
         capture(cfg)
     except (train.ConfigError, train.ShardError) as e:

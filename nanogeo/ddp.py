@@ -5,15 +5,22 @@ GeoFP8 for any DistributedDataParallel model, as a DDP communication hook.
     from nanogeo.ddp import GeoFP8HookState, geofp8_hook
 
     model = DDP(model)
-    model.register_comm_hook(GeoFP8HookState(model), geofp8_hook)          # published GeoFP8
-    model.register_comm_hook(GeoFP8HookState(model, geometry="subspace", rank=16), geofp8_hook)
+    state = GeoFP8HookState(model)                                  # published GeoFP8, or
+    state = GeoFP8HookState(model, geometry="subspace", rank=16)    # the subspace rotation
+    model.register_comm_hook(state, geofp8_hook)
+    state.watch(optimizers)     # judge each layer by the error its optimizer sees
 
 DDP hands the hook one bucket at a time: a flat buffer holding several parameters' gradients.
 The hook names the parameters in the bucket, averages their gradients with compress.py's
 two-stage FP8 collective (in geometry-aware coordinates where that measurably helps), writes the
 mean back into the bucket and returns it as an already-completed future. Options are those of
 compress.GeoOptions (the same as train.py's flags): geometry, fmt, block, collective, select,
-factor, refresh, warmup, error_feedback, ...
+factor, refresh, warmup, error_feedback, vocab_size (keeps an untied output head Euclidean), ...
+
+Which matrices may go geometry-aware: the weights of nn.Linear modules (found by module type;
+embedding tables and tied heads stay Euclidean), and of those the ones whose measured error -
+as their optimizer sees it, after `state.watch(optimizers)` - drops by enough (compress section
+4b). Without watch() the check measures plain L2 error, which can mislead under AdamW.
 
 The published method (geometry="whiten") needs each linear layer's input second moment: the
 state registers a forward pre-hook on every nn.Linear whose weight is a candidate (found by module
@@ -51,10 +58,12 @@ class GeoFP8HookState:
 
     def __init__(self, model, process_group=None, **options):
         module = model.module if hasattr(model, "module") else model
-        vocab = options.pop("vocab_size", 0) or _guess_vocab_size(module)
-        self.options = compress.GeoOptions(vocab_size=vocab, **options)
+        self.options = compress.GeoOptions(**options)
         self.process_group = process_group
+        self.module = module
         self.names = {p: n for n, p in module.named_parameters()}
+        self.linear = set(compress.linear_layers(module))   # the candidates, by module type
+        self.views = {}             # name -> compress.OptimizerView, from watch()
         self.communicators = {}     # tuple of names -> GeoFP8Communicator
         self.bytes_sent = 0         # since the last reset_bytes()
         self.streams = {}           # CUDA device -> the hook's side stream
@@ -64,7 +73,8 @@ class GeoFP8HookState:
                 raise ValueError("nanogeo.ddp: the DDP hook whitens the input side only; "
                                  "use whiten_sides='input'")
             candidates = [n for n, p in module.named_parameters()
-                          if compress.exemption(n, tuple(p.shape), self.options) is None]
+                          if compress.exemption(n, tuple(p.shape), self.options, self.linear)
+                          is None]
             if self.options.select == "fragile":
                 raise ValueError("nanogeo.ddp: select='fragile' would pick top_k per bucket; "
                                  "profile with nanogeo.profile and pass select='list', geo_layers=...")
@@ -94,7 +104,8 @@ class GeoFP8HookState:
         comm = self.communicators.get(key)
         if comm is None:
             comm = compress.GeoFP8Communicator(list(zip(names, shapes)), self.options,
-                                               self.process_group)
+                                               self.process_group, linear=self.linear)
+            comm.watch(self.views)
             for old in self.communicators.values():  # carry state over from older buckets
                 for n in names:
                     if n in old.layers and n in comm.layers:
@@ -105,6 +116,14 @@ class GeoFP8HookState:
                 comm.step = max(comm.step, old.step)
             self.communicators[key] = comm
         return comm
+
+    def watch(self, optimizers):
+        """Judge each layer by the error its optimizer sees (compress section 4b): call once
+        after building the optimizers. Without it, coordinates are chosen by plain L2 error."""
+        self.views = compress.optimizer_views(optimizers, self.module)
+        for comm in self.communicators.values():
+            comm.watch(self.views)
+        return self
 
     def stream(self, device):
         if device not in self.streams:
@@ -117,14 +136,6 @@ class GeoFP8HookState:
 
     def table(self):
         return "\n".join(c.table() for c in self.communicators.values())
-
-
-def _guess_vocab_size(module):
-    """The vocabulary of the first nn.Embedding: its dimension stays Euclidean everywhere."""
-    for m in module.modules():
-        if isinstance(m, torch.nn.Embedding):
-            return m.num_embeddings
-    return 0
 
 
 def geofp8_hook(state: GeoFP8HookState,

@@ -24,8 +24,11 @@ Any method takes GeoOptions overrides after colons, for ablations:
     geofp8:factor=diag   geofp8:factor=block:whiten_block=64   geofp8:whiten_rank=8
     geofp8:whiten_sides=both   geofp8:select=all   fp8-paper:sum_order=tree
     subspace:rank=8   subspace:sides=left   fp8-block:error_feedback=1   fp8-block:block=32
-The whitening methods read each step's input (and output) second moments from the file; the
-vocabulary dimension stays Euclidean, its size from --vocab_size or the file's vocab_size.
+The whitening methods read each step's input (and output) second moments from the file. The
+candidates are the file's `linear` weights (the model's nn.Linear modules; older files: every
+matrix); a vocabulary dimension stays Euclidean, its size from --vocab_size or the file's
+vocab_size. Where the file records the optimizer, each layer's coordinates are chosen by the
+error that optimizer sees (the replayed state before each step; `:judge=l2` for plain L2).
 """
 
 import argparse
@@ -109,9 +112,11 @@ def tensor_bytes(layout, index):
     return total / world
 
 
-def run_method(spec, steps, names, vocab_size, moments=None):
+def run_method(spec, steps, names, vocab_size, moments=None, linear=None, views=None):
     """Means delivered by one method for every step, and bytes per rank, plus coords used.
-    moments[s] = {"input": {name: A}, "output": {name: G}} of step s, for the whitening."""
+    moments[s] = {"input": {name: A}, "output": {name: G}} of step s, for the whitening;
+    linear: the names of the model's nn.Linear weights (the candidates; None: every matrix);
+    views[s] = {name: compress.OptimizerView} before step s (the selection's error measure)."""
     options = method_options(spec, vocab_size)
     shapes = [steps[0][0][n].shape for n in names]
     results = []
@@ -121,7 +126,7 @@ def run_method(spec, steps, names, vocab_size, moments=None):
             per_tensor = [2 * (len(workers) - 1) * math.prod(s) * 2 / len(workers) for s in shapes]
             results.append((means, sent, per_tensor, ["euclidean"] * len(names)))
         return results
-    comm = compress.GeoFP8Communicator(list(zip(names, shapes)), options)
+    comm = compress.GeoFP8Communicator(list(zip(names, shapes)), options, linear=linear)
     if comm.moment_layers() and moments is None:
         raise ValueError(f"{spec} whitens with each layer's input second moments, but the file "
                          "has no 'inputs'; capture one with `python -m nanogeo.capture`")
@@ -134,6 +139,8 @@ def run_method(spec, steps, names, vocab_size, moments=None):
         per_tensor = [tensor_bytes(layout, i) for i in range(len(names))]  # fixed by the shapes
     for s, workers in enumerate(steps):
         coords = [comm.coords(n) for n in names]  # the coordinates this step is sent in
+        if views:
+            comm.watch(views[s])
         means, sent = comm.reduce_workers([[w[n] for n in names] for w in workers],
                                           moments[s] if moments else None)
         results.append((means, sent, per_tensor, coords))
@@ -172,6 +179,17 @@ def optimizer_step(record, state, grads, grad_clip):
 def optimizer_classes(record):
     """{name: "adamw" | "muon"}: the optimizer each parameter belongs to."""
     return {n: group["class"].lower() for group in record["groups"] for n in group["params"]}
+
+
+def optimizer_views(record, states):
+    """Per step {name: compress.OptimizerView}: the file's optimizers with the state they had
+    before that step (replayed on the exact means), as the communicator's selection reads them."""
+    kinds = {group["class"]: compress.OPTIMIZER_KINDS.get(group["class"])
+             for group in record["groups"]}
+    return [{n: compress.OptimizerView(kinds[group["class"]], group["hyper"],
+                                       lambda state=state, n=n: state.get(n, {}))
+             for group in record["groups"] if kinds[group["class"]] for n in group["params"]}
+            for state in states]
 
 
 def exact_updates(record, exact, grad_clip):
@@ -232,12 +250,15 @@ def evaluate(path, methods, last=1, vocab_size=None, round_trip=False, workers=N
     exact = [{n: sum(w[n].float() for w in workers) / len(workers) for n in names}
              for workers in steps]
     record, grad_clip = data.get("optimizer"), data.get("grad_clip", 0.0)
+    views = None
     if record is not None:      # what the optimizer does with the exact means, step by step
         classes = optimizer_classes(record)
         states, updates = exact_updates(record, exact, grad_clip)
+        views = optimizer_views(record, states)
+    linear = set(data["linear"]) if "linear" in data else None
     report = {}
     for spec in methods:
-        results = run_method(spec, steps, names, vocab_size, moments)
+        results = run_method(spec, steps, names, vocab_size, moments, linear, views)
         layers = {n: {"rel_err": 0.0, "cos": 0.0, "bytes": 0.0, "ref_norm": 0.0, "max_err": 0.0,
                       "mse": 0.0} for n in names}
         total = {"rel_err": 0.0, "cos": 0.0, "bytes": 0.0, "matrices_rel_err": 0.0}

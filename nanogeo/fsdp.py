@@ -2,12 +2,13 @@
 GeoFP8 gradient reduce-scatter for FSDP2 (`fully_shard`), through its custom reduce-scatter API.
 
     from torch.distributed.fsdp import fully_shard
-    from nanogeo.fsdp import use_geofp8
+    from nanogeo.fsdp import use_geofp8, watch_optimizers
 
     for block in model.layers:
         fully_shard(block)
     fully_shard(model)
     comms = use_geofp8(model, rank=16, warmup=10)     # after fully_shard, before training
+    watch_optimizers(comms, optimizers, model)       # judge each matrix as its optimizer sees it
 
 What FSDP hands the reduce-scatter
 ----------------------------------
@@ -113,7 +114,7 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
     compress.GeoOptions (train.py's flags): geometry ("subspace" or "euclidean"), fmt, block,
     rank, refresh, warmup, stochastic..."""
 
-    def __init__(self, module, prefix="", **options):
+    def __init__(self, module, prefix="", linear=None, **options):
         options.setdefault("geometry", "subspace")   # the method built for FSDP's row shards
         groups = module._get_fsdp_state()._fsdp_param_groups
         if len(groups) != 1:
@@ -135,7 +136,7 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
         self.names = [names[p.sharded_param] for p in self.fsdp_params]
         self.shapes = [tuple(p._orig_size) for p in self.fsdp_params]
         self.comm = compress.GeoFP8Communicator(list(zip(self.names, self.shapes)),
-                                                compress.GeoOptions(**options))
+                                                compress.GeoOptions(**options), linear=linear)
         super().__init__(self.comm.opts.fmt, self.comm.opts.block)
         self.geometry_bytes = 0     # the decode's small all-reduces, bytes sent (ring estimate)
         self.fallbacks = 0
@@ -206,17 +207,26 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
 
 def use_geofp8(model, **options):
     """Give every FSDP module of `model` (after fully_shard) a GeoFP8ReduceScatter. Options as
-    compress.GeoOptions; the vocabulary size defaults to the first nn.Embedding's. Returns the
-    reduce-scatters (their bytes_sent, geometry_bytes and table() are for logging)."""
-    if "vocab_size" not in options:
-        options["vocab_size"] = next((m.num_embeddings for m in model.modules()
-                                      if isinstance(m, torch.nn.Embedding)), 0)
+    compress.GeoOptions. Only nn.Linear weights are candidates (found by module type); pass
+    vocab_size to keep an untied output head Euclidean as well. Returns the reduce-scatters
+    (their bytes_sent, geometry_bytes and table() are for logging; watch_optimizers)."""
+    linear = set(compress.linear_layers(model))
     comms = []
     for prefix, module in model.named_modules():
         if isinstance(module, FSDPModule) and module._get_fsdp_state()._fsdp_param_groups:
-            comm = GeoFP8ReduceScatter(module, prefix, **options)
+            comm = GeoFP8ReduceScatter(module, prefix, linear, **options)
             module.set_custom_reduce_scatter(comm)
             comms.append(comm)
     if not comms:
         raise ValueError("nanogeo.fsdp: no FSDP module with parameters; call fully_shard first")
     return comms
+
+
+def watch_optimizers(comms, optimizers, model):
+    """Judge each matrix by the error its optimizer sees (compress section 4b). Under FSDP each
+    rank weighs the rows it owns - its shard of AdamW's second moments against the same rows of
+    its own gradient's codec error - and the gain check's all-reduce adds the ranks' row blocks
+    up; Muon, which needs whole matrices, is judged in L2."""
+    views = compress.optimizer_views(optimizers, model)
+    for comm in comms:
+        comm.comm.watch(views)

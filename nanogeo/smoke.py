@@ -97,7 +97,7 @@ def check_codec(device, numel, iters):
 def rotated_shapes(net):
     opts = compress.GeoOptions(geometry="subspace", vocab_size=net.config.vocab_size)
     return [tuple(p.shape) for n, p in net.named_parameters()
-            if compress.exemption(n, tuple(p.shape), opts) is None]
+            if compress.exemption(n, tuple(p.shape), opts, set(compress.linear_layers(net))) is None]
 
 
 def check_transform(device, net, iters, rank=16):

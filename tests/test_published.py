@@ -171,6 +171,12 @@ def test_fragility_selection_finds_the_planted_fragile_layer():
         comm.reduce_workers(workers)
     scores = comm.fragility()
     assert scores["fragile.weight"] > 5 * scores["calm.weight"]     # noise saturates too: ~10 %
+    assert comm.chosen == {"fragile.weight"}
+    # chosen layers still need a measured gain to go geometry-aware (none was measured: no
+    # moments came); with the guard off (the paper's rule) the choice is final
+    assert not any(l.use_geo for l in comm.layers.values())
+    comm.opts.enter_gain = comm.opts.exit_gain = 0.0
+    comm._select_fragile()
     assert [n for n, l in comm.layers.items() if l.use_geo] == ["fragile.weight"]
 
 
@@ -204,7 +210,7 @@ def test_error_feedback_is_re_expressed_when_the_factors_refresh():
 def test_state_dict_round_trip_whitening_and_fp8_sum():
     opts = GeoOptions(geometry="whiten", fmt="e5m2", collective="fp8-sum", select="fragile",
                       top_k=1, warmup=2, refresh=2, error_feedback=True, min_numel=16,
-                      factor="lowrank-dense", factor_decay=0.95)
+                      factor="lowrank-dense", factor_decay=0.95, enter_gain=0.0, exit_gain=0.0)
     names = [("a.weight", (32, 48)), ("b.weight", (48, 32))]
     g = torch.Generator().manual_seed(0)
     steps = [[[torch.randn(32, 48, generator=g), torch.randn(48, 32, generator=g)]

@@ -1,0 +1,127 @@
+"""The error the optimizer sees (compress section 4b) and GeoFP8's do-no-harm rule, on a model
+this project did not design (nanogeo.bytegpt: GPT-2 style, byte vocabulary 256 < MLP width 768)."""
+
+import copy
+
+import pytest
+import torch
+
+import compress
+from nanogeo import bytegpt, capture, fidelity
+
+
+def torch_update(optimizer_class, hyper, state, grad):
+    """The update torch's optimizer takes from `state` with `grad`, on a parameter at zero (in
+    float64 where the optimizer computes in the parameter's precision: AdamW)."""
+    dtype = torch.float64 if optimizer_class is torch.optim.AdamW else torch.float32
+    param = torch.zeros_like(grad, dtype=dtype, requires_grad=True)
+    opt = optimizer_class([param], **hyper)
+    opt.state[param] = {k: v.to(dtype) if v.dim() else v for k, v in copy.deepcopy(state).items()}
+    param.grad = grad.to(dtype)
+    opt.step()
+    return param.detach()
+
+
+def adam_state(rows, cols, rows_small):
+    """AdamW's state after steps whose gradients were ~1 in size, ~1e-3 in `rows_small`."""
+    v = 0.5 + torch.rand(rows, cols)
+    v[rows_small] *= 1e-6
+    return {"step": torch.tensor(10.0), "exp_avg": 0.3 * v.sqrt() * torch.randn(rows, cols),
+            "exp_avg_sq": v}
+
+
+def test_adamw_update_error_matches_torchs_adamw():
+    """UpdateError's first-order estimate sizes two gradient errors - one on rows whose second
+    moments are tiny, one elsewhere - in the ratio torch's own AdamW step (float64) does."""
+    torch.manual_seed(0)
+    hyper = {"lr": 1.0, "betas": (0.9, 0.95), "eps": 1e-8}
+    g = torch.randn(48, 64)
+    small = torch.zeros(48, dtype=torch.bool)
+    small[:8] = True
+    g[small] *= 1e-3
+    state = adam_state(48, 64, small)
+    deltas = [torch.zeros_like(g), torch.zeros_like(g)]
+    deltas[0][small] = 1e-6 * torch.randn(int(small.sum()), 64)     # on the quiet rows
+    deltas[1][~small] = 1e-6 * torch.randn(int((~small).sum()), 64)
+    seen = compress.UpdateError(compress.OptimizerView("adamw", hyper, lambda: state), g)
+    estimate = [seen(d).item() for d in deltas]
+    base = torch_update(torch.optim.AdamW, hyper, state, g)
+    real = [(torch_update(torch.optim.AdamW, hyper, state, g + d) - base).pow(2).sum().item()
+            for d in deltas]
+    assert estimate[0] / estimate[1] == pytest.approx(real[0] / real[1], rel=0.1)
+    assert real[0] / real[1] > 1e3     # the same size of error, a thousand times the effect
+
+
+def test_muon_update_error_follows_torchs_muon():
+    """UpdateError rebuilds the matrix torch.optim.Muon orthogonalises and its Newton-Schulz map
+    (torch's update, computed in bf16, agrees within bf16 noise), differentiates that map to
+    first order, and - unlike L2 - weighs an error along a weak singular direction far above the
+    same error along the strongest (Muon equalises the singular values)."""
+    torch.manual_seed(0)
+    hyper = {"lr": 1.0, "momentum": 0.9, "nesterov": True, "ns_steps": 5,
+             "ns_coefficients": (3.4445, -4.775, 2.0315), "eps": 1e-7, "weight_decay": 0.0}
+    U, _, Vh = torch.linalg.svd(torch.randn(48, 64), full_matrices=False)
+    g = U @ torch.diag(torch.logspace(1, -3, 48)) @ Vh                 # a steep spectrum
+    state = {"momentum_buffer": 0.5 * g + 0.1 * torch.randn(48, 64)}
+    seen = compress.UpdateError(compress.OptimizerView("muon", hyper, lambda: state), g)
+    update = torch_update(torch.optim.Muon, hyper, state, g)
+    mine = compress.newton_schulz(seen.X, hyper["ns_coefficients"], hyper["ns_steps"])
+    assert (update + mine).norm() < 0.05 * update.norm()
+    delta = 1e-3 * g.norm() / 48 * torch.randn(48, 64)
+    moved = seen.ns(seen.X + seen.c * delta) - seen.base
+    assert seen(delta).item() == pytest.approx(moved.pow(2).sum().item(), rel=0.05)
+    strong, weak = U[:, :1] @ Vh[:1], U[:, -1:] @ Vh[-1:]               # the same L2 size
+    assert seen(weak) > 10 * seen(strong)
+
+
+def plant_quiet_rows(path, factor=1e-3):
+    """Make a quarter of every hidden matrix's rows quiet: their gradients (in every worker and
+    step) and the optimizer state that such gradients would have left (AdamW's moments, Muon's
+    momentum) scaled down, as if those rows had always been quiet."""
+    data = torch.load(path, weights_only=True)
+    linear = data["linear"]
+    for workers in data["steps"]:
+        for grads in workers:
+            for n in linear:
+                grads[n][: grads[n].shape[0] // 4] *= factor
+    for n in linear:
+        state = data["optimizer"]["state"].get(n, {})
+        for key, power in (("exp_avg", 1), ("exp_avg_sq", 2), ("momentum_buffer", 1)):
+            if key in state:
+                state[key][: state[key].shape[0] // 4] *= factor ** power
+    torch.save(data, path)
+
+
+def test_geofp8_does_no_harm_on_a_model_we_did_not_design(tmp_path):
+    """With default options no geometry-aware method's AdamW update error is more than 2 % above
+    Euclidean FP8's in total, or 10 % on any layer, on the byte-level GPT-2 (4 workers, after 60
+    steps) with a quarter of every hidden matrix's rows quiet. Judged by L2 alone, the subspace
+    rotation spreads its error onto the quiet rows (> 10x here): the check can fail. (Muon's
+    torch step runs bf16 matmuls, far too slow on CPU for a test: BENCHMARKS.md section 12.)"""
+    path = str(tmp_path / "adamw.pt")
+    capture.capture(capture.CaptureConfig(model="bytegpt", out=path, workers=4, train_steps=60,
+                                          capture_steps=4, batch_size=4, block_size=64))
+    plant_quiet_rows(path)
+    methods = ["fp8-block", "geofp8", "subspace", "subspace:judge=l2"]
+    report = fidelity.evaluate(path, methods, last=3)
+    euclid = report["fp8-block"]
+    for method in ("geofp8", "subspace"):
+        total = report[method]["total"]["update_err"]["adamw"]
+        assert total <= 1.02 * euclid["total"]["update_err"]["adamw"], (method, total)
+        for n, layer in report[method]["layers"].items():
+            assert layer["update_err"]["adamw"] <= 1.10 * euclid["layers"][n]["update_err"]["adamw"] \
+                + 1e-9, (method, n)
+    harmful = report["subspace:judge=l2"]["total"]["update_err"]["adamw"]
+    assert harmful > 10 * euclid["total"]["update_err"]["adamw"]
+
+
+def test_roles_come_from_module_types_not_names_or_shapes():
+    """On bytegpt the position table, the tied token table/head and the biases stay Euclidean
+    whatever their names; the MLP matrices (768 wide, larger than the vocabulary) are candidates."""
+    net = bytegpt.ByteGPT(bytegpt.ByteGPTConfig(block_size=32, n_layer=1))
+    opts = compress.GeoOptions(geometry="subspace", vocab_size=net.config.vocab_size, min_numel=16)
+    named = [(n, p.shape) for n, p in net.named_parameters()]
+    comm = compress.GeoFP8Communicator(named, opts, linear=set(compress.linear_layers(net)))
+    assert set(comm.layers) == {"h.0.attn.c_attn.weight", "h.0.attn.c_proj.weight",
+                                "h.0.mlp.c_fc.weight", "h.0.mlp.c_proj.weight"}
+    assert comm.reasons["wpe.weight"] == comm.reasons["wte.weight"] == "not a linear layer"
