@@ -490,7 +490,14 @@ class StageTimer:
         return _Stage()
 
 
-NO_TIMER = type("NoTimer", (), {"stage": staticmethod(lambda name: contextlib.nullcontext())})()
+class NoTimer:
+    """A StageTimer that times nothing (the default; a plain class, so states pickle)."""
+    @staticmethod
+    def stage(name):
+        return contextlib.nullcontext()
+
+
+NO_TIMER = NoTimer()
 
 
 def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, stochastic=False, seed=None,
@@ -997,16 +1004,19 @@ class KroneckerMoments:
     passes of refresh steps only, which it runs eagerly, so a torch.compile'd graph never
     contains them; the DDP hook keeps them attached and lets `active()` decide."""
 
-    def __init__(self, layers, active=lambda: True, sides=("input",)):
+    def __init__(self, layers, active=None, sides=("input",)):
         self.layers, self.active, self.sides = layers, active, sides
         self.sums, self.counts, self.handles = {}, {}, []
 
     def attach(self):
         for name, module in self.layers.items():
+            # partials of methods, not closures: a model with these hooks still pickles
             if "input" in self.sides:
-                self.handles.append(module.register_forward_pre_hook(self._input_hook(name)))
+                self.handles.append(module.register_forward_pre_hook(
+                    functools.partial(self._input_hook, name)))
             if "output" in self.sides:
-                self.handles.append(module.register_forward_hook(self._output_hook(name)))
+                self.handles.append(module.register_forward_hook(
+                    functools.partial(self._output_hook, name)))
         return self
 
     def detach(self):
@@ -1015,7 +1025,7 @@ class KroneckerMoments:
         self.handles = []
 
     def _collecting(self, module):
-        return module.training and torch.is_grad_enabled() and self.active()
+        return module.training and torch.is_grad_enabled() and (self.active is None or self.active())
 
     def _add(self, key, x):
         with torch.autocast(x.device.type, enabled=False):    # fp32 sums, also under autocast
@@ -1023,17 +1033,13 @@ class KroneckerMoments:
             self.sums[key] = self.sums.get(key, 0) + x.T @ x
         self.counts[key] = self.counts.get(key, 0) + x.shape[0]
 
-    def _input_hook(self, name):
-        def hook(module, args):
-            if self._collecting(module):
-                self._add(("input", name), args[0])
-        return hook
+    def _input_hook(self, name, module, args):
+        if self._collecting(module):
+            self._add(("input", name), args[0])
 
-    def _output_hook(self, name):
-        def hook(module, args, out):
-            if self._collecting(module) and out.requires_grad:
-                out.register_hook(lambda grad: self._add(("output", name), grad))
-        return hook
+    def _output_hook(self, name, module, args, out):
+        if self._collecting(module) and out.requires_grad:
+            out.register_hook(functools.partial(self._add, ("output", name)))
 
     def take(self):
         """{"input": {name: A}, "output": {name: G}, "tokens": {side: {name: count}}}: the
@@ -1206,9 +1212,13 @@ def optimizer_views(optimizers, model):
         kind = OPTIMIZER_KINDS.get(type(opt).__name__)
         for group in opt.param_groups if kind else ():
             for p in group["params"]:
-                views[names[p]] = OptimizerView(kind, group, functools.partial(
-                    lambda o, q: o.state.get(q, {}), opt, p))
+                views[names[p]] = OptimizerView(kind, group, functools.partial(param_state, opt, p))
     return views
+
+
+def param_state(optimizer, param):
+    """The optimizer's state of one parameter now (a function, so views pickle)."""
+    return optimizer.state.get(param, {})
 
 
 def newton_schulz(X, coefficients, steps, eps=1e-7):
@@ -1295,6 +1305,7 @@ class UpdateError:
 GEOMETRIES = ("whiten", "subspace", "euclidean")
 SELECTIONS = ("gain", "all", "list", "fragile")
 COLLECTIVES = ("two-stage", "fp8-sum")
+JUDGES = ("optimizer", "l2")
 
 
 @dataclass
@@ -1336,7 +1347,9 @@ class GeoOptions:
     decay: float = 0.0              # EMA of the covariance; 0 = bases from the latest mean only
     iters: int = 1                  # subspace iterations per refresh
     full: bool = False              # exact dense eigenbases (reference / ablation)
-    sides: str = "both"             # "both", "left", "right" (ablation)
+    sides: str = "both"             # "both", "left", "right" (ablation), or "auto": per matrix
+                                    # both or right (columns only: keeps every row's scale),
+                                    # whichever the gain check measures better
     basis: str = "householder"      # "householder" or "random" (dense random rotation, ablation)
     scatter_core: bool = True       # give each core coordinate its own scaling block
     # codec extras
@@ -1350,8 +1363,8 @@ class GeoOptions:
         check_codec(self.fmt, self.block)
         for key, allowed in (("geometry", GEOMETRIES), ("select", SELECTIONS),
                              ("collective", COLLECTIVES), ("sum_order", SUM_ORDERS),
-                             ("factor", WHITEN_FACTORS), ("sides", ("both", "left", "right")),
-                             ("whiten_sides", WHITEN_SIDES), ("judge", ("optimizer", "l2")),
+                             ("factor", WHITEN_FACTORS), ("sides", ("both", "left", "right", "auto")),
+                             ("whiten_sides", WHITEN_SIDES), ("judge", JUDGES),
                              ("basis", ("householder", "random"))):
             if getattr(self, key) not in allowed:
                 raise ValueError(f"{key} must be one of {', '.join(allowed)}, got {getattr(self, key)!r}")
@@ -1364,6 +1377,9 @@ class GeoOptions:
         if self.collective == "fp8-sum" and (self.fmt == "nvfp4" or self.stochastic):
             raise ValueError("the fp8-sum collective sums e4m3/e5m2 codes with nearest rounding; "
                              "use collective='two-stage' for nvfp4 or stochastic rounding")
+        if self.sides == "auto" and (self.full or self.basis != "householder"):
+            raise ValueError("sides='auto' chooses between Householder rotations; "
+                             "use full=False, basis='householder'")
         if self.collective == "fp8-sum":
             self.block = "tensor"   # its one scale per tensor; the gain check measures that codec
         if self.select == "fragile" and (self.collective != "fp8-sum" or self.top_k < 1
@@ -1411,16 +1427,25 @@ class LayerGeometry:
     energy: float = float("nan")        # fraction of the mean's energy in the r x r core
     transform: tuple = field(default=(None, None), repr=False)  # (left, right), derived
     swaps: tuple = field(default=None, repr=False)              # core_swaps, fixed by shape
+    sides: str = "both"                 # the sides rotated now (sides="auto": chosen by gain)
 
     @property
     def ready(self):
         return self.left_basis is not None
 
-    def encode(self, g):
-        return swap_entries(encode_geo(g, *self.transform), self.swaps)
+    def encode(self, g, transform=None):
+        transform = transform or self.transform
+        return swap_entries(encode_geo(g, *transform), self.swaps_for(transform))
 
-    def decode(self, h):
-        return decode_geo(swap_entries(h, self.swaps), *self.transform)
+    def decode(self, h, transform=None):
+        transform = transform or self.transform
+        return decode_geo(swap_entries(h, self.swaps_for(transform)), *transform)
+
+    def swaps_for(self, transform):
+        """Core scattering applies when both sides rotate: only then do the r x r dominant
+        coordinates gather in H's corner. (With one side, moving entries between rows would put
+        a large value into a quiet row's scaling block.)"""
+        return self.swaps if transform[0] is not None and transform[1] is not None else None
 
     def tensors(self):
         return [self.left_basis.Y, self.left_basis.T, self.right_basis.Y, self.right_basis.T,
@@ -1472,6 +1497,7 @@ class GeoFP8Communicator:
         self.timer = timer          # a StageTimer to see where the time goes (benchmarks)
         self.names = [n for n, _ in named_shapes]
         self.shapes = {n: tuple(s) for n, s in named_shapes}
+        self.stream = zlib.crc32("\0".join(self.names).encode())  # this list's rounding stream
         self.reasons = {}
         self.layers = {}
         for n, shape in named_shapes:
@@ -1495,7 +1521,8 @@ class GeoFP8Communicator:
 
     def _subspace_layer(self, name, shape):
         r = min(shape) if self.opts.full else min(self.opts.rank, min(shape) // 2)
-        layer = LayerGeometry(shape, r, seed=zlib.crc32(name.encode()))
+        layer = LayerGeometry(shape, r, seed=zlib.crc32(name.encode()),
+                              sides="both" if self.opts.sides == "auto" else self.opts.sides)
         if self.opts.scatter_core and not self.opts.full and self.opts.basis == "householder":
             block = NVFP4_BLOCK if self.opts.fmt == "nvfp4" else self.opts.block
             layer.swaps = core_swaps(shape, r, block)
@@ -1571,8 +1598,15 @@ class GeoFP8Communicator:
                 coords, opts.fmt, self.group, opts.sum_order, self._local_scales())
             self._count_saturation(saturated)
             return means, sent, local
-        return all_reduce_mean(coords, opts.fmt, opts.block, self.group, opts.stochastic,
-                               opts.seed * 7919 + self.step, return_local=True, timer=self.timer)
+        out = all_reduce_mean(coords, opts.fmt, opts.block, self.group, opts.stochastic,
+                              self.rounding_seed(), return_local=opts.error_feedback,
+                              timer=self.timer)
+        return out if opts.error_feedback else (*out, None)   # no extra decode without feedback
+
+    def rounding_seed(self):
+        """This step's stochastic-rounding seed, different for every tensor list (every DDP
+        bucket, every FSDP module): buckets of the same layout must not round alike."""
+        return (self.opts.seed * 7919 + self.step) * 2_147_483_659 + self.stream
 
     def _local_scales(self):
         return self.opts.scale_sync_every > 1 and self.step % self.opts.scale_sync_every != 0
@@ -1620,8 +1654,10 @@ class GeoFP8Communicator:
                 coords, opts.fmt, opts.sum_order, self._local_scales())
             self._count_saturation(saturated)
         else:
-            mean_coords, sent, local = simulate_mean(coords, opts.fmt, opts.block, opts.stochastic,
-                                                     opts.seed * 7919 + self.step, return_local=True)
+            mean_coords, sent, *local = simulate_mean(coords, opts.fmt, opts.block, opts.stochastic,
+                                                      self.rounding_seed(),
+                                                      return_local=opts.error_feedback)
+            local = local[0] if local else None
         if opts.error_feedback:
             for i in range(len(coords)):
                 self._keep_residual(i, coords[i], local[i])
@@ -1668,25 +1704,48 @@ class GeoFP8Communicator:
         use, as the layer's optimizer sees it (UpdateError) - measured on each rank's own
         gradients, summed by one all-reduce, so every rank takes the same decision."""
         errors = []
+        variants = self._variants()
         for n in names:
             layer = self.layers[n]
             view = self.views.get(n) if self.opts.judge == "optimizer" else None
             seen = UpdateError(view, means[n], (rows or {}).get(n))
             for grads in worker_grads:
                 g = grads[self.names.index(n)].float()
-                h = layer.encode(g)
-                errors += [seen(self._round_trip(g) - g), seen(layer.decode(self._round_trip(h)) - g)]
-        errors = torch.stack(errors).double().view(len(names), len(worker_grads), 2).sum(1)
+                errors.append(seen(self._round_trip(g) - g))
+                errors += [seen(self._sent(layer, g, sides) - g) for sides in variants]
+        errors = torch.stack(errors).double().view(len(names), len(worker_grads), -1).sum(1)
         if all_reduce is not None:
             all_reduce(errors)
         return errors.cpu()                                 # one transfer per refresh
 
+    def _variants(self):
+        """The geometry-aware codecs the gain check compares with Euclidean: the layer's own, or
+        with sides="auto" both rotations - both sides, and the column side alone, which keeps
+        every row's scale (an error spread over rows lands on rows AdamW divides by their own,
+        possibly tiny, second moments: BENCHMARKS.md section 12)."""
+        return ("both", "right") if self.opts.sides == "auto" else (None,)
+
+    def _sent(self, layer, g, sides=None):
+        """g through the codec in the layer's coordinates (sides=None) or in those of a
+        rotation of `sides`, back in original coordinates."""
+        if sides is None:
+            return layer.decode(self._round_trip(layer.encode(g)))
+        rotation = (layer.left_basis if sides == "both" else None, layer.right_basis)
+        return layer.decode(self._round_trip(layer.encode(g, rotation)), rotation)
+
     def _decide(self, names, errors):
         """Hysteresis on the measured gain: enter geo at enter_gain, leave below exit_gain. With
         select="list" or "fragile" only the chosen layers may enter, and they leave too when
-        their geometry-aware error exceeds Euclidean's (enter_gain = exit_gain = 0: never)."""
-        for n, (euclid, geo) in zip(names, errors.tolist()):
+        their geometry-aware error exceeds Euclidean's (enter_gain = exit_gain = 0: never).
+        With sides="auto" each layer takes the better of its measured rotations."""
+        variants = self._variants()
+        for n, (euclid, *geos) in zip(names, errors.tolist()):
             layer = self.layers[n]
+            best = min(range(len(geos)), key=lambda k: geos[k])
+            geo = geos[best]
+            if variants[best] is not None and variants[best] != layer.sides:
+                layer.sides = variants[best]
+                layer.transform = self._transform(layer, None)
             layer.gain = math.sqrt(euclid / geo) if geo > 0 else (float("inf") if euclid > 0 else 1.0)
             self._choose(n)
 
@@ -1752,8 +1811,8 @@ class GeoFP8Communicator:
             left, right = exact_bases(mean)
         else:
             left, right = layer.left_basis, layer.right_basis
-        return (left if opts.sides in ("both", "left") else None,
-                right if opts.sides in ("both", "right") else None)
+        return (left if layer.sides in ("both", "left") else None,
+                right if layer.sides in ("both", "right") else None)
 
     def _update_bases(self, layer, mean, rows=ALL_ROWS):
         if layer.left_basis is None:
@@ -1836,15 +1895,18 @@ class GeoFP8Communicator:
             total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
         return total
 
-    def table(self):
+    def table(self, names=None):
         """Per-layer table: shape, rank, coordinates in use, last measured gain, core energy."""
         lines = [f"{'tensor':40s} {'shape':>12s} {'rank':>4s} {'coords':>10s} {'gain':>6s} {'energy':>6s}"]
-        for n in self.names:
+        for n in names or self.names:
             shape = "x".join(map(str, self.shapes[n]))
             if n in self.layers:
                 l = self.layers[n]
                 rank = l.rank if isinstance(l, LayerGeometry) else self.opts.whiten_rank
-                lines.append(f"{n:40s} {shape:>12s} {rank:4d} {self.coords(n):>10s} "
+                coords = self.coords(n)
+                if coords == "geo" and isinstance(l, LayerGeometry) and l.sides != "both":
+                    coords += "/" + l.sides
+                lines.append(f"{n:40s} {shape:>12s} {rank:4d} {coords:>10s} "
                              f"{l.gain:6.2f} {l.energy:6.2f}")
             else:
                 lines.append(f"{n:40s} {shape:>12s} {'-':>4s} {'euclidean':>10s} "
@@ -1860,7 +1922,8 @@ class GeoFP8Communicator:
                 layers[n] = {"left_Y": l.left_basis.Y, "left_T": l.left_basis.T,
                              "right_Y": l.right_basis.Y, "right_T": l.right_basis.T,
                              "left_energy": l.left_energy, "right_energy": l.right_energy,
-                             "use_geo": l.use_geo, "gain": l.gain, "energy": l.energy}
+                             "use_geo": l.use_geo, "gain": l.gain, "energy": l.energy,
+                             "sides": l.sides}
             else:
                 layers[n] = {"moments": dict(l.moments), "use_geo": l.use_geo, "gain": l.gain,
                              "factors": {side: {"kind": f.kind, "size": f.size, **f.tensors()}
@@ -1891,6 +1954,7 @@ class GeoFP8Communicator:
             layer.right_basis = HouseholderBasis(s["right_Y"], s["right_T"])
             layer.left_energy, layer.right_energy = s["left_energy"], s["right_energy"]
             layer.energy = s["energy"]
+            layer.sides = s.get("sides", layer.sides)
             layer.transform = self._transform(layer, None)
 
 

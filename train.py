@@ -94,6 +94,9 @@ class TrainConfig:
     geo_layers: str = "gain"          # gain | all | fragile:K | FILE (a list from nanogeo.profile)
     geo_refresh: int = 0              # re-estimate the geometry every N steps (0: 50 geofp8, 4 subspace)
     geo_warmup: int = 10              # steps in Euclidean coordinates before GeoFP8 starts
+    geo_judge: str = "optimizer"      # a layer's coordinates by the error its optimizer sees | l2
+    geo_enter_gain: float = 1.10      # a layer goes geometry-aware when its error drops this much
+    geo_exit_gain: float = 1.00       # ... and leaves below this (0 and 0: the paper's fixed choice)
     whiten_factor: str = "lowrank"    # geofp8: lowrank | lowrank-dense | full | diag | block
     whiten_rank: int = 32             # geofp8: r of the low-rank input factor
     whiten_sides: str = "input"       # geofp8: input (published) | output | both
@@ -133,7 +136,7 @@ CHOICES = {"comm": ("fp32", "bf16", "fp8", "geofp8", "subspace"),
            "device": ("auto", "cpu", "cuda"), "fmt": compress.FORMATS,
            "collective": compress.COLLECTIVES, "sum_order": compress.SUM_ORDERS,
            "whiten_factor": compress.WHITEN_FACTORS, "whiten_sides": compress.WHITEN_SIDES,
-           "preset": tuple(model_lib.PRESETS),
+           "geo_judge": compress.JUDGES, "preset": tuple(model_lib.PRESETS),
            "optimizer": ("adamw", "muon"), "muon_adjust_lr": ("original", "match_rms_adamw")}
 
 
@@ -291,6 +294,7 @@ def geo_options(cfg, vocab_size):
             geometry=GEOMETRY[cfg.comm], fmt=cfg.fmt, block=parse_block(cfg.block),
             collective=cfg.collective, sum_order=cfg.sum_order,
             scale_sync_every=cfg.scale_sync_every, refresh=cfg.geo_refresh, warmup=cfg.geo_warmup,
+            judge=cfg.geo_judge, enter_gain=cfg.geo_enter_gain, exit_gain=cfg.geo_exit_gain,
             factor=cfg.whiten_factor, whiten_rank=cfg.whiten_rank, whiten_sides=cfg.whiten_sides,
             factor_decay=cfg.factor_decay, rank=cfg.geo_rank, error_feedback=cfg.error_feedback,
             feedback_geo_only=cfg.feedback_geo_only,

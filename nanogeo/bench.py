@@ -179,7 +179,7 @@ def fsdp_fidelity(checkpoint, steps, last, rank, sides="both", data_dir="data/sh
         fully_shard(net, mesh=mesh)
         if method != "fp32":
             comms[method] = use_geofp8(net, geometry="subspace" if method == "subspace" else "euclidean",
-                                       rank=rank, sides=sides)
+                                       rank=rank, sides=sides, vocab_size=mcfg.vocab_size)
         nets[method] = net
     candidates = {n for c in comms["subspace"] for n in c.comm.layers}
     sq = {m: torch.zeros(4, dtype=torch.float64) for m in comms}   # err, ref; matrices' err, ref

@@ -4,6 +4,7 @@ Capture real gradients of W data-parallel workers into a gradient file.
     python -m nanogeo.capture --out grads.pt --workers=4 --train_steps=200 --capture_steps=4
     python -m nanogeo.capture --out grads_muon.pt --optimizer=muon --workers=4 --train_steps=200
     python -m nanogeo.capture --model=bytegpt --out grads_bytegpt.pt     # a GPT-2-style model
+    python -m nanogeo.capture --model=bytegpt --quiet_rows=0.25 ...      # with planted quiet rows
 
 Trains a preset in one process for --train_steps with the exact fp32 mean of W workers'
 gradients (each worker its own micro-batch, as in data parallelism), or starts from a train.py
@@ -64,6 +65,7 @@ class CaptureConfig:
     muon_adjust_lr: str = "match_rms_adamw"
     keep: str = "all"                 # all | linear: only the linear layers' weights (the ones
                                       # with moments) - small files for many workers
+    quiet_rows: float = 0.0           # > 0: plant this fraction of quiet rows (plant_quiet_rows)
     seed: int = 1337
 
 
@@ -145,6 +147,27 @@ def optimizer_record(optimizers, model):
     return {"groups": groups, "state": state}
 
 
+def plant_quiet_rows(data, fraction, factor=1e-3):
+    """Make the first `fraction` of every linear weight's rows quiet, as if they had always
+    been: their gradients (every worker, every step) and the optimizer state such gradients
+    leave (AdamW's moments, Muon's momentum) scaled down by `factor` (`factor`^2 for second
+    moments). A stress test for the optimizer's view of the codec error: AdamW divides by those
+    rows' tiny second moments, so an error spread onto them is magnified."""
+    for workers in data["steps"]:
+        for grads in workers:
+            for n in data["linear"]:
+                if n in grads:
+                    grads[n][: int(grads[n].shape[0] * fraction)] *= factor
+    for n in data["linear"]:
+        state = data.get("optimizer", {}).get("state", {}).get(n, {})
+        for key, power in (("exp_avg", 1), ("exp_avg_sq", 2), ("momentum_buffer", 1)):
+            if key in state:
+                state[key][: int(state[key].shape[0] * fraction)] *= factor ** power
+    for n, v in data.get("optimizer_v", {}).items():
+        if n in data["linear"]:
+            v[: int(v.shape[0] * fraction)] *= factor ** 2
+
+
 def capture(cfg: CaptureConfig):
     steps, inputs, outputs, record = [], [], [], None
     record_from = 0 if cfg.checkpoint else cfg.train_steps
@@ -165,6 +188,8 @@ def capture(cfg: CaptureConfig):
             "vocab_size": model.config.vocab_size, "linear": list(compress.linear_layers(model))}
     if cfg.keep == "all":   # the optimizer replays only on the whole model (clipping is global)
         data.update(optimizer=record, optimizer_v=optimizer_v, grad_clip=cfg.grad_clip)
+    if cfg.quiet_rows > 0:
+        plant_quiet_rows(data, cfg.quiet_rows)
     torch.save(data, cfg.out)
     print(f"wrote {cfg.out}: {len(steps)} steps x {cfg.workers} workers x {len(steps[0][0])} "
           f"tensors, {cfg.optimizer}")

@@ -65,6 +65,9 @@ class GeoFP8HookState:
         self.linear = set(compress.linear_layers(module))   # the candidates, by module type
         self.views = {}             # name -> compress.OptimizerView, from watch()
         self.communicators = {}     # tuple of names -> GeoFP8Communicator
+        self.owner = {}             # name -> the key of the communicator holding its state
+        self.iteration = 0          # backward passes completed: the one step counter
+        self.saved = None           # a loaded state_dict, handed out as buckets appear
         self.bytes_sent = 0         # since the last reset_bytes()
         self.streams = {}           # CUDA device -> the hook's side stream
         self.moments = None         # the whitened layers' K-FAC statistics (geometry="whiten")
@@ -106,16 +109,57 @@ class GeoFP8HookState:
             comm = compress.GeoFP8Communicator(list(zip(names, shapes)), self.options,
                                                self.process_group, linear=self.linear)
             comm.watch(self.views)
-            for old in self.communicators.values():  # carry state over from older buckets
-                for n in names:
-                    if n in old.layers and n in comm.layers:
-                        comm.layers[n] = old.layers[n]
-                for worker, residual in old.residuals.items():
-                    comm.residuals.setdefault(worker, {}).update(
-                        {n: r for n, r in residual.items() if n in names})
-                comm.step = max(comm.step, old.step)
+            comm.load_state_dict(self._state_for(names))
             self.communicators[key] = comm
+            self.owner.update((n, key) for n in names)      # older buckets hand over
+            self.communicators = {k: c for k, c in self.communicators.items()
+                                  if any(self.owner[n] == k for n in k)}
         return comm
+
+    def _owned(self):
+        """(communicator, the names whose state it holds now), oldest first."""
+        return [(c, [n for n in k if self.owner[n] == k]) for k, c in self.communicators.items()]
+
+    def _state_for(self, names):
+        """The part of the hook's state (a loaded checkpoint, or the older buckets that held
+        these parameters) that belongs to `names`, as a communicator state_dict."""
+        state = self.state_dict()
+        rank = dist.get_rank(self.process_group) if dist.is_initialized() else 0
+        return {"geometry": state["geometry"], "step": self.iteration,
+                "layers": {n: s for n, s in state["layers"].items() if n in names},
+                "residuals": {rank: {n: r for n, r in state["residuals"].items() if n in names}},
+                "chosen": state["chosen"]}
+
+    def state_dict(self):
+        """Keyed by parameter name, with one step counter, whatever the bucket layout - like
+        PowerSGD's state. Residuals are this rank's own (save one file per rank)."""
+        saved = self.saved or {"layers": {}, "residuals": {}, "chosen": ()}
+        layers, residuals = dict(saved["layers"]), dict(saved["residuals"])   # then what ran since
+        chosen = set(self.options.geo_layers) | set(saved["chosen"])
+        for comm, names in self._owned():
+            state = comm.state_dict()
+            layers.update((n, s) for n, s in state["layers"].items() if n in names)
+            for residual in state["residuals"].values():
+                residuals.update((n, r) for n, r in residual.items() if n in names)
+            chosen |= set(state["chosen"])
+        return {"geometry": self.options.geometry, "iteration": self.iteration, "layers": layers,
+                "residuals": residuals, "chosen": sorted(chosen)}
+
+    def load_state_dict(self, state):
+        if state["geometry"] != self.options.geometry:
+            raise ValueError(f"the hook state is for geometry={state['geometry']!r}, not "
+                             f"{self.options.geometry!r}: resume with the same method")
+        self.saved, self.iteration = state, state["iteration"]
+        self.communicators, self.owner = {}, {}
+
+    def __getstate__(self):
+        """Picklable, like PowerSGD's state: without the process group (the default group after
+        unpickling) and the CUDA streams."""
+        state = dict(self.__dict__)
+        state.update(process_group=None, streams={})
+        state["communicators"], state["owner"] = {}, {}
+        state["saved"] = self.state_dict()
+        return state
 
     def watch(self, optimizers):
         """Judge each layer by the error its optimizer sees (compress section 4b): call once
@@ -135,7 +179,8 @@ class GeoFP8HookState:
         return sent
 
     def table(self):
-        return "\n".join(c.table() for c in self.communicators.values())
+        """Each parameter once, as the communicator holding it now reports it."""
+        return "\n".join(c.table(names) for c, names in self._owned() if names)
 
 
 def geofp8_hook(state: GeoFP8HookState,
@@ -146,6 +191,8 @@ def geofp8_hook(state: GeoFP8HookState,
     comm = state.communicator(names, [tuple(p.shape) for p in params])
     buffer = bucket.buffer()
     moments = state.moments_for(comm)       # before the side stream: its tensors stay on ours
+    if bucket.is_last():        # DDP calls the last bucket last: this backward is done
+        state.iteration += 1
     if not buffer.is_cuda:
         state.bytes_sent += comm.reduce(bucket.gradients(), moments)   # views: in place
         future = torch.futures.Future()

@@ -164,7 +164,7 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
             h = self.comm.to_coords(name, g)
             coords.append(torch.cat([h, h.new_zeros(world * chunk[0] - shape[0], *shape[1:])]))
         opts = self.comm.opts
-        generator = compress.rng(opts.seed * 7919 + self.comm.step if opts.stochastic else None,
+        generator = compress.rng(self.comm.rounding_seed() if opts.stochastic else None,
                                  me, 1, input_tensor.device)
         send = [torch.cat([compress.quantize(h[j * c: (j + 1) * c], self.fmt, self.block,
                                              opts.stochastic, generator).buffer
@@ -191,13 +191,13 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
         """The geometry-aware matrices' rows back to original coordinates: two all-reduces for
         all of them (the scattered core entries, then Y^T K)."""
         layers = [self.comm.layers[n] for n in names]
-        H = compress.swap_entries_rows([(means[n], l.swaps, blocks[n])
+        H = compress.swap_entries_rows([(means[n], l.swaps_for(l.transform), blocks[n])
                                         for n, l in zip(names, layers)])
         G = compress.decode_geo_rows([(h, *l.transform, blocks[n])
                                       for h, n, l in zip(H, names, layers)])
         for l in layers:  # the two small all-reduces' bytes (ring estimate), for logging
             small = (l.rank * l.shape[1] if l.transform[0] is not None else 0) + \
-                (2 * l.swaps[0].numel() if l.swaps is not None else 0)
+                (2 * l.swaps[0].numel() if l.swaps_for(l.transform) is not None else 0)
             self.geometry_bytes += int(2 * (world - 1) / world * small * 4)
         return dict(zip(names, G))
 
