@@ -123,13 +123,19 @@ class hot_path:
     shapes: each distinct shape compiles once, on first use; a training run sees a fixed set of
     shapes (its buckets' pieces), all in its first steps."""
     enabled = False
+    float8_eager = False        # a GPU whose Triton cannot cast to float8 (below sm_89)
 
-    def __init__(self, fn):
-        self.fn, self.compiled = fn, None
+    def __init__(self, fn, float8=False):
+        self.fn, self.compiled, self.float8 = fn, None, float8
         functools.update_wrapper(self, fn)
 
+    @classmethod
+    def casting_float8(cls, fn):
+        """A hot-path function that casts to or from float8."""
+        return cls(fn, float8=True)
+
     def __call__(self, *args):
-        if not hot_path.enabled:
+        if not hot_path.enabled or (self.float8 and hot_path.float8_eager):
             return self.fn(*args)
         if self.compiled is None:
             self.compiled = torch.compile(self.fn, dynamic=False)
@@ -142,6 +148,11 @@ def compile_hot_path(enabled=True):
     if enabled:  # one compile per distinct shape: allow for the dozens of a real model's pieces
         import torch._dynamo
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    hot_path.float8_eager = enabled and torch.cuda.is_available() and \
+        torch.cuda.get_device_capability() < (8, 9)
+    if hot_path.float8_eager:
+        print("compress.py: this GPU (below sm_89) has no float8 casts in Triton: the FP8 codec "
+              "runs eagerly, the transforms compiled", flush=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -284,14 +295,14 @@ def fp8_scale(groups, fmax):
     return scale, (groups * scale[:, None]).clamp(-fmax, fmax)
 
 
-@hot_path
+@hot_path.casting_float8
 def fp8_encode(groups, fmax, dtype):
     """(G, L) fp32 -> scales (G,) fp32 and codes (G, L) uint8, round to nearest even."""
     scale, y = fp8_scale(groups, fmax)
     return scale, y.to(dtype).view(torch.uint8)
 
 
-@hot_path
+@hot_path.casting_float8
 def fp8_decode(codes, scale, group_len, dtype):
     """codes (numel,) uint8 and scales (G,) -> (numel,) fp32. The last group may be partial:
     pad it, divide (G, L) by (G, 1), drop the padding. (The same as dividing by the scales
@@ -1347,9 +1358,9 @@ class GeoOptions:
     decay: float = 0.0              # EMA of the covariance; 0 = bases from the latest mean only
     iters: int = 1                  # subspace iterations per refresh
     full: bool = False              # exact dense eigenbases (reference / ablation)
-    sides: str = "both"             # "both", "left", "right" (ablation), or "auto": per matrix
-                                    # both or right (columns only: keeps every row's scale),
-                                    # whichever the gain check measures better
+    sides: str = "auto"             # per matrix both sides or the right (column) side only -
+                                    # which keeps every row's scale - whichever the gain check
+                                    # measures better; or fixed "both", "left", "right" (ablation)
     basis: str = "householder"      # "householder" or "random" (dense random rotation, ablation)
     scatter_core: bool = True       # give each core coordinate its own scaling block
     # codec extras
@@ -1378,8 +1389,7 @@ class GeoOptions:
             raise ValueError("the fp8-sum collective sums e4m3/e5m2 codes with nearest rounding; "
                              "use collective='two-stage' for nvfp4 or stochastic rounding")
         if self.sides == "auto" and (self.full or self.basis != "householder"):
-            raise ValueError("sides='auto' chooses between Householder rotations; "
-                             "use full=False, basis='householder'")
+            self.sides = "both"     # the choice is between Householder rotations; dense: both
         if self.collective == "fp8-sum":
             self.block = "tensor"   # its one scale per tensor; the gain check measures that codec
         if self.select == "fragile" and (self.collective != "fp8-sum" or self.top_k < 1
@@ -1516,6 +1526,7 @@ class GeoFP8Communicator:
         self.chosen = set(self.opts.geo_layers) if self.opts.select == "list" else set()
         self.step = 0
         self.residuals = {}     # worker index -> {name: fp32 residual}, with error feedback
+        self.skipped = 0        # geometry updates skipped for a non-finite mean
         self.saturation = None  # fp8-sum: running sum of each tensor's saturated fraction
         self.saturation_steps = 0
 
@@ -1582,13 +1593,19 @@ class GeoFP8Communicator:
             coords.append(c)
         return sent, coords
 
-    def _keep_residual(self, worker, coords, local):
+    def _keep_residual(self, worker, coords, local, finite):
         """Error feedback: the part of this worker's gradient that the codec lost, mapped back
         to original coordinates - so a refresh of the geometry re-expresses it in the new ones
-        at the next encode (the published method keeps it in the old coordinates: defect c)."""
-        self.residuals[worker] = {
-            n: (c - l) if self.opts.stale_residual else self.from_coords(n, c - l)
-            for n, c, l in zip(self.names, coords, local) if self._has_feedback(n)}
+        at the next encode (the published method keeps it in the old coordinates: defect c).
+        A step whose mean is not finite (an fp16 GradScaler overflow; the optimizer skips it)
+        keeps the old residual: chosen on the device (`finite`, a bool tensor), no host sync."""
+        old = self.residuals.get(worker, {})
+        new = {}
+        for n, c, l in zip(self.names, coords, local):
+            if self._has_feedback(n):
+                r = (c - l) if self.opts.stale_residual else self.from_coords(n, c - l)
+                new[n] = torch.where(finite, r, old.get(n, torch.zeros_like(r)))
+        self.residuals[worker] = new
 
     def _collective(self, coords):
         """(means in coordinates, bytes sent, this rank's local round trip) for this rank."""
@@ -1633,7 +1650,7 @@ class GeoFP8Communicator:
             sent_grads, coords = self._prepare(grads, rank)
         mean_coords, sent, local = self._collective(coords)
         if self.opts.error_feedback:
-            self._keep_residual(rank, coords, local)
+            self._keep_residual(rank, coords, local, all_finite(mean_coords))
         all_reduce_sum = ((lambda t: dist.all_reduce(t, group=self.group))
                           if dist.is_initialized() else None)
         if moments is not None and all_reduce_sum is not None:
@@ -1659,8 +1676,9 @@ class GeoFP8Communicator:
                                                       return_local=opts.error_feedback)
             local = local[0] if local else None
         if opts.error_feedback:
+            finite = all_finite(mean_coords)
             for i in range(len(coords)):
-                self._keep_residual(i, coords[i], local[i])
+                self._keep_residual(i, coords[i], local[i], finite)
         return self._finish(mean_coords, [g for g, _ in prepared], moments=moments), sent
 
     def _finish(self, mean_coords, worker_grads, all_reduce=None, moments=None):
@@ -1678,21 +1696,43 @@ class GeoFP8Communicator:
         self.step += 1
         if not self.layers:
             return
-        with self.timer.stage("geometry"):
-            if self.opts.geometry == "whiten":
-                refreshed = whiten_now
-                if whiten_now:
-                    self._refresh_whitening(moments, means, worker_grads, all_reduce)
-                elif self.step % self.opts.judge_every == 0:
-                    refreshed = self._judge_whitening(means, worker_grads, all_reduce)
+        if self._geometry_due(whiten_now):
+            if self._finite(means, moments, all_reduce, rows):
+                with self.timer.stage("geometry"):
+                    self._update_geometry(means, worker_grads, all_reduce, rows, moments,
+                                          whiten_now)
+                if all_reduce is not None:
+                    self._verify_bases()
             else:
-                refreshed = self.step % self.opts.refresh == 0
-                if refreshed or any(not l.ready for l in self.layers.values()):
-                    self._refresh(means, worker_grads, all_reduce, rows or {})
-            if self.opts.select == "fragile" and self.step == self.opts.warmup:
-                self._select_fragile()
-        if all_reduce is not None and refreshed:
-            self._verify_bases()
+                self.skipped += 1   # a non-finite mean (or statistic) must not reach the bases
+        if self.opts.select == "fragile" and self.step == self.opts.warmup:
+            self._select_fragile()
+
+    def _update_geometry(self, means, worker_grads, all_reduce, rows, moments, whiten_now):
+        if self.opts.geometry == "whiten" and whiten_now:
+            self._refresh_whitening(moments, means, worker_grads, all_reduce)
+        elif self.opts.geometry == "whiten":
+            self._judge_whitening(means, worker_grads, all_reduce)
+        else:
+            self._refresh(means, worker_grads, all_reduce, rows or {})
+
+    def _geometry_due(self, whiten_now):
+        """Does this step touch the geometry (bases, factors, the gain check)?"""
+        if self.opts.geometry == "whiten":
+            return whiten_now or self.step % self.opts.judge_every == 0
+        return self.step % self.opts.refresh == 0 or any(not l.ready for l in self.layers.values())
+
+    def _finite(self, means, moments, all_reduce, rows):
+        """Are this step's means (and statistics) finite? One host sync, on geometry steps only.
+        Under DDP every rank holds the same means; under FSDP (rows) each holds its own rows,
+        so the ranks agree through one small all-reduce."""
+        tensors = list(means.values())
+        for side in ("input", "output"):
+            tensors += list((moments or {}).get(side, {}).values())
+        bad = torch.stack([(~torch.isfinite(t)).any() for t in tensors]).any().double()
+        if rows and all_reduce is not None:
+            all_reduce(bad)
+        return bad.item() == 0
 
     # -- selection ---------------------------------------------------------------------------------
 
@@ -1723,7 +1763,8 @@ class GeoFP8Communicator:
         with sides="auto" both rotations - both sides, and the column side alone, which keeps
         every row's scale (an error spread over rows lands on rows AdamW divides by their own,
         possibly tiny, second moments: BENCHMARKS.md section 12)."""
-        return ("both", "right") if self.opts.sides == "auto" else (None,)
+        auto = self.opts.sides == "auto" and self.opts.geometry == "subspace"
+        return ("both", "right") if auto else (None,)
 
     def _sent(self, layer, g, sides=None):
         """g through the codec in the layer's coordinates (sides=None) or in those of a
@@ -1772,8 +1813,13 @@ class GeoFP8Communicator:
 
     def _refresh_whitening(self, moments, means, worker_grads, all_reduce=None):
         """New factors from this step's second moments (identical on every rank: averaged over
-        the ranks), smoothed by the EMA of the moments (and of the factor, if factor_decay)."""
+        the ranks), smoothed by the EMA of the moments (and of the factor, if factor_decay).
+        The gains are measured first, with the factors in use: factors judged on the gradients
+        they were computed from would look better than they will be on the next ones."""
         opts = self.opts
+        ready = [n for n, l in self.layers.items() if l.ready]
+        if ready:
+            self._decide(ready, self._measure_gains(ready, worker_grads, means, all_reduce))
         updated = []
         for n, layer in self.layers.items():
             for side in ("input", "output"):
@@ -1789,17 +1835,17 @@ class GeoFP8Communicator:
                                                     opts.factor_decay)
                 if n not in updated:
                     updated.append(n)
-        if updated:
-            self._decide(updated, self._measure_gains(updated, worker_grads, means, all_reduce))
+        for n in updated:
+            if n not in ready:      # first factors, not yet measured: only select="all" (or
+                self._choose(n)     # the paper's rule, gains 0) uses them before a measurement
 
     def _judge_whitening(self, means, worker_grads, all_reduce=None):
         """Between refreshes, re-measure the gains with the factors in use, on gradients they
-        were not computed from: factors go stale (on a fast-moving model within a few steps,
-        BENCHMARKS.md section 12), and a layer must leave as soon as they do."""
+        were not computed from: factors go stale (on a fast-moving model within a few steps),
+        and a layer must leave as soon as they do."""
         ready = [n for n, l in self.layers.items() if l.ready]
         if ready:
             self._decide(ready, self._measure_gains(ready, worker_grads, means, all_reduce))
-        return bool(ready)
 
     def _transform(self, layer, mean):
         opts = self.opts
@@ -1956,6 +2002,11 @@ class GeoFP8Communicator:
             layer.energy = s["energy"]
             layer.sides = s.get("sides", layer.sides)
             layer.transform = self._transform(layer, None)
+
+
+def all_finite(tensors):
+    """A bool tensor on the device: every element of every tensor finite (no host sync)."""
+    return torch.stack([torch.isfinite(t).all() for t in tensors]).all()
 
 
 def average_moments(moments, shapes, sides, all_reduce, device):

@@ -449,6 +449,66 @@ def check_ranks_agree(params, step, device):
                            "restart from the last checkpoint")
 
 
+# what a checkpoint's numbers depend on: resuming with any of these changed would silently load
+# mismatched geometry, optimizer state or residuals
+RESUME_MUST_MATCH = ("preset", "optimizer", "comm", "fmt", "block", "collective", "geo_rank",
+                     "whiten_factor", "whiten_rank", "whiten_sides", "error_feedback")
+
+
+def open_checkpoint(cfg, ckpt_path, world_size, device, master):
+    """The checkpoint to resume from (None for a fresh run), after checking that it is this
+    run's. A fresh run with --overwrite first moves an existing one aside (to ckpt.pt.old), so
+    that an elastic restart before its first save cannot resume the replaced run."""
+    if not cfg.resume:
+        if os.path.exists(ckpt_path) and not cfg.overwrite:
+            raise ConfigError(f"{cfg.out_dir} already holds another run's checkpoint; pass --resume "
+                              "to continue it, --overwrite=true to replace it, or choose another "
+                              "--out_dir")
+        if os.path.exists(ckpt_path) and master:
+            os.replace(ckpt_path, ckpt_path + ".old")
+            for name in os.listdir(cfg.out_dir):
+                if name.startswith("residuals-rank"):
+                    os.remove(os.path.join(cfg.out_dir, name))
+        if dist.is_initialized():
+            dist.barrier()          # no rank looks for a checkpoint before it is moved
+        return None
+    if not os.path.exists(ckpt_path):
+        raise ConfigError(f"--resume but {ckpt_path} does not exist; drop --resume to start fresh")
+    ckpt = torch.load(ckpt_path, map_location=device, weights_only=True)
+    saved = {"optimizer": "adamw", **ckpt["config"]}
+    for flag in RESUME_MUST_MATCH:
+        if flag in saved and saved[flag] != getattr(cfg, flag):
+            raise ConfigError(f"{ckpt_path} is a --{flag}={saved[flag]} run; resume it with that "
+                              f"setting or use another --out_dir")
+    saved_world = ckpt.get("world_size", world_size)
+    if cfg.error_feedback and saved_world != world_size:
+        raise ConfigError(f"{ckpt_path} keeps error-feedback residuals for {saved_world} ranks; "
+                          f"resume on {saved_world} ranks or start a new run")
+    return ckpt
+
+
+def residuals_path(out_dir, rank, step):
+    return os.path.join(out_dir, f"residuals-rank{rank:05d}-step{step:07d}.pt")
+
+
+def save_residuals(residuals, out_dir, rank, step):
+    """Error feedback keeps one residual per rank: each rank writes its own next to ckpt.pt and
+    keeps its two latest (a crash between a rank's file and ckpt.pt leaves the last pair)."""
+    atomic_save(residuals, residuals_path(out_dir, rank, step))
+    mine = sorted(f for f in os.listdir(out_dir)
+                  if f.startswith(f"residuals-rank{rank:05d}-") and f.endswith(".pt"))
+    for name in mine[:-2]:
+        os.remove(os.path.join(out_dir, name))
+
+
+def load_residuals(out_dir, rank, step, device):
+    path = residuals_path(out_dir, rank, step)
+    if not os.path.exists(path):
+        raise ConfigError(f"{path} is missing: with --error_feedback every rank resumes its own "
+                          "residual; restore the file or start a new run")
+    return torch.load(path, map_location=device, weights_only=True)
+
+
 def atomic_save(obj, path):
     """Write to a temp file, fsync, rename: a crash never leaves a half-written checkpoint."""
     tmp = path + ".tmp"
@@ -497,23 +557,11 @@ def train(cfg):
         torch.backends.cudnn.allow_tf32 = True
 
     ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
-    ckpt = None
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restarts and os.path.exists(ckpt_path):  # torchrun --max-restarts brought us back
         cfg = dataclasses.replace(cfg, resume=True)
-    if cfg.resume:  # checked before anything is built: fail in a second, not after a minute
-        if not os.path.exists(ckpt_path):
-            raise ConfigError(f"--resume but {ckpt_path} does not exist; drop --resume to start fresh")
-        ckpt = torch.load(ckpt_path, map_location=device, weights_only=True)
-        if ckpt["config"]["preset"] != cfg.preset:
-            raise ConfigError(f"{ckpt_path} is a --preset={ckpt['config']['preset']} run; "
-                              f"resume it with that preset or use another --out_dir")
-        if ckpt["config"].get("optimizer", "adamw") != cfg.optimizer:
-            raise ConfigError(f"{ckpt_path} is an --optimizer={ckpt['config'].get('optimizer', 'adamw')}"
-                              " run; resume it with that optimizer or use another --out_dir")
-    elif os.path.exists(ckpt_path) and not (cfg.overwrite or restarts):
-        raise ConfigError(f"{cfg.out_dir} already holds another run's checkpoint; pass --resume to "
-                          "continue it, --overwrite=true to replace it, or choose another --out_dir")
+    # checked before anything is built: fail in a second, not after a minute
+    ckpt = open_checkpoint(cfg, ckpt_path, world_size, device, master)
 
     mcfg = model_lib.model_config(cfg.preset, block_size=cfg.block_size)
     data = load_data(cfg, mcfg.vocab_size)
@@ -532,6 +580,9 @@ def train(cfg):
         load_optimizers(optimizers, ckpt)
         if communicator is not None and ckpt.get("communicator"):
             communicator.load_state_dict(ckpt["communicator"])
+            if cfg.error_feedback and world_size > 1:   # every rank's own residual
+                communicator.residuals = {rank: load_residuals(cfg.out_dir, rank, ckpt["step"],
+                                                               device)}
         start_step = ckpt["step"]
         if "rng" in ckpt:
             torch.set_rng_state(ckpt["rng"]["torch"].cpu())
@@ -570,6 +621,8 @@ def train(cfg):
     saved = {"step": start_step if ckpt is not None else None}  # this run's latest ckpt.pt
 
     def save(step):
+        if communicator is not None and cfg.error_feedback and world_size > 1:
+            save_residuals(communicator.residuals.get(rank, {}), cfg.out_dir, rank, step)
         if not master:
             return
         if saved["step"] is not None and cfg.keep_ckpts > 1:  # keep the previous ones too
@@ -579,6 +632,7 @@ def train(cfg):
                 os.remove(os.path.join(cfg.out_dir, name))
         atomic_save({"model": raw_model.state_dict(), **optimizer_states(optimizers),
                      "step": step, "config": asdict(cfg), "model_config": asdict(mcfg),
+                     "world_size": world_size,
                      "communicator": communicator.state_dict() if communicator else {},
                      "rng": {"torch": torch.get_rng_state()}}, ckpt_path)
         saved["step"] = step

@@ -157,7 +157,7 @@ def measure_overhead(steps, preset="cpu-tiny", batch_size=8, block_size=128, ref
             "geo_layers": geo_layers}
 
 
-def fsdp_fidelity(checkpoint, steps, last, rank, sides="both", data_dir="data/shakespeare",
+def fsdp_fidelity(checkpoint, steps, last, rank, sides="auto", data_dir="data/shakespeare",
                   batch_size=8, block_size=128):
     """Three FSDP2 copies of one checkpoint, each step the same batches: fp32 / fp8 / subspace."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -221,6 +221,15 @@ def fsdp_fidelity(checkpoint, steps, last, rank, sides="both", data_dir="data/sh
         out.setdefault(method, {})["backward_ms"] = s / last * 1000
     out["subspace_vs_fp8_matrix_error"] = (out["subspace"]["rel_err_matrices"]
                                          / out["fp8"]["rel_err_matrices"])
+    # the decode's all-reduces carry r x n fp32 numbers per matrix whose rows are rotated, twice
+    # (ring), against ~m x n FP8 bytes of its reduce-scatter: about 8 r / m of that matrix's
+    # bytes, whatever W
+    rotated = [(l.rank, l.shape) for c in comms["subspace"] for n, l in c.comm.layers.items()
+               if c.comm.is_geo(n) and l.transform[0] is not None]
+    out["geometry_bytes_predicted"] = sum(8 * r / m for r, (m, n) in rotated) / max(1, len(rotated))
+    out["geometry_bytes_vs_rotated_matrices"] = (
+        out["subspace"]["geometry_bytes_per_step"]
+        / max(1.0, sum(m * n * (world - 1) / world for _, (m, n) in rotated)))
     return out
 
 
@@ -246,8 +255,8 @@ def main(argv=None):
     parser.add_argument("--rank", type=int, default=16, help="r (the GeoOptions default)")
     parser.add_argument("--checkpoint", default="out/ablate/fp32/ckpt.pt", help="fsdp mode")
     parser.add_argument("--last", type=int, default=8, help="fsdp mode: steps measured")
-    parser.add_argument("--sides", default="both", choices=["both", "left", "right"],
-                        help="fsdp mode: which sides the subspace rotation rotates (an ablation)")
+    parser.add_argument("--sides", default="auto", choices=["auto", "both", "left", "right"],
+                        help="fsdp mode: which sides the subspace rotation rotates (GeoOptions)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the codec and transform (compress.compile_hot_path)")
     parser.add_argument("--json", default=None)

@@ -62,6 +62,28 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 import compress
 
+CHECKED_TORCH = (2, 9)      # FSDP2's custom reduce-scatter and the internals below: 2.9 .. 2.13
+
+
+def fsdp_params(module):
+    """[(sharded parameter, original shape, shard dim)] of an FSDP module's one parameter group:
+    the one place this file reads FSDP2 internals (private attributes; checked on torch 2.9 to
+    2.13). [] for a module without parameters of its own."""
+    version = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+    if version < CHECKED_TORCH:
+        raise RuntimeError(f"nanogeo.fsdp needs torch >= {'.'.join(map(str, CHECKED_TORCH))} "
+                           f"(FSDP2's custom reduce-scatter); this is {torch.__version__}")
+    try:
+        groups = module._get_fsdp_state()._fsdp_param_groups
+        if len(groups) > 1:
+            raise ValueError("nanogeo.fsdp: a module needs exactly one FSDP parameter group; "
+                             "call fully_shard(module) before use_geofp8")
+        return [(p.sharded_param, tuple(p._orig_size), p.fsdp_placement.dim)
+                for group in groups for p in group.fsdp_params]
+    except AttributeError as e:
+        raise RuntimeError(f"nanogeo.fsdp: FSDP2's internals changed in torch {torch.__version__} "
+                           f"({e}); use a torch between 2.9 and 2.13") from None
+
 
 class FP8ReduceScatter(ReduceScatter):
     """Euclidean FP8 / NVFP4 for `FSDPModule.set_custom_reduce_scatter`, knowing nothing of the
@@ -116,10 +138,10 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
 
     def __init__(self, module, prefix="", linear=None, **options):
         options.setdefault("geometry", "subspace")   # the method built for FSDP's row shards
-        groups = module._get_fsdp_state()._fsdp_param_groups
-        if len(groups) != 1:
-            raise ValueError("nanogeo.fsdp: a module needs exactly one FSDP parameter group; "
-                             "call fully_shard(module) before use_geofp8")
+        params = fsdp_params(module)
+        if not params:
+            raise ValueError("nanogeo.fsdp: the module has no FSDP parameters; call "
+                             "fully_shard(module) before use_geofp8")
         if options.get("error_feedback") or options.get("full") or \
                 options.get("basis", "householder") != "householder":
             raise ValueError("nanogeo.fsdp: error_feedback, full and random bases are not "
@@ -128,13 +150,12 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
             raise ValueError("nanogeo.fsdp: FSDP2 supports geometry='subspace' or 'euclidean' "
                              "with the two-stage collective; the published whitening runs "
                              "under DDP (nanogeo.ddp) or train.py")
-        self.fsdp_params = groups[0].fsdp_params
-        if any(p.fsdp_placement.dim != 0 for p in self.fsdp_params):
+        if any(dim != 0 for _, _, dim in params):
             raise ValueError("nanogeo.fsdp: only FSDP's default Shard(0) placement is supported; "
                              "drop shard_placement_fn")
         names = {p: n for n, p in module.named_parameters(prefix=prefix)}
-        self.names = [names[p.sharded_param] for p in self.fsdp_params]
-        self.shapes = [tuple(p._orig_size) for p in self.fsdp_params]
+        self.names = [names[p] for p, _, _ in params]
+        self.shapes = [shape for _, shape, _ in params]
         self.comm = compress.GeoFP8Communicator(list(zip(self.names, self.shapes)),
                                                 compress.GeoOptions(**options), linear=linear)
         super().__init__(self.comm.opts.fmt, self.comm.opts.block)
@@ -177,6 +198,7 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
         if group not in self.blocks:
             self.blocks[group] = {n: compress.RowBlocks(s[0], group)
                                   for n, s in zip(self.names, self.shapes) if n in self.comm.layers}
+            self._align_core_scattering(per_rank)
         blocks = self.blocks[group]
         means.update(self._decode([n for n in self.comm.layers if self.comm.is_geo(n)],
                                   means, blocks, world))
@@ -186,6 +208,22 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
         output_tensor.copy_(torch.cat(out).to(output_tensor.dtype))
         self.comm.advance(means, [grads], lambda t: dist.all_reduce(t, group=group), blocks)
         return None
+
+    def _align_core_scattering(self, per_rank):
+        """FSDP quantises each rank's chunk of rows with scaling blocks that start at the chunk,
+        but core scattering plans on the whole tensor's block grid (compress.core_swaps). Where
+        a chunk is not a whole number of blocks the two grids differ and a scattered core entry
+        could share a block: scattering is turned off for that matrix (one notice; the decode
+        stays exact, the matrix only loses that refinement)."""
+        block = compress.NVFP4_BLOCK if self.fmt == "nvfp4" else self.block
+        if not isinstance(block, int):
+            return                      # row / tensor scaling: nothing to align
+        for name, shape, rows in zip(self.names, self.shapes, per_rank):
+            layer = self.comm.layers.get(name)
+            if layer is not None and layer.swaps is not None and rows * math.prod(shape[1:]) % block:
+                layer.swaps = None
+                warnings.warn(f"nanogeo.fsdp: {name}: a rank's {rows} rows are not a whole number "
+                              f"of {block}-element scaling blocks; core scattering is off for it")
 
     def _decode(self, names, means, blocks, world):
         """The geometry-aware matrices' rows back to original coordinates: two all-reduces for
@@ -213,7 +251,7 @@ def use_geofp8(model, **options):
     linear = set(compress.linear_layers(model))
     comms = []
     for prefix, module in model.named_modules():
-        if isinstance(module, FSDPModule) and module._get_fsdp_state()._fsdp_param_groups:
+        if isinstance(module, FSDPModule) and fsdp_params(module):
             comm = GeoFP8ReduceScatter(module, prefix, linear, **options)
             module.set_custom_reduce_scatter(comm)
             comms.append(comm)

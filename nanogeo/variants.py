@@ -52,7 +52,8 @@ def compare(path, rank=16):
     exact = [{n: sum(w[n] for w in ws) / len(ws) for n in names} for ws in steps]
     states, _ = fidelity.exact_updates(record, exact, data.get("grad_clip", 0.0))
     views = fidelity.optimizer_views(record, states)
-    opts = compress.GeoOptions(geometry="subspace", select="all", rank=rank)
+    opts = compress.GeoOptions(geometry="subspace", select="all", rank=rank,
+                               vocab_size=data.get("vocab_size", 0))
     comm = compress.GeoFP8Communicator([(n, steps[0][0][n].shape) for n in names], opts,
                                        linear=set(data["linear"]) if "linear" in data else None)
     round_trip = comm._round_trip

@@ -85,7 +85,7 @@ def geo_rank(rank, world_size, out, options):
     fp32 reference model is re-synced to it every step and both see the same batch."""
     from nanogeo.fsdp import use_geofp8
     ref, model = twins(language_model, world_size)
-    comms = use_geofp8(model, min_numel=1024, **options)
+    comms = use_geofp8(model, min_numel=1024, vocab_size=VOCAB, **options)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loss_fn = nn.CrossEntropyLoss()
     errors = []
@@ -137,3 +137,37 @@ def reject_rank(rank, world_size, out):
     with pytest.raises(ValueError, match="error_feedback"):
         use_geofp8(model, error_feedback=True)
     dist.destroy_process_group()
+
+
+def unaligned_rank(rank, world_size, out):
+    """A matrix whose rank chunks (45 rows x 64) are not whole 128-element blocks: core
+    scattering is turned off for it (with a notice), everything else as usual."""
+    import warnings
+    from nanogeo.fsdp import use_geofp8
+
+    def build():
+        return nn.Sequential(nn.Linear(64, 90), nn.ReLU(), nn.Linear(90, 128), nn.ReLU(),
+                             nn.Linear(128, 64))
+    ref, model = twins(build, world_size)
+    comms = use_geofp8(model, min_numel=1024, select="all", sides="both", warmup=0, refresh=1)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            for m in (ref, model):
+                m.zero_grad()
+                m(x).pow(2).mean().backward()
+    layers = {n: l for c in comms for n, l in c.comm.layers.items()}
+    torch.save({"swaps": {n: l.swaps is not None for n, l in layers.items()},
+                "notices": [str(w.message) for w in caught if "core scattering" in str(w.message)],
+                "err": relative_error(ref, model)[0]}, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_fsdp2_unaligned_chunks_turn_core_scattering_off(tmp_path):
+    out = str(tmp_path / "unaligned")
+    run_ranks(unaligned_rank, 2, out)
+    r = torch.load(f"{out}.0")
+    # per rank: 45 x 64 = 22.5 blocks; 64 x 90 = 45 blocks; 32 x 128 = 32 blocks
+    assert r["swaps"] == {"0.weight": False, "2.weight": True, "4.weight": True}
+    assert len(r["notices"]) == 1 and r["err"] < 0.05

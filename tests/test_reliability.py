@@ -172,3 +172,58 @@ def train_rank_summary(rank, world_size, argv, result_dir):
     result = train.train(train.parse_config(argv))
     with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+
+
+def crashing_rank(rank, world_size, argv, result_dir, crash_at):
+    """train.py on one rank; with crash_at, every rank dies at that step (after the checkpoint
+    before it), as a node failure would end the job."""
+    import torch.distributed as dist
+    if crash_at is not None:
+        schedule = train.learning_rate
+
+        def crash(cfg, step):
+            if step == crash_at:
+                raise KeyboardInterrupt("simulated crash")
+            return schedule(cfg, step)
+        train.learning_rate = crash
+    try:
+        result = train.train(train.parse_config(argv))
+    except KeyboardInterrupt:
+        result = {}
+        dist.destroy_process_group()
+    with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def test_two_rank_resume_with_error_feedback_is_exact(tiny_corpus, tmp_path):
+    """Error feedback keeps one residual per rank; each rank checkpoints its own (residuals-
+    rankR-stepS.pt next to ckpt.pt), so a 2-rank run that crashed at step 4 and resumed from
+    step 3 ends bit-identical to an uninterrupted one. A resume on another world size or
+    without the residual files is refused."""
+    extra = ("--max_iters=6", "--ckpt_interval=3", "--comm=subspace", "--geo_rank=4",
+             "--geo_warmup=1", "--error_feedback")
+    run_ranks(crashing_rank, 2, tiny_args(tiny_corpus, tmp_path / "a", *extra), str(tmp_path), None)
+    whole = json.load(open(tmp_path / "rank0.json"))
+    b = tmp_path / "b"
+    run_ranks(crashing_rank, 2, tiny_args(tiny_corpus, b, *extra), str(tmp_path), 4)
+    assert sorted(f for f in os.listdir(b) if f.startswith("residuals")) == [
+        "residuals-rank00000-step0000003.pt", "residuals-rank00001-step0000003.pt"]
+    r1 = torch.load(b / "residuals-rank00001-step0000003.pt", weights_only=True)
+    assert any(t.abs().sum() > 0 for t in r1.values())            # rank 1's own, not zeros
+    with pytest.raises(train.ConfigError, match="residuals for 2 ranks"):
+        train.train(train.parse_config(tiny_args(tiny_corpus, b, *extra, "--resume")))
+    run_ranks(crashing_rank, 2, tiny_args(tiny_corpus, b, *extra, "--resume"), str(tmp_path), None)
+    resumed = json.load(open(tmp_path / "rank0.json"))
+    assert resumed["param_sha256"] == whole["param_sha256"]
+
+
+def test_resume_refuses_other_numerics_and_overwrite_moves_the_old_run_aside(tiny_corpus, tmp_path):
+    out = tmp_path / "out"
+    train.train(train.parse_config(tiny_args(tiny_corpus, out, "--max_iters=2", "--comm=fp8")))
+    for flag, value in (("comm", "subspace"), ("fmt", "e5m2"), ("geo_rank", "8")):
+        with pytest.raises(train.ConfigError, match=f"--{flag}="):
+            train.train(train.parse_config(tiny_args(tiny_corpus, out, "--max_iters=4", "--resume",
+                                                     "--comm=fp8", f"--{flag}={value}")))
+    before = (out / "ckpt.pt").read_bytes()
+    train.train(train.parse_config(tiny_args(tiny_corpus, out, "--max_iters=1", "--overwrite")))
+    assert (out / "ckpt.pt.old").read_bytes() == before     # an elastic restart cannot find it

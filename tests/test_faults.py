@@ -1,0 +1,74 @@
+"""Faults the communicator must survive without a silent wrong result: a non-finite gradient
+(an fp16 GradScaler overflow, a bad batch) on a refresh step, and stochastic-rounding streams
+that must not repeat across buckets."""
+
+import pytest
+import torch
+
+import compress
+from test_published import anisotropic_moment
+
+
+def workers_at(step, world=2, shape=(48, 64)):
+    g = torch.Generator().manual_seed(step)
+    U, V = torch.randn(shape[0], 3, generator=g), torch.randn(shape[1], 3, generator=g)
+    return [[U @ V.T + 0.1 * torch.randn(*shape, generator=g)] for _ in range(world)]
+
+
+@pytest.mark.parametrize("geometry", ["subspace", "whiten"])
+def test_a_non_finite_step_does_not_poison_the_geometry_or_the_residuals(geometry):
+    """An inf gradient on a refresh step: that step's mean is inf (the optimizer skips it), but
+    the bases / factors and the error-feedback residuals stay as they were, and every later
+    step decodes finite means - with or without the fault, the same geometry."""
+    opts = compress.GeoOptions(geometry=geometry, refresh=2, judge_every=2, min_numel=16,
+                               rank=4, whiten_rank=4, error_feedback=True, select="all")
+    clean, faulty = (compress.GeoFP8Communicator([("w", (48, 64))], opts) for _ in range(2))
+    moment = {"input": {"w": anisotropic_moment(64, 0)}} if geometry == "whiten" else None
+    fault = 2 if geometry == "whiten" else 3        # a step that refreshes the geometry
+    for step in range(6):
+        workers = workers_at(step)
+        clean.reduce_workers(workers, moment if step % 2 == 0 else None)
+        if step == fault:
+            workers = [[workers[0][0].clone().fill_(float("inf"))], workers[1]]
+            state_before = [t.clone() for t in faulty.layers["w"].tensors()]
+        means, _ = faulty.reduce_workers(workers, moment if step % 2 == 0 else None)
+        if step == fault:
+            assert not torch.isfinite(means[0]).all()
+            assert all(torch.equal(a, b) for a, b in zip(state_before, faulty.layers["w"].tensors()))
+            assert faulty.skipped == 1
+        else:
+            assert torch.isfinite(means[0]).all()
+        assert all(torch.isfinite(r["w"]).all() for r in faulty.residuals.values())
+    assert faulty.is_geo("w") and all(torch.isfinite(t).all() for t in faulty.layers["w"].tensors())
+
+
+def test_stochastic_rounding_streams_differ_between_tensor_lists():
+    """Two buckets with the same layout, the same gradients and the same step must not round
+    alike (their errors would add up instead of averaging out); the same bucket twice must."""
+    opts = compress.GeoOptions(geometry="euclidean", stochastic=True, seed=3)
+    workers = workers_at(0)
+
+    def mean(names):
+        comm = compress.GeoFP8Communicator([(n, (48, 64)) for n in names], opts)
+        return comm.reduce_workers(workers)[0][0]
+    assert torch.equal(mean(["a.weight"]), mean(["a.weight"]))
+    assert not torch.equal(mean(["a.weight"]), mean(["b.weight"]))
+
+
+def test_the_fp8_codec_stays_eager_on_gpus_without_float8_casts(monkeypatch, capsys):
+    """Triton cannot cast to float8 below compute capability 8.9 (A100, A10): compiling the hot
+    path there keeps the codec eager, with a one-line notice, and compiles the rest."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    try:
+        compress.compile_hot_path(True)
+        assert compress.hot_path.float8_eager
+        assert "below sm_89" in capsys.readouterr().out
+        for fn in (compress.fp8_encode, compress.fp8_decode):     # must not be used
+            monkeypatch.setattr(fn, "compiled", lambda *a: pytest.fail("compiled float8 cast"))
+        x = torch.randn(4, 128)
+        q = compress.quantize(x, "e4m3", 128)
+        assert ((compress.dequantize(q) - x).abs() <= x.abs() / 8 + 1e-3).all()
+    finally:
+        compress.compile_hot_path(False)
+    assert not compress.hot_path.float8_eager
