@@ -718,16 +718,12 @@ class HouseholderBasis:
         a, tau = torch.geqrf(U)              # U = (H_1 ... H_r) R, reflectors stored below diag
         m, r = U.shape
         Y = torch.tril(a, -1) + torch.eye(m, r, device=U.device, dtype=U.dtype)
-        if bool((tau != 0).all()):
-            # the "UT transform": T^-1 = diag(1/tau) + strictly-upper(Y^T Y), one small solve
-            T_inv = torch.diag(1 / tau) + torch.triu(Y.T @ Y, diagonal=1)
-            eye = torch.eye(r, device=U.device, dtype=U.dtype)
-            return cls(Y, torch.linalg.solve_triangular(T_inv, eye, upper=True))
-        T = torch.zeros(r, r, device=U.device, dtype=U.dtype)
-        for i in range(r):  # a reflector is the identity (tau = 0): LAPACK's larft recurrence
-            T[i, i] = tau[i]
-            if i:
-                T[:i, i] = -tau[i] * (T[:i, :i] @ (Y[:, :i].T @ Y[:, i]))
+        # T by LAPACK's larft recurrence, column by column: r small products on the device, no
+        # host sync, and right when a reflector is the identity (tau = 0)
+        YtY = Y.T @ Y
+        T = torch.diag(tau)
+        for i in range(1, r):
+            T[:i, i] = -tau[i] * (T[:i, :i] @ YtY[:i, i])
         return cls(Y, T)
 
     def apply_t(self, X):
@@ -1434,7 +1430,8 @@ class LayerGeometry:
     right_energy: torch.Tensor = None   # (r,)
     use_geo: bool = False
     gain: float = float("nan")          # last measured Euclidean error / geo error
-    energy: float = float("nan")        # fraction of the mean's energy in the r x r core
+    energy: object = float("nan")       # fraction of the mean's energy in the r x r core (a
+                                        # device scalar once measured: no host sync)
     transform: tuple = field(default=(None, None), repr=False)  # (left, right), derived
     swaps: tuple = field(default=None, repr=False)              # core_swaps, fixed by shape
     sides: str = "both"                 # the sides rotated now (sides="auto": chosen by gain)
@@ -1870,9 +1867,9 @@ class GeoFP8Communicator:
                 layer.left_energy, layer.right_energy, self.opts.decay, self.opts.iters, rows)
         layer.left_basis, layer.right_basis = HouseholderBasis.complete(U), HouseholderBasis.complete(V)
         layer.transform = self._transform(layer, mean)
-        total = rows.sum(mean.pow(2).sum()).item()
-        core = rows.sum(rows.mine(U).T @ mean @ V).pow(2).sum().item()   # sum, then square
-        layer.energy = core / total if total else 0.0
+        total = rows.sum(mean.pow(2).sum())
+        core = rows.sum(rows.mine(U).T @ mean @ V).pow(2).sum()   # sum over ranks, then square
+        layer.energy = core / total.clamp(min=1e-30)              # stays on the device
 
     def _refresh(self, means, worker_grads, all_reduce=None, rows=None):
         """Subspace rotation: update the bases from the decoded mean (identical on every rank)
@@ -1895,12 +1892,14 @@ class GeoFP8Communicator:
                     self._update_bases(self.layers[n], means[n], rows.get(n, ALL_ROWS))
 
     def _checksum(self):
-        total = torch.zeros((), dtype=torch.float64)
+        """One number (on the device) that changes with any bit of the geometry in use."""
+        terms = []
         for i, layer in enumerate(self.layers.values()):
             if layer.ready:
-                total += sum(t.double().sum() * (i + k + 1) for k, t in enumerate(layer.tensors())).cpu()
-                total += layer.use_geo * 0.5
-        return total
+                tensors = layer.tensors()
+                terms += [t.double().sum() * (i + k + 1) for k, t in enumerate(tensors)]
+                terms.append(tensors[0].new_tensor(0.5 * layer.use_geo, dtype=torch.float64))
+        return torch.stack(terms).sum()
 
     def _verify_bases(self):
         """Every rank computed its geometry from the same bytes, so it must agree bit for bit.
@@ -1910,10 +1909,10 @@ class GeoFP8Communicator:
         if not ready:               # nothing computed yet (no statistics came): nothing to check
             return
         mine = self._checksum()
-        device = ready[0].tensors()[0].device
-        both = torch.stack([mine, -mine]).to(device)
+        device = mine.device
+        both = torch.stack([mine, -mine])
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
-        if both[0].item() == mine.item() and -both[1].item() == mine.item():
+        if (both == torch.stack([mine, -mine])).all().item():     # max = min = mine: agreed
             return
         print(f"compress.py: warning: GeoFP8 geometry differs across ranks at step {self.step}; "
               "using rank 0's", flush=True)
@@ -1953,7 +1952,7 @@ class GeoFP8Communicator:
                 if coords == "geo" and isinstance(l, LayerGeometry) and l.sides != "both":
                     coords += "/" + l.sides
                 lines.append(f"{n:40s} {shape:>12s} {rank:4d} {coords:>10s} "
-                             f"{l.gain:6.2f} {l.energy:6.2f}")
+                             f"{l.gain:6.2f} {float(l.energy):6.2f}")
             else:
                 lines.append(f"{n:40s} {shape:>12s} {'-':>4s} {'euclidean':>10s} "
                              f"{'(' + self.reasons[n] + ')':>13s}")

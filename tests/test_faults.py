@@ -72,3 +72,44 @@ def test_the_fp8_codec_stays_eager_on_gpus_without_float8_casts(monkeypatch, cap
     finally:
         compress.compile_hot_path(False)
     assert not compress.hot_path.float8_eager
+
+
+class HostSyncs:
+    """Counts the calls that make the host wait for the device (item, tolist, cpu, numpy,
+    bool) while it is active."""
+    NAMES = ("item", "tolist", "cpu", "numpy", "__bool__")
+
+    def __init__(self, monkeypatch):
+        self.count = 0
+        for name in self.NAMES:
+            original = getattr(torch.Tensor, name)
+
+            def counted(t, *a, _original=original, **k):
+                self.count += 1
+                return _original(t, *a, **k)
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+
+@pytest.mark.parametrize("options", [
+    dict(geometry="subspace", refresh=4),
+    dict(geometry="whiten", refresh=50, judge_every=4),
+    dict(geometry="subspace", refresh=4, error_feedback=True),
+    dict(geometry="euclidean", fmt="e5m2", collective="fp8-sum", error_feedback=True)])
+def test_no_host_sync_between_geometry_steps(monkeypatch, options):
+    """The step path (encode, collective, decode, residuals) never waits for the device; only
+    steps that touch the geometry (refresh, gain check) do, a few times."""
+    opts = compress.GeoOptions(min_numel=16, rank=4, whiten_rank=4, **options)
+    comm = compress.GeoFP8Communicator([("w", (48, 64)), ("b", (64,))], opts)
+    moment = {"input": {"w": anisotropic_moment(64, 0)}, "tokens": {"input": {"w": 64}}}
+    per_step = []
+    for step in range(9):
+        grads = [workers_at(step)[0][0].clone(), torch.randn(64)]
+        counter = HostSyncs(monkeypatch)
+        comm.reduce(grads, moment if comm.wants_moments() else None)
+        per_step.append(counter.count)
+        monkeypatch.undo()
+    geometry_steps = [0, 3, 7]      # subspace: first bases, refresh every 4; whiten: refresh
+    assert all(c == 0 for s, c in enumerate(per_step) if s not in geometry_steps), per_step
+    assert max(per_step) <= 4, per_step                 # geometry steps: a few transfers
+    if options["geometry"] != "euclidean":
+        assert max(per_step) > 0, per_step              # (the counter does see them)
