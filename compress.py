@@ -1199,12 +1199,16 @@ def random_orthogonal(n, seed, device, dtype=torch.float32):
 
 @dataclass
 class OptimizerView:
-    """One parameter's optimizer as the gain check needs it: "adamw" or "muon", its param
-    group's settings, and a function returning its per-parameter state now (empty before the
-    first step; read lazily, so an optimizer.load_state_dict() is seen)."""
+    """One parameter's optimizer as the gain check needs it: "adamw" or "muon", and functions
+    returning its param group's settings and its per-parameter state now (empty before the
+    first step). Read lazily: an optimizer.load_state_dict() after watch() is seen."""
     kind: str
-    hyper: dict
+    read_hyper: object
     read_state: object
+
+    @property
+    def hyper(self):
+        return self.read_hyper()
 
 
 OPTIMIZER_KINDS = {"AdamW": "adamw", "Adam": "adamw", "Muon": "muon"}
@@ -1219,13 +1223,19 @@ def optimizer_views(optimizers, model):
         kind = OPTIMIZER_KINDS.get(type(opt).__name__)
         for group in opt.param_groups if kind else ():
             for p in group["params"]:
-                views[names[p]] = OptimizerView(kind, group, functools.partial(param_state, opt, p))
+                views[names[p]] = OptimizerView(kind, functools.partial(param_group, opt, p),
+                                                functools.partial(param_state, opt, p))
     return views
 
 
 def param_state(optimizer, param):
-    """The optimizer's state of one parameter now (a function, so views pickle)."""
+    """The optimizer's state of one parameter now (functions, so views pickle)."""
     return optimizer.state.get(param, {})
+
+
+def param_group(optimizer, param):
+    """The param group holding `param` now (load_state_dict replaces the group dicts)."""
+    return next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
 
 
 def newton_schulz(X, coefficients, steps, eps=1e-7):
@@ -1251,8 +1261,8 @@ def adamw_sensitivity(view, g):
         u = m^ / (s + eps),   du/dg = (1 - b1) / (c1 (s + eps)) - m^ (1 - b2) g / (c2 s (s + eps)^2).
     The second term matters where the new gradient dominates v (quiet rows waking up)."""
     state, (beta1, beta2), eps = view.read_state(), view.hyper["betas"], view.hyper["eps"]
-    step = float(state.get("step", 0)) + 1
-    c1, c2 = 1 - beta1 ** step, 1 - beta2 ** step
+    step = torch.as_tensor(state.get("step", 0), dtype=torch.float64, device=g.device) + 1
+    c1, c2 = (1 - beta1 ** step).float(), (1 - beta2 ** step).float()   # no host sync
     m, v = (local_tensor(state[k]).float() if k in state else torch.zeros_like(g)
             for k in ("exp_avg", "exp_avg_sq"))
     m_hat = (beta1 * m + (1 - beta1) * g) / c1
@@ -1291,7 +1301,7 @@ class UpdateError:
             self.X = mean.float().lerp(buf, mu) if hyper["nesterov"] else buf
             self.c = (1 - mu) * (1 + mu) if hyper["nesterov"] else 1 - mu
             self.ns = functools.partial(newton_schulz, coefficients=hyper["ns_coefficients"],
-                                        steps=hyper["ns_steps"])
+                                        steps=hyper["ns_steps"], eps=hyper.get("eps", 1e-7))
             self.base = self.ns(self.X)
 
     def __call__(self, delta):
@@ -1406,7 +1416,7 @@ def exemption(name, shape, opts, linear=None):
         return "not 2-D"
     if opts.select == "list" and name not in opts.geo_layers:
         return "not selected"
-    if opts.select == "list":       # an explicit list is the user's decision
+    if opts.select == "list":       # an explicit list (it still passes the gain check)
         return None
     if linear is not None and name not in linear:
         return "not a linear layer"
@@ -1504,7 +1514,8 @@ class GeoFP8Communicator:
         self.timer = timer          # a StageTimer to see where the time goes (benchmarks)
         self.names = [n for n, _ in named_shapes]
         self.shapes = {n: tuple(s) for n, s in named_shapes}
-        self.stream = zlib.crc32("\0".join(self.names).encode())  # this list's rounding stream
+        self.rounding_stream = zlib.crc32("\0".join(self.names).encode())  # its own random draws
+        self.index = {n: i for i, n in enumerate(self.names)}
         self.reasons = {}
         self.layers = {}
         for n, shape in named_shapes:
@@ -1620,7 +1631,7 @@ class GeoFP8Communicator:
     def rounding_seed(self):
         """This step's stochastic-rounding seed, different for every tensor list (every DDP
         bucket, every FSDP module): buckets of the same layout must not round alike."""
-        return (self.opts.seed * 7919 + self.step) * 2_147_483_659 + self.stream
+        return (self.opts.seed * 7919 + self.step) * 2_147_483_659 + self.rounding_stream
 
     def _local_scales(self):
         return self.opts.scale_sync_every > 1 and self.step % self.opts.scale_sync_every != 0
@@ -1696,9 +1707,9 @@ class GeoFP8Communicator:
         if self._geometry_due(whiten_now):
             if self._finite(means, moments, all_reduce, rows):
                 with self.timer.stage("geometry"):
-                    self._update_geometry(means, worker_grads, all_reduce, rows, moments,
-                                          whiten_now)
-                if all_reduce is not None:
+                    refreshed = self._update_geometry(means, worker_grads, all_reduce, rows,
+                                                      moments, whiten_now)
+                if all_reduce is not None and refreshed:
                     self._verify_bases()
             else:
                 self.skipped += 1   # a non-finite mean (or statistic) must not reach the bases
@@ -1706,12 +1717,16 @@ class GeoFP8Communicator:
             self._select_fragile()
 
     def _update_geometry(self, means, worker_grads, all_reduce, rows, moments, whiten_now):
-        if self.opts.geometry == "whiten" and whiten_now:
-            self._refresh_whitening(moments, means, worker_grads, all_reduce)
-        elif self.opts.geometry == "whiten":
+        """Refresh the bases / factors (True), or only re-judge the whitening (False: the
+        decisions come from all-reduced errors, nothing new to verify across ranks)."""
+        if self.opts.geometry == "whiten" and not whiten_now:
             self._judge_whitening(means, worker_grads, all_reduce)
+            return False
+        if self.opts.geometry == "whiten":
+            self._refresh_whitening(moments, means, worker_grads, all_reduce)
         else:
             self._refresh(means, worker_grads, all_reduce, rows or {})
+        return True
 
     def _geometry_due(self, whiten_now):
         """Does this step touch the geometry (bases, factors, the gain check)?"""
@@ -1747,7 +1762,7 @@ class GeoFP8Communicator:
             view = self.views.get(n) if self.opts.judge == "optimizer" else None
             seen = UpdateError(view, means[n], (rows or {}).get(n))
             for grads in worker_grads:
-                g = grads[self.names.index(n)].float()
+                g = grads[self.index[n]].float()
                 errors.append(seen(self._round_trip(g) - g))
                 errors += [seen(self._sent(layer, g, sides) - g) for sides in variants]
         errors = torch.stack(errors).double().view(len(names), len(worker_grads), -1).sum(1)
@@ -1898,7 +1913,8 @@ class GeoFP8Communicator:
             if layer.ready:
                 tensors = layer.tensors()
                 terms += [t.double().sum() * (i + k + 1) for k, t in enumerate(tensors)]
-                terms.append(tensors[0].new_tensor(0.5 * layer.use_geo, dtype=torch.float64))
+                sides = 0.25 * (getattr(layer, "sides", "both") == "right")
+                terms.append(tensors[0].new_tensor(0.5 * layer.use_geo + sides, dtype=torch.float64))
         return torch.stack(terms).sum()
 
     def _verify_bases(self):
@@ -1920,11 +1936,14 @@ class GeoFP8Communicator:
         for layer in self.layers.values():
             if not layer.ready:
                 continue
-            flags = torch.tensor([float(layer.use_geo)], device=device)
+            right = isinstance(layer, LayerGeometry) and layer.sides == "right"
+            flags = torch.tensor([float(layer.use_geo), float(right), layer.gain], device=device)
             for t in layer.tensors() + [flags]:
                 dist.broadcast(t, src=src, group=self.group)
-            layer.use_geo = bool(flags.item())
+            layer.use_geo, layer.gain = bool(flags[0].item()), flags[2].item()
             if isinstance(layer, LayerGeometry) and not self.opts.full:
+                layer.sides = "right" if flags[1].item() else \
+                    ("both" if layer.sides == "right" else layer.sides)
                 layer.transform = self._transform(layer, None)
 
     # -- reporting and checkpoints -------------------------------------------------------------

@@ -493,12 +493,16 @@ def residuals_path(out_dir, rank, step):
 
 def save_residuals(residuals, out_dir, rank, step):
     """Error feedback keeps one residual per rank: each rank writes its own next to ckpt.pt and
-    keeps its two latest (a crash between a rank's file and ckpt.pt leaves the last pair)."""
+    keeps it and the one before (a crash before ckpt.pt is written leaves the previous pair);
+    files of later steps are from a run this one replaces."""
     atomic_save(residuals, residuals_path(out_dir, rank, step))
-    mine = sorted(f for f in os.listdir(out_dir)
-                  if f.startswith(f"residuals-rank{rank:05d}-") and f.endswith(".pt"))
-    for name in mine[:-2]:
-        os.remove(os.path.join(out_dir, name))
+    prefix = f"residuals-rank{rank:05d}-step"
+    steps = sorted(int(f[len(prefix):-3]) for f in os.listdir(out_dir)
+                   if f.startswith(prefix) and f.endswith(".pt"))
+    keep = [s for s in steps if s <= step][-2:]
+    for old in steps:
+        if old not in keep:
+            os.remove(residuals_path(out_dir, rank, old))
 
 
 def load_residuals(out_dir, rank, step, device):
@@ -623,6 +627,7 @@ def train(cfg):
     def save(step):
         if communicator is not None and cfg.error_feedback and world_size > 1:
             save_residuals(communicator.residuals.get(rank, {}), cfg.out_dir, rank, step)
+            dist.barrier()      # every rank's residual is on disk before ckpt.pt names the step
         if not master:
             return
         if saved["step"] is not None and cfg.keep_ckpts > 1:  # keep the previous ones too

@@ -62,6 +62,7 @@ class GeoFP8HookState:
         self.process_group = process_group
         self.module = module
         self.names = {p: n for n, p in module.named_parameters()}
+        self.trainable = sum(p.requires_grad for p in self.names)     # what DDP's buckets hold
         self.linear = set(compress.linear_layers(module))   # the candidates, by module type
         self.views = {}             # name -> compress.OptimizerView, from watch()
         self.communicators = {}     # tuple of names -> GeoFP8Communicator
@@ -87,9 +88,9 @@ class GeoFP8HookState:
             self.pending = {"input": {}, "tokens": {}}
 
     def collecting(self):
-        """Collect statistics in this forward pass? On the first iteration (no bucket seen yet)
-        and whenever a bucket's communicator is at a refresh step."""
-        return not self.communicators or any(c.wants_moments() for c in self.communicators.values())
+        """Collect statistics in this forward pass? On refresh steps: every bucket's communicator
+        counts the hook's one step counter, so they refresh together."""
+        return self.iteration % self.options.refresh == 0
 
     def moments_for(self, comm):
         """The statistics of this bucket's whitened layers, if this step collected them."""
@@ -114,6 +115,8 @@ class GeoFP8HookState:
             self.owner.update((n, key) for n in names)      # older buckets hand over
             self.communicators = {k: c for k, c in self.communicators.items()
                                   if any(self.owner[n] == k for n in k)}
+            if len(self.owner) == self.trainable:             # a loaded state is all handed out
+                self.saved = None
         return comm
 
     def _owned(self):
@@ -151,12 +154,15 @@ class GeoFP8HookState:
                              f"{self.options.geometry!r}: resume with the same method")
         self.saved, self.iteration = state, state["iteration"]
         self.communicators, self.owner = {}, {}
+        if self.moments is not None:    # nothing collected before the load may reach a refresh
+            self.moments.take()
+            self.pending = {"input": {}, "tokens": {}}
 
     def __getstate__(self):
         """Picklable, like PowerSGD's state: without the process group (the default group after
-        unpickling) and the CUDA streams."""
+        unpickling), the CUDA streams and the optimizer views (watch() the new optimizers)."""
         state = dict(self.__dict__)
-        state.update(process_group=None, streams={})
+        state.update(process_group=None, streams={}, views={})  # views: call watch() again
         state["communicators"], state["owner"] = {}, {}
         state["saved"] = self.state_dict()
         return state

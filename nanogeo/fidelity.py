@@ -188,7 +188,7 @@ def optimizer_views(record, states):
     before that step (replayed on the exact means), as the communicator's selection reads them."""
     kinds = {group["class"]: compress.OPTIMIZER_KINDS.get(group["class"])
              for group in record["groups"]}
-    return [{n: compress.OptimizerView(kinds[group["class"]], group["hyper"],
+    return [{n: compress.OptimizerView(kinds[group["class"]], lambda group=group: group["hyper"],
                                        lambda state=state, n=n: state.get(n, {}))
              for group in record["groups"] if kinds[group["class"]] for n in group["params"]}
             for state in states]

@@ -176,6 +176,10 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
         self.comm.group = group
         rows = input_tensor.view(world, -1)
         sizes = [math.prod(s) for s in chunk_shapes]
+        if group not in self.blocks:    # before any encode: the swaps must match the decode
+            self.blocks[group] = {n: compress.RowBlocks(s[0], group)
+                                  for n, s in zip(self.names, self.shapes) if n in self.comm.layers}
+            self._align_core_scattering(per_rank)
         # every parameter's whole local gradient, and the same in the coordinates in use
         grads, coords = [], []
         for name, shape, chunk, flat in zip(self.names, self.shapes, chunk_shapes,
@@ -195,10 +199,6 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
         # this rank's rows of every mean, back in original coordinates
         means = {name: average(total, op, world)[: max(0, min(c, shape[0] - me * c))]
                  for name, shape, c, total in zip(self.names, self.shapes, per_rank, totals)}
-        if group not in self.blocks:
-            self.blocks[group] = {n: compress.RowBlocks(s[0], group)
-                                  for n, s in zip(self.names, self.shapes) if n in self.comm.layers}
-            self._align_core_scattering(per_rank)
         blocks = self.blocks[group]
         means.update(self._decode([n for n in self.comm.layers if self.comm.is_geo(n)],
                                   means, blocks, world))

@@ -55,18 +55,21 @@ def profile(cfg: ProfileConfig):
     cfg = dataclasses.replace(cfg, capture_steps=cfg.steps)
     comm = None
     geometry = "euclidean" if cfg.by == "fragility" else "whiten"
-    for step, model, _, workers, moments, loss in simulated_training(
+    for step, model, optimizers, workers, moments, loss in simulated_training(
             cfg, cfg.train_steps, collect_moments=cfg.by == "gain"):
         if comm is None:
             named = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+            linear = set(compress.linear_layers(model))     # candidates, by module type
             options = compress.GeoOptions(
                 geometry=geometry, fmt=cfg.fmt, block="tensor", collective="fp8-sum",
                 sum_order=cfg.sum_order, refresh=1, select="gain",
                 vocab_size=model.config.vocab_size)
-            comm = compress.GeoFP8Communicator(named, options)
+            comm = compress.GeoFP8Communicator(named, options, linear=linear)
+            comm.watch(compress.optimizer_views(optimizers, model))  # gains as they see them
             candidates = [n for n, s in named
                           if compress.exemption(n, s, compress.GeoOptions(
-                              geometry="whiten", vocab_size=model.config.vocab_size)) is None]
+                              geometry="whiten", vocab_size=model.config.vocab_size),
+                              linear) is None]
         comm.reduce_workers([[w[n] for n in comm.names] for w in workers], moments)
         print(f"profiled step {step}: loss {loss:.3f}")
     if cfg.by == "fragility":

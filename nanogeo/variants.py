@@ -49,7 +49,7 @@ def compare(path, rank=16):
     if record is None:
         raise ValueError(f"{path} records no optimizer; capture it with nanogeo.capture --keep=all")
     names = list(steps[0][0])
-    exact = [{n: sum(w[n] for w in ws) / len(ws) for n in names} for ws in steps]
+    exact = [{n: sum(w[n].float() for w in ws) / len(ws) for n in names} for ws in steps]
     states, _ = fidelity.exact_updates(record, exact, data.get("grad_clip", 0.0))
     views = fidelity.optimizer_views(record, states)
     opts = compress.GeoOptions(geometry="subspace", select="all", rank=rank,

@@ -130,14 +130,15 @@ def resume_rank(rank, world_size, out, hook_options):
     state.load_state_dict(saved["hook"])
     train(net, opt, range(3, 6))
     resumed = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    geo = sum(c.is_geo(n) for c in state.communicators.values() for n in c.names)
     torch.save({"equal": torch.equal(straight, resumed), "steps": steps, "names": names,
-                "iteration": state.iteration}, f"{out}.{rank}")
+                "iteration": state.iteration, "geo": geo}, f"{out}.{rank}")
     dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("options", [
     {"geometry": "subspace", "rank": 8, "warmup": 1, "error_feedback": True},
-    {"warmup": 1, "refresh": 2, "error_feedback": True}])
+    {"warmup": 1, "refresh": 2, "error_feedback": True, "select": "all"}])
 def test_ddp_hook_state_resumes_bit_identically(tmp_path, options):
     """The hook's state_dict is keyed by parameter name with one step counter: every bucket's
     communicator counts the same steps, the table shows each parameter once (DDP's first-
@@ -150,3 +151,5 @@ def test_ddp_hook_state_resumes_bit_identically(tmp_path, options):
         assert r["equal"]
         assert r["steps"] == {6} and r["iteration"] == 6
         assert len(r["names"]) == len(set(r["names"])) == len(list(build().parameters()))
+        if options.get("select") == "all":
+            assert r["geo"] > 0             # whitened layers in use across the resume

@@ -77,7 +77,7 @@ def test_the_fp8_codec_stays_eager_on_gpus_without_float8_casts(monkeypatch, cap
 class HostSyncs:
     """Counts the calls that make the host wait for the device (item, tolist, cpu, numpy,
     bool) while it is active."""
-    NAMES = ("item", "tolist", "cpu", "numpy", "__bool__")
+    NAMES = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")
 
     def __init__(self, monkeypatch):
         self.count = 0
@@ -95,11 +95,18 @@ class HostSyncs:
     dict(geometry="whiten", refresh=50, judge_every=4),
     dict(geometry="subspace", refresh=4, error_feedback=True),
     dict(geometry="euclidean", fmt="e5m2", collective="fp8-sum", error_feedback=True)])
-def test_no_host_sync_between_geometry_steps(monkeypatch, options):
+@pytest.mark.parametrize("optimizer", [None, "adamw"])
+def test_no_host_sync_between_geometry_steps(monkeypatch, options, optimizer):
     """The step path (encode, collective, decode, residuals) never waits for the device; only
-    steps that touch the geometry (refresh, gain check) do, a few times."""
+    steps that touch the geometry (refresh, gain check) do, a few times - also when the gain
+    check reads AdamW's state (its step counter is a tensor, on the GPU when fused)."""
     opts = compress.GeoOptions(min_numel=16, rank=4, whiten_rank=4, **options)
     comm = compress.GeoFP8Communicator([("w", (48, 64)), ("b", (64,))], opts)
+    if optimizer:
+        state = {"step": torch.tensor(5.0), "exp_avg": torch.zeros(48, 64),
+                 "exp_avg_sq": torch.full((48, 64), 1e-2)}
+        comm.watch({"w": compress.OptimizerView(
+            "adamw", lambda: {"betas": (0.9, 0.95), "eps": 1e-8}, lambda: state)})
     moment = {"input": {"w": anisotropic_moment(64, 0)}, "tokens": {"input": {"w": 64}}}
     per_step = []
     for step in range(9):

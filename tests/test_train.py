@@ -185,11 +185,16 @@ def test_resume_refusals(tiny_corpus, tmp_path):
 
 PAPER_RECIPE = ["--comm=geofp8", "--collective=fp8-sum", "--fmt=e5m2", "--block=tensor",
                 "--geo_layers=fragile:3", "--geo_warmup=3", "--geo_refresh=4", "--error_feedback",
-                "--feedback_geo_only", "--whiten_factor=lowrank-dense", "--factor_decay=0.95"]
+                "--feedback_geo_only", "--whiten_factor=lowrank-dense", "--factor_decay=0.95",
+                "--geo_enter_gain=0", "--geo_exit_gain=0"]
 
 
-@pytest.mark.parametrize("extra", [["--comm=geofp8", "--geo_warmup=3", "--geo_refresh=4"],
-                                   ["--comm=subspace", "--geo_warmup=3", "--geo_rank=8"],
+# judged in L2: within 12 steps of this tiny AdamW run no matrix clears the 1.10x entry gain in
+# AdamW's metric, and these tests are about the geometry-aware path running on 2 ranks
+@pytest.mark.parametrize("extra", [["--comm=geofp8", "--geo_warmup=3", "--geo_refresh=4",
+                                    "--geo_judge=l2"],
+                                   ["--comm=subspace", "--geo_warmup=3", "--geo_rank=8",
+                                    "--geo_judge=l2"],
                                    PAPER_RECIPE,
                                    ["--comm=fp8", "--fmt=nvfp4"]])
 def test_two_process_compressed_training_stays_identical(tiny_corpus, tmp_path, extra):
