@@ -712,16 +712,18 @@ def train(cfg):
             if jsonl:
                 jsonl.write(json.dumps(record) + "\n")
                 jsonl.flush()
-        if cfg.eval_every and done % cfg.eval_every == 0 and master:
-            # rank 0 only; the other ranks wait for it in the next step's collective
+        if cfg.eval_every and done % cfg.eval_every == 0:
+            # every rank scores its share of the requests (no rank waits on another's evaluation
+            # in a collective, which a long one would time out); rank 0 logs the result
             from nanogeo import eval as downstream
             scores = downstream.evaluate_model(raw_model, cfg.eval_tasks.split(","), cfg.eval_limit,
                                                cfg.batch_size, device, quiet=True)
             log(f"step {done} | downstream | " + " | ".join(
                 f"{t} {r.get('acc_norm', r['acc']):.4f}" for t, r in scores.items()))
-            jsonl.write(json.dumps({"step": done, "downstream": {
-                t: {k: v for k, v in r.items() if not isinstance(v, list)}
-                for t, r in scores.items()}}) + "\n")
+            if jsonl:
+                jsonl.write(json.dumps({"step": done, "downstream": {
+                    t: {k: v for k, v in r.items() if not isinstance(v, list)}
+                    for t, r in scores.items()}}) + "\n")
         if cfg.ckpt_interval and done % cfg.ckpt_interval == 0 and done < cfg.max_iters:
             save(done)
     save(cfg.max_iters)

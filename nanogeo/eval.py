@@ -115,11 +115,29 @@ def score_requests(model, enc, requests, batch_size=16, device="cpu", progress=N
     return results
 
 
+def score_shared(model, enc, requests, batch_size=16, device="cpu", progress=None):
+    """score_requests, with the requests dealt out over the ranks of the default process group
+    when one is running (train.py --eval_every): every rank scores 1/W of them and all finish
+    together, so no rank waits in a collective for an evaluation running elsewhere (an NCCL
+    timeout for a long one). The model must be the same on every rank."""
+    import torch.distributed as dist
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return score_requests(model, enc, requests, batch_size, device, progress)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = score_requests(model, enc, requests[rank::world], batch_size, device, progress)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    scores = [None] * len(requests)
+    for r, theirs in enumerate(everyone):
+        scores[r::world] = theirs
+    return scores
+
+
 def evaluate_task(model, enc, task, limit=None, batch_size=16, device="cpu", root=None,
                   progress=None):
     docs = load_task(task, limit, root)
     flat = [req for doc in docs for req in doc["requests"]]
-    scores = score_requests(model, enc, flat, batch_size, device, progress)
+    scores = score_shared(model, enc, flat, batch_size, device, progress)
     k, picks, picks_norm, correct, correct_norm = 0, [], [], [], []
     for doc in docs:
         n = len(doc["requests"])
@@ -171,7 +189,8 @@ def run(path, tasks, limit, batch_size, device, root=None, quiet=False):
 
 
 def evaluate_model(model, tasks, limit=None, batch_size=16, device="cpu", root=None, quiet=False):
-    """{task: result} for a model in memory (train.py --eval_every uses this)."""
+    """{task: result} for a model in memory (train.py --eval_every calls it on every rank: the
+    requests are shared out, see score_shared)."""
     enc = get_tokenizer()
     was_training = model.training
     model.eval()

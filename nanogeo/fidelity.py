@@ -20,7 +20,8 @@ Methods (each with the two-stage e4m3 block-128 collective unless it says otherw
     geofp8          the published GeoFP8: K-FAC input whitening, low-rank 32 (needs `inputs`)
     geofp8-paper    the published method with the paper's collective, factor (low-rank applied
                     by a dense Cholesky factor, smoothed) and error feedback on its layers
-    subspace, subspace-full     this project's two-sided rotation (r = 16; exact dense bases)
+    subspace, subspace-full     this project's rotation (r = 16; per matrix both sides or the
+                                columns only, sides=auto; exact dense bases, both sides)
     nvfp4, geo-nvfp4, subspace-nvfp4    NVFP4 Euclidean / whitened / rotated
 Any method takes GeoOptions overrides after colons, for ablations:
     geofp8:factor=diag   geofp8:factor=block:whiten_block=64   geofp8:whiten_rank=8

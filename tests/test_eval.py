@@ -116,3 +116,25 @@ def test_train_eval_every(fixtures, tiny_corpus, tmp_path, monkeypatch, capsys):
     assert [r["step"] for r in downstream] == [2, 4]
     assert set(downstream[0]["downstream"]) == {"piqa", "lambada"}
     assert "downstream | piqa" in capsys.readouterr().out
+
+
+def shared_eval_rank(rank, world_size, root, out):
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    results = ev.evaluate_model(tiny_model(), ["piqa", "lambada"], root=root, quiet=True)
+    torch.save(results, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_evaluation_is_shared_across_ranks(fixtures, tmp_path):
+    """Under a process group every rank scores its share of the requests and all get the whole
+    result - the same as one process scoring everything (train.py --eval_every on N ranks)."""
+    from conftest import run_ranks
+    out = str(tmp_path / "shared")
+    run_ranks(shared_eval_rank, 2, str(fixtures), out)
+    alone = ev.evaluate_model(tiny_model(), ["piqa", "lambada"], root=str(fixtures), quiet=True)
+    for rank in (0, 1):
+        shared = torch.load(f"{out}.{rank}", weights_only=False)
+        for task in alone:
+            assert shared[task]["picks"] == alone[task]["picks"]
+            assert shared[task]["acc"] == pytest.approx(alone[task]["acc"])
