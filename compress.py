@@ -452,13 +452,15 @@ def decode_shards(shard_buffers, layout, device=None):
 @functools.lru_cache(maxsize=64)
 def wire_buffers(layout, rank, device):
     """The collective's uint8 wire buffers for one bucket layout, allocated once and reused
-    every step: what this rank sends in the all_to_all, what it receives, and the all_gather's
-    W slots (each padded to the largest shard). Reuse is safe because every use is ordered:
-    synchronous on CPU, and on GPU all uses of a bucket run on one stream, in order."""
+    every step: what this rank sends in the all_to_all, what it receives, its averaged shard
+    for the all_gather and the W gathered slots (each padded to the largest shard). Reuse is
+    safe because every use is ordered: synchronous on CPU, and on GPU all uses of a bucket run
+    on one stream, in order."""
     send = torch.empty(sum(layout.nbytes), dtype=torch.uint8, device=device)
     recv = torch.empty(layout.world_size * layout.nbytes[rank], dtype=torch.uint8, device=device)
+    shard = torch.zeros(max(layout.nbytes), dtype=torch.uint8, device=device)
     gathered = torch.zeros(layout.world_size, max(layout.nbytes), dtype=torch.uint8, device=device)
-    return send, recv, gathered
+    return send, recv, shard, gathered
 
 
 def rng(seed, rank, stage, device):
@@ -531,7 +533,7 @@ def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, stochastic=False
         means, sent = decode_shards([shard], layout), 0
     else:
         own = layout.nbytes[me]
-        flat_send, recv, gathered = wire_buffers(layout, me, device)
+        flat_send, recv, mine, gathered = wire_buffers(layout, me, device)
         torch.cat(send, out=flat_send)
         with timer.stage("all_to_all"):
             dist.all_to_all_single(recv, flat_send, [own] * world,
@@ -539,12 +541,12 @@ def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, stochastic=False
         with timer.stage("reduce"):
             shard = reduce_shard(list(recv.split(own)), layout, me, stochastic,
                                  rng(seed, me, 2, device))
-        slots = list(gathered.unbind())           # slot j receives rank j's averaged shard
-        slots[me][:own] = shard
-        with timer.stage("all_gather"):
-            dist.all_gather(slots, slots[me], group=group)
+        mine[:own] = shard
+        with timer.stage("all_gather"):         # row j of `gathered`: rank j's averaged shard
+            dist.all_gather_into_tensor(gathered.view(-1), mine, group=group)
         with timer.stage("decode"):
-            means = decode_shards([g[:n] for g, n in zip(slots, layout.nbytes)], layout)
+            means = decode_shards([g[:n] for g, n in zip(gathered.unbind(), layout.nbytes)],
+                                  layout)
         sent = collective_bytes(layout, me)
     return (means, sent, local) if return_local else (means, sent)
 
