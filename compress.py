@@ -55,10 +55,14 @@ never used, so every rank computes the same bases (verified by a checksum). Unde
 holds only a block of rows of the mean; the same iteration runs with its partial products
 summed over ranks (RowBlocks), and the decode needs one small r x n sum (decode_geo_rows).
 
-Not every matrix gains (for either geometry): 1-D tensors, small tensors and the vocabulary
-dimension of the embedding and output head stay Euclidean, and with select="gain" (the default)
-each remaining matrix switches to geometry-aware coordinates only when its measured codec error
-is lower there (with hysteresis); select="fragile" is the paper's profiled rule instead.
+Not every matrix gains (for either geometry): only nn.Linear weights are candidates (found by
+module type; embedding tables, tied heads, norms and biases stay Euclidean, an untied head by its
+configured vocabulary size), small ones excepted, and each candidate switches to geometry-aware
+coordinates only while its codec error *as its optimizer sees it* (section 4b: AdamW's
+elementwise sensitivity, Muon's Newton-Schulz map) is measurably lower there, with hysteresis.
+select="fragile" (the paper's profiled rule) and "list" choose which may switch; the same check
+still guards them. The subspace rotation also tries the column side alone (sides="auto"):
+rotating rows spreads error onto rows whose AdamW second moments may be tiny.
 
 The two-stage collective (this project's default, for every geometry)
 ---------------------------------------------------------------------
@@ -70,7 +74,8 @@ Wire bytes per rank ~ 2 (W-1)/W N (1 + 4/block) versus 2 (W-1)/W N 2 for a bf16 
 ~0.516x at block 128. `simulate_mean` runs exactly the same numerics in one process.
 
 Reading order: codecs (quantize/dequantize), the two collectives, the rotation, the whitening,
-geometry estimation, and the communicator that train.py calls once per step. Functions marked
+geometry estimation, the optimizer's view of an error, and the communicator that train.py calls
+once per step. Functions marked
 @hot_path run through torch.compile after compile_hot_path() (train.py --compile); the numbers
 are the same.
 """

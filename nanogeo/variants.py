@@ -21,6 +21,8 @@ encodings that lost there are kept here, not in compress.py.
 
 import argparse
 import math
+import os
+import sys
 
 import torch
 
@@ -44,6 +46,9 @@ def encodings(layer, round_trip):
 
 
 def compare(path, rank=16):
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} does not exist; capture one with "
+                                f"`python -m nanogeo.capture --out {path}`")
     data = torch.load(path, map_location="cpu", weights_only=True)
     steps, record = data["steps"], data.get("optimizer")
     if record is None:
@@ -77,7 +82,10 @@ def main(argv=None):
     parser.add_argument("path")
     parser.add_argument("--rank", type=int, default=16)
     args = parser.parse_args(argv)
-    ratios = compare(args.path, args.rank)
+    try:
+        ratios = compare(args.path, args.rank)
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        sys.exit(f"nanogeo.variants: error: {e}")
     print("optimizer-visible round-trip error vs Euclidean FP8: "
           + ", ".join(f"{k} {v:.3f}x" for k, v in ratios.items()))
     return ratios

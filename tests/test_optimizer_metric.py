@@ -166,3 +166,8 @@ def test_auto_sides_keep_quiet_rows_quiet_under_adamw(judge):
         assert used == {"right"}
     else:
         assert used == {"both"}
+
+
+def test_variants_names_the_fix_for_a_missing_file(tmp_path):
+    with pytest.raises(SystemExit, match="capture one with"):
+        variants.main([str(tmp_path / "missing.pt")])
