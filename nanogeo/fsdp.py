@@ -268,3 +268,20 @@ def watch_optimizers(comms, optimizers, model):
     views = compress.optimizer_views(optimizers, model)
     for comm in comms:
         comm.comm.watch(views)
+
+
+def state_dict(comms):
+    """The geometry of every FSDP module's reduce-scatter, keyed by parameter name (identical
+    on every rank: save it from rank 0 next to the model's checkpoint)."""
+    return {"modules": {",".join(c.names): c.comm.state_dict() for c in comms}}
+
+
+def load_state_dict(comms, state):
+    """Give each reduce-scatter (from use_geofp8 on the same model) its saved geometry."""
+    saved = state["modules"]
+    missing = [",".join(c.names) for c in comms if ",".join(c.names) not in saved]
+    if missing:
+        raise ValueError(f"nanogeo.fsdp: the saved state has no module with parameters "
+                         f"{missing[0][:80]}...; load it into the model it was saved from")
+    for c in comms:
+        c.comm.load_state_dict(saved[",".join(c.names)])

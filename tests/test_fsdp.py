@@ -28,10 +28,11 @@ def shard(model, mesh):
     return model
 
 
-def twins(build, world_size):
-    """Join the gloo group; two identically initialised FSDP2 copies of build()."""
+def twins(build, world_size, init=True):
+    """Join the gloo group (init); two identically initialised FSDP2 copies of build()."""
     from torch.distributed.device_mesh import init_device_mesh
-    dist.init_process_group("gloo")
+    if init:
+        dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (world_size,))
     models = []
     for _ in range(2):
@@ -102,8 +103,16 @@ def geo_rank(rank, world_size, out, options):
             for a, b in zip(ref.parameters(), model.parameters()):
                 a.copy_(b)
     coords = {n: c.comm.coords(n) for c in comms for n in c.names}
+    from nanogeo import fsdp
+    fresh = use_geofp8(twins(language_model, world_size, init=False)[1], min_numel=1024,
+                       vocab_size=VOCAB, **options)
+    fsdp.load_state_dict(fresh, fsdp.state_dict(comms))     # the geometry survives a restart
+    restored = all(torch.equal(a, b) for c, f in zip(comms, fresh)
+                   for n in c.comm.layers if c.comm.layers[n].ready
+                   for a, b in zip(c.comm.layers[n].tensors(), f.comm.layers[n].tensors()))
+    restored &= all(f.comm.coords(n) == coords[n] for f in fresh for n in f.names)
     full = torch.cat([p.full_tensor().reshape(-1) for p in model.parameters()])
-    torch.save({"errors": errors, "coords": coords, "params": full,
+    torch.save({"errors": errors, "coords": coords, "params": full, "restored": restored,
                 "bytes": sum(c.bytes_sent for c in comms),
                 "geometry_bytes": sum(c.geometry_bytes for c in comms),
                 "fallbacks": sum(c.fallbacks for c in comms)}, f"{out}.{rank}")
@@ -120,6 +129,7 @@ def test_fsdp2_geofp8_reduce_scatter_close_to_fp32(tmp_path):
     assert r0["coords"]["0.weight"] == "euclidean"         # the vocabulary dimension
     assert "geo" in r0["coords"].values()                  # some encoder matrices switched
     assert r0["geometry_bytes"] > 0 and r0["fallbacks"] == 0
+    assert r0["restored"] and r1["restored"]
     # geometry-aware decoding costs r n fp32 numbers per matrix: small next to the gradients
     assert r0["geometry_bytes"] < 0.5 * r0["bytes"]
 
