@@ -1748,7 +1748,7 @@ class GeoFP8Communicator:
         tensors = list(means.values())
         for side in ("input", "output"):
             tensors += list((moments or {}).get(side, {}).values())
-        bad = torch.stack([(~torch.isfinite(t)).any() for t in tensors]).any().double()
+        bad = (~all_finite(tensors)).double()
         if rows and all_reduce is not None:
             all_reduce(bad)
         return bad.item() == 0
@@ -1790,7 +1790,7 @@ class GeoFP8Communicator:
         rotation of `sides`, back in original coordinates."""
         if sides is None:
             return layer.decode(self._round_trip(layer.encode(g)))
-        rotation = (layer.left_basis if sides == "both" else None, layer.right_basis)
+        rotation = self._transform(layer, None, sides)
         return layer.decode(self._round_trip(layer.encode(g, rotation)), rotation)
 
     def _decide(self, names, errors):
@@ -1836,9 +1836,7 @@ class GeoFP8Communicator:
         The gains are measured first, with the factors in use: factors judged on the gradients
         they were computed from would look better than they will be on the next ones."""
         opts = self.opts
-        ready = [n for n, l in self.layers.items() if l.ready]
-        if ready:
-            self._decide(ready, self._measure_gains(ready, worker_grads, means, all_reduce))
+        ready = self._judge_whitening(means, worker_grads, all_reduce)
         updated = []
         for n, layer in self.layers.items():
             for side in ("input", "output"):
@@ -1861,13 +1859,15 @@ class GeoFP8Communicator:
     def _judge_whitening(self, means, worker_grads, all_reduce=None):
         """Between refreshes, re-measure the gains with the factors in use, on gradients they
         were not computed from: factors go stale (on a fast-moving model within a few steps),
-        and a layer must leave as soon as they do."""
+        and a layer must leave as soon as they do. Returns the layers judged."""
         ready = [n for n, l in self.layers.items() if l.ready]
         if ready:
             self._decide(ready, self._measure_gains(ready, worker_grads, means, all_reduce))
+        return ready
 
-    def _transform(self, layer, mean):
-        opts = self.opts
+    def _transform(self, layer, mean, sides=None):
+        """(left, right) of the rotation that rotates `sides` (default: the layer's own)."""
+        opts, sides = self.opts, sides or layer.sides
         if opts.basis == "random":
             device = layer.left_basis.Y.device
             left = random_orthogonal(layer.shape[0], layer.seed, device)
@@ -1876,8 +1876,8 @@ class GeoFP8Communicator:
             left, right = exact_bases(mean)
         else:
             left, right = layer.left_basis, layer.right_basis
-        return (left if layer.sides in ("both", "left") else None,
-                right if layer.sides in ("both", "right") else None)
+        return (left if sides in ("both", "left") else None,
+                right if sides in ("both", "right") else None)
 
     def _update_bases(self, layer, mean, rows=ALL_ROWS):
         if layer.left_basis is None:
