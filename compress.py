@@ -267,12 +267,7 @@ def quantize(x, fmt="e4m3", block=128, stochastic=False, generator=None) -> Quan
         return Quantized(torch.empty(0, dtype=torch.uint8, device=x.device), x.shape, fmt, block)
     groups = scale_groups(x, block)                                    # (G, L) fp32
     if fmt != "nvfp4":
-        dtype, fmax = FP8_FORMATS[fmt]
-        if stochastic:
-            scale, y = fp8_scale(groups, fmax)
-            codes = round_to_fp8(y, dtype, True, generator).view(torch.uint8)
-        else:
-            scale, codes = fp8_encode(groups, fmax, dtype)
+        scale, codes = encode_groups(groups, fmt, stochastic, generator)
         buffer = torch.cat([scale.view(torch.uint8), codes.reshape(-1)[:numel]])
         return Quantized(buffer, x.shape, fmt, block)
     amax = groups.abs().amax(dim=1)                                    # (G,)
@@ -357,7 +352,6 @@ class Piece:
     end: int
     shape: tuple    # how the piece is quantized (rows x row_len for row scaling, else flat)
     block: object
-    nbytes: int
 
 
 class ShardLayout:
@@ -368,11 +362,19 @@ class ShardLayout:
     are spread by rotating which rank gets the remainder. The layout depends only on the shapes,
     so every rank computes the same one."""
 
-    def __init__(self, shapes, fmt, block, world_size):
+    def __init__(self, shapes, fmt, block, world_size, pieces=None, packed=True):
         check_codec(fmt, block)
         block = NVFP4_BLOCK if fmt == "nvfp4" else block
         self.shapes, self.fmt, self.world_size = [tuple(s) for s in shapes], fmt, world_size
-        self.pieces = [[] for _ in range(world_size)]
+        self.block = block
+        # FP8 with integer blocks: the whole bucket goes through the codec in one call per stage
+        self.packable = packed and fmt != "nvfp4" and isinstance(block, int)
+        self.pieces = pieces or self._cut(block)
+        self.nbytes = [sum(map(self.piece_nbytes, pieces)) for pieces in self.pieces]
+        self.packing = Packing(self) if self.packable else None
+
+    def _cut(self, block):
+        pieces = [[] for _ in range(self.world_size)]
         for t, shape in enumerate(self.shapes):
             numel = math.prod(shape)
             if isinstance(block, int):                      # blocks of `block` elements
@@ -380,20 +382,26 @@ class ShardLayout:
             elif block == "row" and len(shape) >= 2:        # whole rows
                 group_len, piece_block = (numel // shape[0] if shape[0] else 0), "row"
             else:  # "tensor" (or "row" of a 1-D tensor): one scale per tensor per shard
-                group_len, piece_block = -(-numel // world_size), "tensor"
+                group_len, piece_block = -(-numel // self.world_size), "tensor"
             n_groups = -(-numel // group_len) if group_len else 0
-            base, extra = divmod(n_groups, world_size)
+            base, extra = divmod(n_groups, self.world_size)
             first = 0
-            for j in range(world_size):
-                count = base + ((j - t) % world_size < extra)
+            for j in range(self.world_size):
+                count = base + ((j - t) % self.world_size < extra)
                 start, end = first * group_len, min(numel, (first + count) * group_len)
                 first += count
                 if end <= start:
                     continue
                 piece_shape = (count, group_len) if piece_block == "row" else (end - start,)
-                self.pieces[j].append(Piece(t, start, end, piece_shape, piece_block,
-                                            wire_nbytes(piece_shape, fmt, piece_block)))
-        self.nbytes = [sum(p.nbytes for p in pieces) for pieces in self.pieces]
+                pieces[j].append(Piece(t, start, end, piece_shape, piece_block))
+        return pieces
+
+    def piece_nbytes(self, p):
+        """Wire bytes of one piece: groups of [fp32 scale | block codes] when the layout packs
+        (see Packing), else quantize()'s own format."""
+        if self.packable:
+            return -(-(p.end - p.start) // self.block) * (4 + self.block)
+        return wire_nbytes(p.shape, self.fmt, p.block)
 
 
 @functools.lru_cache(maxsize=64)
@@ -403,69 +411,172 @@ def shard_layout(shapes, fmt, block, world_size):
     return ShardLayout(shapes, fmt, block, world_size)
 
 
+class Packing:
+    """How a whole bucket goes through the FP8 codec in ONE call per stage, instead of one per
+    piece (a bucket has W x T pieces: thousands of small kernel launches per step at scale).
+
+    With integer blocks every piece is cut into groups of `block` elements starting at the
+    piece's start, the last one zero-padded, and each group travels as [fp32 scale | block fp8
+    codes]: a shard is a (groups, 4 + block) byte matrix, and all shards of a bucket stacked are
+    one. So stage 1 is one concatenation of the pieces in wire order (with their padding), one
+    encode and one concatenation of scales and codes; stage 2 decodes the W copies as one
+    matrix; stage 3 decodes the W shards as one matrix and concatenates the pieces' values back
+    into tensors. Only views and host-side bookkeeping per piece; the padding (< block bytes per
+    piece that ends a tensor or a chunk) is the price."""
+
+    def __init__(self, layout):
+        B = layout.block
+        self.block = B
+        self.first_group = [0]                  # shard j's groups: [first_group[j], [j + 1])
+        self.encode_order = []                  # (tensor, start, end, pad), in wire order
+        by_tensor = [[] for _ in layout.shapes]  # (start, shard, first group in shard, n)
+        for j, pieces in enumerate(layout.pieces):
+            q = 0
+            for p in pieces:
+                n = p.end - p.start
+                count = -(-n // B)
+                self.encode_order.append((p.tensor, p.start, p.end, count * B - n))
+                by_tensor[p.tensor].append((p.start, j, q, n))
+                q += count
+            self.first_group.append(self.first_group[-1] + q)
+        self.decode_order = [(j, q, n) for pieces in by_tensor for _, j, q, n in sorted(pieces)]
+
+    def groups(self, flats):
+        """The bucket's (G, block) groups in wire order, zero-padded per piece."""
+        zero, parts = on_device((0.0,) * self.block, flats[0].device), []
+        for t, start, end, pad in self.encode_order:
+            parts += [flats[t][start:end], zero[:pad]] if pad else [flats[t][start:end]]
+        return torch.cat(parts).view(-1, self.block)
+
+    def ungroup(self, values, rows_per_shard=None):
+        """(rows, block) decoded values of all shards (shard j from row j * rows_per_shard, or
+        back to back) -> the bucket's flat fp32 values in tensor order."""
+        flat = values.reshape(-1)
+        B, parts = self.block, []
+        for j, q, n in self.decode_order:
+            first = (j * rows_per_shard if rows_per_shard is not None else self.first_group[j]) + q
+            parts.append(flat[first * B: first * B + n])
+        return torch.cat(parts)
+
+
+def encode_groups(groups, fmt, stochastic=False, generator=None):
+    """(G, L) fp32 -> scales (G,) fp32 and codes (G, L) uint8, for e4m3 / e5m2."""
+    dtype, fmax = FP8_FORMATS[fmt]
+    if stochastic:
+        scale, y = fp8_scale(groups, fmax)
+        return scale, round_to_fp8(y, dtype, True, generator).view(torch.uint8)
+    return fp8_encode(groups, fmax, dtype)
+
+
+def pack_groups(groups, fmt, stochastic=False, generator=None):
+    """(G, L) fp32 -> (G * (4 + L),) uint8 wire bytes, per group [fp32 scale | L codes]."""
+    scale, codes = encode_groups(groups, fmt, stochastic, generator)
+    return torch.cat([scale.view(torch.uint8).view(-1, 4), codes], dim=1).view(-1)
+
+
+def unpack_groups(buffer, block, fmt):
+    """Inverse of pack_groups: uint8 bytes -> (G, block) fp32 values."""
+    rows = buffer.view(-1, 4 + block)
+    scale = rows[:, :4].contiguous().view(torch.float32).view(-1)       # (G,)
+    return fp8_decode_groups(rows[:, 4:], scale, FP8_FORMATS[fmt][0])
+
+
+@hot_path.casting_float8
+def fp8_decode_groups(codes, scale, dtype):
+    """codes (G, L) uint8 and their scales (G,) -> (G, L) fp32."""
+    return codes.view(dtype).float() / scale[:, None]
+
+
 def encode_shards(tensors, layout, stochastic=False, generator=None):
-    """Stage 1: quantize this rank's tensors. Returns one uint8 buffer per destination rank."""
-    flats = [t.reshape(-1) for t in tensors]
-    buffers = []
-    for pieces in layout.pieces:
-        parts = [quantize(flats[p.tensor][p.start:p.end].view(p.shape), layout.fmt, p.block,
-                          stochastic, generator).buffer for p in pieces]
-        buffers.append(torch.cat(parts) if parts else flats[0].new_empty(0, dtype=torch.uint8))
-    return buffers
+    """Stage 1: quantize this rank's tensors. Returns one uint8 buffer: the W destination
+    ranks' shards back to back (shard j is layout.nbytes[j] bytes)."""
+    flats = [t.reshape(-1).float() for t in tensors]
+    if not layout.packable:              # NVFP4, row or tensor scaling: one call per piece
+        return torch.cat([quantize(flats[p.tensor][p.start:p.end].view(p.shape), layout.fmt,
+                                   p.block, stochastic, generator).buffer
+                          for pieces in layout.pieces for p in pieces])
+    return pack_groups(layout.packing.groups(flats), layout.fmt, stochastic, generator)
 
 
 def decode_pieces(buffer, pieces, fmt):
-    """The fp32 values of each piece packed in one buffer, in order."""
+    """The fp32 values of each piece packed in one buffer, in order (one call per piece)."""
     out, offset = [], 0
     for p in pieces:
-        out.append(dequantize(Quantized(buffer[offset: offset + p.nbytes], p.shape, fmt, p.block)))
-        offset += p.nbytes
+        nbytes = wire_nbytes(p.shape, fmt, p.block)
+        out.append(dequantize(Quantized(buffer[offset: offset + nbytes], p.shape, fmt, p.block)))
+        offset += nbytes
     return out
 
 
-def sum_pieces(received, pieces, fmt):
-    """Decode the W received copies of the same pieces (one buffer per source rank, in rank
-    order) and sum them in fp32. The fixed order makes the simulator and every rank sum
-    identically. Returns one fp32 tensor per piece."""
+def sum_shard(received, layout, shard):
+    """Decode the W received copies of one shard (in `received`, back to back in source-rank
+    order) and sum them in fp32, in rank order: the simulator and every rank sum identically.
+    Returns the shard's (groups, block) values when packable, else one tensor per piece."""
+    if layout.packable:
+        values = unpack_groups(received, layout.block, layout.fmt)
+        return values.view(layout.world_size, -1, layout.block).sum(dim=0)
     total = None
-    for buffer in received:
-        values = decode_pieces(buffer, pieces, fmt)
+    for copy in received.split(layout.nbytes[shard]):
+        values = decode_pieces(copy, layout.pieces[shard], layout.fmt)
         total = values if total is None else [a + b for a, b in zip(total, values)]
     return total
 
 
+def shard_pieces(total, layout, shard):
+    """sum_shard's result as one flat fp32 tensor per piece of the shard (views)."""
+    if not layout.packable:
+        return [v.reshape(-1) for v in total]
+    flat, out, first = total.reshape(-1), [], 0
+    for p in layout.pieces[shard]:
+        n = p.end - p.start
+        out.append(flat[first: first + n])
+        first += -(-n // layout.block) * layout.block
+    return out
+
+
 def reduce_shard(received, layout, shard, stochastic=False, generator=None):
-    """Stage 2, on the rank that owns `shard`: decode the W copies (one per source rank, in rank
-    order), sum in fp32, divide by W, re-quantize. Returns the shard's uint8 buffer."""
-    pieces = layout.pieces[shard]
-    total = sum_pieces(received, pieces, layout.fmt)
+    """Stage 2, on the rank that owns `shard`: decode the W copies (back to back in `received`,
+    in source-rank order), sum in fp32, divide by W, re-quantize. Returns the shard's bytes."""
+    total = sum_shard(received, layout, shard)
+    if layout.packable:
+        return pack_groups(total / layout.world_size, layout.fmt, stochastic, generator)
     parts = [quantize(v / layout.world_size, layout.fmt, p.block, stochastic, generator).buffer
-             for v, p in zip(total, pieces)]
-    return torch.cat(parts) if parts else received[0].new_empty(0)
+             for v, p in zip(total, layout.pieces[shard])]
+    return torch.cat(parts) if parts else received.new_empty(0)
 
 
-def decode_shards(shard_buffers, layout, device=None):
-    """Stage 3: assemble full fp32 tensors from the W shard buffers (identical on all ranks)."""
-    device = device or shard_buffers[0].device
-    flats = [torch.zeros(math.prod(s), device=device) for s in layout.shapes]
-    for buffer, pieces in zip(shard_buffers, layout.pieces):
-        for p, values in zip(pieces, decode_pieces(buffer, pieces, layout.fmt)):
-            flats[p.tensor][p.start:p.end] = values.reshape(-1)
-    return [f.view(s) for f, s in zip(flats, layout.shapes)]
+def decode_shards(buffer, layout, stride=None):
+    """Stage 3: assemble full fp32 tensors from the W shards' bytes in `buffer` (identical on
+    all ranks): shard j at j * stride, or back to back (stage 1's send buffer) if stride=None."""
+    sizes = [math.prod(s) for s in layout.shapes]
+    if layout.packable:
+        rows = None if stride is None else stride // (4 + layout.block)
+        values = unpack_groups(buffer, layout.block, layout.fmt)
+        flat = layout.packing.ungroup(values, rows)
+    else:
+        flat, starts, offset = torch.zeros(sum(sizes), device=buffer.device), [0], 0
+        for size in sizes:
+            starts.append(starts[-1] + size)
+        for j, pieces in enumerate(layout.pieces):
+            offset = j * stride if stride is not None else offset
+            shard = buffer[offset: offset + layout.nbytes[j]]
+            for p, values in zip(pieces, decode_pieces(shard, pieces, layout.fmt)):
+                flat[starts[p.tensor] + p.start: starts[p.tensor] + p.end] = values.reshape(-1)
+            offset += layout.nbytes[j]
+    return [t.view(s) for t, s in zip(flat.split(sizes), layout.shapes)]
 
 
 @functools.lru_cache(maxsize=64)
 def wire_buffers(layout, rank, device):
     """The collective's uint8 wire buffers for one bucket layout, allocated once and reused
-    every step: what this rank sends in the all_to_all, what it receives, its averaged shard
-    for the all_gather and the W gathered slots (each padded to the largest shard). Reuse is
-    safe because every use is ordered: synchronous on CPU, and on GPU all uses of a bucket run
-    on one stream, in order."""
-    send = torch.empty(sum(layout.nbytes), dtype=torch.uint8, device=device)
+    every step: what this rank receives in the all_to_all, its averaged shard for the
+    all_gather and the W gathered slots (each padded to the largest shard). Reuse is safe
+    because every use is ordered: synchronous on CPU, and on GPU all uses of a bucket run on
+    one stream, in order."""
     recv = torch.empty(layout.world_size * layout.nbytes[rank], dtype=torch.uint8, device=device)
     shard = torch.zeros(max(layout.nbytes), dtype=torch.uint8, device=device)
     gathered = torch.zeros(layout.world_size, max(layout.nbytes), dtype=torch.uint8, device=device)
-    return send, recv, shard, gathered
+    return recv, shard, gathered
 
 
 def rng(seed, rank, stage, device):
@@ -480,8 +591,7 @@ def rng(seed, rank, stage, device):
 def collective_bytes(layout, rank):
     """Bytes `rank` sends: its shards for the others in the all_to_all, then its averaged shard
     (padded to the largest shard, as all_gather needs equal sizes) to the W - 1 others."""
-    stage1 = sum(wire_nbytes(p.shape, layout.fmt, p.block)
-                 for j, pieces in enumerate(layout.pieces) if j != rank for p in pieces)
+    stage1 = sum(n for j, n in enumerate(layout.nbytes) if j != rank)
     return stage1 + (layout.world_size - 1) * max(layout.nbytes)
 
 
@@ -535,23 +645,18 @@ def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, stochastic=False
     local = decode_shards(send, layout) if return_local else None
     if world == 1:
         shard = reduce_shard(send, layout, 0, stochastic, rng(seed, me, 2, device))
-        means, sent = decode_shards([shard], layout), 0
+        means, sent = decode_shards(shard, layout), 0
     else:
         own = layout.nbytes[me]
-        flat_send, recv, mine, gathered = wire_buffers(layout, me, device)
-        torch.cat(send, out=flat_send)
+        recv, mine, gathered = wire_buffers(layout, me, device)
         with timer.stage("all_to_all"):
-            dist.all_to_all_single(recv, flat_send, [own] * world,
-                                   [b.numel() for b in send], group=group)
+            dist.all_to_all_single(recv, send, [own] * world, layout.nbytes, group=group)
         with timer.stage("reduce"):
-            shard = reduce_shard(list(recv.split(own)), layout, me, stochastic,
-                                 rng(seed, me, 2, device))
-        mine[:own] = shard
+            mine[:own] = reduce_shard(recv, layout, me, stochastic, rng(seed, me, 2, device))
         with timer.stage("all_gather"):         # row j of `gathered`: rank j's averaged shard
             dist.all_gather_into_tensor(gathered.view(-1), mine, group=group)
         with timer.stage("decode"):
-            means = decode_shards([g[:n] for g, n in zip(gathered.unbind(), layout.nbytes)],
-                                  layout)
+            means = decode_shards(gathered.view(-1), layout, stride=gathered.shape[1])
         sent = collective_bytes(layout, me)
     return (means, sent, local) if return_local else (means, sent)
 
@@ -566,9 +671,9 @@ def simulate_mean(worker_tensors, fmt="e4m3", block=128, stochastic=False, seed=
     seed = seed if stochastic else None
     sends = [encode_shards(ts, layout, stochastic, rng(seed, i, 1, device))
              for i, ts in enumerate(worker_tensors)]
-    shards = [reduce_shard([sends[i][j] for i in range(world)], layout, j, stochastic,
-                           rng(seed, j, 2, device)) for j in range(world)]
-    means = decode_shards(shards, layout)
+    shards = [reduce_shard(torch.cat([send.split(layout.nbytes)[j] for send in sends]), layout,
+                           j, stochastic, rng(seed, j, 2, device)) for j in range(world)]
+    means = decode_shards(torch.cat(shards), layout)
     sent = 0 if world == 1 else sum(collective_bytes(layout, i) for i in range(world)) / world
     if return_local:
         return means, sent, [decode_shards(s, layout) for s in sends]

@@ -5,6 +5,7 @@ Benchmarks of the collective and of GeoFP8's compute cost. Not tests: numbers fo
     python -m nanogeo.bench overhead [--steps 10]
     python -m nanogeo.bench flops [--preset llama-600m --tokens 8192 --rank 16 --refresh 1,4]
     torchrun --standalone --nproc_per_node=2 -m nanogeo.bench fsdp [--checkpoint out/ablate/fp32/ckpt.pt]
+    python -m nanogeo.bench codec [--preset llama-600m --world 8 --iters 5]
 
 collective: each method on one bucket of N million fp32 gradient elements, shaped as square-ish
   matrices (so GeoFP8 has something to rotate), timed with a per-stage breakdown (rotate =
@@ -18,6 +19,12 @@ fsdp: the cpu-tiny Llama under FSDP2 (every block and the root fully_shard-ed) w
   FP8 and GeoFP8 reduce-scatter (nanogeo.fsdp), from a checkpoint, on real batches: the gradient
   error of each against fp32 over the last --last of --steps steps (transformer matrices and all
   tensors), bytes sent, and the backward time (which includes the reduce-scatters).
+codec: the two-stage collective's codec work on one rank, per DDP bucket (25 MB, the preset's
+  parameters in reverse order), packed (one encode / decode call per bucket and stage) against
+  one call per piece: codec calls per step (counted), torch ops that do work (about the kernel
+  launches on a GPU, from the profiler) for one bucket, and its time, eager and compiled, as a fraction of the
+  memory-copy roofline (the codec moves ~10 bytes per element: 4 + 1 encoding, 1 + 4 decoding
+  in each of two stages - a copy of the fp32 bucket moves 8).
 """
 
 import argparse
@@ -233,6 +240,121 @@ def fsdp_fidelity(checkpoint, steps, last, rank, sides="auto", data_dir="data/sh
     return out
 
 
+def ddp_buckets(preset, cap_bytes=25 * 2 ** 20):
+    """The preset's parameter shapes in DDP's bucket order (reverse registration), cut at 25 MB."""
+    with torch.device("meta"):
+        net = model_lib.Llama(model_lib.model_config(preset))
+    buckets, size = [[]], 0
+    for p in reversed(list(net.parameters())):
+        if size and size + 4 * p.numel() > cap_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(tuple(p.shape))
+        size += 4 * p.numel()
+    return buckets
+
+
+def one_rank_collective(tensors, layout, rank=0):
+    """What one rank's codec does for one bucket (the exchanges replaced by copies of its own
+    bytes): stage 1 encode, stage 2 decode-sum-encode of its shard, stage 3 decode of W shards."""
+    send = compress.encode_shards(tensors, layout)
+    own = send.split(layout.nbytes)[rank]
+    shard = compress.reduce_shard(own.repeat(layout.world_size), layout, rank)
+    slots = shard.new_zeros(layout.world_size, max(layout.nbytes))
+    for j, n in enumerate(layout.nbytes):
+        slots[j, :n] = send.split(layout.nbytes)[j][:n] if j != rank else shard
+    return compress.decode_shards(slots.view(-1), layout, stride=slots.shape[1])
+
+
+def count_codec_calls(fn):
+    """Calls of the FP8 codec's kernels (encode and decode, one fused kernel each when compiled)."""
+    counts = {"calls": 0}
+    originals = {name: getattr(compress, name) for name in ("fp8_encode", "fp8_decode",
+                                                           "fp8_decode_groups")}
+
+    def counting(f):
+        def wrapper(*args):
+            counts["calls"] += 1
+            return f(*args)
+        return wrapper
+    for name, f in originals.items():
+        setattr(compress, name, counting(f))
+    try:
+        fn()
+    finally:
+        for name, f in originals.items():
+            setattr(compress, name, f)
+    return counts["calls"]
+
+
+NO_KERNEL_OPS = {"aten::" + name for name in (
+    "view", "slice", "as_strided", "select", "split", "unsqueeze", "reshape", "expand", "alias",
+    "_reshape_alias", "narrow", "detach", "empty", "empty_strided", "t", "transpose", "unbind",
+    "split_with_sizes", "lift_fresh", "resolve_conj", "resolve_neg", "result_type")}
+
+
+def kernel_ops(fn):
+    """Torch ops with no child op that do work (views and allocations left out): on a GPU,
+    about one kernel launch each, during fn()."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for e in prof.events() if e.name.startswith("aten::") and not e.cpu_children
+               and e.name not in NO_KERNEL_OPS)
+
+
+def codec_launches(preset, world, iters, fmt="e4m3", block=128):
+    buckets = ddp_buckets(preset)
+    rows = {"preset": preset, "world": world, "buckets": len(buckets), "fmt": fmt, "block": block}
+    layouts = {}
+    for packed in (True, False):
+        layout = compress.ShardLayout(buckets[0], fmt, block, world, packed=packed)
+        layouts[packed] = layout
+    # calls per step: count one bucket's, then every bucket by the same rule
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(s, generator=g) for s in buckets[0]]
+    for packed, layout in layouts.items():
+        name = "packed" if packed else "per_piece"
+        calls = count_codec_calls(lambda: one_rank_collective(tensors, layout))
+        pieces = sum(len(p) for p in layout.pieces)
+        rows[name] = {"codec_calls_bucket0": calls, "pieces_bucket0": pieces,
+                      "kernel_ops_bucket0": kernel_ops(lambda: one_rank_collective(tensors, layout))}
+    # per step for the whole model: per piece = W T (stage 1) + W T_j + T_j (stage 2) + W T
+    # (stage 3) on rank 0; packed = 4 per bucket
+    per_piece = 0
+    for shapes in buckets:
+        layout = compress.ShardLayout(shapes, fmt, block, world)
+        total, mine = sum(len(p) for p in layout.pieces), len(layout.pieces[0])
+        per_piece += 2 * total + (world + 1) * mine
+    rows["per_piece"]["codec_calls_per_step"] = per_piece
+    rows["packed"]["codec_calls_per_step"] = 4 * len(buckets)
+    # time against the memory-copy roofline
+    numel = sum(t.numel() for t in tensors)
+    src, dst = torch.cat([t.reshape(-1) for t in tensors]), torch.empty(numel)
+    copy_s = timed_median(lambda: dst.copy_(src), iters)
+    rows["copy_gb_per_s"] = 8 * numel / copy_s / 1e9
+    for compiled in (False, True):
+        compress.compile_hot_path(compiled)
+        for packed, layout in layouts.items():
+            name = "packed" if packed else "per_piece"
+            seconds = timed_median(lambda: one_rank_collective(tensors, layout), iters)
+            rows[name]["compiled_ms" if compiled else "eager_ms"] = seconds * 1000
+            rows[name]["compiled_vs_roofline" if compiled else "eager_vs_roofline"] = (
+                10 / 8 * copy_s / seconds)
+    compress.compile_hot_path(False)
+    rows["bucket0_numel"] = numel
+    return rows
+
+
+def timed_median(fn, iters):
+    fn()                          # warm-up (and compile)
+    seconds = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        seconds.append(time.perf_counter() - t0)
+    return sorted(seconds)[len(seconds) // 2]
+
+
 def analytic_flops(preset, tokens, rank, refresh=4):
     """GeoFP8 flops per step / training flops per step, at a preset's shapes."""
     geo, net = perfmodel.geo_flops(preset, rank, refresh)
@@ -244,7 +366,7 @@ def analytic_flops(preset, tokens, rank, refresh=4):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("mode", choices=["collective", "overhead", "flops", "fsdp"])
+    parser.add_argument("mode", choices=["collective", "overhead", "flops", "fsdp", "codec"])
     parser.add_argument("--sizes", default="1,4,16", help="million elements per bucket")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--methods", default="fp32,bf16,fp8,subspace,nvfp4")
@@ -253,6 +375,7 @@ def main(argv=None):
     parser.add_argument("--preset", default="llama-600m")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--rank", type=int, default=16, help="r (the GeoOptions default)")
+    parser.add_argument("--world", type=int, default=8, help="codec mode: W")
     parser.add_argument("--checkpoint", default="out/ablate/fp32/ckpt.pt", help="fsdp mode")
     parser.add_argument("--last", type=int, default=8, help="fsdp mode: steps measured")
     parser.add_argument("--sides", default="auto", choices=["auto", "both", "left", "right"],
@@ -276,6 +399,9 @@ def main(argv=None):
             if dist.get_rank() == 0:
                 print(json.dumps(result, indent=1))
         dist.destroy_process_group()
+    elif args.mode == "codec":
+        result = codec_launches(args.preset, args.world, args.iters)
+        print(json.dumps(result, indent=1))
     elif args.mode == "overhead":
         result = [measure_overhead(args.steps, refresh=r, rank=args.rank)
                   for r in (int(x) for x in args.refresh.split(","))]

@@ -111,7 +111,7 @@ def tensor_bytes(layout, index):
     for j, pieces in enumerate(layout.pieces):
         for p in pieces:
             if p.tensor == index:
-                total += (world - 1) * p.nbytes * 2  # sent to j by W-1 ranks; sent by j to W-1
+                total += (world - 1) * layout.piece_nbytes(p) * 2  # to j by W-1; by j to W-1
     return total / world
 
 

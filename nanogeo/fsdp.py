@@ -52,6 +52,7 @@ placements other than the default Shard(0). If a call's buffer does not match th
 parameters (some received no gradient), that call falls back to per-buffer Euclidean FP8.
 """
 
+import functools
 import math
 import warnings
 
@@ -100,25 +101,40 @@ class FP8ReduceScatter(ReduceScatter):
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         world = group.size()
-        rows = input_tensor.view(world, -1)                       # row j goes to rank j
-        send = [compress.quantize(rows[j], self.fmt, self.block).buffer for j in range(world)]
-        total = exchange_and_sum(send, [rows[0].shape], self.fmt, self.block, group)[0]
+        size = input_tensor.numel() // world                      # row j goes to rank j
+        layout = row_chunks(((size,),), self.fmt, self.block, world)
+        send = compress.encode_shards([input_tensor.reshape(-1)], layout)
+        total = exchange_and_sum(send, layout, group)[0]
         output_tensor.copy_(average(total, op, world).to(output_tensor.dtype))
-        self.bytes_sent += (world - 1) * send[0].numel()
+        self.bytes_sent += (world - 1) * layout.nbytes[0]
         return None
 
 
-def exchange_and_sum(send, shapes, fmt, block, group):
-    """Send send[j] (uint8, equal sizes) to rank j with one all_to_all; decode the W copies of
-    this rank's pieces (of the given shapes, packed in order) and sum them in rank order, fp32:
-    the same numerics on every rank."""
-    world = group.size()
-    size = send[0].numel()
-    recv = torch.empty(world * size, dtype=torch.uint8, device=send[0].device)
-    dist.all_to_all_single(recv, torch.cat(send), group=group)
-    pieces = [compress.Piece(k, 0, math.prod(s), s, block, compress.wire_nbytes(s, fmt, block))
-              for k, s in enumerate(shapes)]
-    return compress.sum_pieces(recv.split(size), pieces, fmt)
+@functools.lru_cache(maxsize=256)
+def row_chunks(chunk_shapes, fmt, block, world):
+    """The compress.ShardLayout of FSDP's reduce-scatter: tensor k has world x c_k rows
+    (chunk_shapes[k] = (c_k, ...)) and rank j owns the j-th chunk of c_k rows of every tensor,
+    each quantized on its own (scaling blocks start at the chunk)."""
+    pieces = [[] for _ in range(world)]
+    for k, chunk in enumerate(chunk_shapes):
+        numel = math.prod(chunk)
+        piece_block = "row" if block == "row" and len(chunk) >= 2 else block
+        shape = (chunk[0], numel // chunk[0]) if piece_block == "row" else (numel,)
+        for j in range(world):
+            if numel:
+                pieces[j].append(compress.Piece(k, j * numel, (j + 1) * numel, shape, piece_block))
+    shapes = [(world * chunk[0], *chunk[1:]) for chunk in chunk_shapes]
+    return compress.ShardLayout(shapes, fmt, block, world, pieces)
+
+
+def exchange_and_sum(send, layout, group):
+    """Send rank j its shard of `send` (equal sizes) with one all_to_all; decode the W copies of
+    this rank's pieces and sum them in rank order, fp32: the same numerics on every rank.
+    Returns one flat tensor per piece (per tensor of the layout)."""
+    me = group.rank()
+    recv = torch.empty(group.size() * layout.nbytes[me], dtype=torch.uint8, device=send.device)
+    dist.all_to_all_single(recv, send, group=group)
+    return compress.shard_pieces(compress.sum_shard(recv, layout, me), layout, me)
 
 
 def average(total, op, world):
@@ -191,11 +207,10 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
         opts = self.comm.opts
         generator = compress.rng(self.comm.rounding_seed() if opts.stochastic else None,
                                  me, 1, input_tensor.device)
-        send = [torch.cat([compress.quantize(h[j * c: (j + 1) * c], self.fmt, self.block,
-                                             opts.stochastic, generator).buffer
-                           for h, c in zip(coords, per_rank)]) for j in range(world)]
-        totals = exchange_and_sum(send, chunk_shapes, self.fmt, self.block, group)
-        self.bytes_sent += (world - 1) * send[0].numel()
+        layout = row_chunks(tuple(chunk_shapes), self.fmt, self.block, world)
+        send = compress.encode_shards(coords, layout, opts.stochastic, generator)
+        totals = [t.view(c) for t, c in zip(exchange_and_sum(send, layout, group), chunk_shapes)]
+        self.bytes_sent += (world - 1) * layout.nbytes[0]
         # this rank's rows of every mean, back in original coordinates
         means = {name: average(total, op, world)[: max(0, min(c, shape[0] - me * c))]
                  for name, shape, c, total in zip(self.names, self.shapes, per_rank, totals)}

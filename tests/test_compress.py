@@ -184,6 +184,34 @@ def test_layout_covers_every_element_once():
             assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
 
 
+@pytest.mark.parametrize("world", [1, 3, 4])
+def test_packed_codec_equals_one_call_per_piece(world, monkeypatch):
+    """The packed path (one encode / decode call per bucket and stage) gives the same means,
+    bit for bit, as quantizing piece by piece, and sends at most block - 1 padding bytes per
+    piece more; it makes exactly one codec call per rank and stage."""
+    workers = [rank_tensors(r)[:world + 3] for r in range(world)]
+    shapes = tuple(tuple(t.shape) for t in workers[0])
+    for fmt, block in (("e4m3", 128), ("e5m2", 32)):
+        packed = ShardLayout(shapes, fmt, block, world)
+        apart = ShardLayout(shapes, fmt, block, world, packed=False)
+        monkeypatch.setattr(compress, "shard_layout", lambda *a: apart)
+        expected = simulate_mean(workers, fmt, block, return_local=True)
+        calls = []
+        for name in ("fp8_encode", "fp8_decode_groups"):
+            original = getattr(compress, name)
+            monkeypatch.setattr(compress, name, lambda *a, f=original, n=name: calls.append(n) or f(*a))
+        monkeypatch.setattr(compress, "shard_layout", lambda *a: packed)
+        got = simulate_mean(workers, fmt, block, return_local=True)
+        monkeypatch.undo()
+        for a, b in zip(expected[0] + sum(expected[2], []), got[0] + sum(got[2], [])):
+            assert torch.equal(a, b)
+        pieces = sum(len(p) for p in packed.pieces)
+        assert 0 <= sum(packed.nbytes) - sum(apart.nbytes) <= pieces * (block - 1)
+        # W stage-1 encodes, W stage-2 decodes and encodes, 1 stage-3 decode, W local decodes
+        assert calls.count("fp8_encode") == 2 * world
+        assert calls.count("fp8_decode_groups") == 2 * world + 1
+
+
 # ---------------------------------------------------------------------------- transform
 
 def test_householder_basis_is_orthogonal_and_spans_u():
