@@ -654,7 +654,7 @@ def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, stochastic=False
         with timer.stage("reduce"):
             mine[:own] = reduce_shard(recv, layout, me, stochastic, rng(seed, me, 2, device))
         with timer.stage("all_gather"):         # row j of `gathered`: rank j's averaged shard
-            dist.all_gather_into_tensor(gathered.view(-1), mine, group=group)
+            all_gather_flat(gathered.view(-1), mine, group=group)
         with timer.stage("decode"):
             means = decode_shards(gathered.view(-1), layout, stride=gathered.shape[1])
         sent = collective_bytes(layout, me)

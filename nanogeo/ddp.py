@@ -54,16 +54,19 @@ import compress
 
 class GeoFP8HookState:
     """What the hook keeps between calls: parameter names, one communicator per bucket layout,
-    and the bytes sent (for logging)."""
+    and the bytes sent (for logging). `linear`: the weight names that are candidates (default:
+    every nn.Linear weight, found by module type); name weights of other matrix modules here -
+    a GPT-2 Conv1D's (in, out) weight - to give them the subspace rotation, which needs no
+    input statistics (the whitening needs nn.Linear layers)."""
 
-    def __init__(self, model, process_group=None, **options):
+    def __init__(self, model, process_group=None, linear=None, **options):
         module = model.module if hasattr(model, "module") else model
         self.options = compress.GeoOptions(**options)
         self.process_group = process_group
         self.module = module
         self.names = {p: n for n, p in module.named_parameters()}
         self.trainable = sum(p.requires_grad for p in self.names)     # what DDP's buckets hold
-        self.linear = set(compress.linear_layers(module))   # the candidates, by module type
+        self.linear = set(compress.linear_layers(module) if linear is None else linear)
         self.views = {}             # name -> compress.OptimizerView, from watch()
         self.communicators = {}     # tuple of names -> GeoFP8Communicator
         self.owner = {}             # name -> the key of the communicator holding its state
@@ -82,8 +85,12 @@ class GeoFP8HookState:
             if self.options.select == "fragile":
                 raise ValueError("nanogeo.ddp: select='fragile' would pick top_k per bucket; "
                                  "profile with nanogeo.profile and pass select='list', geo_layers=...")
-            self.moments = compress.KroneckerMoments(compress.linear_layers(module, candidates),
-                                                     self.collecting).attach()
+            layers = compress.linear_layers(module, candidates)
+            if set(candidates) - set(layers):
+                raise ValueError("nanogeo.ddp: the published whitening needs nn.Linear layers "
+                                 f"(their inputs' moments), not {sorted(set(candidates) - set(layers))[0]}; "
+                                 "use geometry='subspace' for other matrices")
+            self.moments = compress.KroneckerMoments(layers, self.collecting).attach()
             # collected by the forward, not yet used by a bucket: {name: A}, {name: tokens}
             self.pending = {"input": {}, "tokens": {}}
 

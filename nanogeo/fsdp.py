@@ -258,12 +258,13 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
         return self.comm.table()
 
 
-def use_geofp8(model, **options):
+def use_geofp8(model, linear=None, **options):
     """Give every FSDP module of `model` (after fully_shard) a GeoFP8ReduceScatter. Options as
-    compress.GeoOptions. Only nn.Linear weights are candidates (found by module type); pass
+    compress.GeoOptions. Candidates: the weight names in `linear`, by default every nn.Linear
+    weight (found by module type; name a GPT-2 Conv1D's weights here to rotate them too); pass
     vocab_size to keep an untied output head Euclidean as well. Returns the reduce-scatters
     (their bytes_sent, geometry_bytes and table() are for logging; watch_optimizers)."""
-    linear = set(compress.linear_layers(model))
+    linear = set(compress.linear_layers(model) if linear is None else linear)
     comms = []
     for prefix, module in model.named_modules():
         if isinstance(module, FSDPModule) and fsdp_params(module):

@@ -61,3 +61,63 @@ def tiny_corpus(tmp_path_factory):
     prepare_data.tokenize_files([str(root / "a.txt"), str(root / "b.txt")], str(out),
                                 chunk_tokens=256, val_every=10)
     return str(out)
+
+
+# ---------------------------------------------------------------------------- a GPT-2 shape
+# Hugging Face's GPT2LMHeadModel in plain torch.nn (transformers is not a dependency): its
+# matrices are Conv1D modules holding (in, out) weights, y = x @ W + b; the head is tied to the
+# token embedding; positions are a learned table. A model we did not design for GeoFP8.
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+
+class Conv1D(nn.Module):
+    """transformers.pytorch_utils.Conv1D: a linear layer with its weight transposed."""
+
+    def __init__(self, n_out, n_in):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n_in, n_out) * 0.02)
+        self.bias = nn.Parameter(torch.zeros(n_out))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).view(
+            *x.shape[:-1], -1)
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.c_attn, self.attn_proj = Conv1D(3 * d, d), Conv1D(d, d)
+        self.c_fc, self.mlp_proj = Conv1D(4 * d, d), Conv1D(d, 4 * d)
+
+    def forward(self, x):
+        B, T, d = x.shape
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2)
+                   for t in self.c_attn(self.ln_1(x)).split(d, dim=2))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.attn_proj(y.transpose(1, 2).reshape(B, T, d))
+        return x + self.mlp_proj(nn.functional.gelu(self.c_fc(self.ln_2(x))))
+
+
+class GPT2Shaped(nn.Module):
+    def __init__(self, vocab=300, d=64, heads=4, layers=2, positions=32):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(positions, d)
+        self.h = nn.ModuleList(GPT2Block(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight                       # tied
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def conv1d_weights(model):
+    """The names of a GPT2Shaped model's Conv1D weights: what a user passes as `linear`."""
+    return {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, Conv1D)}

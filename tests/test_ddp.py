@@ -5,14 +5,16 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from conftest import run_ranks
+from conftest import GPT2Shaped, conv1d_weights, run_ranks
 from nanogeo.ddp import GeoFP8HookState, geofp8_hook
 
 VOCAB, D = 300, 64
 
 
-def build():
+def build(model="encoder"):
     torch.manual_seed(0)
+    if model == "gpt2":
+        return GPT2Shaped(VOCAB, D)
     layer = nn.TransformerEncoderLayer(D, nhead=4, dim_feedforward=128, dropout=0.0,
                                        batch_first=True)
     return nn.Sequential(nn.Embedding(VOCAB, D), nn.TransformerEncoder(layer, num_layers=2),
@@ -30,7 +32,10 @@ def ddp_rank(rank, world_size, out, hook_options):
     hook_options = dict(hook_options)
     bucket_mb = hook_options.pop("bucket_cap_mb", 25)
     optimizer = hook_options.pop("optimizer", "sgd")
-    plain, hooked = DDP(build()), DDP(build(), bucket_cap_mb=bucket_mb)
+    model = hook_options.pop("model", "encoder")
+    plain, hooked = DDP(build(model)), DDP(build(model), bucket_cap_mb=bucket_mb)
+    if hook_options.pop("name_conv1d", False):
+        hook_options["linear"] = conv1d_weights(hooked.module)
     state = GeoFP8HookState(hooked, min_numel=1024, vocab_size=VOCAB, **hook_options)
     hooked.register_comm_hook(state, geofp8_hook)
     loss_fn = nn.CrossEntropyLoss()
@@ -67,6 +72,26 @@ def test_ddp_hook_matches_fp32_ddp_within_fp8_error(tmp_path):
     assert r0["bytes"] > 0
     assert r0["coords"]["0.weight"] == "euclidean"      # the embedding's vocabulary dimension
     assert "geo" in r0["coords"].values()               # some encoder matrices went geometry-aware
+
+
+def test_ddp_hook_on_a_gpt2_shaped_model(tmp_path):
+    """Hugging Face GPT-2's shapes: Conv1D (in, out) weights, a head tied to the embedding, a
+    learned position table. By module type nothing is a candidate (no nn.Linear but the tied
+    head): everything stays Euclidean. Named as candidates, the Conv1D matrices rotate; the
+    tables and the tied head never do, and the ranks stay bit-identical."""
+    import compress
+    net = build("gpt2")
+    assert compress.linear_layers(net) == {}               # the tied head is an embedding too
+    out = str(tmp_path / "ddp")
+    run_ranks(ddp_rank, 2, out, {"geometry": "subspace", "rank": 8, "warmup": 1,
+                                 "model": "gpt2", "name_conv1d": True,
+                                 "bucket_cap_mb": 0.1})
+    r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
+    assert torch.equal(r0["params"], r1["params"])
+    assert max(r0["errors"]) < 0.05
+    assert r0["coords"]["wte.weight"] == r0["coords"]["wpe.weight"] == "euclidean"
+    assert {n for n, c in r0["coords"].items() if c == "geo"} <= conv1d_weights(net)
+    assert "geo" in r0["coords"].values()
 
 
 def test_ddp_hook_nvfp4_euclidean(tmp_path):

@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from conftest import run_ranks
+from conftest import GPT2Block, GPT2Shaped, conv1d_weights, run_ranks
 
 VOCAB, D = 300, 64
 
@@ -22,7 +22,7 @@ def language_model():
 def shard(model, mesh):
     from torch.distributed.fsdp import fully_shard
     for module in model.modules():
-        if isinstance(module, nn.TransformerEncoderLayer):
+        if isinstance(module, (nn.TransformerEncoderLayer, GPT2Block)):
             fully_shard(module, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
@@ -181,3 +181,64 @@ def test_fsdp2_unaligned_chunks_turn_core_scattering_off(tmp_path):
     # per rank: 45 x 64 = 22.5 blocks; 64 x 90 = 45 blocks; 32 x 128 = 32 blocks
     assert r["swaps"] == {"0.weight": False, "2.weight": True, "4.weight": True}
     assert len(r["notices"]) == 1 and r["err"] < 0.05
+
+
+def resume_rank(rank, world_size, out):
+    """GPT-2 shapes under FSDP2 with its Conv1D weights named as candidates: six AdamW steps
+    straight, and three + save (local shards, optimizer, reduce-scatters' state) + fresh models,
+    optimizer and reduce-scatters + load + three. The same parameters, bit for bit."""
+    import io
+    from torch.distributed.device_mesh import init_device_mesh
+    from nanogeo import fsdp
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (world_size,))
+    loss_fn = nn.CrossEntropyLoss()
+
+    def fresh():
+        torch.manual_seed(0)
+        model = shard(GPT2Shaped(VOCAB, D), mesh)
+        comms = fsdp.use_geofp8(model, linear=conv1d_weights(model), min_numel=1024, rank=8,
+                                warmup=1, refresh=2)
+        return model, comms, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def train(model, opt, steps):
+        for step in steps:
+            x = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(
+                1000 * step + rank))
+            opt.zero_grad()
+            loss_fn(model(x).reshape(-1, VOCAB), torch.roll(x, -1, 1).reshape(-1)).backward()
+            opt.step()
+
+    def weights(model):
+        return torch.cat([p.full_tensor().reshape(-1) for p in model.parameters()])
+
+    model, comms, opt = fresh()
+    train(model, opt, range(6))
+    straight = weights(model)
+    model, comms, opt = fresh()
+    train(model, opt, range(3))
+    buffer = io.BytesIO()                       # through torch.save, as a checkpoint goes
+    torch.save({"model": [p.to_local().detach() for p in model.parameters()],
+                "opt": opt.state_dict(), "comms": fsdp.state_dict(comms)}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=False)
+    model, comms, opt = fresh()
+    with torch.no_grad():
+        for p, local in zip(model.parameters(), saved["model"]):
+            p.to_local().copy_(local)
+    opt.load_state_dict(saved["opt"])
+    fsdp.load_state_dict(comms, saved["comms"])
+    train(model, opt, range(3, 6))
+    geo = {n for c in comms for n in c.names if c.comm.is_geo(n)}
+    torch.save({"equal": torch.equal(straight, weights(model)), "geo": geo,
+                "conv1d": conv1d_weights(model)}, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_fsdp2_resume_on_a_gpt2_shaped_model_is_bit_identical(tmp_path):
+    out = str(tmp_path / "resume")
+    run_ranks(resume_rank, 2, out)
+    for rank in range(2):
+        r = torch.load(f"{out}.{rank}")
+        assert r["equal"]
+        assert r["geo"] and r["geo"] <= r["conv1d"]     # only the named matrices rotate
