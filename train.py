@@ -106,6 +106,7 @@ class TrainConfig:
     feedback_geo_only: bool = False   # ... on the geometry-aware matrices only (as published)
     stochastic_round: bool = False    # unbiased stochastic rounding instead of nearest
     # system
+    simulate_workers: int = 0         # play W data-parallel ranks in this one process (0: off)
     device: str = "auto"              # auto | cpu | cuda
     compile: bool = False             # torch.compile the model, the codec and the transform
     seed: int = 1337
@@ -324,6 +325,32 @@ def make_communicator(cfg, model, optimizers):
 
 
 @torch.no_grad()
+def reduce_simulated(params, worker_grads, cfg, communicator, moments=None):
+    """--simulate_workers: set each param's .grad to the mean of the W simulated ranks'
+    gradients (worker_grads[i]: rank i's, in params order), through exactly the numerics of the
+    collective a W-rank run uses: the same sum in the wire's dtype for fp32 / bf16 (equal, bit
+    for bit, to a 2-rank gloo run), the collective's simulator for the compressed methods.
+    Returns the bytes each rank would send."""
+    world = len(worker_grads)
+    if cfg.comm in ("fp32", "bf16"):
+        dtype = torch.float32 if cfg.comm == "fp32" else torch.bfloat16
+        means = []
+        for grads in zip(*worker_grads):
+            total = grads[0].to(dtype)
+            for g in grads[1:]:
+                total = total + g.to(dtype)         # the all_reduce SUM, in the wire's dtype
+            means.append(total.float() / world)
+        numel = sum(g.numel() for g in worker_grads[0])
+        sent = ring_allreduce_bytes(numel, dtype.itemsize, world) if world > 1 else 0
+    else:
+        stats = moments.take() if moments is not None and communicator.wants_moments() else None
+        means, sent = communicator.reduce_workers(worker_grads, stats)
+    for p, mean in zip(params, means):
+        p.grad = mean
+    return sent
+
+
+@torch.no_grad()
 def reduce_gradients(params, cfg, communicator, world_size, moments=None):
     """Average the .grad of params across all ranks, in place. Returns the bytes this rank sent.
 
@@ -422,10 +449,10 @@ def parameter_checksum(params):
     return digest.hexdigest()
 
 
-def gradients_finite(params, world_size, device):
+def gradients_finite(grads, world_size):
     """True on every rank iff no rank has a NaN/inf gradient: one 1-element all-reduce and one
-    transfer to the host (the flags of all parameters are combined on the device)."""
-    bad = torch.stack([~torch.isfinite(p.grad).all() for p in params]).any().float().reshape(1)
+    transfer to the host (the flags of all tensors are combined on the device)."""
+    bad = torch.stack([~torch.isfinite(g).all() for g in grads]).any().float().reshape(1)
     if world_size > 1:
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     return bad.item() == 0
@@ -554,6 +581,14 @@ def setup_distributed(cfg):
 def train(cfg):
     rank, world_size, _, device = setup_distributed(cfg)
     master = rank == 0
+    # the data-parallel ranks whose batches this process computes: its own, or all W simulated
+    if cfg.simulate_workers < 0:
+        raise ConfigError("--simulate_workers must be >= 0 (0: off)")
+    if cfg.simulate_workers and world_size > 1:
+        raise ConfigError("--simulate_workers plays every rank in one process; run it with "
+                          "python, not torchrun")
+    my_ranks = list(range(cfg.simulate_workers)) if cfg.simulate_workers else [rank]
+    data_parallel = cfg.simulate_workers or world_size
     log = print if master else (lambda *a, **k: None)
     torch.manual_seed(cfg.seed)  # same seed on every rank: identical initial parameters
     if device.type == "cuda":
@@ -565,7 +600,7 @@ def train(cfg):
     if restarts and os.path.exists(ckpt_path):  # torchrun --max-restarts brought us back
         cfg = dataclasses.replace(cfg, resume=True)
     # checked before anything is built: fail in a second, not after a minute
-    ckpt = open_checkpoint(cfg, ckpt_path, world_size, device, master)
+    ckpt = open_checkpoint(cfg, ckpt_path, data_parallel, device, master)
 
     mcfg = model_lib.model_config(cfg.preset, block_size=cfg.block_size)
     data = load_data(cfg, mcfg.vocab_size)
@@ -598,27 +633,31 @@ def train(cfg):
 
     log(f"config: {json.dumps(asdict(cfg))}")
     log(f"model: {cfg.preset}, {raw_model.num_params() / 1e6:.2f}M parameters | world_size "
-        f"{world_size} | device {device} | backend {dist.get_backend() if world_size > 1 else '-'}")
-    tokens_per_step = cfg.batch_size * cfg.block_size * cfg.grad_accum * world_size
+        f"{world_size} | device {device} | backend {dist.get_backend() if world_size > 1 else '-'}"
+        + (f" | simulating {data_parallel} data-parallel ranks" if cfg.simulate_workers else ""))
+    tokens_per_step = cfg.batch_size * cfg.block_size * cfg.grad_accum * data_parallel
     flops_per_step = raw_model.flops_per_token(cfg.block_size) * tokens_per_step
     peak = peak_flops(device)
     n_grad = sum(p.numel() for p in params)
-    bf16_ring_bytes = ring_allreduce_bytes(n_grad, 2, world_size)
+    bf16_ring_bytes = ring_allreduce_bytes(n_grad, 2, data_parallel)
 
     @torch.no_grad()
     def evaluate():
         model.eval()
-        losses = []
-        for k in range(cfg.eval_iters):
-            # fixed validation batches: the same windows at every evaluation
-            x, y = get_batch(data["val"], cfg.batch_size, cfg.block_size,
-                             batch_rng(cfg.seed, rank, 0, k, "val"), device)
-            with autocast:
-                losses.append(model(x, y)[1].float())
-        loss = torch.stack(losses).mean()
+        per_rank = []
+        for r in my_ranks:
+            losses = []
+            for k in range(cfg.eval_iters):
+                # fixed validation batches: the same windows at every evaluation
+                x, y = get_batch(data["val"], cfg.batch_size, cfg.block_size,
+                                 batch_rng(cfg.seed, r, 0, k, "val"), device)
+                with autocast:
+                    losses.append(model(x, y)[1].float())
+            per_rank.append(torch.stack(losses).mean())
+        loss = torch.stack(per_rank).sum()
         if world_size > 1:
             dist.all_reduce(loss, op=dist.ReduceOp.SUM)
-            loss /= world_size
+        loss /= data_parallel
         model.train()
         return loss.item()
 
@@ -637,7 +676,7 @@ def train(cfg):
                 os.remove(os.path.join(cfg.out_dir, name))
         atomic_save({"model": raw_model.state_dict(), **optimizer_states(optimizers),
                      "step": step, "config": asdict(cfg), "model_config": asdict(mcfg),
-                     "world_size": world_size,
+                     "world_size": data_parallel,
                      "communicator": communicator.state_dict() if communicator else {},
                      "rng": {"torch": torch.get_rng_state()}}, ckpt_path)
         saved["step"] = step
@@ -661,17 +700,25 @@ def train(cfg):
         if collect:
             moments.attach()
         forward = raw_model if collect else model
-        for micro in range(cfg.grad_accum):
-            x, y = get_batch(data["train"], cfg.batch_size, cfg.block_size,
-                             batch_rng(cfg.seed, rank, step, micro), device)
-            with autocast:
-                _, loss = forward(x, y)
-            # .grad accumulates locally; no communication until the last micro-step
-            (loss / cfg.grad_accum).backward()
-            loss_sum += loss.item()
+        worker_grads = []       # --simulate_workers: each simulated rank's gradients
+        for r in my_ranks:
+            for micro in range(cfg.grad_accum):
+                x, y = get_batch(data["train"], cfg.batch_size, cfg.block_size,
+                                 batch_rng(cfg.seed, r, step, micro), device)
+                with autocast:
+                    _, loss = forward(x, y)
+                # .grad accumulates locally; no communication until the last micro-step
+                (loss / cfg.grad_accum).backward()
+                if r == my_ranks[0]:
+                    loss_sum += loss.item()
+            if cfg.simulate_workers:        # take this rank's gradients; the next starts at 0
+                worker_grads.append([p.grad for p in params])
+                for p in params:
+                    p.grad = None
         if collect:
             moments.detach()
-        if not gradients_finite(params, world_size, device):
+        grads = [g for w in worker_grads for g in w] or [p.grad for p in params]
+        if not gradients_finite(grads, world_size):
             # skipped on every rank alike; geometry and error-feedback state stay untouched
             log(f"step {step + 1}: warning: non-finite gradient on some rank; step skipped")
             if collect:
@@ -679,7 +726,10 @@ def train(cfg):
             for o in optimizers:
                 o.zero_grad(set_to_none=True)
             continue
-        wire_bytes = reduce_gradients(params, cfg, communicator, world_size, moments)
+        if cfg.simulate_workers:
+            wire_bytes = reduce_simulated(params, worker_grads, cfg, communicator, moments)
+        else:
+            wire_bytes = reduce_gradients(params, cfg, communicator, world_size, moments)
         grad_norm = (torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip > 0
                      else torch.norm(torch.stack([p.grad.norm() for p in params])))
         for o in optimizers:
@@ -703,9 +753,9 @@ def train(cfg):
                       "tok_per_s": tokens_per_step / dt,
                       "mfu": flops_per_step / dt / (peak * world_size) if peak else None,
                       "wire_bytes": wire_bytes,
-                      "wire_vs_bf16": wire_bytes / bf16_ring_bytes if world_size > 1 else None}
+                      "wire_vs_bf16": wire_bytes / bf16_ring_bytes if data_parallel > 1 else None}
             mfu = f"{100 * record['mfu']:.1f}%" if peak else "-"
-            ratio = f"{record['wire_vs_bf16']:.3f}" if world_size > 1 else "-"
+            ratio = f"{record['wire_vs_bf16']:.3f}" if data_parallel > 1 else "-"
             log(f"step {done} | loss {train_loss:.4f} | val {val_loss:.4f} | lr {lr:.2e} | "
                 f"dt {1000 * dt:.0f}ms | tok/s {record['tok_per_s']:.0f} | mfu {mfu} | "
                 f"wire {wire_bytes / 1e6:.2f}MB ({ratio}x bf16)")

@@ -229,3 +229,22 @@ def test_compile_matches_eager_and_saves_clean_keys(tiny_corpus, tmp_path):
     assert not any(k.startswith("_orig_mod.") for k in keys)
     Llama(ModelConfig(block_size=32)).load_state_dict(
         torch.load(tmp_path / "compiled" / "ckpt.pt", weights_only=True)["model"])
+
+
+# --simulate_workers=2 in one process against a real 2-rank gloo run of the same flags
+@pytest.mark.parametrize("extra", [["--comm=fp32", "--grad_accum=2"], ["--comm=bf16"],
+                                   PAPER_RECIPE])     # whitening, FP8 sum, error feedback
+def test_simulated_workers_equal_a_two_rank_run(tiny_corpus, tmp_path, extra):
+    argv = tiny_args(tiny_corpus, tmp_path / "real", "--max_iters=8", "--eval_interval=8", *extra)
+    run_ranks(train_rank, 2, argv, str(tmp_path))
+    real = json.load(open(tmp_path / "rank0.json"))
+    simulated = train.train(parse_config(
+        tiny_args(tiny_corpus, tmp_path / "sim", "--max_iters=8", "--eval_interval=8",
+                  "--simulate_workers=2", *extra)))
+    assert simulated["param_sha256"] == real["param_sha256"]
+    assert simulated["final_val_loss"] == real["final_val_loss"]
+    logs = [[json.loads(l) for l in open(tmp_path / d / "log.jsonl") if '"loss"' in l]
+            for d in ("real", "sim")]
+    assert [l["loss"] for l in logs[0]] == [l["loss"] for l in logs[1]]
+    # bytes: rank 0's in the real run, the ranks' average in the simulation
+    assert all(abs(a["wire_bytes"] / b["wire_bytes"] - 1) < 1e-3 for a, b in zip(*logs))
