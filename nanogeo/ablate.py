@@ -1,72 +1,200 @@
 """
-Convergence ablation: the same training run with each gradient communication method.
+Convergence studies: the same training run with each gradient communication method, over a grid
+of methods x optimizers x seeds x data-parallel ranks, with confidence intervals.
 
     python -m nanogeo.ablate --comms fp32,bf16,fp8,geofp8 --nproc 2 --out_dir out/ablate [-- TRAIN FLAGS]
+    python -m nanogeo.ablate --comms fp32,fp8-paper,subspace-paper --workers 32 --seeds 0,1,2 \\
+        --optimizers adamw,muon --out_dir out/study -- --preset=char-study --max_iters=300
 
-Runs `torchrun --standalone --nproc_per_node=N train.py` once per method (same seed, same data,
-same schedule; extra flags after `--` go to every run), reads each run's log.jsonl, and writes
-out_dir/ablation.md (final train/val loss, gap to fp32, wire bytes per step, time per step) and,
-with matplotlib installed, out_dir/loss.png. Methods: fp32, bf16, fp8, fp8-ef (with error
-feedback), fp8-paper (the paper's FP8-sum collective), geofp8 (published), subspace (ours),
-nvfp4, geo-nvfp4, subspace-nvfp4.
+One process per run: `torchrun --nproc_per_node=N train.py` for real ranks (--nproc), or
+`python train.py --simulate_workers=W` for W ranks simulated in one process (--workers; the
+same numerics, see train.py). Runs live in out_dir/COMM/OPTIMIZER/simW (or rankN)/seedS; a run whose log
+already ends with its summary is skipped, so an interrupted study resumes where it stopped
+(delete a run's folder to redo it). Extra flags after `--` go to every run.
+
+Writes, after every run: out_dir/results.json (one record per run: its final losses, bytes,
+time and loss curve; earlier calls' records on the same out_dir are kept) and out_dir/study.md: per optimizer and W, for each method the final
+validation loss as mean +- 95 % confidence interval over seeds (Student t), its gap to fp32
+(paired by seed: same initialisation and data), and the fraction of the reference method's
+gap that it recovers, 1 - gap / reference gap, with a 95 % bootstrap interval over seeds
+(--reference, default the first compressed Euclidean method in --comms); and, with
+matplotlib installed, out_dir/loss_OPTIMIZER_wW.png: train-loss curves, mean over seeds with a
+min-max band.
 """
 
 import argparse
 import json
+import math
 import os
+import random
 import subprocess
 import sys
+import time
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAPER_SUM = ["--fmt=e5m2", "--block=tensor", "--collective=fp8-sum"]   # the paper's collective
 COMMS = {"fp32": ["--comm=fp32"], "bf16": ["--comm=bf16"], "fp8": ["--comm=fp8"],
          "fp8-ef": ["--comm=fp8", "--error_feedback"],
-         "fp8-paper": ["--comm=fp8", "--fmt=e5m2", "--collective=fp8-sum"],
+         "e5m2-tensor": ["--comm=fp8", "--fmt=e5m2", "--block=tensor"],
+         # the published Euclidean baseline: per-tensor e5m2, one FP8 all_reduce SUM
+         "fp8-paper": ["--comm=fp8", *PAPER_SUM],
+         "fp8-paper-ef": ["--comm=fp8", *PAPER_SUM, "--error_feedback"],
+         # the published GeoFP8 on its collective: layers chosen by the saturation profiler
+         # during the warm-up, kept fixed; error feedback on those layers; EMA factors
+         "geofp8-paper": ["--comm=geofp8", *PAPER_SUM, "--geo_layers=fragile:4",
+                          "--error_feedback", "--feedback_geo_only",
+                          "--whiten_factor=lowrank-dense", "--factor_decay=0.95",
+                          "--geo_enter_gain=0", "--geo_exit_gain=0"],
+         "subspace-paper": ["--comm=subspace", *PAPER_SUM],
          "geofp8": ["--comm=geofp8"], "subspace": ["--comm=subspace"],
          "nvfp4": ["--comm=fp8", "--fmt=nvfp4"], "geo-nvfp4": ["--comm=geofp8", "--fmt=nvfp4"],
          "subspace-nvfp4": ["--comm=subspace", "--fmt=nvfp4"]}
+EUCLIDEAN = ("fp8", "fp8-paper", "e5m2-tensor", "nvfp4")      # candidates for --reference
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+       9: 2.262, 10: 2.228}                                    # Student t, two-sided 95 %
 
 
-def run(comm, nproc, out_dir, extra):
-    run_dir = os.path.join(out_dir, comm)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "train.py", f"--out_dir={run_dir}", "--overwrite=true", *COMMS[comm], *extra]
-    print(" ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    records = [json.loads(line) for line in open(os.path.join(run_dir, "log.jsonl"))]
-    return [r for r in records if "loss" in r], records[-1]["summary"]
+def run_dir(out_dir, comm, optimizer, workers, nproc, seed):
+    """out_dir/COMM/OPTIMIZER/simW (simulated ranks) or rankN (real ones)/seedS."""
+    ranks = f"sim{workers}" if workers else f"ranks{nproc}"
+    return os.path.join(out_dir, comm, optimizer, ranks, f"seed{seed}")
 
 
-def write_table(results, path):
-    base = results.get("fp32")
-    lines = ["| comm | final train loss | final val loss | val gap to fp32 | wire MB/step/rank | vs bf16 ring | ms/step |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    for comm, (steps, summary) in results.items():
-        gap = summary["final_val_loss"] - base[1]["final_val_loss"] if base else float("nan")
-        last = steps[-1]
-        ratio = last["wire_vs_bf16"] if last["wire_vs_bf16"] is not None else float("nan")
-        lines.append(f"| {comm} | {summary['final_train_loss']:.4f} | {summary['final_val_loss']:.4f} | "
-                     f"{gap:+.4f} | {last['wire_bytes'] / 1e6:.2f} | {ratio:.3f} | "
-                     f"{summary['ms_per_step']:.0f} |")
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+def finished(path):
+    """The run's summary and loss records, if its log ends with a summary; else None."""
+    log = os.path.join(path, "log.jsonl")
+    if not os.path.exists(log):
+        return None
+    records = [json.loads(line) for line in open(log) if line.strip()]
+    if not records or "summary" not in records[-1]:
+        return None
+    return records[-1]["summary"], [r for r in records if "loss" in r]
 
 
-def plot(results, path):
+def command(run, nproc, extra):
+    comm, optimizer, workers, seed, path = run
+    flags = [f"--out_dir={path}", "--overwrite=true", f"--optimizer={optimizer}",
+             f"--seed={seed}", *COMMS[comm], *extra]
+    if workers:
+        return [sys.executable, "train.py", f"--simulate_workers={workers}", *flags]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={nproc}", "train.py", *flags]
+
+
+def record(run, summary, steps, nproc):
+    comm, optimizer, workers, seed, _ = run
+    return {"comm": comm, "optimizer": optimizer, "workers": workers or nproc, "seed": seed,
+            "final_val_loss": summary["final_val_loss"],
+            "final_train_loss": summary["final_train_loss"],
+            "ms_per_step": summary["ms_per_step"],
+            "wire_bytes": steps[-1]["wire_bytes"] if steps else None,
+            "wire_vs_bf16": steps[-1]["wire_vs_bf16"] if steps else None,
+            "curve": [(s["step"], s["loss"]) for s in steps]}
+
+
+def mean_ci(values):
+    """(mean, half-width of the 95 % t interval); nan half-width for one value."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, float("nan")
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    return mean, T95.get(n - 1, 1.96) * sd / math.sqrt(n)
+
+
+def recovered(gaps, reference_gaps, draws=2000):
+    """1 - mean gap / mean reference gap, and a 95 % bootstrap interval over the paired seeds."""
+    def fraction(idx):
+        ref = sum(reference_gaps[i] for i in idx)
+        return 1 - sum(gaps[i] for i in idx) / ref if ref > 0 else float("nan")
+    n = len(gaps)
+    point = fraction(range(n))
+    rng = random.Random(0)
+    boot = sorted(fraction([rng.randrange(n) for _ in range(n)]) for _ in range(draws))
+    boot = [b for b in boot if not math.isnan(b)]
+    if n < 2 or not boot:
+        return point, float("nan"), float("nan")
+    return point, boot[int(0.025 * len(boot))], boot[int(0.975 * len(boot)) - 1]
+
+
+def table(results, reference):
+    """The markdown table: per optimizer and W, one row per method."""
+    lines = []
+    groups = sorted({(r["optimizer"], r["workers"]) for r in results})
+    for optimizer, workers in groups:
+        rows = [r for r in results if (r["optimizer"], r["workers"]) == (optimizer, workers)]
+        by = {}
+        for r in rows:
+            by.setdefault(r["comm"], {})[r["seed"]] = r
+        fp32 = by.get("fp32", {})
+        ref = by.get(reference, {})
+        lines += [f"\n### {optimizer}, W = {workers}\n",
+                  f"| method | seeds | final val loss (95 % CI) | gap to fp32 (95 % CI) | "
+                  f"recovers of {reference}'s gap (95 % bootstrap) | wire vs bf16 | ms/step |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for comm, runs in by.items():
+            seeds = sorted(runs)
+            val, val_ci = mean_ci([runs[s]["final_val_loss"] for s in seeds])
+            paired = [s for s in seeds if s in fp32]
+            gaps = [runs[s]["final_val_loss"] - fp32[s]["final_val_loss"] for s in paired]
+            gap, gap_ci = mean_ci(gaps) if gaps else (float("nan"), float("nan"))
+            with_ref = [s for s in paired if s in ref]
+            rec = "—"
+            if comm not in ("fp32", reference) and with_ref:
+                point, lo, hi = recovered(
+                    [runs[s]["final_val_loss"] - fp32[s]["final_val_loss"] for s in with_ref],
+                    [ref[s]["final_val_loss"] - fp32[s]["final_val_loss"] for s in with_ref])
+                rec = f"{100 * point:.0f} % ({100 * lo:.0f} to {100 * hi:.0f} %)"
+            wire = runs[seeds[0]]["wire_vs_bf16"]
+            ms = sum(runs[s]["ms_per_step"] for s in seeds) / len(seeds)
+            lines.append(f"| {comm} | {len(seeds)} | {val:.4f} ± {val_ci:.4f} | "
+                         f"{gap:+.4f} ± {gap_ci:.4f} | {rec} | "
+                         f"{'-' if wire is None else f'{wire:.3f}'} | {ms:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results, out_dir):
     try:
         import matplotlib
     except ImportError:
-        print("matplotlib not installed: no loss plot")
+        print("matplotlib not installed: no loss plots")
         return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for comm, (steps, _) in results.items():
-        ax.plot([s["step"] for s in steps], [s["loss"] for s in steps], label=comm, lw=1)
-    ax.set_xlabel("step")
-    ax.set_ylabel("train loss (rank 0)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    for optimizer, workers in sorted({(r["optimizer"], r["workers"]) for r in results}):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for comm in dict.fromkeys(r["comm"] for r in results):
+            curves = [r["curve"] for r in results if (r["comm"], r["optimizer"], r["workers"])
+                      == (comm, optimizer, workers)]
+            if not curves:
+                continue
+            steps = [s for s, _ in curves[0]]
+            values = [[c[i][1] for c in curves if len(c) > i] for i in range(len(steps))]
+            mean = [sum(v) / len(v) for v in values]
+            line, = ax.plot(steps, mean, label=f"{comm} ({len(curves)} seeds)", lw=1)
+            ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values],
+                            color=line.get_color(), alpha=0.2)
+        ax.set(xlabel="step", ylabel="train loss (rank 0)", title=f"{optimizer}, W = {workers}")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, f"loss_{optimizer}_w{workers}.png"), dpi=120)
+        plt.close(fig)
+
+
+def write(results, out_dir, reference):
+    """results.json keeps the records of earlier invocations on the same out_dir (another
+    grid) too: a study can grow one call at a time. Returns all records."""
+    path = os.path.join(out_dir, "results.json")
+    key = lambda r: (r["comm"], r["optimizer"], r["workers"], r["seed"])   # noqa: E731
+    new = {key(r) for r in results}
+    earlier = json.load(open(path)) if os.path.exists(path) else []
+    results = [r for r in earlier if key(r) not in new] + results
+    with open(path + ".tmp", "w") as f:
+        json.dump(results, f, indent=1)
+    os.replace(path + ".tmp", path)
+    with open(os.path.join(out_dir, "study.md"), "w") as f:
+        f.write(table(results, reference))
+    return results
 
 
 def main(argv=None):
@@ -74,18 +202,55 @@ def main(argv=None):
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("--comms", default="fp32,bf16,fp8,geofp8")
+    parser.add_argument("--comms", default="fp32,bf16,fp8,geofp8",
+                        help=f"methods, from: {', '.join(COMMS)}")
+    parser.add_argument("--optimizers", default="adamw", help="adamw, muon or both")
+    parser.add_argument("--seeds", default="1337", help="comma-separated seeds")
+    parser.add_argument("--workers", default="0", help="simulated ranks per run, comma-separated "
+                        "(0: real ranks, --nproc of them, through torchrun)")
     parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--reference", default=None, help="the Euclidean method whose gap the "
+                        "others recover (default: the first of fp8, fp8-paper, e5m2-tensor, "
+                        "nvfp4 in --comms)")
     parser.add_argument("--out_dir", default="out/ablate")
     args = parser.parse_args(argv)
-    comms = args.comms.split(",")
-    unknown = [c for c in comms if c not in COMMS]
+    comms, optimizers = args.comms.split(","), args.optimizers.split(",")
+    unknown = [c for c in comms if c not in COMMS] + [o for o in optimizers
+                                                      if o not in ("adamw", "muon")]
     if unknown:
-        parser.error(f"unknown comm {unknown[0]!r}; choose from {', '.join(COMMS)}")
+        parser.error(f"unknown method or optimizer {unknown[0]!r}; methods: {', '.join(COMMS)}")
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")]
+        workers = [int(w) for w in args.workers.split(",")]
+    except ValueError:
+        parser.error("--seeds and --workers take comma-separated integers, e.g. --seeds 0,1,2")
+    reference = args.reference or next((c for c in comms if c in EUCLIDEAN), None)
     os.makedirs(args.out_dir, exist_ok=True)
-    results = {c: run(c, args.nproc, args.out_dir, extra) for c in comms}
-    write_table(results, os.path.join(args.out_dir, "ablation.md"))
-    plot(results, os.path.join(args.out_dir, "loss.png"))
+    runs = [(c, o, w, s, run_dir(args.out_dir, c, o, w, args.nproc, s))
+            for o in optimizers for w in workers for s in seeds for c in comms]
+    results = []
+    for k, run in enumerate(runs, 1):
+        label = f"[{k}/{len(runs)}] {run[0]} {run[1]} W={run[2] or args.nproc} seed={run[3]}"
+        done = finished(run[4])
+        if done is None:
+            t0 = time.time()
+            print(f"{label}: running", flush=True)
+            log_path = os.path.join(args.out_dir, "runs.log")
+            with open(log_path, "a") as log:
+                code = subprocess.run(command(run, args.nproc, extra), cwd=ROOT, stdout=log,
+                                      stderr=subprocess.STDOUT).returncode
+            done = finished(run[4])
+            if code or done is None:
+                raise SystemExit(f"nanogeo.ablate: {label} failed (exit code {code}); its output "
+                                 f"is at the end of {log_path}")
+            state = f"{time.time() - t0:.0f}s"
+        else:
+            state = "done before, skipped"
+        results.append(record(run, *done, args.nproc))
+        print(f"{label}: val {done[0]['final_val_loss']:.4f} ({state})", flush=True)
+        everything = write(results, args.out_dir, reference)
+    plot(everything, args.out_dir)
+    print(table(everything, reference))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Benchmarks of the collective and of GeoFP8's compute cost. Not tests: numbers fo
     torchrun --standalone --nproc_per_node=2 -m nanogeo.bench collective [--sizes 1,4,16] [--iters 5] [--compile]
     python -m nanogeo.bench overhead [--steps 10]
     python -m nanogeo.bench flops [--preset llama-600m --tokens 8192 --rank 16 --refresh 1,4]
-    torchrun --standalone --nproc_per_node=2 -m nanogeo.bench fsdp [--checkpoint out/ablate/fp32/ckpt.pt]
+    torchrun --standalone --nproc_per_node=2 -m nanogeo.bench fsdp [--checkpoint out/ablate/fp32/adamw/ranks2/seed1337/ckpt.pt]
     python -m nanogeo.bench codec [--preset llama-600m --world 8 --iters 5]
 
 collective: each method on one bucket of N million fp32 gradient elements, shaped as square-ish
@@ -376,7 +376,7 @@ def main(argv=None):
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--rank", type=int, default=16, help="r (the GeoOptions default)")
     parser.add_argument("--world", type=int, default=8, help="codec mode: W")
-    parser.add_argument("--checkpoint", default="out/ablate/fp32/ckpt.pt", help="fsdp mode")
+    parser.add_argument("--checkpoint", default="out/ablate/fp32/adamw/ranks2/seed1337/ckpt.pt", help="fsdp mode")
     parser.add_argument("--last", type=int, default=8, help="fsdp mode: steps measured")
     parser.add_argument("--sides", default="auto", choices=["auto", "both", "left", "right"],
                         help="fsdp mode: which sides the subspace rotation rotates (GeoOptions)")

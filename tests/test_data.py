@@ -92,3 +92,20 @@ def test_prepare_refuses_to_overwrite_and_bad_inputs(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"content": "x"}\n')
     with pytest.raises(SystemExit, match="'text' field"):
         prepare_data.main([str(tmp_path / "bad.jsonl"), "--out_dir", str(tmp_path / "o2")])
+
+
+def test_char_tokenizer(tmp_path):
+    """--tokenizer char: one id per character of the inputs (sorted), the end-of-document id
+    last, the vocabulary in vocab.json; the shards decode back to the text."""
+    (tmp_path / "a.txt").write_text("to be, or not")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "be!"}) + "\n")
+    out = tmp_path / "out"
+    prepare_data.main([str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl"), "--out_dir", str(out),
+                       "--tokenizer", "char", "--chunk_tokens=4", "--val_every=1000"])
+    vocab = json.load(open(out / "vocab.json"))
+    assert vocab["chars"] == sorted(set("to be, or not!")) and vocab["eot"] == len(vocab["chars"])
+    count, name, n_vocab = read_header(str(out / "train.bin"))
+    assert (name, n_vocab, count) == ("char", len(vocab["chars"]) + 1, len("to be, or not") + 5)
+    tokens = read_shard(str(out / "train.bin")).tolist()
+    chars = vocab["chars"] + ["|"]
+    assert "".join(chars[t] for t in tokens) == "to be, or not|be!|"

@@ -48,14 +48,39 @@ def test_bench_flops_and_overhead_shapes():
     assert result["geo_layers"] == 28 and math.isfinite(result["overhead_vs_fwd_bwd"])
 
 
-def test_ablate_table(tmp_path):
-    def run(loss, wire):
-        steps = [{"step": 1, "loss": loss, "wire_bytes": wire, "wire_vs_bf16": wire / 1e6}]
-        return steps, {"final_train_loss": loss, "final_val_loss": loss + 0.1, "ms_per_step": 10.0}
-    results = {"fp32": run(5.0, 2e6), "geofp8": run(5.05, 0.516e6)}
-    ablate.write_table(results, tmp_path / "t.md")
-    text = (tmp_path / "t.md").read_text()
-    assert "| geofp8 | 5.0500 | 5.1500 | +0.0500 | 0.52 | 0.516 | 10 |" in text
+def test_ablate_statistics():
+    """Means with Student-t intervals; gaps paired by seed; the recovered fraction of the
+    reference's gap with a bootstrap interval."""
+    mean, half = ablate.mean_ci([1.0, 2.0, 3.0])
+    assert mean == 2.0 and abs(half - 4.303 * 1.0 / math.sqrt(3)) < 1e-9
+    point, lo, hi = ablate.recovered([0.05, 0.05, 0.05], [0.1, 0.1, 0.1])
+    assert point == lo == hi == 0.5
+    def run(comm, seed, val):
+        return {"comm": comm, "optimizer": "adamw", "workers": 4, "seed": seed,
+                "final_val_loss": val, "final_train_loss": val, "ms_per_step": 10.0,
+                "wire_bytes": 1, "wire_vs_bf16": 0.5, "curve": [(1, val)]}
+    results = [run("fp32", s, 2.0 + 0.01 * s) for s in range(3)]
+    results += [run("fp8", s, 2.2 + 0.01 * s) for s in range(3)]
+    results += [run("subspace", s, 2.1 + 0.01 * s) for s in range(3)]
+    text = ablate.table(results, "fp8")
+    assert "| fp8 | 3 | 2.2100 ± 0.0248 | +0.2000 ± 0.0000 | — |" in text
+    assert "| subspace | 3 | 2.1100 ± 0.0248 | +0.1000 ± 0.0000 | 50 % (50 to 50 %) |" in text
+
+
+def test_ablate_runs_a_grid_and_resumes(tiny_corpus, tmp_path, capsys):
+    """Two methods x two seeds of simulated 2-rank runs; a second call skips all four."""
+    argv = ["--comms", "fp32,fp8", "--seeds", "0,1", "--workers", "2", "--out_dir",
+            str(tmp_path), "--", f"--data_dir={tiny_corpus}", "--max_iters=2", "--batch_size=2",
+            "--block_size=16", "--eval_iters=1", "--eval_interval=2", "--warmup_iters=1"]
+    ablate.main(argv)
+    records = json.load(open(tmp_path / "results.json"))
+    assert sorted((r["comm"], r["seed"]) for r in records) == [
+        ("fp32", 0), ("fp32", 1), ("fp8", 0), ("fp8", 1)]
+    assert all(r["workers"] == 2 and r["curve"] for r in records)
+    assert "recovers of fp8's gap" in (tmp_path / "study.md").read_text()
+    capsys.readouterr()
+    ablate.main(argv)
+    assert capsys.readouterr().out.count("done before, skipped") == 4
 
 
 def test_vocabulary_mismatch_is_refused(tmp_path):
