@@ -343,6 +343,10 @@ def dequantize(q: Quantized) -> torch.Tensor:
 # 2. The collective: quantize -> all_to_all -> fp32 reduce -> re-quantize -> all_gather
 # =============================================================================
 
+# one output tensor for the W inputs (torch 2.13 renamed all_gather_into_tensor)
+all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
 @dataclass
 class Piece:
     """The part of one tensor that one rank owns in the reduce-scatter: a contiguous range of
@@ -369,7 +373,7 @@ class ShardLayout:
         self.block = block
         # FP8 with integer blocks: the whole bucket goes through the codec in one call per stage
         self.packable = packed and fmt != "nvfp4" and isinstance(block, int)
-        self.pieces = pieces or self._cut(block)
+        self.pieces = self._cut(block) if pieces is None else pieces
         self.nbytes = [sum(map(self.piece_nbytes, pieces)) for pieces in self.pieces]
         self.packing = Packing(self) if self.packable else None
 
@@ -427,7 +431,7 @@ class Packing:
     def __init__(self, layout):
         B = layout.block
         self.block = B
-        self.first_group = [0]                  # shard j's groups: [first_group[j], [j + 1])
+        self.first_group = [0]          # shard j's groups: first_group[j] to first_group[j + 1]
         self.encode_order = []                  # (tensor, start, end, pad), in wire order
         by_tensor = [[] for _ in layout.shapes]  # (start, shard, first group in shard, n)
         for j, pieces in enumerate(layout.pieces):
@@ -491,6 +495,8 @@ def encode_shards(tensors, layout, stochastic=False, generator=None):
     """Stage 1: quantize this rank's tensors. Returns one uint8 buffer: the W destination
     ranks' shards back to back (shard j is layout.nbytes[j] bytes)."""
     flats = [t.reshape(-1).float() for t in tensors]
+    if not sum(layout.nbytes):           # only empty tensors: nothing to send
+        return flats[0].new_empty(0, dtype=torch.uint8)
     if not layout.packable:              # NVFP4, row or tensor scaling: one call per piece
         return torch.cat([quantize(flats[p.tensor][p.start:p.end].view(p.shape), layout.fmt,
                                    p.block, stochastic, generator).buffer
@@ -510,7 +516,8 @@ def decode_pieces(buffer, pieces, fmt):
 
 def sum_shard(received, layout, shard):
     """Decode the W received copies of one shard (in `received`, back to back in source-rank
-    order) and sum them in fp32, in rank order: the simulator and every rank sum identically.
+    order) and sum them in fp32, always in the same order (one torch sum over the W copies):
+    the simulator and every rank sum identically.
     Returns the shard's (groups, block) values when packable, else one tensor per piece."""
     if layout.packable:
         values = unpack_groups(received, layout.block, layout.fmt)
@@ -549,8 +556,12 @@ def decode_shards(buffer, layout, stride=None):
     """Stage 3: assemble full fp32 tensors from the W shards' bytes in `buffer` (identical on
     all ranks): shard j at j * stride, or back to back (stage 1's send buffer) if stride=None."""
     sizes = [math.prod(s) for s in layout.shapes]
+    if not sum(layout.nbytes):
+        return [torch.zeros(s, device=buffer.device) for s in layout.shapes]
     if layout.packable:
         rows = None if stride is None else stride // (4 + layout.block)
+        # the padding rows of a gathered buffer (shards shorter than the largest) decode to
+        # garbage (scale 0); ungroup never reads them
         values = unpack_groups(buffer, layout.block, layout.fmt)
         flat = layout.packing.ungroup(values, rows)
     else:
@@ -695,8 +706,6 @@ def simulate_mean(worker_tensors, fmt="e4m3", block=128, stochastic=False, seed=
 # with W can be measured on one machine. Wire bytes per rank: 2 (W-1)/W N, one byte an element.
 
 SUM_ORDERS = ("ring", "tree")
-# one output tensor for the W inputs (torch 2.13 renamed all_gather_into_tensor)
-all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
 def fp8_add(a, b, dtype):
@@ -1781,8 +1790,13 @@ class GeoFP8Communicator:
         return sent
 
     def reduce_workers(self, worker_grads, moments=None):
-        """The same numerics for W simulated workers (moments: already averaged over all of
-        them). Returns (means, bytes sent per rank)."""
+        """The same numerics for W simulated workers. moments: already averaged over all of
+        them, or a list of each worker's (averaged here as reduce() averages over ranks).
+        Returns (means, bytes sent per rank)."""
+        if isinstance(moments, list):
+            moments = average_worker_moments(
+                moments, {n: self.shapes[n] for n in self.moment_layers()},
+                self.whitened_sides(), worker_grads[0][0].device)
         prepared = [self._prepare(g, i) for i, g in enumerate(worker_grads)]
         coords = [c for _, c in prepared]
         opts = self.opts
@@ -2137,6 +2151,18 @@ class GeoFP8Communicator:
 def all_finite(tensors):
     """A bool tensor on the device: every element of every tensor finite (no host sync)."""
     return torch.stack([torch.isfinite(t).all() for t in tensors]).all()
+
+
+def average_worker_moments(worker_moments, shapes, sides, device):
+    """average_moments for W simulated ranks (worker_moments[i]: rank i's), with the same
+    arithmetic: each rank's vector of count-weighted sums, added in rank order."""
+    vectors = []
+    for moments in worker_moments:
+        average_moments(moments, shapes, sides, lambda flat: vectors.append(flat.clone()), device)
+    total = vectors[0]
+    for v in vectors[1:]:
+        total = total + v
+    return average_moments(worker_moments[0], shapes, sides, lambda flat: flat.copy_(total), device)
 
 
 def average_moments(moments, shapes, sides, all_reduce, device):

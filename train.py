@@ -329,7 +329,7 @@ def make_communicator(cfg, model, optimizers):
 
 
 @torch.no_grad()
-def reduce_simulated(params, worker_grads, cfg, communicator, moments=None):
+def reduce_simulated(params, worker_grads, cfg, communicator, worker_moments=None):
     """--simulate_workers: set each param's .grad to the mean of the W simulated ranks'
     gradients (worker_grads[i]: rank i's, in params order), through exactly the numerics of the
     collective a W-rank run uses: the same sum in the wire's dtype for fp32 / bf16 (equal, bit
@@ -346,9 +346,8 @@ def reduce_simulated(params, worker_grads, cfg, communicator, moments=None):
             means.append(total.float() / world)
         numel = sum(g.numel() for g in worker_grads[0])
         sent = ring_allreduce_bytes(numel, dtype.itemsize, world) if world > 1 else 0
-    else:
-        stats = moments.take() if moments is not None and communicator.wants_moments() else None
-        means, sent = communicator.reduce_workers(worker_grads, stats)
+    else:   # worker_moments: each rank's whitening statistics, on the steps that collect them
+        means, sent = communicator.reduce_workers(worker_grads, worker_moments or None)
     for p, mean in zip(params, means):
         p.grad = mean
     return sent
@@ -515,6 +514,10 @@ def open_checkpoint(cfg, ckpt_path, world_size, device, master):
     if cfg.error_feedback and saved_world != world_size:
         raise ConfigError(f"{ckpt_path} keeps error-feedback residuals for {saved_world} ranks; "
                           f"resume on {saved_world} ranks or start a new run")
+    if cfg.error_feedback and ckpt.get("simulated", False) != bool(cfg.simulate_workers):
+        was = "simulated ranks (--simulate_workers)" if ckpt.get("simulated") else "real ranks"
+        raise ConfigError(f"{ckpt_path} keeps error-feedback residuals of {was}; resume it the "
+                          "same way or start a new run")
     return ckpt
 
 
@@ -680,7 +683,7 @@ def train(cfg):
                 os.remove(os.path.join(cfg.out_dir, name))
         atomic_save({"model": raw_model.state_dict(), **optimizer_states(optimizers),
                      "step": step, "config": asdict(cfg), "model_config": asdict(mcfg),
-                     "world_size": data_parallel,
+                     "world_size": data_parallel, "simulated": bool(cfg.simulate_workers),
                      "communicator": communicator.state_dict() if communicator else {},
                      "rng": {"torch": torch.get_rng_state()}}, ckpt_path)
         saved["step"] = step
@@ -704,7 +707,7 @@ def train(cfg):
         if collect:
             moments.attach()
         forward = raw_model if collect else model
-        worker_grads = []       # --simulate_workers: each simulated rank's gradients
+        worker_grads, worker_moments = [], []   # --simulate_workers: each simulated rank's
         for r in my_ranks:
             for micro in range(cfg.grad_accum):
                 x, y = get_batch(data["train"], cfg.batch_size, cfg.block_size,
@@ -719,6 +722,8 @@ def train(cfg):
                 worker_grads.append([p.grad for p in params])
                 for p in params:
                     p.grad = None
+                if collect:
+                    worker_moments.append(moments.take())
         if collect:
             moments.detach()
         grads = [g for w in worker_grads for g in w] or [p.grad for p in params]
@@ -731,7 +736,7 @@ def train(cfg):
                 o.zero_grad(set_to_none=True)
             continue
         if cfg.simulate_workers:
-            wire_bytes = reduce_simulated(params, worker_grads, cfg, communicator, moments)
+            wire_bytes = reduce_simulated(params, worker_grads, cfg, communicator, worker_moments)
         else:
             wire_bytes = reduce_gradients(params, cfg, communicator, world_size, moments)
         grad_norm = (torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip > 0

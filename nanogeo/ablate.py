@@ -8,9 +8,10 @@ of methods x optimizers x seeds x data-parallel ranks, with confidence intervals
 
 One process per run: `torchrun --nproc_per_node=N train.py` for real ranks (--nproc), or
 `python train.py --simulate_workers=W` for W ranks simulated in one process (--workers; the
-same numerics, see train.py). Runs live in out_dir/COMM/OPTIMIZER/simW (or rankN)/seedS; a run whose log
-already ends with its summary is skipped, so an interrupted study resumes where it stopped
-(delete a run's folder to redo it). Extra flags after `--` go to every run.
+same numerics, see train.py). Runs live in out_dir/COMM/OPTIMIZER/simW (or ranksN)/seedS; a run
+whose log ends with its summary and whose command (command.json) was this one is skipped, so an
+interrupted study resumes where it stopped; an unfinished run starts again from step 0. Extra
+flags after `--` go to every run.
 
 Writes, after every run: out_dir/results.json (one record per run: its final losses, bytes,
 time and loss curve; earlier calls' records on the same out_dir are kept) and out_dir/study.md: per optimizer and W, for each method the final
@@ -18,8 +19,8 @@ validation loss as mean +- 95 % confidence interval over seeds (Student t), its 
 (paired by seed: same initialisation and data), and the fraction of the reference method's
 gap that it recovers, 1 - gap / reference gap, with a 95 % bootstrap interval over seeds
 (--reference, default the first compressed Euclidean method in --comms); and, with
-matplotlib installed, out_dir/loss_OPTIMIZER_wW.png: train-loss curves, mean over seeds with a
-min-max band.
+matplotlib installed, out_dir/loss_OPTIMIZER_simW.png (or _ranksN): train-loss curves, mean
+over seeds with a min-max band.
 """
 
 import argparse
@@ -50,8 +51,10 @@ COMMS = {"fp32": ["--comm=fp32"], "bf16": ["--comm=bf16"], "fp8": ["--comm=fp8"]
          "nvfp4": ["--comm=fp8", "--fmt=nvfp4"], "geo-nvfp4": ["--comm=geofp8", "--fmt=nvfp4"],
          "subspace-nvfp4": ["--comm=subspace", "--fmt=nvfp4"]}
 EUCLIDEAN = ("fp8", "fp8-paper", "e5m2-tensor", "nvfp4")      # candidates for --reference
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
-       9: 2.262, 10: 2.228}                                    # Student t, two-sided 95 %
+# Student t, two-sided 95 %, by degrees of freedom (1.96 beyond 30)
+T95 = dict(enumerate((12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+                      2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+                      2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042), 1))
 
 
 def run_dir(out_dir, comm, optimizer, workers, nproc, seed):
@@ -60,10 +63,11 @@ def run_dir(out_dir, comm, optimizer, workers, nproc, seed):
     return os.path.join(out_dir, comm, optimizer, ranks, f"seed{seed}")
 
 
-def finished(path):
-    """The run's summary and loss records, if its log ends with a summary; else None."""
-    log = os.path.join(path, "log.jsonl")
-    if not os.path.exists(log):
+def finished(path, cmd):
+    """The run's summary and loss records, if it ran with this command and its log ends with
+    a summary; else None (a run with other flags is run again)."""
+    log, ran = os.path.join(path, "log.jsonl"), os.path.join(path, "command.json")
+    if not os.path.exists(log) or (os.path.exists(ran) and json.load(open(ran)) != cmd[1:]):
         return None
     records = [json.loads(line) for line in open(log) if line.strip()]
     if not records or "summary" not in records[-1]:
@@ -83,7 +87,8 @@ def command(run, nproc, extra):
 
 def record(run, summary, steps, nproc):
     comm, optimizer, workers, seed, _ = run
-    return {"comm": comm, "optimizer": optimizer, "workers": workers or nproc, "seed": seed,
+    return {"comm": comm, "optimizer": optimizer, "workers": workers or nproc,
+            "simulated": bool(workers), "seed": seed,
             "final_val_loss": summary["final_val_loss"],
             "final_train_loss": summary["final_train_loss"],
             "ms_per_step": summary["ms_per_step"],
@@ -103,32 +108,39 @@ def mean_ci(values):
 
 
 def recovered(gaps, reference_gaps, draws=2000):
-    """1 - mean gap / mean reference gap, and a 95 % bootstrap interval over the paired seeds."""
+    """1 - mean gap / mean reference gap, and a 95 % bootstrap interval over the paired seeds.
+    The interval is (nan, nan) when some resample has no reference gap (mean <= 0): then the
+    fraction is unbounded and the reference's gap itself is not established."""
     def fraction(idx):
         ref = sum(reference_gaps[i] for i in idx)
         return 1 - sum(gaps[i] for i in idx) / ref if ref > 0 else float("nan")
     n = len(gaps)
     point = fraction(range(n))
     rng = random.Random(0)
-    boot = sorted(fraction([rng.randrange(n) for _ in range(n)]) for _ in range(draws))
-    boot = [b for b in boot if not math.isnan(b)]
-    if n < 2 or not boot:
+    boot = [fraction([rng.randrange(n) for _ in range(n)]) for _ in range(draws)]
+    if n < 2 or any(math.isnan(b) for b in boot):
         return point, float("nan"), float("nan")
-    return point, boot[int(0.025 * len(boot))], boot[int(0.975 * len(boot)) - 1]
+    boot.sort()
+    return point, boot[int(0.025 * draws)], boot[int(0.975 * draws) - 1]
+
+
+def group(r):
+    return r["optimizer"], r["workers"], r.get("simulated", False)
 
 
 def table(results, reference):
     """The markdown table: per optimizer and W, one row per method."""
     lines = []
-    groups = sorted({(r["optimizer"], r["workers"]) for r in results})
-    for optimizer, workers in groups:
-        rows = [r for r in results if (r["optimizer"], r["workers"]) == (optimizer, workers)]
+    groups = sorted({group(r) for r in results})
+    for optimizer, workers, simulated in groups:
+        rows = [r for r in results if group(r) == (optimizer, workers, simulated)]
         by = {}
         for r in rows:
             by.setdefault(r["comm"], {})[r["seed"]] = r
         fp32 = by.get("fp32", {})
         ref = by.get(reference, {})
-        lines += [f"\n### {optimizer}, W = {workers}\n",
+        ranks = "simulated" if simulated else "real"
+        lines += [f"\n### {optimizer}, W = {workers} ({ranks} ranks)\n",
                   f"| method | seeds | final val loss (95 % CI) | gap to fp32 (95 % CI) | "
                   f"recovers of {reference}'s gap (95 % bootstrap) | wire vs bf16 | ms/step |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -144,7 +156,9 @@ def table(results, reference):
                 point, lo, hi = recovered(
                     [runs[s]["final_val_loss"] - fp32[s]["final_val_loss"] for s in with_ref],
                     [ref[s]["final_val_loss"] - fp32[s]["final_val_loss"] for s in with_ref])
-                rec = f"{100 * point:.0f} % ({100 * lo:.0f} to {100 * hi:.0f} %)"
+                rec = f"{100 * point:.0f} % " + (
+                    "(unbounded: no reference gap in some resample)" if math.isnan(lo)
+                    else f"({100 * lo:.0f} to {100 * hi:.0f} %)")
             wire = runs[seeds[0]]["wire_vs_bf16"]
             ms = sum(runs[s]["ms_per_step"] for s in seeds) / len(seeds)
             lines.append(f"| {comm} | {len(seeds)} | {val:.4f} ± {val_ci:.4f} | "
@@ -161,11 +175,11 @@ def plot(results, out_dir):
         return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    for optimizer, workers in sorted({(r["optimizer"], r["workers"]) for r in results}):
+    for key in sorted({group(r) for r in results}):
+        optimizer, workers, simulated = key
         fig, ax = plt.subplots(figsize=(7, 4))
         for comm in dict.fromkeys(r["comm"] for r in results):
-            curves = [r["curve"] for r in results if (r["comm"], r["optimizer"], r["workers"])
-                      == (comm, optimizer, workers)]
+            curves = [r["curve"] for r in results if r["comm"] == comm and group(r) == key]
             if not curves:
                 continue
             steps = [s for s, _ in curves[0]]
@@ -177,7 +191,8 @@ def plot(results, out_dir):
         ax.set(xlabel="step", ylabel="train loss (rank 0)", title=f"{optimizer}, W = {workers}")
         ax.legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(os.path.join(out_dir, f"loss_{optimizer}_w{workers}.png"), dpi=120)
+        ranks = "sim" if simulated else "ranks"
+        fig.savefig(os.path.join(out_dir, f"loss_{optimizer}_{ranks}{workers}.png"), dpi=120)
         plt.close(fig)
 
 
@@ -185,7 +200,7 @@ def write(results, out_dir, reference):
     """results.json keeps the records of earlier invocations on the same out_dir (another
     grid) too: a study can grow one call at a time. Returns all records."""
     path = os.path.join(out_dir, "results.json")
-    key = lambda r: (r["comm"], r["optimizer"], r["workers"], r["seed"])   # noqa: E731
+    key = lambda r: (r["comm"], *group(r), r["seed"])   # noqa: E731
     new = {key(r) for r in results}
     earlier = json.load(open(path)) if os.path.exists(path) else []
     results = [r for r in earlier if key(r) not in new] + results
@@ -224,22 +239,26 @@ def main(argv=None):
         workers = [int(w) for w in args.workers.split(",")]
     except ValueError:
         parser.error("--seeds and --workers take comma-separated integers, e.g. --seeds 0,1,2")
-    reference = args.reference or next((c for c in comms if c in EUCLIDEAN), None)
+    reference = args.reference or next((c for c in comms if c in EUCLIDEAN), "fp8")
     os.makedirs(args.out_dir, exist_ok=True)
     runs = [(c, o, w, s, run_dir(args.out_dir, c, o, w, args.nproc, s))
             for o in optimizers for w in workers for s in seeds for c in comms]
     results = []
     for k, run in enumerate(runs, 1):
         label = f"[{k}/{len(runs)}] {run[0]} {run[1]} W={run[2] or args.nproc} seed={run[3]}"
-        done = finished(run[4])
+        cmd = command(run, args.nproc, extra)
+        done = finished(run[4], cmd)
         if done is None:
             t0 = time.time()
             print(f"{label}: running", flush=True)
             log_path = os.path.join(args.out_dir, "runs.log")
+            os.makedirs(run[4], exist_ok=True)
+            with open(os.path.join(run[4], "command.json"), "w") as f:
+                json.dump(cmd[1:], f)
             with open(log_path, "a") as log:
-                code = subprocess.run(command(run, args.nproc, extra), cwd=ROOT, stdout=log,
+                code = subprocess.run(cmd, cwd=ROOT, stdout=log,
                                       stderr=subprocess.STDOUT).returncode
-            done = finished(run[4])
+            done = finished(run[4], cmd)
             if code or done is None:
                 raise SystemExit(f"nanogeo.ablate: {label} failed (exit code {code}); its output "
                                  f"is at the end of {log_path}")

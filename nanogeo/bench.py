@@ -22,9 +22,10 @@ fsdp: the cpu-tiny Llama under FSDP2 (every block and the root fully_shard-ed) w
 codec: the two-stage collective's codec work on one rank, per DDP bucket (25 MB, the preset's
   parameters in reverse order), packed (one encode / decode call per bucket and stage) against
   one call per piece: codec calls per step (counted), torch ops that do work (about the kernel
-  launches on a GPU, from the profiler) for one bucket, and its time, eager and compiled, as a fraction of the
-  memory-copy roofline (the codec moves ~10 bytes per element: 4 + 1 encoding, 1 + 4 decoding
-  in each of two stages - a copy of the fp32 bucket moves 8).
+  launches on a GPU, from the profiler) for one bucket, and its time, eager and compiled, as a
+  fraction of the memory-copy roofline: fused, the three stages must move at least 11 + 1/W
+  bytes per element (stage 1 reads 4 and writes 1, stage 2 reads 1 and writes 1/W, stage 3
+  reads 1 and writes 4), where a copy of the fp32 bucket moves 8.
 """
 
 import argparse
@@ -240,13 +241,15 @@ def fsdp_fidelity(checkpoint, steps, last, rank, sides="auto", data_dir="data/sh
     return out
 
 
-def ddp_buckets(preset, cap_bytes=25 * 2 ** 20):
-    """The preset's parameter shapes in DDP's bucket order (reverse registration), cut at 25 MB."""
+def ddp_buckets(preset, cap_bytes=25 * 2 ** 20, first_cap_bytes=2 ** 20):
+    """The preset's parameter shapes in DDP's bucket order (reverse registration), cut at DDP's
+    defaults: 1 MiB for the first bucket, 25 MiB for the others."""
     with torch.device("meta"):
         net = model_lib.Llama(model_lib.model_config(preset))
     buckets, size = [[]], 0
     for p in reversed(list(net.parameters())):
-        if size and size + 4 * p.numel() > cap_bytes:
+        cap = first_cap_bytes if len(buckets) == 1 else cap_bytes
+        if size and size + 4 * p.numel() > cap:
             buckets.append([])
             size = 0
         buckets[-1].append(tuple(p.shape))
@@ -339,7 +342,7 @@ def codec_launches(preset, world, iters, fmt="e4m3", block=128):
             seconds = timed_median(lambda: one_rank_collective(tensors, layout), iters)
             rows[name]["compiled_ms" if compiled else "eager_ms"] = seconds * 1000
             rows[name]["compiled_vs_roofline" if compiled else "eager_vs_roofline"] = (
-                10 / 8 * copy_s / seconds)
+                (11 + 1 / world) / 8 * copy_s / seconds)
     compress.compile_hot_path(False)
     rows["bucket0_numel"] = numel
     return rows

@@ -52,6 +52,16 @@ import torch.distributed as dist
 import compress
 
 
+def check_candidates(names, module):
+    """`linear=` names must be 2-D parameters of the module: a typo would leave everything
+    Euclidean without a word."""
+    shapes = {n: p.dim() for n, p in module.named_parameters()}
+    bad = sorted(n for n in names if shapes.get(n) != 2)
+    if bad:
+        raise ValueError(f"nanogeo: linear= names {bad[0]!r}, which is not a matrix parameter "
+                         "of the model; pass names from model.named_parameters()")
+
+
 class GeoFP8HookState:
     """What the hook keeps between calls: parameter names, one communicator per bucket layout,
     and the bytes sent (for logging). `linear`: the weight names that are candidates (default:
@@ -67,6 +77,7 @@ class GeoFP8HookState:
         self.names = {p: n for n, p in module.named_parameters()}
         self.trainable = sum(p.requires_grad for p in self.names)     # what DDP's buckets hold
         self.linear = set(compress.linear_layers(module) if linear is None else linear)
+        check_candidates(self.linear, module)
         self.views = {}             # name -> compress.OptimizerView, from watch()
         self.communicators = {}     # tuple of names -> GeoFP8Communicator
         self.owner = {}             # name -> the key of the communicator holding its state
@@ -86,10 +97,11 @@ class GeoFP8HookState:
                 raise ValueError("nanogeo.ddp: select='fragile' would pick top_k per bucket; "
                                  "profile with nanogeo.profile and pass select='list', geo_layers=...")
             layers = compress.linear_layers(module, candidates)
-            if set(candidates) - set(layers):
+            other = sorted(set(candidates) - set(layers))
+            if other:
                 raise ValueError("nanogeo.ddp: the published whitening needs nn.Linear layers "
-                                 f"(their inputs' moments), not {sorted(set(candidates) - set(layers))[0]}; "
-                                 "use geometry='subspace' for other matrices")
+                                 f"(their inputs' moments), not {other[0]}; use "
+                                 "geometry='subspace' for other matrices")
             self.moments = compress.KroneckerMoments(layers, self.collecting).attach()
             # collected by the forward, not yet used by a bucket: {name: A}, {name: tokens}
             self.pending = {"input": {}, "tokens": {}}

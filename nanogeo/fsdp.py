@@ -62,6 +62,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 import compress
+from nanogeo.ddp import check_candidates
 
 CHECKED_TORCH = (2, 9)      # FSDP2's custom reduce-scatter and the internals below: 2.9 .. 2.13
 
@@ -118,7 +119,8 @@ def row_chunks(chunk_shapes, fmt, block, world):
     pieces = [[] for _ in range(world)]
     for k, chunk in enumerate(chunk_shapes):
         numel = math.prod(chunk)
-        piece_block = "row" if block == "row" and len(chunk) >= 2 else block
+        # as compress.ShardLayout: "row" scaling of a 1-D tensor is one scale per chunk
+        piece_block = ("row" if len(chunk) >= 2 else "tensor") if block == "row" else block
         shape = (chunk[0], numel // chunk[0]) if piece_block == "row" else (numel,)
         for j in range(world):
             if numel:
@@ -265,6 +267,7 @@ def use_geofp8(model, linear=None, **options):
     vocab_size to keep an untied output head Euclidean as well. Returns the reduce-scatters
     (their bytes_sent, geometry_bytes and table() are for logging; watch_optimizers)."""
     linear = set(compress.linear_layers(model) if linear is None else linear)
+    check_candidates(linear, model)
     comms = []
     for prefix, module in model.named_modules():
         if isinstance(module, FSDPModule) and fsdp_params(module):

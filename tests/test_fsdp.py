@@ -242,3 +242,11 @@ def test_fsdp2_resume_on_a_gpt2_shaped_model_is_bit_identical(tmp_path):
         r = torch.load(f"{out}.{rank}")
         assert r["equal"]
         assert r["geo"] and r["geo"] <= r["conv1d"]     # only the named matrices rotate
+
+
+def test_row_scaling_of_a_one_dimensional_chunk_is_one_scale():
+    """block='row' on a 1-D parameter (a bias, FP8ReduceScatter's flat rows): one scale per
+    rank's chunk, as compress.ShardLayout does - not one per element."""
+    from nanogeo.fsdp import row_chunks
+    assert row_chunks(((1000,),), "e4m3", "row", 2).nbytes == [1004, 1004]
+    assert row_chunks(((4, 250),), "e4m3", "row", 2).nbytes == [4 * 4 + 1000] * 2

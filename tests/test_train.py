@@ -233,7 +233,9 @@ def test_compile_matches_eager_and_saves_clean_keys(tiny_corpus, tmp_path):
 
 # --simulate_workers=2 in one process against a real 2-rank gloo run of the same flags
 @pytest.mark.parametrize("extra", [["--comm=fp32", "--grad_accum=2"], ["--comm=bf16"],
-                                   PAPER_RECIPE])     # whitening, FP8 sum, error feedback
+                                   # whitening (statistics of 2 x 48-token micro-batches per
+                                   # rank), FP8 sum, error feedback
+                                   PAPER_RECIPE + ["--grad_accum=2", "--block_size=48"]])
 def test_simulated_workers_equal_a_two_rank_run(tiny_corpus, tmp_path, extra):
     argv = tiny_args(tiny_corpus, tmp_path / "real", "--max_iters=8", "--eval_interval=8", *extra)
     run_ranks(train_rank, 2, argv, str(tmp_path))
@@ -248,3 +250,14 @@ def test_simulated_workers_equal_a_two_rank_run(tiny_corpus, tmp_path, extra):
     assert [l["loss"] for l in logs[0]] == [l["loss"] for l in logs[1]]
     # bytes: rank 0's in the real run, the ranks' average in the simulation
     assert all(abs(a["wire_bytes"] / b["wire_bytes"] - 1) < 1e-3 for a, b in zip(*logs))
+
+
+def test_error_feedback_resume_keeps_the_mode(tiny_corpus, tmp_path):
+    """Residuals of simulated ranks live in ckpt.pt, real ranks' in per-rank files: a resume
+    that switches between the two is refused, naming the fix."""
+    out = tmp_path / "out"
+    train.train(parse_config(tiny_args(tiny_corpus, out, "--max_iters=2", "--comm=fp8",
+                                       "--error_feedback", "--simulate_workers=1")))
+    with pytest.raises(ConfigError, match="simulated ranks"):
+        train.train(parse_config(tiny_args(tiny_corpus, out, "--max_iters=3", "--comm=fp8",
+                                           "--error_feedback", "--resume")))
