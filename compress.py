@@ -71,7 +71,9 @@ The two-stage collective (this project's default, for every geometry)
     re-quantizes its averaged shard                  -> all_gather
     every rank decodes the same bytes                -> bit-identical results everywhere
 Wire bytes per rank ~ 2 (W-1)/W N (1 + 4/block) versus 2 (W-1)/W N 2 for a bf16 ring all-reduce:
-~0.516x at block 128. `simulate_mean` runs exactly the same numerics in one process.
+~0.516x at block 128. `simulate_mean` runs exactly the same numerics in one process. A whole
+bucket goes through one encode or decode call per stage (Packing: each group of `block` values
+travels as [fp32 scale | block codes], so every shard is one byte matrix).
 
 Reading order: codecs (quantize/dequantize), the two collectives, the rotation, the whitening,
 geometry estimation, the optimizer's view of an error, and the communicator that train.py calls

@@ -696,6 +696,7 @@ def train(cfg):
     val_loss = first_val if first_val is not None else float("nan")  # resumed: not yet measured
     train_loss = float("nan")
     t_start = time.time()
+    local = delivered = None        # the last step's gradients, kept for the summary
     for step in range(start_step, cfg.max_iters):
         t0 = time.time()
         lr = learning_rate(cfg, step)
@@ -735,10 +736,15 @@ def train(cfg):
             for o in optimizers:
                 o.zero_grad(set_to_none=True)
             continue
+        last = communicator is not None and step + 1 == cfg.max_iters
+        if last:        # kept for the end-of-run comparison with Euclidean FP8
+            local = [[g.clone() for g in w] for w in worker_grads] or [g.clone() for g in grads]
         if cfg.simulate_workers:
             wire_bytes = reduce_simulated(params, worker_grads, cfg, communicator, worker_moments)
         else:
             wire_bytes = reduce_gradients(params, cfg, communicator, world_size, moments)
+        if last:
+            delivered = [p.grad.clone() for p in params]
         grad_norm = (torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip > 0
                      else torch.norm(torch.stack([p.grad.norm() for p in params])))
         for o in optimizers:
@@ -787,6 +793,10 @@ def train(cfg):
             save(done)
     save(cfg.max_iters)
     elapsed = time.time() - t_start
+    if delivered is not None:       # the last step, measured against Euclidean FP8
+        from nanogeo import summary as comm_summary
+        log(comm_summary.last_step_report(communicator, local, delivered, data_parallel,
+                                          simulated=bool(cfg.simulate_workers)))
     steps_run = cfg.max_iters - start_step
     summary = {"final_train_loss": train_loss, "final_val_loss": val_loss,
                "initial_val_loss": first_val, "steps": steps_run,

@@ -47,6 +47,8 @@ COMMS = {"fp32": ["--comm=fp32"], "bf16": ["--comm=bf16"], "fp8": ["--comm=fp8"]
                           "--whiten_factor=lowrank-dense", "--factor_decay=0.95",
                           "--geo_enter_gain=0", "--geo_exit_gain=0"],
          "subspace-paper": ["--comm=subspace", *PAPER_SUM],
+         # ... with every candidate rotated, no gain check (to see what the check prevents)
+         "subspace-paper-all": ["--comm=subspace", *PAPER_SUM, "--geo_layers=all"],
          "geofp8": ["--comm=geofp8"], "subspace": ["--comm=subspace"],
          "nvfp4": ["--comm=fp8", "--fmt=nvfp4"], "geo-nvfp4": ["--comm=geofp8", "--fmt=nvfp4"],
          "subspace-nvfp4": ["--comm=subspace", "--fmt=nvfp4"]}

@@ -6,6 +6,7 @@ Benchmarks of the collective and of GeoFP8's compute cost. Not tests: numbers fo
     python -m nanogeo.bench flops [--preset llama-600m --tokens 8192 --rank 16 --refresh 1,4]
     torchrun --standalone --nproc_per_node=2 -m nanogeo.bench fsdp [--checkpoint out/ablate/fp32/adamw/ranks2/seed1337/ckpt.pt]
     python -m nanogeo.bench codec [--preset llama-600m --world 8 --iters 5]
+    torchrun --standalone --nproc_per_node=2 -m nanogeo.bench accumulation [--seeds 0,1,2 --steps 30]
 
 collective: each method on one bucket of N million fp32 gradient elements, shaped as square-ish
   matrices (so GeoFP8 has something to rotate), timed with a per-stage breakdown (rotate =
@@ -19,6 +20,10 @@ fsdp: the cpu-tiny Llama under FSDP2 (every block and the root fully_shard-ed) w
   FP8 and GeoFP8 reduce-scatter (nanogeo.fsdp), from a checkpoint, on real batches: the gradient
   error of each against fp32 over the last --last of --steps steps (transformer matrices and all
   tensors), bytes sent, and the backward time (which includes the reduce-scatters).
+accumulation: gradient accumulation through the DDP hook, with and without DDP's no_sync() on
+  the first micro-step, on a plateau-escape task (a fixed permutation chain over 64 tokens that
+  restarts with probability 1/8) with a byte-level GPT-2 (nanogeo.bytegpt, hidden 128, 2 layers),
+  AdamW lr 2e-3, 2 micro-steps per step: final loss per seed and the largest step-to-step rise.
 codec: the two-stage collective's codec work on one rank, per DDP bucket (25 MB, the preset's
   parameters in reverse order), packed (one encode / decode call per bucket and stage) against
   one call per piece: codec calls per step (counted), torch ops that do work (about the kernel
@@ -358,6 +363,67 @@ def timed_median(fn, iters):
     return sorted(seconds)[len(seconds) // 2]
 
 
+def chain_batch(generator, batch, length, vocab=64):
+    """A fixed random permutation chain over `vocab` tokens (the same on every rank and seed):
+    each next token is perm[token], except that with probability 1/8 the chain restarts at a
+    random token. Next-token targets."""
+    perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(12345))
+    x = torch.empty(batch, length + 1, dtype=torch.long)
+    x[:, 0] = torch.randint(0, vocab, (batch,), generator=generator)
+    for t in range(length):
+        restart = torch.rand(batch, generator=generator) < 1 / 8
+        x[:, t + 1] = torch.where(restart, torch.randint(0, vocab, (batch,), generator=generator),
+                                  perm[x[:, t]])
+    return x[:, :-1], x[:, 1:]
+
+
+def accumulation_runs(seeds, steps, methods=("fp32", "fp8", "subspace")):
+    """Final loss and largest loss rise of each (method, no_sync?, seed) on the chain task."""
+    from contextlib import nullcontext
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from nanogeo.bytegpt import ByteGPT, ByteGPTConfig
+    from nanogeo.ddp import GeoFP8HookState, geofp8_hook
+    rank = dist.get_rank()
+    rows = []
+    for seed in seeds:
+        for method in methods:
+            for no_sync in (False, True):
+                torch.manual_seed(seed)
+                net = DDP(ByteGPT(ByteGPTConfig(block_size=32, n_layer=2, n_embd=128)))
+                if method != "fp32":
+                    state = GeoFP8HookState(net, geometry="euclidean" if method == "fp8"
+                                            else "subspace", warmup=2, judge="l2")
+                    net.register_comm_hook(state, geofp8_hook)
+                opt = torch.optim.AdamW(net.parameters(), lr=2e-3)
+                data = torch.Generator().manual_seed(1000 * seed + rank)
+                losses = []
+                for _ in range(steps):
+                    opt.zero_grad()
+                    total = 0.0
+                    for micro in range(2):
+                        x, y = chain_batch(data, 8, 32)
+                        with net.no_sync() if no_sync and micro == 0 else nullcontext():
+                            loss = net(x, y)[1]
+                            (loss / 2).backward()
+                        total += loss.item() / 2
+                    opt.step()
+                    losses.append(total)
+                rise = max(b - a for a, b in zip(losses, losses[1:]))
+                rows.append({"seed": seed, "method": method, "no_sync": no_sync,
+                             "final_loss": losses[-1], "largest_rise": rise, "losses": losses})
+    return rows
+
+
+def print_accumulation(rows):
+    print(f"{'method':>9s} {'no_sync':>8s}  final loss per seed          largest rise per seed")
+    for method in dict.fromkeys(r["method"] for r in rows):
+        for no_sync in (False, True):
+            sel = [r for r in rows if r["method"] == method and r["no_sync"] == no_sync]
+            final = " ".join(f"{r['final_loss']:.3f}" for r in sel)
+            rise = " ".join(f"{r['largest_rise']:+.3f}" for r in sel)
+            print(f"{method:>9s} {str(no_sync):>8s}  {final:28s} {rise}")
+
+
 def analytic_flops(preset, tokens, rank, refresh=4):
     """GeoFP8 flops per step / training flops per step, at a preset's shapes."""
     geo, net = perfmodel.geo_flops(preset, rank, refresh)
@@ -369,7 +435,8 @@ def analytic_flops(preset, tokens, rank, refresh=4):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("mode", choices=["collective", "overhead", "flops", "fsdp", "codec"])
+    parser.add_argument("mode", choices=["collective", "overhead", "flops", "fsdp", "codec",
+                                         "accumulation"])
     parser.add_argument("--sizes", default="1,4,16", help="million elements per bucket")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--methods", default="fp32,bf16,fp8,subspace,nvfp4")
@@ -379,6 +446,7 @@ def main(argv=None):
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--rank", type=int, default=16, help="r (the GeoOptions default)")
     parser.add_argument("--world", type=int, default=8, help="codec mode: W")
+    parser.add_argument("--seeds", default="0,1,2", help="accumulation mode")
     parser.add_argument("--checkpoint", default="out/ablate/fp32/adamw/ranks2/seed1337/ckpt.pt", help="fsdp mode")
     parser.add_argument("--last", type=int, default=8, help="fsdp mode: steps measured")
     parser.add_argument("--sides", default="auto", choices=["auto", "both", "left", "right"],
@@ -388,11 +456,15 @@ def main(argv=None):
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     compress.compile_hot_path(args.compile)
-    if args.mode in ("collective", "fsdp"):
+    if args.mode in ("collective", "fsdp", "accumulation"):
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        if args.mode == "collective":
+        if args.mode == "accumulation":
+            result = accumulation_runs([int(s) for s in args.seeds.split(",")], args.steps)
+            if dist.get_rank() == 0:
+                print_accumulation(result)
+        elif args.mode == "collective":
             result = time_collective([float(s) for s in args.sizes.split(",")], args.iters,
                                      args.methods.split(","))
             if dist.get_rank() == 0:

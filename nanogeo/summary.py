@@ -1,0 +1,75 @@
+"""
+What a compressed run's communication did, measured on the run's own last step: the error of
+the averaged gradient its communicator delivered, against the exact fp32 mean of the same
+gradients, next to Euclidean FP8 through the same collective (a stateless twin fed the same
+gradients). train.py prints it at the end of every run with --comm=fp8/geofp8/subspace, after
+the per-layer table.
+
+The error is the relative L2 distance to the fp32 mean, over three sets of tensors: the
+matrices in geometry-aware coordinates on that step, all candidate matrices, all tensors. With
+error feedback the delivered mean also carries the previous step's residual, so its distance to
+this step's exact mean is not only this step's rounding.
+"""
+
+import math
+
+import torch
+import torch.distributed as dist
+
+import compress
+
+
+def euclidean_twin(communicator):
+    """A Euclidean communicator with the same codec and collective, without state."""
+    o = communicator.opts
+    options = compress.GeoOptions(geometry="euclidean", fmt=o.fmt, block=o.block,
+                                  collective=o.collective, sum_order=o.sum_order,
+                                  scale_sync_every=o.scale_sync_every, stochastic=o.stochastic,
+                                  seed=o.seed + 1, vocab_size=o.vocab_size)
+    return compress.GeoFP8Communicator([(n, communicator.shapes[n]) for n in communicator.names],
+                                       options, communicator.group)
+
+
+def exact_and_euclidean(communicator, local, world_size, simulated):
+    """(fp32 mean, Euclidean FP8 mean) of this step's gradients. local: this rank's tensors, or
+    with simulated ranks a list of every rank's."""
+    twin = euclidean_twin(communicator)
+    if simulated:
+        exact = [torch.stack(ts).mean(dim=0) for ts in zip(*local)]
+        euclid, _ = twin.reduce_workers([[g.clone() for g in w] for w in local])
+        return exact, euclid
+    flat = torch.cat([g.reshape(-1).float() for g in local])
+    if world_size > 1:
+        dist.all_reduce(flat, group=communicator.group)
+    exact = [t.view_as(g) for t, g in zip((flat / world_size).split([g.numel() for g in local]),
+                                          local)]
+    euclid = [g.clone() for g in local]
+    twin.reduce(euclid)
+    return exact, euclid
+
+
+def relative_error(means, exact, keep):
+    num = sum(float((m - e).pow(2).sum()) for m, e, k in zip(means, exact, keep) if k)
+    den = sum(float(e.pow(2).sum()) for e, k in zip(exact, keep) if k)
+    return math.sqrt(num / den) if den > 0 else float("nan")
+
+
+def last_step_report(communicator, local, delivered, world_size, simulated=False):
+    """The lines train.py prints: `delivered` is what the communicator returned on the last
+    step (before clipping), `local` that step's gradients as for exact_and_euclidean."""
+    exact, euclid = exact_and_euclidean(communicator, local, world_size, simulated)
+    names = communicator.names
+    sets = {"geometry-aware matrices": [communicator.coords(n) == "geo" for n in names],
+            "candidate matrices": [n in communicator.layers for n in names],
+            "all tensors": [True] * len(names)}
+    geo = sum(sets["geometry-aware matrices"])
+    lines = [f"communication on the last step: {geo} of {sum(sets['candidate matrices'])} "
+             f"candidate matrices in geometry-aware coordinates; error of the averaged gradient "
+             f"against the exact fp32 mean (relative L2):"]
+    for label, keep in sets.items():
+        if not any(keep):
+            continue
+        ours, base = relative_error(delivered, exact, keep), relative_error(euclid, exact, keep)
+        lines.append(f"  {label:24s} this run {ours:.4f} | Euclidean FP8, same collective "
+                     f"{base:.4f} | ratio {ours / base if base > 0 else float('nan'):.3f}")
+    return "\n".join(lines)
