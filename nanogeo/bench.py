@@ -314,18 +314,20 @@ def codec_launches(preset, world, iters, fmt="e4m3", block=128):
     buckets = ddp_buckets(preset)
     rows = {"preset": preset, "world": world, "buckets": len(buckets), "fmt": fmt, "block": block}
     layouts = {}
+    timed_bucket = max(buckets, key=len)             # the bucket with the most tensors
     for packed in (True, False):
-        layout = compress.ShardLayout(buckets[0], fmt, block, world, packed=packed)
+        layout = compress.ShardLayout(timed_bucket, fmt, block, world, packed=packed)
         layouts[packed] = layout
-    # calls per step: count one bucket's, then every bucket by the same rule
+    # calls per step: count one bucket's, then every bucket by the same rule; times and ops
+    # of the bucket with the most tensors (DDP's first bucket holds the output head alone)
     g = torch.Generator().manual_seed(0)
-    tensors = [torch.randn(s, generator=g) for s in buckets[0]]
+    tensors = [torch.randn(s, generator=g) for s in timed_bucket]
     for packed, layout in layouts.items():
         name = "packed" if packed else "per_piece"
         calls = count_codec_calls(lambda: one_rank_collective(tensors, layout))
         pieces = sum(len(p) for p in layout.pieces)
-        rows[name] = {"codec_calls_bucket0": calls, "pieces_bucket0": pieces,
-                      "kernel_ops_bucket0": kernel_ops(lambda: one_rank_collective(tensors, layout))}
+        rows[name] = {"codec_calls_bucket": calls, "pieces_bucket": pieces,
+                      "kernel_ops_bucket": kernel_ops(lambda: one_rank_collective(tensors, layout))}
     # per step for the whole model: per piece = W T (stage 1) + W T_j + T_j (stage 2) + W T
     # (stage 3) on rank 0; packed = 4 per bucket
     per_piece = 0
@@ -349,7 +351,7 @@ def codec_launches(preset, world, iters, fmt="e4m3", block=128):
             rows[name]["compiled_vs_roofline" if compiled else "eager_vs_roofline"] = (
                 (11 + 1 / world) / 8 * copy_s / seconds)
     compress.compile_hot_path(False)
-    rows["bucket0_numel"] = numel
+    rows["bucket_numel"], rows["bucket_tensors"] = numel, len(timed_bucket)
     return rows
 
 
