@@ -739,6 +739,7 @@ def train(cfg):
         last = communicator is not None and step + 1 == cfg.max_iters
         if last:        # kept for the end-of-run comparison with Euclidean FP8
             local = [[g.clone() for g in w] for w in worker_grads] or [g.clone() for g in grads]
+            coords = [communicator.coords(n) for n in communicator.names]   # as sent
         if cfg.simulate_workers:
             wire_bytes = reduce_simulated(params, worker_grads, cfg, communicator, worker_moments)
         else:
@@ -795,7 +796,7 @@ def train(cfg):
     elapsed = time.time() - t_start
     if delivered is not None:       # the last step, measured against Euclidean FP8
         from nanogeo import summary as comm_summary
-        log(comm_summary.last_step_report(communicator, local, delivered, data_parallel,
+        log(comm_summary.last_step_report(communicator, local, delivered, coords, data_parallel,
                                           simulated=bool(cfg.simulate_workers)))
     steps_run = cfg.max_iters - start_step
     summary = {"final_train_loss": train_loss, "final_val_loss": val_loss,

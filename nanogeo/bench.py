@@ -410,7 +410,7 @@ def accumulation_runs(seeds, steps, methods=("fp32", "fp8", "subspace")):
                         total += loss.item() / 2
                     opt.step()
                     losses.append(total)
-                rise = max(b - a for a, b in zip(losses, losses[1:]))
+                rise = max((b - a for a, b in zip(losses, losses[1:])), default=float("nan"))
                 rows.append({"seed": seed, "method": method, "no_sync": no_sync,
                              "final_loss": losses[-1], "largest_rise": rise, "losses": losses})
     return rows
@@ -461,7 +461,9 @@ def main(argv=None):
     if args.mode in ("collective", "fsdp", "accumulation"):
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        # the accumulation study's small models stay on the CPU: gloo
+        gpu = torch.cuda.is_available() and args.mode != "accumulation"
+        dist.init_process_group("nccl" if gpu else "gloo")
         if args.mode == "accumulation":
             result = accumulation_runs([int(s) for s in args.seeds.split(",")], args.steps)
             if dist.get_rank() == 0:

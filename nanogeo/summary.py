@@ -26,8 +26,10 @@ def euclidean_twin(communicator):
                                   collective=o.collective, sum_order=o.sum_order,
                                   scale_sync_every=o.scale_sync_every, stochastic=o.stochastic,
                                   seed=o.seed + 1, vocab_size=o.vocab_size)
-    return compress.GeoFP8Communicator([(n, communicator.shapes[n]) for n in communicator.names],
+    twin = compress.GeoFP8Communicator([(n, communicator.shapes[n]) for n in communicator.names],
                                        options, communicator.group)
+    twin.step = communicator.step - 1       # the step the last reduce ran at (scale syncing)
+    return twin
 
 
 def exact_and_euclidean(communicator, local, world_size, simulated):
@@ -54,12 +56,13 @@ def relative_error(means, exact, keep):
     return math.sqrt(num / den) if den > 0 else float("nan")
 
 
-def last_step_report(communicator, local, delivered, world_size, simulated=False):
+def last_step_report(communicator, local, delivered, coords, world_size, simulated=False):
     """The lines train.py prints: `delivered` is what the communicator returned on the last
-    step (before clipping), `local` that step's gradients as for exact_and_euclidean."""
+    step (before clipping), `local` that step's gradients as for exact_and_euclidean, `coords`
+    each tensor's coordinates on that step (communicator.coords, read before the reduce)."""
     exact, euclid = exact_and_euclidean(communicator, local, world_size, simulated)
     names = communicator.names
-    sets = {"geometry-aware matrices": [communicator.coords(n) == "geo" for n in names],
+    sets = {"geometry-aware matrices": [c == "geo" for c in coords],
             "candidate matrices": [n in communicator.layers for n in names],
             "all tensors": [True] * len(names)}
     geo = sum(sets["geometry-aware matrices"])
