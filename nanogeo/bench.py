@@ -46,7 +46,7 @@ import torch.distributed as dist
 import compress
 import model as model_lib
 import train
-from nanogeo import perfmodel
+from nanogeo import perfmodel, smoke
 
 
 def bucket_shapes(million_elements, width=1024):
@@ -340,29 +340,19 @@ def codec_launches(preset, world, iters, fmt="e4m3", block=128):
     # time against the memory-copy roofline
     numel = sum(t.numel() for t in tensors)
     src, dst = torch.cat([t.reshape(-1) for t in tensors]), torch.empty(numel)
-    copy_s = timed_median(lambda: dst.copy_(src), iters)
+    copy_s = smoke.timed(lambda: dst.copy_(src), iters)
     rows["copy_gb_per_s"] = 8 * numel / copy_s / 1e9
     for compiled in (False, True):
         compress.compile_hot_path(compiled)
         for packed, layout in layouts.items():
             name = "packed" if packed else "per_piece"
-            seconds = timed_median(lambda: one_rank_collective(tensors, layout), iters)
+            seconds = smoke.timed(lambda: one_rank_collective(tensors, layout), iters)
             rows[name]["compiled_ms" if compiled else "eager_ms"] = seconds * 1000
             rows[name]["compiled_vs_roofline" if compiled else "eager_vs_roofline"] = (
                 (11 + 1 / world) / 8 * copy_s / seconds)
     compress.compile_hot_path(False)
     rows["bucket_numel"], rows["bucket_tensors"] = numel, len(timed_bucket)
     return rows
-
-
-def timed_median(fn, iters):
-    fn()                          # warm-up (and compile)
-    seconds = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        seconds.append(time.perf_counter() - t0)
-    return sorted(seconds)[len(seconds) // 2]
 
 
 def chain_batch(generator, batch, length, vocab=64):
