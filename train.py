@@ -30,13 +30,11 @@ One log line per step, pipe-separated; the same numbers go to out_dir/log.jsonl.
 
 import contextlib
 import dataclasses
-import hashlib
-import json
 import math
 import os
 import sys
 import time
-from dataclasses import dataclass, asdict
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -44,6 +42,9 @@ import torch.distributed as dist
 
 import compress
 import model as model_lib
+from nanogeo import checkpoint, config, hooks, runlog, runtime, summary
+from nanogeo.config import ConfigError
+from nanogeo.runtime import RankMismatch
 from prepare_data import ShardError, read_header, read_shard
 
 
@@ -113,120 +114,10 @@ class TrainConfig:
     check_every: int = 100            # all-rank parameter checksum every N steps (0 = never)
 
 
-# Per-preset defaults for the training loop (the model shapes live in model.PRESETS).
-TRAIN_PRESETS = {
-    "cpu-tiny": dict(batch_size=8, block_size=128, learning_rate=3e-3, max_iters=200,
-                     warmup_iters=20),
-    # many simulated ranks on one CPU: train.py --preset=char-study --simulate_workers=32
-    "char-study": dict(data_dir="data/shakespeare_char", batch_size=4, block_size=64,
-                       learning_rate=3e-3, min_lr=3e-4, max_iters=2000, warmup_iters=100,
-                       eval_interval=250, eval_iters=4, log_interval=50),
-    "llama-300m": dict(batch_size=4, block_size=2048, grad_accum=2, learning_rate=1.5e-3,
-                       min_lr=1.5e-4, max_iters=20000, warmup_iters=1000, eval_interval=500,
-                       eval_iters=20, ckpt_interval=1000),
-    "llama-600m": dict(batch_size=4, block_size=2048, grad_accum=2, learning_rate=1e-3,
-                       min_lr=1e-4, max_iters=20000, warmup_iters=1000, eval_interval=500,
-                       eval_iters=20, ckpt_interval=1000),
-    # the paper's recipe: Muon (lr 5e-4 -> 5e-5, momentum 0.9, 5 Newton-Schulz steps, weight
-    # decay 0.1) with AdamW (0.9, 0.95) on embeddings and gains, clip 1.0; 16K tokens per rank-step
-    "paper-300m": dict(batch_size=2, block_size=4096, grad_accum=2, optimizer="muon",
-                       learning_rate=5e-4, min_lr=5e-5, max_iters=20000, warmup_iters=1000,
-                       eval_interval=500, eval_iters=20, ckpt_interval=1000),
-    "paper-600m": dict(batch_size=4, block_size=2048, grad_accum=2, optimizer="muon",
-                       learning_rate=5e-4, min_lr=5e-5, max_iters=20000, warmup_iters=1000,
-                       eval_interval=500, eval_iters=20, ckpt_interval=1000),
-}
-
-CHOICES = {"comm": ("fp32", "bf16", "fp8", "geofp8", "subspace"),
-           "device": ("auto", "cpu", "cuda"), "fmt": compress.FORMATS,
-           "collective": compress.COLLECTIVES, "sum_order": compress.SUM_ORDERS,
-           "whiten_factor": compress.WHITEN_FACTORS, "whiten_sides": compress.WHITEN_SIDES,
-           "geo_judge": compress.JUDGES, "preset": tuple(model_lib.PRESETS),
-           "optimizer": ("adamw", "muon"), "muon_adjust_lr": ("original", "match_rms_adamw")}
-
-
-class ConfigError(ValueError):
-    """A bad flag or flag combination; the message names the fix."""
-
-
-def parse_value(field, text):
-    kind = field.type
-    if kind is bool:
-        if text.lower() in ("1", "true", "yes", "on"):
-            return True
-        if text.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"--{field.name} expects true or false, got {text!r}")
-    try:
-        return kind(text)
-    except ValueError:
-        raise ConfigError(f"--{field.name} expects {kind.__name__}, got {text!r}") from None
-
-
-BOOL_WORDS = ("1", "true", "yes", "on", "0", "false", "no", "off")
-
-
-def parse_config(argv, config_class=TrainConfig, presets=TRAIN_PRESETS, choices=CHOICES,
-                 doc=None):
-    """--key=value (or --key value) flags -> config. The preset fills defaults, explicit flags
-    override them. `doc` is what --help prints above the flags (the calling module's docstring)."""
-    fields = {f.name: f for f in dataclasses.fields(config_class)}
-    given = {}
-    argv = list(argv)
-    while argv:
-        arg = argv.pop(0)
-        if arg in ("-h", "--help"):
-            print(doc or __doc__)
-            print("flags (default):")
-            for f in fields.values():
-                print(f"  --{f.name}={f.default}")
-            sys.exit(0)
-        if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument {arg!r}; flags look like --key=value")
-        key, has_value, value = arg[2:].partition("=")
-        if key not in fields:
-            close = [k for k in fields if k.startswith(key[:3])]
-            hint = f" (did you mean --{close[0]}?)" if close else ""
-            raise ConfigError(f"unknown flag --{key}{hint}; see --help for the list")
-        if not has_value:   # --key value, or a bare boolean --key
-            is_bool = fields[key].type is bool
-            if argv and not argv[0].startswith("--") and (not is_bool or argv[0].lower() in BOOL_WORDS):
-                value = argv.pop(0)
-            elif is_bool:
-                value = "true"
-            else:
-                raise ConfigError(f"--{key} needs a value: --{key}=VALUE or --{key} VALUE")
-        given[key] = parse_value(fields[key], value)
-    preset = given.get("preset", config_class.preset)
-    if preset not in presets:
-        raise ConfigError(f"unknown --preset={preset}; choose one of {', '.join(presets)}")
-    config = config_class(**{**presets[preset], **given})
-    for key, allowed in choices.items():
-        if getattr(config, key) not in allowed:
-            raise ConfigError(f"--{key}={getattr(config, key)} is not one of {', '.join(allowed)}")
-    positive = ("max_iters", "batch_size", "block_size", "grad_accum", "eval_interval",
-                "eval_iters", "log_interval", "geo_rank", "whiten_rank", "scale_sync_every",
-                "muon_ns_steps")
-    for key in positive:
-        if hasattr(config, key) and getattr(config, key) < 1:
-            raise ConfigError(f"--{key} must be >= 1, got {getattr(config, key)}")
-    if getattr(config, "learning_rate", 1) <= 0:  # every group's lr is a multiple of it
-        raise ConfigError(f"--learning_rate must be > 0, got {config.learning_rate}")
-    stray = [k for k in given if k.startswith("muon_")]
-    if stray and getattr(config, "optimizer", None) != "muon":
-        raise ConfigError(f"--{stray[0]} applies only with --optimizer=muon")
-    if hasattr(config, "block"):
-        parse_block(config.block)
-    return config
-
-
-def parse_block(text):
-    """--block: an element count, 'row' or 'tensor'."""
-    if text in ("row", "tensor"):
-        return text
-    if text.isdigit() and int(text) > 0:
-        return int(text)
-    raise ConfigError(f"--block={text} must be a positive integer, row or tensor")
+def parse_config(argv):
+    """train.py's flags -> TrainConfig (nanogeo/config.py: --key=value or --key value)."""
+    return config.parse_config(argv, TrainConfig, config.TRAIN_PRESETS, config.TRAIN_CHOICES,
+                               __doc__)
 
 
 # -----------------------------------------------------------------------------
@@ -271,44 +162,6 @@ def load_data(cfg, vocab_size):
 ring_allreduce_bytes = compress.ring_allreduce_bytes   # 2 (W - 1) / W of the buffer per rank
 
 
-GEOMETRY = {"fp8": "euclidean", "geofp8": "whiten", "subspace": "subspace"}
-
-
-def parse_geo_layers(text):
-    """--geo_layers -> GeoOptions fields: 'gain', 'all', 'fragile:K' (the K matrices whose FP8
-    sums saturate most during the warm-up) or a file listing weight names (nanogeo.profile)."""
-    if text in ("gain", "all"):
-        return {"select": text}
-    if text.startswith("fragile:"):
-        k = text.partition(":")[2]
-        if not k.isdigit() or int(k) < 1:
-            raise ConfigError(f"--geo_layers={text}: use fragile:K with K >= 1, e.g. fragile:4")
-        return {"select": "fragile", "top_k": int(k)}
-    if not os.path.isfile(text):
-        raise ConfigError(f"--geo_layers={text}: not gain, all, fragile:K or an existing file; "
-                          "write one with `python -m nanogeo.profile`")
-    with open(text) as f:
-        names = json.load(f)["selected"] if text.endswith(".json") else f.read().split()
-    return {"select": "list", "geo_layers": tuple(names)}
-
-
-def geo_options(cfg, vocab_size):
-    """compress.GeoOptions from the training flags (shared with the DDP hook and tools)."""
-    try:
-        return compress.GeoOptions(
-            geometry=GEOMETRY[cfg.comm], fmt=cfg.fmt, block=parse_block(cfg.block),
-            collective=cfg.collective, sum_order=cfg.sum_order,
-            scale_sync_every=cfg.scale_sync_every, refresh=cfg.geo_refresh, warmup=cfg.geo_warmup,
-            judge=cfg.geo_judge, enter_gain=cfg.geo_enter_gain, exit_gain=cfg.geo_exit_gain,
-            factor=cfg.whiten_factor, whiten_rank=cfg.whiten_rank, whiten_sides=cfg.whiten_sides,
-            factor_decay=cfg.factor_decay, rank=cfg.geo_rank, error_feedback=cfg.error_feedback,
-            feedback_geo_only=cfg.feedback_geo_only,
-            stochastic=cfg.stochastic_round, seed=cfg.seed, vocab_size=vocab_size,
-            **parse_geo_layers(cfg.geo_layers))
-    except ValueError as e:     # a combination GeoOptions rejects; its message names the fix
-        raise ConfigError(str(e)) from None
-
-
 def make_communicator(cfg, model, optimizers):
     """State that survives between steps for the compressed collectives (geometry, residuals),
     and for the published GeoFP8 the hooks that collect its layers' input statistics.
@@ -317,14 +170,15 @@ def make_communicator(cfg, model, optimizers):
     if cfg.comm in ("fp32", "bf16"):
         return None, None
     named = [(n, p.shape) for n, p in model.named_parameters() if p.requires_grad]
-    communicator = compress.GeoFP8Communicator(named, geo_options(cfg, model.config.vocab_size),
+    options = config.geo_options(cfg, model.config.vocab_size)
+    communicator = compress.GeoFP8Communicator(named, options,
                                                linear=set(compress.linear_layers(model)))
-    communicator.watch(compress.optimizer_views(optimizers, model))
+    communicator.watch(hooks.optimizer_views(optimizers, model))
     moments = None
     if communicator.moment_layers():
         layers = compress.linear_layers(model, communicator.moment_layers())
         # its hooks are attached in train() for the forwards of refresh steps only
-        moments = compress.KroneckerMoments(layers, sides=communicator.whitened_sides())
+        moments = hooks.KroneckerMoments(layers, sides=communicator.whitened_sides())
     return communicator, moments
 
 
@@ -403,19 +257,6 @@ def make_optimizers(cfg, model, fused=False):
     return [model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, betas, fused=fused)]
 
 
-def optimizer_states(optimizers):
-    """The checkpoint's optimizer entries: AdamW under "optimizer", Muon under "muon"."""
-    *muon, adamw = optimizers
-    return {"optimizer": adamw.state_dict(), "muon": muon[0].state_dict() if muon else {}}
-
-
-def load_optimizers(optimizers, ckpt):
-    *muon, adamw = optimizers
-    adamw.load_state_dict(ckpt["optimizer"])
-    if muon:
-        muon[0].load_state_dict(ckpt["muon"])
-
-
 def peak_lrs(optimizers):
     """Each param group's peak learning rate, as the optimizers were built."""
     return [[group["lr"] for group in o.param_groups] for o in optimizers]
@@ -429,185 +270,93 @@ def set_learning_rates(optimizers, peaks, lr, base_lr):
             group["lr"] = lr * (peak / base_lr)
 
 
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12,
-                   "L40S": 362e12, "A10": 125e12, "4090": 165e12}
-
-
-def peak_flops(device):
-    """Dense bf16 peak of the GPU, for MFU; None on CPU or an unknown GPU."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    for key, flops in sorted(PEAK_BF16_FLOPS.items(), key=lambda kv: -len(kv[0])):
-        if key in name:
-            return flops
-    return None
-
-
-def parameter_checksum(params):
-    """sha256 of every parameter's bytes: equal on two ranks iff their parameters are bitwise equal."""
-    digest = hashlib.sha256()
-    for p in params:
-        digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
-def gradients_finite(grads, world_size):
-    """True on every rank iff no rank has a NaN/inf gradient: one 1-element all-reduce and one
-    transfer to the host (the flags of all tensors are combined on the device)."""
-    bad = torch.stack([~torch.isfinite(g).all() for g in grads]).any().float().reshape(1)
-    if world_size > 1:
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-    return bad.item() == 0
-
-
-class RankMismatch(RuntimeError):
-    """Parameters differ across ranks: the run cannot continue meaningfully."""
-
-
-def check_ranks_agree(params, step, device):
-    """All ranks must hold bitwise-identical parameters. One all-reduce of a checksum (MAX of
-    c and of -c: equal on every rank iff every rank's c is the same) checks it."""
-    checksum = torch.zeros((), dtype=torch.float64, device=device)
-    for i, p in enumerate(params):
-        checksum += p.detach().double().sum() * (1 + (i % 7) / 7)
-    both = torch.stack([checksum, -checksum])
-    dist.all_reduce(both, op=dist.ReduceOp.MAX)
-    if both[0].item() != checksum.item() or -both[1].item() != checksum.item():
-        raise RankMismatch(f"parameters differ across ranks at step {step}; a rank diverged "
-                           "(nondeterministic kernel, bad hardware or a code change on one node): "
-                           "restart from the last checkpoint")
-
-
-# what a checkpoint's numbers depend on: resuming with any of these changed would silently load
-# mismatched geometry, optimizer state or residuals
-RESUME_MUST_MATCH = ("preset", "optimizer", "comm", "fmt", "block", "collective", "geo_rank",
-                     "whiten_factor", "whiten_rank", "whiten_sides", "error_feedback")
-
-
-def open_checkpoint(cfg, ckpt_path, world_size, device, master):
-    """The checkpoint to resume from (None for a fresh run), after checking that it is this
-    run's. A fresh run with --overwrite first moves an existing one aside (to ckpt.pt.old), so
-    that an elastic restart before its first save cannot resume the replaced run."""
-    if not cfg.resume:
-        if os.path.exists(ckpt_path) and not cfg.overwrite:
-            raise ConfigError(f"{cfg.out_dir} already holds another run's checkpoint; pass --resume "
-                              "to continue it, --overwrite=true to replace it, or choose another "
-                              "--out_dir")
-        if os.path.exists(ckpt_path) and master:
-            os.replace(ckpt_path, ckpt_path + ".old")
-            for name in os.listdir(cfg.out_dir):
-                if name.startswith("residuals-rank"):
-                    os.remove(os.path.join(cfg.out_dir, name))
-        if dist.is_initialized():
-            dist.barrier()          # no rank looks for a checkpoint before it is moved
-        return None
-    if not os.path.exists(ckpt_path):
-        raise ConfigError(f"--resume but {ckpt_path} does not exist; drop --resume to start fresh")
-    ckpt = torch.load(ckpt_path, map_location=device, weights_only=True)
-    saved = {"optimizer": "adamw", **ckpt["config"]}
-    for flag in RESUME_MUST_MATCH:
-        if flag in saved and saved[flag] != getattr(cfg, flag):
-            raise ConfigError(f"{ckpt_path} is a --{flag}={saved[flag]} run; resume it with that "
-                              f"setting or use another --out_dir")
-    saved_world = ckpt.get("world_size", world_size)
-    if cfg.error_feedback and saved_world != world_size:
-        raise ConfigError(f"{ckpt_path} keeps error-feedback residuals for {saved_world} ranks; "
-                          f"resume on {saved_world} ranks or start a new run")
-    if cfg.error_feedback and ckpt.get("simulated", False) != bool(cfg.simulate_workers):
-        was = "simulated ranks (--simulate_workers)" if ckpt.get("simulated") else "real ranks"
-        raise ConfigError(f"{ckpt_path} keeps error-feedback residuals of {was}; resume it the "
-                          "same way or start a new run")
-    return ckpt
-
-
-def residuals_path(out_dir, rank, step):
-    return os.path.join(out_dir, f"residuals-rank{rank:05d}-step{step:07d}.pt")
-
-
-def save_residuals(residuals, out_dir, rank, step):
-    """Error feedback keeps one residual per rank: each rank writes its own next to ckpt.pt and
-    keeps it and the one before (a crash before ckpt.pt is written leaves the previous pair);
-    files of later steps are from a run this one replaces."""
-    atomic_save(residuals, residuals_path(out_dir, rank, step))
-    prefix = f"residuals-rank{rank:05d}-step"
-    steps = sorted(int(f[len(prefix):-3]) for f in os.listdir(out_dir)
-                   if f.startswith(prefix) and f.endswith(".pt"))
-    keep = [s for s in steps if s <= step][-2:]
-    for old in steps:
-        if old not in keep:
-            os.remove(residuals_path(out_dir, rank, old))
-
-
-def load_residuals(out_dir, rank, step, device):
-    path = residuals_path(out_dir, rank, step)
-    if not os.path.exists(path):
-        raise ConfigError(f"{path} is missing: with --error_feedback every rank resumes its own "
-                          "residual; restore the file or start a new run")
-    return torch.load(path, map_location=device, weights_only=True)
-
-
-def atomic_save(obj, path):
-    """Write to a temp file, fsync, rename: a crash never leaves a half-written checkpoint."""
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def setup_distributed(cfg):
-    """(rank, world_size, local_rank, device). torchrun sets RANK/WORLD_SIZE/LOCAL_RANK."""
-    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device=cuda but no GPU is visible; use --device=cpu")
-    if "RANK" not in os.environ:
-        return 0, 1, 0, torch.device("cuda" if use_cuda else "cpu")
-    local_rank = int(os.environ["LOCAL_RANK"])
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-    # After an elastic restart (torchrun --max-restarts) the new workers meet in the same agent
-    # store as the dead ones; a key space per attempt keeps a restarted rank from reading a dead
-    # peer's address (gloo then fails with "Connection refused").
-    store, rank, world_size = next(dist.rendezvous("env://"))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(backend="nccl" if use_cuda else "gloo",
-                            store=dist.PrefixStore(f"nanogeo/attempt{attempt}", store),
-                            rank=rank, world_size=world_size,
-                            device_id=device if use_cuda else None)
-    return dist.get_rank(), dist.get_world_size(), local_rank, device
-
-
 # -----------------------------------------------------------------------------
 # training
 
-def train(cfg):
-    rank, world_size, _, device = setup_distributed(cfg)
-    master = rank == 0
-    # the data-parallel ranks whose batches this process computes: its own, or all W simulated
+def optimizer_step(params, optimizers, grad_clip, skip=False):
+    """Clip the averaged gradients (identical on every rank), step every optimizer, clear the
+    gradients. Returns the gradient norm before clipping. skip=True only clears them."""
+    grad_norm = None
+    if not skip:
+        grad_norm = (torch.nn.utils.clip_grad_norm_(params, grad_clip) if grad_clip > 0
+                     else torch.norm(torch.stack([p.grad.norm() for p in params])))
+    for o in optimizers:
+        if not skip:
+            o.step()
+        o.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+def data_parallel_ranks(cfg, rank, world_size):
+    """The data-parallel ranks whose batches this process computes: its own, or with
+    --simulate_workers=W all W of them (one process plays every rank)."""
     if cfg.simulate_workers < 0:
         raise ConfigError("--simulate_workers must be >= 0 (0: off)")
     if cfg.simulate_workers and world_size > 1:
         raise ConfigError("--simulate_workers plays every rank in one process; run it with "
                           "python, not torchrun")
-    my_ranks = list(range(cfg.simulate_workers)) if cfg.simulate_workers else [rank]
-    data_parallel = cfg.simulate_workers or world_size
-    log = print if master else (lambda *a, **k: None)
+    return list(range(cfg.simulate_workers)) if cfg.simulate_workers else [rank]
+
+
+@torch.no_grad()
+def evaluate(model, data, cfg, my_ranks, world_size, autocast, device):
+    """Mean validation loss over every data-parallel rank's fixed validation batches (the same
+    windows at every evaluation), identical on all ranks."""
+    model.eval()
+    per_rank = []
+    for r in my_ranks:
+        losses = []
+        for k in range(cfg.eval_iters):
+            x, y = get_batch(data["val"], cfg.batch_size, cfg.block_size,
+                             batch_rng(cfg.seed, r, 0, k, "val"), device)
+            with autocast:
+                losses.append(model(x, y)[1].float())
+        per_rank.append(torch.stack(losses).mean())
+    loss = torch.stack(per_rank).sum()
+    if world_size > 1:
+        dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+    model.train()
+    return (loss / (len(my_ranks) * world_size)).item()
+
+
+def forward_backward(forward, params, data, cfg, step, my_ranks, autocast, device, moments=None):
+    """Every micro-step of this step for each of my_ranks. .grad accumulates locally: nothing
+    is communicated until the last micro-step. Returns (the first rank's mean loss, each
+    simulated rank's gradients, each simulated rank's K-FAC statistics); for a real rank the
+    gradients stay in .grad and the lists are empty."""
+    loss_sum, worker_grads, worker_moments = 0.0, [], []
+    for r in my_ranks:
+        for micro in range(cfg.grad_accum):
+            x, y = get_batch(data["train"], cfg.batch_size, cfg.block_size,
+                             batch_rng(cfg.seed, r, step, micro), device)
+            with autocast:
+                _, loss = forward(x, y)
+            (loss / cfg.grad_accum).backward()
+            if r == my_ranks[0]:
+                loss_sum += loss.item()
+        if cfg.simulate_workers:        # take this rank's gradients; the next starts at 0
+            worker_grads.append([p.grad for p in params])
+            for p in params:
+                p.grad = None
+            if moments is not None:
+                worker_moments.append(moments.take())
+    return loss_sum / cfg.grad_accum, worker_grads, worker_moments
+
+
+def train(cfg):
+    rank, world_size, _, device = runtime.setup_distributed(cfg)
+    my_ranks = data_parallel_ranks(cfg, rank, world_size)
+    data_parallel = len(my_ranks) * world_size
     torch.manual_seed(cfg.seed)  # same seed on every rank: identical initial parameters
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-
-    ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if restarts and os.path.exists(ckpt_path):  # torchrun --max-restarts brought us back
-        cfg = dataclasses.replace(cfg, resume=True)
+    if restarts and os.path.exists(os.path.join(cfg.out_dir, "ckpt.pt")):
+        cfg = dataclasses.replace(cfg, resume=True)     # torchrun --max-restarts brought us back
     # checked before anything is built: fail in a second, not after a minute
-    ckpt = open_checkpoint(cfg, ckpt_path, data_parallel, device, master)
+    ckpt = checkpoint.open_checkpoint(cfg, data_parallel, device, master=rank == 0)
+    log = runlog.RunLog(cfg, master=rank == 0)
 
     mcfg = model_lib.model_config(cfg.preset, block_size=cfg.block_size)
     data = load_data(cfg, mcfg.vocab_size)
@@ -622,119 +371,38 @@ def train(cfg):
                 else contextlib.nullcontext())
     start_step = 0
     if ckpt is not None:
-        raw_model.load_state_dict(ckpt["model"])
-        load_optimizers(optimizers, ckpt)
-        if communicator is not None and ckpt.get("communicator"):
-            communicator.load_state_dict(ckpt["communicator"])
-            if cfg.error_feedback and world_size > 1:   # every rank's own residual
-                communicator.residuals = {rank: load_residuals(cfg.out_dir, rank, ckpt["step"],
-                                                               device)}
-        start_step = ckpt["step"]
-        if "rng" in ckpt:
-            torch.set_rng_state(ckpt["rng"]["torch"].cpu())
-        log(f"resumed from {ckpt_path} at step {start_step}"
-            + (f" (elastic restart {restarts})" if restarts else ""))
+        start_step = checkpoint.restore(ckpt, raw_model, optimizers, communicator, cfg, rank,
+                                        world_size, device)
+        log.print(f"resumed from {cfg.out_dir}/ckpt.pt at step {start_step}"
+                  + (f" (elastic restart {restarts})" if restarts else ""))
+    saver = checkpoint.Checkpointer(cfg, mcfg, data_parallel, rank, world_size,
+                                    last_step=start_step if ckpt is not None else None)
+    log.start(raw_model, params, world_size, device, data_parallel)
 
-    if master:
-        os.makedirs(cfg.out_dir, exist_ok=True)
-
-    log(f"config: {json.dumps(asdict(cfg))}")
-    log(f"model: {cfg.preset}, {raw_model.num_params() / 1e6:.2f}M parameters | world_size "
-        f"{world_size} | device {device} | backend {dist.get_backend() if world_size > 1 else '-'}"
-        + (f" | simulating {data_parallel} data-parallel ranks" if cfg.simulate_workers else ""))
-    tokens_per_step = cfg.batch_size * cfg.block_size * cfg.grad_accum * data_parallel
-    flops_per_step = raw_model.flops_per_token(cfg.block_size) * tokens_per_step
-    peak = peak_flops(device)
-    n_grad = sum(p.numel() for p in params)
-    bf16_ring_bytes = ring_allreduce_bytes(n_grad, 2, data_parallel)
-
-    @torch.no_grad()
-    def evaluate():
-        model.eval()
-        per_rank = []
-        for r in my_ranks:
-            losses = []
-            for k in range(cfg.eval_iters):
-                # fixed validation batches: the same windows at every evaluation
-                x, y = get_batch(data["val"], cfg.batch_size, cfg.block_size,
-                                 batch_rng(cfg.seed, r, 0, k, "val"), device)
-                with autocast:
-                    losses.append(model(x, y)[1].float())
-            per_rank.append(torch.stack(losses).mean())
-        loss = torch.stack(per_rank).sum()
-        if world_size > 1:
-            dist.all_reduce(loss, op=dist.ReduceOp.SUM)
-        loss /= data_parallel
-        model.train()
-        return loss.item()
-
-    saved = {"step": start_step if ckpt is not None else None}  # this run's latest ckpt.pt
-
-    def save(step):
-        if communicator is not None and cfg.error_feedback and world_size > 1:
-            save_residuals(communicator.residuals.get(rank, {}), cfg.out_dir, rank, step)
-            dist.barrier()      # every rank's residual is on disk before ckpt.pt names the step
-        if not master:
-            return
-        if saved["step"] is not None and cfg.keep_ckpts > 1:  # keep the previous ones too
-            os.replace(ckpt_path, os.path.join(cfg.out_dir, f"ckpt-{saved['step']:07d}.pt"))
-            old = sorted(f for f in os.listdir(cfg.out_dir) if f.startswith("ckpt-"))
-            for name in old[: max(0, len(old) - (cfg.keep_ckpts - 1))]:
-                os.remove(os.path.join(cfg.out_dir, name))
-        atomic_save({"model": raw_model.state_dict(), **optimizer_states(optimizers),
-                     "step": step, "config": asdict(cfg), "model_config": asdict(mcfg),
-                     "world_size": data_parallel, "simulated": bool(cfg.simulate_workers),
-                     "communicator": communicator.state_dict() if communicator else {},
-                     "rng": {"torch": torch.get_rng_state()}}, ckpt_path)
-        saved["step"] = step
-
-    # a resumed run continues its log; a fresh one starts it anew
-    jsonl = open(os.path.join(cfg.out_dir, "log.jsonl"), "a" if cfg.resume else "w") if master else None
-    first_val = evaluate() if start_step == 0 else None
-    if first_val is not None:
-        log(f"step {start_step} | val loss {first_val:.4f}")
-    val_loss = first_val if first_val is not None else float("nan")  # resumed: not yet measured
-    train_loss = float("nan")
-    t_start = time.time()
+    first_val = None if start_step else evaluate(model, data, cfg, my_ranks, world_size,
+                                                 autocast, device)
+    log.first_eval(first_val)
+    val_loss = float("nan") if first_val is None else first_val    # resumed: not yet measured
+    train_loss, t_start = float("nan"), time.time()
     local = delivered = None        # the last step's gradients, kept for the summary
     for step in range(start_step, cfg.max_iters):
         t0 = time.time()
         lr = learning_rate(cfg, step)
         set_learning_rates(optimizers, peaks, lr, cfg.learning_rate)
-        loss_sum = 0.0
         # on the published GeoFP8's refresh steps, hooks collect the whitened layers' input
         # statistics; those forwards run eagerly, so a compiled graph never contains the hooks
         collect = moments is not None and communicator.wants_moments()
-        if collect:
-            moments.attach()
-        forward = raw_model if collect else model
-        worker_grads, worker_moments = [], []   # --simulate_workers: each simulated rank's
-        for r in my_ranks:
-            for micro in range(cfg.grad_accum):
-                x, y = get_batch(data["train"], cfg.batch_size, cfg.block_size,
-                                 batch_rng(cfg.seed, r, step, micro), device)
-                with autocast:
-                    _, loss = forward(x, y)
-                # .grad accumulates locally; no communication until the last micro-step
-                (loss / cfg.grad_accum).backward()
-                if r == my_ranks[0]:
-                    loss_sum += loss.item()
-            if cfg.simulate_workers:        # take this rank's gradients; the next starts at 0
-                worker_grads.append([p.grad for p in params])
-                for p in params:
-                    p.grad = None
-                if collect:
-                    worker_moments.append(moments.take())
-        if collect:
-            moments.detach()
+        with moments.attached() if collect else contextlib.nullcontext():
+            loss, worker_grads, worker_moments = forward_backward(
+                raw_model if collect else model, params, data, cfg, step, my_ranks, autocast,
+                device, moments if collect else None)
         grads = [g for w in worker_grads for g in w] or [p.grad for p in params]
-        if not gradients_finite(grads, world_size):
+        if not runtime.gradients_finite(grads, world_size):
             # skipped on every rank alike; geometry and error-feedback state stay untouched
-            log(f"step {step + 1}: warning: non-finite gradient on some rank; step skipped")
+            log.print(f"step {step + 1}: warning: non-finite gradient on some rank; step skipped")
             if collect:
                 moments.take()      # this step's statistics go with it
-            for o in optimizers:
-                o.zero_grad(set_to_none=True)
+            optimizer_step(params, optimizers, cfg.grad_clip, skip=True)
             continue
         last = communicator is not None and step + 1 == cfg.max_iters
         if last:        # kept for the end-of-run comparison with Euclidean FP8
@@ -746,74 +414,33 @@ def train(cfg):
             wire_bytes = reduce_gradients(params, cfg, communicator, world_size, moments)
         if last:
             delivered = [p.grad.clone() for p in params]
-        grad_norm = (torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip > 0
-                     else torch.norm(torch.stack([p.grad.norm() for p in params])))
-        for o in optimizers:
-            o.step()
-            o.zero_grad(set_to_none=True)
+        grad_norm = optimizer_step(params, optimizers, cfg.grad_clip)
         if cfg.check_every and world_size > 1 and (step + 1) % cfg.check_every == 0:
-            check_ranks_agree(params, step + 1, device)
-        train_loss = loss_sum / cfg.grad_accum  # this rank's loss; ranks differ by their data
+            runtime.check_ranks_agree(params, step + 1, device)
+        train_loss = loss       # this rank's loss; ranks differ by their data
         if device.type == "cuda":
             torch.cuda.synchronize()
-        dt = time.time() - t0
+        dt, done = time.time() - t0, step + 1
 
-        done = step + 1
         if done % cfg.eval_interval == 0 or done == cfg.max_iters:
-            val_loss = evaluate()
+            val_loss = evaluate(model, data, cfg, my_ranks, world_size, autocast, device)
             if cfg.comm in ("geofp8", "subspace") and done > cfg.geo_warmup:
-                log(f"GeoFP8 layers at step {done}:\n{communicator.table()}")
+                log.print(f"GeoFP8 layers at step {done}:\n{communicator.table()}")
         if done % cfg.log_interval == 0 or done == cfg.max_iters:
-            record = {"step": done, "loss": train_loss, "val_loss": val_loss, "lr": lr,
-                      "grad_norm": float(grad_norm), "dt_ms": 1000 * dt,
-                      "tok_per_s": tokens_per_step / dt,
-                      "mfu": flops_per_step / dt / (peak * world_size) if peak else None,
-                      "wire_bytes": wire_bytes,
-                      "wire_vs_bf16": wire_bytes / bf16_ring_bytes if data_parallel > 1 else None}
-            mfu = f"{100 * record['mfu']:.1f}%" if peak else "-"
-            ratio = f"{record['wire_vs_bf16']:.3f}" if data_parallel > 1 else "-"
-            log(f"step {done} | loss {train_loss:.4f} | val {val_loss:.4f} | lr {lr:.2e} | "
-                f"dt {1000 * dt:.0f}ms | tok/s {record['tok_per_s']:.0f} | mfu {mfu} | "
-                f"wire {wire_bytes / 1e6:.2f}MB ({ratio}x bf16)")
-            if jsonl:
-                jsonl.write(json.dumps(record) + "\n")
-                jsonl.flush()
+            log.step(done, train_loss, val_loss, lr, grad_norm, dt, wire_bytes)
         if cfg.eval_every and done % cfg.eval_every == 0:
-            # every rank scores its share of the requests (no rank waits on another's evaluation
-            # in a collective, which a long one would time out); rank 0 logs the result
-            from nanogeo import eval as downstream
-            scores = downstream.evaluate_model(raw_model, cfg.eval_tasks.split(","), cfg.eval_limit,
-                                               cfg.batch_size, device, quiet=True)
-            log(f"step {done} | downstream | " + " | ".join(
-                f"{t} {r.get('acc_norm', r['acc']):.4f}" for t, r in scores.items()))
-            if jsonl:
-                jsonl.write(json.dumps({"step": done, "downstream": {
-                    t: {k: v for k, v in r.items() if not isinstance(v, list)}
-                    for t, r in scores.items()}}) + "\n")
+            log.downstream(done, raw_model, device)
         if cfg.ckpt_interval and done % cfg.ckpt_interval == 0 and done < cfg.max_iters:
-            save(done)
-    save(cfg.max_iters)
-    elapsed = time.time() - t_start
+            saver.save(done, raw_model, optimizers, communicator)
+    saver.save(cfg.max_iters, raw_model, optimizers, communicator)
     if delivered is not None:       # the last step, measured against Euclidean FP8
-        from nanogeo import summary as comm_summary
-        log(comm_summary.last_step_report(communicator, local, delivered, coords, data_parallel,
-                                          simulated=bool(cfg.simulate_workers)))
-    steps_run = cfg.max_iters - start_step
-    summary = {"final_train_loss": train_loss, "final_val_loss": val_loss,
-               "initial_val_loss": first_val, "steps": steps_run,
-               "tokens_seen": steps_run * tokens_per_step, "time_s": elapsed,
-               "ms_per_step": 1000 * elapsed / max(1, steps_run),
-               "param_sha256": parameter_checksum(params)}
-    log(f"summary | train loss {train_loss:.4f} | val loss {val_loss:.4f}"
-        + (f" (from {first_val:.4f})" if first_val is not None else "")
-        + f" | {summary['tokens_seen']:,} tokens | {elapsed:.1f}s ({summary['ms_per_step']:.0f}ms/step)"
-        + f" | checkpoint {ckpt_path}")
-    if jsonl:
-        jsonl.write(json.dumps({"summary": summary}) + "\n")
-        jsonl.close()
+        log.print(summary.last_step_report(communicator, local, delivered, coords, data_parallel,
+                                           simulated=bool(cfg.simulate_workers)))
+    result = log.finish(train_loss, val_loss, first_val, start_step, time.time() - t_start,
+                        runtime.parameter_checksum(params), saver.path)
     if world_size > 1:
         dist.destroy_process_group()
-    return summary
+    return result
 
 
 def main(argv=None):

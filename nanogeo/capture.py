@@ -35,7 +35,7 @@ import torch
 import compress
 import model as model_lib
 import train
-from nanogeo import bytegpt
+from nanogeo import bytegpt, checkpoint, config, hooks
 
 
 @dataclass
@@ -74,11 +74,11 @@ def simulated_training(cfg, record_from, collect_moments=False):
     exact fp32 mean of their gradients. Yields (step, model, optimizers, workers, moments, loss)
     for every step >= record_from *before* the optimizer takes it: workers is [{name: gradient}]
     per worker, moments the K-FAC statistics of every nn.Linear over all workers' tokens
-    (compress.KroneckerMoments.take(); None unless collect_moments), loss the workers' mean."""
+    (hooks.KroneckerMoments.take(); None unless collect_moments), loss the workers' mean."""
     torch.manual_seed(cfg.seed)
     if cfg.model == "bytegpt":
         if cfg.checkpoint:
-            raise train.ConfigError("--checkpoint holds a train.py model; drop it for --model=bytegpt")
+            raise config.ConfigError("--checkpoint holds a train.py model; drop it for --model=bytegpt")
         model = bytegpt.ByteGPT(bytegpt.ByteGPTConfig(block_size=cfg.block_size))
         data = bytegpt.stdlib_corpus()
     else:
@@ -90,7 +90,7 @@ def simulated_training(cfg, record_from, collect_moments=False):
     if cfg.checkpoint:
         ckpt = torch.load(cfg.checkpoint, map_location="cpu", weights_only=True)
         model.load_state_dict(ckpt["model"])
-        train.load_optimizers(optimizers, ckpt)
+        checkpoint.load_optimizers(optimizers, ckpt)
         start = ckpt["step"]
         record_from += start
     params = dict(model.named_parameters())
@@ -103,7 +103,7 @@ def simulated_training(cfg, record_from, collect_moments=False):
     # vocab x vocab); the vocabulary size comes from the model's config
     layers = {n: m for n, m in compress.linear_layers(model).items()
               if mcfg.vocab_size not in m.weight.shape}
-    moments = (compress.KroneckerMoments(layers, lambda: recording[0], ("input", "output")).attach()
+    moments = (hooks.KroneckerMoments(layers, lambda: recording[0], ("input", "output")).attach()
                if collect_moments else None)
     for step in range(start, record_from + cfg.capture_steps):
         recording[0] = step >= record_from
@@ -197,14 +197,14 @@ def capture(cfg: CaptureConfig):
 
 def main(argv=None):
     try:
-        cfg = train.parse_config(sys.argv[1:] if argv is None else argv, CaptureConfig,
-                                 presets={name: {} for name in model_lib.PRESETS},
-                                 choices={"preset": tuple(model_lib.PRESETS),
-                                          "optimizer": ("adamw", "muon"),
-                                          "model": ("llama", "bytegpt"),
-                                          "keep": ("all", "linear")}, doc=__doc__)
+        cfg = config.parse_config(sys.argv[1:] if argv is None else argv, CaptureConfig,
+                                  presets={name: {} for name in model_lib.PRESETS},
+                                  choices={"preset": tuple(model_lib.PRESETS),
+                                           "optimizer": ("adamw", "muon"),
+                                           "model": ("llama", "bytegpt"),
+                                           "keep": ("all", "linear")}, doc=__doc__)
         capture(cfg)
-    except (train.ConfigError, train.ShardError) as e:
+    except (config.ConfigError, train.ShardError) as e:
         sys.exit(f"nanogeo.capture: error: {e}")
 
 

@@ -35,6 +35,7 @@ import compress
 import model as model_lib
 import train
 from nanogeo.capture import CaptureConfig, simulated_training
+from nanogeo import config, hooks
 
 
 @dataclass
@@ -65,7 +66,7 @@ def profile(cfg: ProfileConfig):
                 sum_order=cfg.sum_order, refresh=1, select="gain",
                 vocab_size=model.config.vocab_size)
             comm = compress.GeoFP8Communicator(named, options, linear=linear)
-            comm.watch(compress.optimizer_views(optimizers, model))  # gains as they see them
+            comm.watch(hooks.optimizer_views(optimizers, model))  # gains as they see them
             candidates = [n for n, s in named
                           if compress.exemption(n, s, compress.GeoOptions(
                               geometry="whiten", vocab_size=model.config.vocab_size),
@@ -89,17 +90,17 @@ def profile(cfg: ProfileConfig):
 
 def main(argv=None):
     try:
-        cfg = train.parse_config(sys.argv[1:] if argv is None else argv, ProfileConfig,
-                                 presets={name: {} for name in model_lib.PRESETS},
-                                 choices={"preset": tuple(model_lib.PRESETS),
-                                          "optimizer": ("adamw", "muon"),
-                                          "fmt": ("e4m3", "e5m2"),
-                                          "sum_order": compress.SUM_ORDERS,
-                                          "by": ("fragility", "gain")}, doc=__doc__)
+        cfg = config.parse_config(sys.argv[1:] if argv is None else argv, ProfileConfig,
+                                  presets={name: {} for name in model_lib.PRESETS},
+                                  choices={"preset": tuple(model_lib.PRESETS),
+                                           "optimizer": ("adamw", "muon"),
+                                           "fmt": ("e4m3", "e5m2"),
+                                           "sum_order": compress.SUM_ORDERS,
+                                           "by": ("fragility", "gain")}, doc=__doc__)
         if cfg.by == "fragility" and not cfg.top_k and not cfg.threshold:
-            raise train.ConfigError("choose the selection: --top_k=K or --threshold=T")
+            raise config.ConfigError("choose the selection: --top_k=K or --threshold=T")
         scores, ranked, selected = profile(cfg)
-    except (train.ConfigError, train.ShardError) as e:
+    except (config.ConfigError, train.ShardError) as e:
         sys.exit(f"nanogeo.profile: error: {e}")
     label = "saturated fraction" if cfg.by == "fragility" else "measured gain"
     print(f"{'rank':>4s}  {'matrix':40s} {label:>18s}  selected")

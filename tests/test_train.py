@@ -11,6 +11,7 @@ import compress
 import train
 from conftest import ROOT, run_ranks
 from model import Llama, ModelConfig
+from nanogeo import config
 from train import ConfigError, parse_config
 
 
@@ -22,7 +23,7 @@ def test_flags_take_values_either_way(tmp_path):
 
 
 def test_geo_layers_flag(tmp_path):
-    geo = lambda *flags: train.geo_options(parse_config(["--comm=geofp8", *flags]), 50304)
+    geo = lambda *flags: config.geo_options(parse_config(["--comm=geofp8", *flags]), 50304)
     assert geo("--geo_layers=all").select == "all"
     listed = tmp_path / "layers.json"
     listed.write_text(json.dumps({"selected": ["layers.0.mlp.w2.weight"], "scores": {}}))

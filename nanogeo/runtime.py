@@ -1,0 +1,89 @@
+"""
+The distributed runtime of train.py: process-group setup under torchrun (elastic restarts
+included), the rank-agreement check, and the GPU's peak for MFU. Nothing here knows about
+gradient communication; that is train.py's reduce_gradients and compress.py.
+"""
+import hashlib
+import os
+
+import torch
+import torch.distributed as dist
+
+from nanogeo.config import ConfigError
+
+
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12,
+                   "L40S": 362e12, "A10": 125e12, "4090": 165e12}
+
+
+def peak_flops(device):
+    """Dense bf16 peak of the GPU, for MFU; None on CPU or an unknown GPU."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, flops in sorted(PEAK_BF16_FLOPS.items(), key=lambda kv: -len(kv[0])):
+        if key in name:
+            return flops
+    return None
+
+
+def parameter_checksum(params):
+    """sha256 of every parameter's bytes: equal on two ranks iff their parameters are bitwise equal."""
+    digest = hashlib.sha256()
+    for p in params:
+        digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def gradients_finite(grads, world_size):
+    """True on every rank iff no rank has a NaN/inf gradient: one 1-element all-reduce and one
+    transfer to the host (the flags of all tensors are combined on the device)."""
+    bad = torch.stack([~torch.isfinite(g).all() for g in grads]).any().float().reshape(1)
+    if world_size > 1:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return bad.item() == 0
+
+
+class RankMismatch(RuntimeError):
+    """Parameters differ across ranks: the run cannot continue meaningfully."""
+
+
+def check_ranks_agree(params, step, device):
+    """All ranks must hold bitwise-identical parameters. One all-reduce of a checksum (MAX of
+    c and of -c: equal on every rank iff every rank's c is the same) checks it."""
+    checksum = torch.zeros((), dtype=torch.float64, device=device)
+    for i, p in enumerate(params):
+        checksum += p.detach().double().sum() * (1 + (i % 7) / 7)
+    both = torch.stack([checksum, -checksum])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    if both[0].item() != checksum.item() or -both[1].item() != checksum.item():
+        raise RankMismatch(f"parameters differ across ranks at step {step}; a rank diverged "
+                           "(nondeterministic kernel, bad hardware or a code change on one node): "
+                           "restart from the last checkpoint")
+
+
+
+
+def setup_distributed(cfg):
+    """(rank, world_size, local_rank, device). torchrun sets RANK/WORLD_SIZE/LOCAL_RANK."""
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device=cuda but no GPU is visible; use --device=cpu")
+    if "RANK" not in os.environ:
+        return 0, 1, 0, torch.device("cuda" if use_cuda else "cpu")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    # After an elastic restart (torchrun --max-restarts) the new workers meet in the same agent
+    # store as the dead ones; a key space per attempt keeps a restarted rank from reading a dead
+    # peer's address (gloo then fails with "Connection refused").
+    store, rank, world_size = next(dist.rendezvous("env://"))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend="nccl" if use_cuda else "gloo",
+                            store=dist.PrefixStore(f"nanogeo/attempt{attempt}", store),
+                            rank=rank, world_size=world_size,
+                            device_id=device if use_cuda else None)
+    return dist.get_rank(), dist.get_world_size(), local_rank, device
