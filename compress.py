@@ -53,7 +53,7 @@ warm-started subspace iteration on it (optionally an EMA of its covariance), fol
 Rayleigh-Ritz rotation, refreshes U and V every `refresh` steps. The local gradient of a rank is
 never used, so every rank computes the same bases (verified by a checksum). Under FSDP a rank
 holds only a block of rows of the mean; the same iteration runs with its partial products
-summed over ranks (RowBlocks), and the decode needs one small r x n sum (decode_geo_rows).
+summed over ranks, and the decode needs one small r x n sum (nanogeo/fsdp.py).
 
 Not every matrix gains (for either geometry): only nn.Linear weights are candidates (found by
 module type; embedding tables, tied heads, norms and biases stay Euclidean, an untied head by its
@@ -85,7 +85,6 @@ are the same.
 import contextlib
 import functools
 import math
-import time
 import zlib
 from dataclasses import dataclass, field
 
@@ -608,31 +607,9 @@ def collective_bytes(layout, rank):
     return stage1 + (layout.world_size - 1) * max(layout.nbytes)
 
 
-class StageTimer:
-    """Wall time per stage, for benchmarks: timer.stage("name") is a context manager. The
-    default (no timer) costs nothing; with one, the device is synchronized at each boundary."""
-
-    def __init__(self):
-        self.seconds = {}
-
-    def stage(self, name):
-        timer = self
-
-        class _Stage:
-            def __enter__(self):
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                self.t0 = time.perf_counter()
-
-            def __exit__(self, *exc):
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                timer.seconds[name] = timer.seconds.get(name, 0.0) + time.perf_counter() - self.t0
-        return _Stage()
-
-
 class NoTimer:
-    """A StageTimer that times nothing (the default; a plain class, so states pickle)."""
+    """Times nothing: the default stage timer (nanogeo.bench.StageTimer measures each stage;
+    a plain class, so states pickle)."""
     @staticmethod
     def stage(name):
         return contextlib.nullcontext()
@@ -898,24 +875,6 @@ def decode_geo(H, left, right):
     return G
 
 
-def decode_geo_rows(matrices):
-    """decode_geo when each rank holds only a block of rows of H (FSDP; see RowBlocks), for
-    Householder bases. `matrices` is a list of (H_rows, left, right, rows), typically all of one
-    FSDP module's rotated matrices. The right side acts on each row alone: K = H Q^T row by row.
-    The left side mixes rows only through r directions: (P K)_j = K_j - Y_j T (Y^T K), and
-    Y^T K (r x n) is the sum over ranks of Y_j^T K_j: r n numbers against the m n / W of the
-    block, summed for all the matrices in one all-reduce. Returns each matrix's rows of G."""
-    Ks = [right.apply(H.T).T if right is not None else H for H, _, right, _ in matrices]
-    lefts = [(k, rows.mine(left.Y), left.T) for k, (_, left, _, rows) in enumerate(matrices)
-             if left is not None]                                  # Y_j: (rows here, r)
-    if lefts:
-        rows = matrices[0][3]
-        totals = rows.sum_all([Y.T @ Ks[k] for k, Y, _ in lefts])  # Y^T K of each, (r, n)
-        for (k, Y, T), YtK in zip(lefts, totals):
-            Ks[k] = Ks[k] - Y @ (T @ YtK)
-    return Ks
-
-
 def core_swaps(shape, r, block):
     """Flat index pairs (a, b) whose exchange gives every entry of the r x r core of H its own
     scaling block. The block amax is the one value FP8 encodes exactly (it maps onto the format's
@@ -947,35 +906,6 @@ def swap_entries(H, swaps):
     flat = H.reshape(-1).clone()
     flat[a], flat[b] = flat[b], flat[a].clone()
     return flat.view(H.shape)
-
-
-def swap_entries_rows(matrices):
-    """swap_entries on this rank's block of rows of H (FSDP; see RowBlocks), for a list of
-    (H_rows, swaps, rows). A pair may join two blocks (core entries sit in the first rows,
-    their partners in the last), so every rank contributes the values at the swapped positions
-    it holds, one all-reduce (2 s numbers per matrix, all matrices at once) shares them, and
-    every rank writes each of its positions' partner value."""
-    out, writes, contributions, group_rows = [], [], [], None
-    for H_rows, swaps, rows in matrices:
-        if swaps is None or not rows.sharded:
-            out.append(swap_entries(H_rows, swaps))
-            continue
-        first = rows.start * H_rows.shape[1]                # flat index of this block's start
-        positions = torch.cat(on_device(swaps, H_rows.device))  # (2 s,): all a's, then all b's
-        held = (positions >= first) & (positions < first + H_rows.numel())
-        local = positions[held] - first                     # the swapped positions held here
-        flat = H_rows.reshape(-1).clone()
-        values = flat.new_zeros(positions.numel())
-        values[held] = flat[local]
-        out.append(flat.view(H_rows.shape))
-        writes.append((flat, held, local))
-        contributions.append(values)
-        group_rows = rows
-    if writes:
-        for (flat, held, local), values in zip(writes, group_rows.sum_all(contributions)):
-            partner = values.roll(values.numel() // 2)      # a_k <-> b_k
-            flat[local] = partner[held]
-    return out
 
 
 # =============================================================================
@@ -1122,66 +1052,6 @@ def blend_factors(old, new, decay):
                                             for k, v in new.tensors().items()})
 
 
-class KroneckerMoments:
-    """Collects the K-FAC statistics of some linear layers: input[name] = sum of a a^T over
-    tokens (a forward pre-hook on the layer's input) and output[name] = sum of delta delta^T (a
-    hook on the gradient of the layer's output), in fp32, with token counts. Only training
-    forwards with autograd on count (an evaluation in between adds nothing), and only while
-    `active()` is true. take() returns the per-token means collected since the last take().
-    `layers` maps weight names to nn.Linear modules (see linear_layers).
-
-    The hooks exist between attach() and detach(). train.py attaches them for the forward
-    passes of refresh steps only, which it runs eagerly, so a torch.compile'd graph never
-    contains them; the DDP hook keeps them attached and lets `active()` decide."""
-
-    def __init__(self, layers, active=None, sides=("input",)):
-        self.layers, self.active, self.sides = layers, active, sides
-        self.sums, self.counts, self.handles = {}, {}, []
-
-    def attach(self):
-        for name, module in self.layers.items():
-            # partials of methods, not closures: a model with these hooks still pickles
-            if "input" in self.sides:
-                self.handles.append(module.register_forward_pre_hook(
-                    functools.partial(self._input_hook, name)))
-            if "output" in self.sides:
-                self.handles.append(module.register_forward_hook(
-                    functools.partial(self._output_hook, name)))
-        return self
-
-    def detach(self):
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
-
-    def _collecting(self, module):
-        return module.training and torch.is_grad_enabled() and (self.active is None or self.active())
-
-    def _add(self, key, x):
-        with torch.autocast(x.device.type, enabled=False):    # fp32 sums, also under autocast
-            x = x.detach().reshape(-1, x.shape[-1]).float()      # (tokens, d)
-            self.sums[key] = self.sums.get(key, 0) + x.T @ x
-        self.counts[key] = self.counts.get(key, 0) + x.shape[0]
-
-    def _input_hook(self, name, module, args):
-        if self._collecting(module):
-            self._add(("input", name), args[0])
-
-    def _output_hook(self, name, module, args, out):
-        if self._collecting(module) and out.requires_grad:
-            out.register_hook(functools.partial(self._add, ("output", name)))
-
-    def take(self):
-        """{"input": {name: A}, "output": {name: G}, "tokens": {side: {name: count}}}: the
-        means per token since the last take(); empty if nothing came."""
-        means = {"input": {}, "output": {}, "tokens": {"input": {}, "output": {}}}
-        for (side, name), total in self.sums.items():
-            means[side][name] = total / self.counts[(side, name)]
-            means["tokens"][side][name] = self.counts[(side, name)]
-        self.sums, self.counts = {}, {}
-        return means
-
-
 def linear_layers(model, names=None):
     """{weight name: the nn.Linear owning it}, found by module type (never by name or shape).
     Restricted to `names` if given. A weight shared with a non-linear module (a tied embedding)
@@ -1207,52 +1077,31 @@ def orthonormal(A):
     return torch.linalg.qr(A).Q
 
 
-class RowBlocks:
-    """Where the rows of a gradient G (m x n) live while its geometry is estimated.
-
-    By default (DDP, train.py) every rank holds all of G and every method below is the identity.
-    Under FSDP each rank holds only a block of rows: rank j has rows [j c, (j + 1) c) of G, with
-    c = ceil(m / W) (FSDP's dim-0 sharding). The subspace iteration is then the same algebra with
-    two collectives: `sum` adds the rank's partial products (G^T U = sum_j G_j^T U_j is an n x r
-    all-reduce) and `gather` assembles an m x r matrix from its row blocks. Bases (U, V) are
-    always held whole, so every rank completes the same Householder basis from them."""
-
-    def __init__(self, m=None, group=None):
-        self.sharded = m is not None and dist.is_initialized() and dist.get_world_size(group) > 1
-        self.group = group
-        if self.sharded:
-            world, me = dist.get_world_size(group), dist.get_rank(group)
-            self.m, self.per_rank = m, -(-m // world)
-            self.start, self.end = min(m, me * self.per_rank), min(m, (me + 1) * self.per_rank)
+class AllRows:
+    """Where the rows of a gradient G (m x n) live while its geometry is estimated: here all of
+    them on every rank (DDP, train.py), so every method is the identity. Under FSDP each rank
+    holds a block of rows; nanogeo.fsdp.RowBlocks has the same methods, with the collectives
+    that sum partial products (G^T U = sum_j G_j^T U_j) and gather row blocks."""
+    sharded = False
 
     def mine(self, X):
         """This rank's rows of a whole m x k matrix."""
-        return X[self.start: self.end] if self.sharded else X
+        return X
 
     def sum(self, x):
-        """The sum over ranks of a partial product (all ranks get the same result)."""
-        return self.sum_all([x])[0]
+        """The sum over ranks of a partial product."""
+        return x
 
     def sum_all(self, parts):
-        """sum() of several partial products (any shapes) with one all-reduce."""
-        if not self.sharded:
-            return parts
-        flat = torch.cat([p.reshape(-1) for p in parts])
-        dist.all_reduce(flat, group=self.group)
-        return [f.view(p.shape) for f, p in zip(flat.split([p.numel() for p in parts]), parts)]
+        """sum() of several partial products."""
+        return parts
 
     def gather(self, X_rows):
         """The whole m x k matrix from every rank's block of rows."""
-        if not self.sharded:
-            return X_rows
-        padded = X_rows.new_zeros(self.per_rank, X_rows.shape[1])
-        padded[: X_rows.shape[0]] = X_rows
-        blocks = [torch.empty_like(padded) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(blocks, padded, group=self.group)
-        return torch.cat(blocks)[: self.m]
+        return X_rows
 
 
-ALL_ROWS = RowBlocks()
+ALL_ROWS = AllRows()
 
 
 def update_subspaces(G, U, V, left_energy, right_energy, decay=0.0, iters=1, rows=ALL_ROWS):
@@ -1263,7 +1112,7 @@ def update_subspaces(G, U, V, left_energy, right_energy, decay=0.0, iters=1, row
     represented by the previous bases and their energies e (r numbers per side): memory stays
     O(r (m + n)). A Rayleigh-Ritz step then rotates U and V so that U^T G V is diagonal, with
     the largest entry first: in coordinates every dominant row of H has one large entry.
-    G may be this rank's block of rows only (see RowBlocks); U and V are always whole.
+    G may be this rank's block of rows only (see AllRows); U and V are always whole.
     Returns (U, V, left_energy, right_energy)."""
     for _ in range(iters):
         A = (1 - decay) * (G @ rows.sum(G.T @ rows.mine(U)))          # rows of G G^T U
@@ -1332,33 +1181,6 @@ class OptimizerView:
     @property
     def hyper(self):
         return self.read_hyper()
-
-
-OPTIMIZER_KINDS = {"AdamW": "adamw", "Adam": "adamw", "Muon": "muon"}
-
-
-def optimizer_views(optimizers, model):
-    """{parameter name: OptimizerView} for the AdamW/Adam/Muon parameters of `optimizers`
-    (other optimizer classes: none, and their layers are judged in plain L2)."""
-    names = {p: n for n, p in model.named_parameters()}
-    views = {}
-    for opt in optimizers:
-        kind = OPTIMIZER_KINDS.get(type(opt).__name__)
-        for group in opt.param_groups if kind else ():
-            for p in group["params"]:
-                views[names[p]] = OptimizerView(kind, functools.partial(param_group, opt, p),
-                                                functools.partial(param_state, opt, p))
-    return views
-
-
-def param_state(optimizer, param):
-    """The optimizer's state of one parameter now (functions, so views pickle)."""
-    return optimizer.state.get(param, {})
-
-
-def param_group(optimizer, param):
-    """The param group holding `param` now (load_state_dict replaces the group dicts)."""
-    return next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
 
 
 def newton_schulz(X, coefficients, steps, eps=1e-7):
@@ -1441,6 +1263,16 @@ class UpdateError:
 # =============================================================================
 # 5. The communicator: which tensors go geometry-aware, their state, one call per step
 # =============================================================================
+#
+# Coordinates, one interface: each candidate matrix has a layer object - SubspaceLayer (the
+# rotation, section 3) or WhitenedLayer (the published whitening, section 3b) - with
+#     encode(g) -> h, decode(h) -> g      the change of coordinates and its inverse
+#     refresh(statistics)                 new geometry from statistics identical on every rank
+#                                         (the decoded mean / the averaged K-FAC moments)
+#     ready, use_geo, gain                built yet? in use? last measured gain
+#     tensors(), flags(), state_dict()    what the rank check, the broadcast and resume need
+# Euclidean coordinates are the identity: a tensor without a layer object, or whose layer is not
+# in use, is sent as it is.
 
 GEOMETRIES = ("whiten", "subspace", "euclidean")
 SELECTIONS = ("gain", "all", "list", "fragile")
@@ -1551,12 +1383,15 @@ def exemption(name, shape, opts, linear=None):
 
 
 @dataclass
-class LayerGeometry:
-    """Subspace-rotation state of one matrix: r (m + n) + 2 r^2 + 2 r numbers. The dominant
-    subspaces are kept only in Householder form (U = P[:, :r] up to signs), not a second time."""
+class SubspaceLayer:
+    """Subspace-rotation coordinates of one matrix: r (m + n) + 2 r^2 + 2 r numbers. The dominant
+    subspaces are kept only in Householder form (U = P[:, :r] up to signs), not a second time.
+    encode / decode map a gradient to coordinates and back; refresh updates the bases from a
+    decoded mean gradient (identical on every rank); state_dict / load_state_dict for resume."""
     shape: tuple
     rank: int
     seed: int
+    opts: object = field(repr=False)    # the GeoOptions (basis, full, decay, iters)
     left_basis: HouseholderBasis = None   # P, completed from the (m, r) dominant left subspace
     right_basis: HouseholderBasis = None  # Q, from the (n, r) dominant right subspace
     left_energy: torch.Tensor = None    # (r,)
@@ -1587,16 +1422,75 @@ class LayerGeometry:
         a large value into a quiet row's scaling block.)"""
         return self.swaps if transform[0] is not None and transform[1] is not None else None
 
+    def rotation(self, sides=None, mean=None):
+        """(left, right) of the rotation of `sides` (default: the layer's own)."""
+        opts, sides = self.opts, sides or self.sides
+        if opts.basis == "random":
+            device = self.left_basis.Y.device
+            left = random_orthogonal(self.shape[0], self.seed, device)
+            right = random_orthogonal(self.shape[1], self.seed + 1, device)
+        elif opts.full:
+            left, right = exact_bases(mean)
+        else:
+            left, right = self.left_basis, self.right_basis
+        return (left if sides in ("both", "left") else None,
+                right if sides in ("both", "right") else None)
+
+    def rotate_sides(self, sides):
+        self.sides, self.transform = sides, self.rotation(sides)
+
+    def refresh(self, mean, rows=ALL_ROWS):
+        """New bases from the decoded mean (this rank's rows of it under FSDP)."""
+        if self.left_basis is None:
+            U, V, self.left_energy, self.right_energy = initial_subspaces(
+                mean, self.rank, self.seed, rows=rows)
+        else:
+            U, V, self.left_energy, self.right_energy = update_subspaces(
+                mean, self.left_basis.columns(), self.right_basis.columns(),
+                self.left_energy, self.right_energy, self.opts.decay, self.opts.iters, rows)
+        self.left_basis, self.right_basis = HouseholderBasis.complete(U), HouseholderBasis.complete(V)
+        self.transform = self.rotation(mean=mean)
+        total = rows.sum(mean.pow(2).sum())
+        core = rows.sum(rows.mine(U).T @ mean @ V).pow(2).sum()   # sum over ranks, then square
+        self.energy = core / total.clamp(min=1e-30)               # stays on the device
+
     def tensors(self):
         return [self.left_basis.Y, self.left_basis.T, self.right_basis.Y, self.right_basis.T,
                 self.left_energy, self.right_energy]
 
+    def flags(self):
+        """The decisions as numbers: (use_geo, only the right side rotates, gain)."""
+        return [float(self.use_geo), float(self.sides == "right"), self.gain]
+
+    def load_flags(self, flags):
+        self.use_geo, self.gain = bool(flags[0]), flags[2]
+        if not self.opts.full:
+            self.rotate_sides("right" if flags[1] else
+                              ("both" if self.sides == "right" else self.sides))
+
+    def state_dict(self):
+        return {"left_Y": self.left_basis.Y, "left_T": self.left_basis.T,
+                "right_Y": self.right_basis.Y, "right_T": self.right_basis.T,
+                "left_energy": self.left_energy, "right_energy": self.right_energy,
+                "use_geo": self.use_geo, "gain": self.gain, "energy": self.energy,
+                "sides": self.sides}
+
+    def load_state_dict(self, s):
+        self.use_geo, self.gain = s["use_geo"], s["gain"]
+        self.left_basis = HouseholderBasis(s["left_Y"], s["left_T"])
+        self.right_basis = HouseholderBasis(s["right_Y"], s["right_T"])
+        self.left_energy, self.right_energy = s["left_energy"], s["right_energy"]
+        self.energy = s["energy"]
+        self.rotate_sides(s.get("sides", self.sides))
+
 
 @dataclass
 class WhitenedLayer:
-    """Published-GeoFP8 state of one linear layer's weight: the EMA second moments and the
-    factors of each whitened side ("input": A, d_in x d_in; "output": G, d_out x d_out)."""
+    """Published-GeoFP8 coordinates of one linear layer's weight: the EMA second moments and the
+    factors of each whitened side ("input": A, d_in x d_in; "output": G, d_out x d_out). The
+    same interface as SubspaceLayer; refresh takes the layer's K-FAC statistics."""
     shape: tuple
+    opts: object = field(repr=False)    # the GeoOptions (factor, whiten_rank, decays, damping)
     moments: dict = field(default_factory=dict)     # side -> EMA of A or G
     factors: dict = field(default_factory=dict)     # side -> Whitening
     use_geo: bool = False
@@ -1606,6 +1500,10 @@ class WhitenedLayer:
     @property
     def ready(self):
         return bool(self.factors)
+
+    @property
+    def rank(self):
+        return self.opts.whiten_rank
 
     def encode(self, g):
         """W~ = F_G^-1 W_g F_A^-T for the sides that have a factor."""
@@ -1617,9 +1515,37 @@ class WhitenedLayer:
         g = self.factors["output"].unwhiten(h.T).T if "output" in self.factors else h
         return self.factors["input"].unwhiten(g) if "input" in self.factors else g
 
+    def refresh(self, moments):
+        """New factors from this step's second moments ({side: A or G}, identical on every
+        rank), smoothed by the EMA of the moments (and of the factor, if factor_decay)."""
+        opts = self.opts
+        for side, moment in moments.items():
+            old = self.moments.get(side)
+            self.moments[side] = (moment.float() if old is None
+                                  else opts.moment_decay * old + (1 - opts.moment_decay) * moment)
+            factor = whitening_factor(self.moments[side], opts.factor, opts.whiten_rank,
+                                      opts.whiten_block, opts.damping)
+            self.factors[side] = blend_factors(self.factors.get(side), factor, opts.factor_decay)
+
     def tensors(self):
         return ([m for m in self.moments.values()]
                 + [t for f in self.factors.values() for t in f.tensors().values()])
+
+    def flags(self):
+        return [float(self.use_geo), 0.0, self.gain]
+
+    def load_flags(self, flags):
+        self.use_geo, self.gain = bool(flags[0]), flags[2]
+
+    def state_dict(self):
+        return {"moments": dict(self.moments), "use_geo": self.use_geo, "gain": self.gain,
+                "factors": {side: {"kind": f.kind, "size": f.size, **f.tensors()}
+                            for side, f in self.factors.items()}}
+
+    def load_state_dict(self, s):
+        self.use_geo, self.gain = s["use_geo"], s["gain"]
+        self.moments = dict(s["moments"])
+        self.factors = {side: Whitening(**f) for side, f in s["factors"].items()}
 
 
 class GeoFP8Communicator:
@@ -1628,13 +1554,13 @@ class GeoFP8Communicator:
     `reduce(grads, moments)` averages across the process group in place (train.py, the DDP
     hook); `reduce_workers(per_worker_grads, moments)` runs the identical numerics for W
     simulated workers in one process (the fidelity tool, tests). Both return the bytes one rank
-    sends. `moments` are the whitened layers' K-FAC statistics (KroneckerMoments.take()) on the
-    steps where `wants_moments()` is true; the subspace rotation needs none."""
+    sends. `moments` are the whitened layers' K-FAC statistics (nanogeo.hooks.KroneckerMoments
+    .take()) on the steps where `wants_moments()` is true; the subspace rotation needs none."""
 
     def __init__(self, named_shapes, options=None, group=None, timer=NO_TIMER, linear=None):
         self.opts = options or GeoOptions()
         self.group = group
-        self.timer = timer          # a StageTimer to see where the time goes (benchmarks)
+        self.timer = timer          # nanogeo.bench.StageTimer: where the time goes (benchmarks)
         self.names = [n for n, _ in named_shapes]
         self.shapes = {n: tuple(s) for n, s in named_shapes}
         self.rounding_stream = zlib.crc32("\0".join(self.names).encode())  # its own random draws
@@ -1646,7 +1572,7 @@ class GeoFP8Communicator:
             if reason:
                 self.reasons[n] = reason
             elif self.opts.geometry == "whiten":
-                self.layers[n] = WhitenedLayer(tuple(shape))
+                self.layers[n] = WhitenedLayer(tuple(shape), self.opts)
             else:
                 self.layers[n] = self._subspace_layer(n, tuple(shape))
         unknown = set(self.opts.geo_layers) - set(self.names) if self.opts.select == "list" else ()
@@ -1663,7 +1589,7 @@ class GeoFP8Communicator:
 
     def _subspace_layer(self, name, shape):
         r = min(shape) if self.opts.full else min(self.opts.rank, min(shape) // 2)
-        layer = LayerGeometry(shape, r, seed=zlib.crc32(name.encode()),
+        layer = SubspaceLayer(shape, r, seed=zlib.crc32(name.encode()), opts=self.opts,
                               sides="both" if self.opts.sides == "auto" else self.opts.sides)
         if self.opts.scatter_core and not self.opts.full and self.opts.basis == "householder":
             block = NVFP4_BLOCK if self.opts.fmt == "nvfp4" else self.opts.block
@@ -1699,8 +1625,9 @@ class GeoFP8Communicator:
         return ("input", "output") if sides == "both" else (sides,)
 
     def watch(self, views):
-        """Judge each layer by the error its optimizer sees: views = optimizer_views(optimizers,
-        model) (section 4b). Without them a layer's coordinates are chosen by plain L2 error."""
+        """Judge each layer by the error its optimizer sees: views =
+        nanogeo.hooks.optimizer_views(optimizers, model) (section 4b). Without them a layer's
+        coordinates are chosen by plain L2 error."""
         self.views = dict(views)
         return self
 
@@ -1827,7 +1754,7 @@ class GeoFP8Communicator:
     def advance(self, means, worker_grads, all_reduce=None, rows=None, moments=None):
         """Count a finished step; on refresh steps update the geometry. `means` maps names to
         decoded mean gradients - under FSDP only this rank's block of rows, described by
-        rows[name] (a RowBlocks; whole tensors otherwise)."""
+        rows[name] (nanogeo.fsdp.RowBlocks; whole tensors otherwise)."""
         whiten_now = self.step % self.opts.refresh == 0 and moments is not None  # of this step
         self.step += 1
         if not self.layers:
@@ -1911,7 +1838,7 @@ class GeoFP8Communicator:
         rotation of `sides`, back in original coordinates."""
         if sides is None:
             return layer.decode(self._round_trip(layer.encode(g)))
-        rotation = self._transform(layer, None, sides)
+        rotation = layer.rotation(sides)
         return layer.decode(self._round_trip(layer.encode(g, rotation)), rotation)
 
     def _decide(self, names, errors):
@@ -1925,8 +1852,7 @@ class GeoFP8Communicator:
             best = min(range(len(geos)), key=lambda k: geos[k])
             geo = geos[best]
             if variants[best] is not None and variants[best] != layer.sides:
-                layer.sides = variants[best]
-                layer.transform = self._transform(layer, None)
+                layer.rotate_sides(variants[best])
             layer.gain = math.sqrt(euclid / geo) if geo > 0 else (float("inf") if euclid > 0 else 1.0)
             self._choose(n)
 
@@ -1953,29 +1879,16 @@ class GeoFP8Communicator:
 
     def _refresh_whitening(self, moments, means, worker_grads, all_reduce=None):
         """New factors from this step's second moments (identical on every rank: averaged over
-        the ranks), smoothed by the EMA of the moments (and of the factor, if factor_decay).
-        The gains are measured first, with the factors in use: factors judged on the gradients
-        they were computed from would look better than they will be on the next ones."""
-        opts = self.opts
+        the ranks). The gains are measured first, with the factors in use: factors judged on
+        the gradients they were computed from would look better than they will be on the next."""
         ready = self._judge_whitening(means, worker_grads, all_reduce)
-        updated = []
         for n, layer in self.layers.items():
-            for side in ("input", "output"):
-                moment = moments.get(side, {}).get(n)
-                if moment is None or opts.whiten_sides not in (side, "both"):
-                    continue
-                old = layer.moments.get(side)
-                layer.moments[side] = (moment.float() if old is None
-                                       else opts.moment_decay * old + (1 - opts.moment_decay) * moment)
-                factor = whitening_factor(layer.moments[side], opts.factor, opts.whiten_rank,
-                                          opts.whiten_block, opts.damping)
-                layer.factors[side] = blend_factors(layer.factors.get(side), factor,
-                                                    opts.factor_decay)
-                if n not in updated:
-                    updated.append(n)
-        for n in updated:
-            if n not in ready:      # first factors, not yet measured: only select="all" (or
-                self._choose(n)     # the paper's rule, gains 0) uses them before a measurement
+            stats = {side: moments[side][n] for side in self.whitened_sides()
+                     if n in moments.get(side, {})}
+            if stats:
+                layer.refresh(stats)
+                if n not in ready:  # first factors, not yet measured: only select="all" (or
+                    self._choose(n)  # the paper's rule, gains 0) uses them before a measurement
 
     def _judge_whitening(self, means, worker_grads, all_reduce=None):
         """Between refreshes, re-measure the gains with the factors in use, on gradients they
@@ -1985,34 +1898,6 @@ class GeoFP8Communicator:
         if ready:
             self._decide(ready, self._measure_gains(ready, worker_grads, means, all_reduce))
         return ready
-
-    def _transform(self, layer, mean, sides=None):
-        """(left, right) of the rotation that rotates `sides` (default: the layer's own)."""
-        opts, sides = self.opts, sides or layer.sides
-        if opts.basis == "random":
-            device = layer.left_basis.Y.device
-            left = random_orthogonal(layer.shape[0], layer.seed, device)
-            right = random_orthogonal(layer.shape[1], layer.seed + 1, device)
-        elif opts.full:
-            left, right = exact_bases(mean)
-        else:
-            left, right = layer.left_basis, layer.right_basis
-        return (left if sides in ("both", "left") else None,
-                right if sides in ("both", "right") else None)
-
-    def _update_bases(self, layer, mean, rows=ALL_ROWS):
-        if layer.left_basis is None:
-            U, V, layer.left_energy, layer.right_energy = initial_subspaces(
-                mean, layer.rank, layer.seed, rows=rows)
-        else:
-            U, V, layer.left_energy, layer.right_energy = update_subspaces(
-                mean, layer.left_basis.columns(), layer.right_basis.columns(),
-                layer.left_energy, layer.right_energy, self.opts.decay, self.opts.iters, rows)
-        layer.left_basis, layer.right_basis = HouseholderBasis.complete(U), HouseholderBasis.complete(V)
-        layer.transform = self._transform(layer, mean)
-        total = rows.sum(mean.pow(2).sum())
-        core = rows.sum(rows.mine(U).T @ mean @ V).pow(2).sum()   # sum over ranks, then square
-        layer.energy = core / total.clamp(min=1e-30)              # stays on the device
 
     def _refresh(self, means, worker_grads, all_reduce=None, rows=None):
         """Subspace rotation: update the bases from the decoded mean (identical on every rank)
@@ -2027,12 +1912,12 @@ class GeoFP8Communicator:
         fresh = [n for n in names if not self.layers[n].ready]
         rows = rows or {}
         for n in fresh:  # a layer's first bases: nothing earlier to judge by, so judge these
-            self._update_bases(self.layers[n], means[n], rows.get(n, ALL_ROWS))
+            self.layers[n].refresh(means[n], rows.get(n, ALL_ROWS))
         self._decide(names, self._measure_gains(names, worker_grads, means, all_reduce, rows))
         if self.step % self.opts.refresh == 0:
             for n in names:
                 if n not in fresh:
-                    self._update_bases(self.layers[n], means[n], rows.get(n, ALL_ROWS))
+                    self.layers[n].refresh(means[n], rows.get(n, ALL_ROWS))
 
     def _checksum(self):
         """One number (on the device) that changes with any bit of the geometry in use."""
@@ -2041,8 +1926,9 @@ class GeoFP8Communicator:
             if layer.ready:
                 tensors = layer.tensors()
                 terms += [t.double().sum() * (i + k + 1) for k, t in enumerate(tensors)]
-                sides = 0.25 * (getattr(layer, "sides", "both") == "right")
-                terms.append(tensors[0].new_tensor(0.5 * layer.use_geo + sides, dtype=torch.float64))
+                use_geo, right_only, _ = layer.flags()
+                terms.append(tensors[0].new_tensor(0.5 * use_geo + 0.25 * right_only,
+                                                   dtype=torch.float64))
         return torch.stack(terms).sum()
 
     def _verify_bases(self):
@@ -2064,15 +1950,10 @@ class GeoFP8Communicator:
         for layer in self.layers.values():
             if not layer.ready:
                 continue
-            right = isinstance(layer, LayerGeometry) and layer.sides == "right"
-            flags = torch.tensor([float(layer.use_geo), float(right), layer.gain], device=device)
+            flags = torch.tensor(layer.flags(), device=device)
             for t in layer.tensors() + [flags]:
                 dist.broadcast(t, src=src, group=self.group)
-            layer.use_geo, layer.gain = bool(flags[0].item()), flags[2].item()
-            if isinstance(layer, LayerGeometry) and not self.opts.full:
-                layer.sides = "right" if flags[1].item() else \
-                    ("both" if layer.sides == "right" else layer.sides)
-                layer.transform = self._transform(layer, None)
+            layer.load_flags(flags.tolist())
 
     # -- reporting and checkpoints -------------------------------------------------------------
 
@@ -2082,8 +1963,7 @@ class GeoFP8Communicator:
         total = 0
         for layer in self.layers.values():
             tensors = layer.tensors() if layer.ready else []
-            if isinstance(layer, LayerGeometry):
-                tensors += [t for t in layer.transform if isinstance(t, torch.Tensor)]
+            tensors += [t for t in getattr(layer, "transform", ()) if isinstance(t, torch.Tensor)]
             total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
         return total
 
@@ -2094,11 +1974,10 @@ class GeoFP8Communicator:
             shape = "x".join(map(str, self.shapes[n]))
             if n in self.layers:
                 l = self.layers[n]
-                rank = l.rank if isinstance(l, LayerGeometry) else self.opts.whiten_rank
                 coords = self.coords(n)
-                if coords == "geo" and isinstance(l, LayerGeometry) and l.sides != "both":
+                if coords == "geo" and getattr(l, "sides", "both") != "both":
                     coords += "/" + l.sides
-                lines.append(f"{n:40s} {shape:>12s} {rank:4d} {coords:>10s} "
+                lines.append(f"{n:40s} {shape:>12s} {l.rank:4d} {coords:>10s} "
                              f"{l.gain:6.2f} {float(l.energy):6.2f}")
             else:
                 lines.append(f"{n:40s} {shape:>12s} {'-':>4s} {'euclidean':>10s} "
@@ -2106,20 +1985,7 @@ class GeoFP8Communicator:
         return "\n".join(lines)
 
     def state_dict(self):
-        layers = {}
-        for n, l in self.layers.items():
-            if not l.ready:
-                continue
-            if isinstance(l, LayerGeometry):
-                layers[n] = {"left_Y": l.left_basis.Y, "left_T": l.left_basis.T,
-                             "right_Y": l.right_basis.Y, "right_T": l.right_basis.T,
-                             "left_energy": l.left_energy, "right_energy": l.right_energy,
-                             "use_geo": l.use_geo, "gain": l.gain, "energy": l.energy,
-                             "sides": l.sides}
-            else:
-                layers[n] = {"moments": dict(l.moments), "use_geo": l.use_geo, "gain": l.gain,
-                             "factors": {side: {"kind": f.kind, "size": f.size, **f.tensors()}
-                                         for side, f in l.factors.items()}}
+        layers = {n: l.state_dict() for n, l in self.layers.items() if l.ready}
         residuals = {w: dict(r) for w, r in self.residuals.items()}
         return {"geometry": self.opts.geometry, "step": self.step, "layers": layers,
                 "residuals": residuals, "chosen": sorted(self.chosen),
@@ -2135,19 +2001,8 @@ class GeoFP8Communicator:
         self.saturation = state.get("saturation")
         self.saturation_steps = state.get("saturation_steps", 0)
         self.chosen = set(state.get("chosen", self.chosen))
-        for n, s in state["layers"].items():
-            layer = self.layers[n]
-            layer.use_geo, layer.gain = s["use_geo"], s["gain"]
-            if isinstance(layer, WhitenedLayer):
-                layer.moments = dict(s["moments"])
-                layer.factors = {side: Whitening(**f) for side, f in s["factors"].items()}
-                continue
-            layer.left_basis = HouseholderBasis(s["left_Y"], s["left_T"])
-            layer.right_basis = HouseholderBasis(s["right_Y"], s["right_T"])
-            layer.left_energy, layer.right_energy = s["left_energy"], s["right_energy"]
-            layer.energy = s["energy"]
-            layer.sides = s.get("sides", layer.sides)
-            layer.transform = self._transform(layer, None)
+        for n, layer_state in state["layers"].items():
+            self.layers[n].load_state_dict(layer_state)
 
 
 def all_finite(tensors):

@@ -49,6 +49,29 @@ import train
 from nanogeo import perfmodel, smoke
 
 
+class StageTimer:
+    """Wall time per stage, for benchmarks: timer.stage("name") is a context manager. The
+    default (no timer) costs nothing; with one, the device is synchronized at each boundary."""
+
+    def __init__(self):
+        self.seconds = {}
+
+    def stage(self, name):
+        timer = self
+
+        class _Stage:
+            def __enter__(self):
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                self.t0 = time.perf_counter()
+
+            def __exit__(self, *exc):
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                timer.seconds[name] = timer.seconds.get(name, 0.0) + time.perf_counter() - self.t0
+        return _Stage()
+
+
 def bucket_shapes(million_elements, width=1024):
     """Matrices of width x 4*width up to the requested size (the last one shorter)."""
     total = int(million_elements * 1e6)
@@ -95,7 +118,7 @@ def time_collective(sizes, iters, methods):
         bf16_bytes = train.ring_allreduce_bytes(numel, 2, world)
         for method in methods:
             opts = METHODS[method]
-            timer = compress.StageTimer()
+            timer = StageTimer()
             comm = (compress.GeoFP8Communicator([(f"m{k}.weight", s) for k, s in enumerate(shapes)],
                                                 opts, timer=timer) if opts else None)
             seconds, sent = [], 0
@@ -172,7 +195,8 @@ def measure_overhead(steps, preset="cpu-tiny", batch_size=8, block_size=128, ref
 
 def fsdp_fidelity(checkpoint, steps, last, rank, sides="auto", data_dir="data/shakespeare",
                   batch_size=8, block_size=128):
-    """Three FSDP2 copies of one checkpoint, each step the same batches: fp32 / fp8 / subspace."""
+    """Three FSDP2 copies of one checkpoint, each step the same batches: fp32 / fp8 / subspace.
+    Sequences of block_size tokens, or of the checkpoint's context length if shorter."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from nanogeo.fsdp import use_geofp8
@@ -181,6 +205,7 @@ def fsdp_fidelity(checkpoint, steps, last, rank, sides="auto", data_dir="data/sh
     mesh = init_device_mesh(device, (world,))
     ckpt = torch.load(checkpoint, map_location="cpu", weights_only=True)
     mcfg = model_lib.ModelConfig(**ckpt["model_config"])
+    block_size = min(block_size, mcfg.block_size)
     data = train.load_data(types.SimpleNamespace(data_dir=data_dir, block_size=block_size),
                            mcfg.vocab_size)
     nets, comms = {}, {}

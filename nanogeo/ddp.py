@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 import compress
+from nanogeo import hooks
 
 
 def check_candidates(names, module):
@@ -102,7 +103,7 @@ class GeoFP8HookState:
                 raise ValueError("nanogeo.ddp: the published whitening needs nn.Linear layers "
                                  f"(their inputs' moments), not {other[0]}; use "
                                  "geometry='subspace' for other matrices")
-            self.moments = compress.KroneckerMoments(layers, self.collecting).attach()
+            self.moments = hooks.KroneckerMoments(layers, self.collecting).attach()
             # collected by the forward, not yet used by a bucket: {name: A}, {name: tokens}
             self.pending = {"input": {}, "tokens": {}}
 
@@ -189,7 +190,7 @@ class GeoFP8HookState:
     def watch(self, optimizers):
         """Judge each layer by the error its optimizer sees (compress section 4b): call once
         after building the optimizers. Without it, coordinates are chosen by plain L2 error."""
-        self.views = compress.optimizer_views(optimizers, self.module)
+        self.views = hooks.optimizer_views(optimizers, self.module)
         for comm in self.communicators.values():
             comm.watch(self.views)
         return self

@@ -38,11 +38,13 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 
 import torch
 
 import compress
+from nanogeo import hooks
 
 PAPER_CODEC = dict(fmt="e5m2", block="tensor", collective="fp8-sum")
 METHODS = {  # name -> GeoOptions fields (None: the bf16 ring all-reduce)
@@ -98,9 +100,8 @@ def bf16_ring_mean(worker_grads):
         for t in tensors[1:]:
             acc = (acc.float() + t.bfloat16().float()).bfloat16()
         means.append((acc.float() / len(tensors)).bfloat16().float())
-    world = len(worker_grads)
     numel = sum(t.numel() for t in worker_grads[0])
-    return means, 2 * (world - 1) * numel * 2 / world
+    return means, compress.ring_allreduce_bytes(numel, 2, len(worker_grads))
 
 
 def tensor_bytes(layout, index):
@@ -187,7 +188,7 @@ def optimizer_classes(record):
 def optimizer_views(record, states):
     """Per step {name: compress.OptimizerView}: the file's optimizers with the state they had
     before that step (replayed on the exact means), as the communicator's selection reads them."""
-    kinds = {group["class"]: compress.OPTIMIZER_KINDS.get(group["class"])
+    kinds = {group["class"]: hooks.OPTIMIZER_KINDS.get(group["class"])
              for group in record["groups"]}
     return [{n: compress.OptimizerView(kinds[group["class"]], lambda group=group: group["hyper"],
                                        lambda state=state, n=n: state.get(n, {}))
@@ -244,12 +245,26 @@ def update_floor(record, states, updates, exact, names, classes, grad_clip, size
     return update_errors(record, states, updates, moved, names, classes, grad_clip)["total"]
 
 
+def load_gradient_file(path):
+    """A gradient file (nanogeo.capture), or an error that says how to write one."""
+    fix = f"write one with `python -m nanogeo.capture --out {path}`"
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} does not exist; {fix}")
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:      # empty, truncated or not a torch file at all
+        raise ValueError(f"{path} is not a gradient file ({type(e).__name__}); {fix}") from None
+    if not isinstance(data, dict) or not data.get("steps"):
+        raise ValueError(f"{path} is not a gradient file (no captured steps); {fix}")
+    return data
+
+
 def evaluate(path, methods, last=1, vocab_size=None, round_trip=False, workers=None):
     """The report for every method spec. round_trip=True sends the exact mean once through each
     codec instead of the workers through the collective (the paper's Table I: one FP8 round
     trip; the collectives are idempotent for a single worker). workers=K uses the file's first
     K workers only (error growth with W on one model state)."""
-    data = torch.load(path, map_location="cpu", weights_only=True)
+    data = load_gradient_file(path)
     steps = [step[:workers] for step in data["steps"]] if workers else data["steps"]
     if not steps or not steps[0]:
         raise ValueError(f"{path} holds no steps")

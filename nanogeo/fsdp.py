@@ -32,9 +32,9 @@ H = P^T G Q exactly as DDP does. Only the decode meets the sharding:
                                                             (r x n, summed over ranks)
 
 plus the ~r^2 values that core scattering moved between the first and last rows
-(compress.swap_entries_rows). Both are batched over the module's matrices: two small
+(swap_entries_rows). Both are batched over the module's matrices: two small
 all-reduces per module and step. The bases are refreshed from the decoded mean rows with the
-same subspace iteration, its products summed over ranks (compress.RowBlocks: n x r all-reduces
+same subspace iteration, its products summed over ranks (RowBlocks: n x r all-reduces
 and an m x r all-gather every `refresh` steps); every rank completes the same Householder bases.
 The coordinates of each matrix are chosen as in DDP, by the codec error measured on each rank's
 own local gradient in both systems, all-reduced.
@@ -62,6 +62,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 import compress
+from nanogeo import hooks
 from nanogeo.ddp import check_candidates
 
 CHECKED_TORCH = (2, 9)      # FSDP2's custom reduce-scatter and the internals below: 2.9 .. 2.13
@@ -195,7 +196,7 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
         rows = input_tensor.view(world, -1)
         sizes = [math.prod(s) for s in chunk_shapes]
         if group not in self.blocks:    # before any encode: the swaps must match the decode
-            self.blocks[group] = {n: compress.RowBlocks(s[0], group)
+            self.blocks[group] = {n: RowBlocks(s[0], group)
                                   for n, s in zip(self.names, self.shapes) if n in self.comm.layers}
             self._align_core_scattering(per_rank)
         # every parameter's whole local gradient, and the same in the coordinates in use
@@ -246,14 +247,13 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
         """The geometry-aware matrices' rows back to original coordinates: two all-reduces for
         all of them (the scattered core entries, then Y^T K)."""
         layers = [self.comm.layers[n] for n in names]
-        H = compress.swap_entries_rows([(means[n], l.swaps_for(l.transform), blocks[n])
-                                        for n, l in zip(names, layers)])
-        G = compress.decode_geo_rows([(h, *l.transform, blocks[n])
-                                      for h, n, l in zip(H, names, layers)])
+        H = swap_entries_rows([(means[n], l.swaps_for(l.transform), blocks[n])
+                               for n, l in zip(names, layers)])
+        G = decode_geo_rows([(h, *l.transform, blocks[n]) for h, n, l in zip(H, names, layers)])
         for l in layers:  # the two small all-reduces' bytes (ring estimate), for logging
             small = (l.rank * l.shape[1] if l.transform[0] is not None else 0) + \
                 (2 * l.swaps[0].numel() if l.swaps_for(l.transform) is not None else 0)
-            self.geometry_bytes += int(2 * (world - 1) / world * small * 4)
+            self.geometry_bytes += compress.ring_allreduce_bytes(small, 4, world)
         return dict(zip(names, G))
 
     def table(self):
@@ -284,7 +284,7 @@ def watch_optimizers(comms, optimizers, model):
     rank weighs the rows it owns - its shard of AdamW's second moments against the same rows of
     its own gradient's codec error - and the gain check's all-reduce adds the ranks' row blocks
     up; Muon, which needs whole matrices, is judged in L2."""
-    views = compress.optimizer_views(optimizers, model)
+    views = hooks.optimizer_views(optimizers, model)
     for comm in comms:
         comm.comm.watch(views)
 
@@ -304,3 +304,98 @@ def load_state_dict(comms, state):
                          f"{missing[0][:80]}...; load it into the model it was saved from")
     for c in comms:
         c.comm.load_state_dict(saved[",".join(c.names)])
+
+
+# -----------------------------------------------------------------------------
+# the subspace rotation on row blocks (FSDP's dim-0 shards)
+
+class RowBlocks(compress.AllRows):
+    """Where the rows of a gradient G (m x n) live while its geometry is estimated.
+
+    By default (DDP, train.py) every rank holds all of G and every method below is the identity.
+    Under FSDP each rank holds only a block of rows: rank j has rows [j c, (j + 1) c) of G, with
+    c = ceil(m / W) (FSDP's dim-0 sharding). The subspace iteration is then the same algebra with
+    two collectives: `sum` adds the rank's partial products (G^T U = sum_j G_j^T U_j is an n x r
+    all-reduce) and `gather` assembles an m x r matrix from its row blocks. Bases (U, V) are
+    always held whole, so every rank completes the same Householder basis from them."""
+
+    def __init__(self, m=None, group=None):
+        self.sharded = m is not None and dist.is_initialized() and dist.get_world_size(group) > 1
+        self.group = group
+        if self.sharded:
+            world, me = dist.get_world_size(group), dist.get_rank(group)
+            self.m, self.per_rank = m, -(-m // world)
+            self.start, self.end = min(m, me * self.per_rank), min(m, (me + 1) * self.per_rank)
+
+    def mine(self, X):
+        """This rank's rows of a whole m x k matrix."""
+        return X[self.start: self.end] if self.sharded else X
+
+    def sum(self, x):
+        """The sum over ranks of a partial product (all ranks get the same result)."""
+        return self.sum_all([x])[0]
+
+    def sum_all(self, parts):
+        """sum() of several partial products (any shapes) with one all-reduce."""
+        if not self.sharded:
+            return parts
+        flat = torch.cat([p.reshape(-1) for p in parts])
+        dist.all_reduce(flat, group=self.group)
+        return [f.view(p.shape) for f, p in zip(flat.split([p.numel() for p in parts]), parts)]
+
+    def gather(self, X_rows):
+        """The whole m x k matrix from every rank's block of rows."""
+        if not self.sharded:
+            return X_rows
+        padded = X_rows.new_zeros(self.per_rank, X_rows.shape[1])
+        padded[: X_rows.shape[0]] = X_rows
+        blocks = [torch.empty_like(padded) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(blocks, padded, group=self.group)
+        return torch.cat(blocks)[: self.m]
+
+
+def decode_geo_rows(matrices):
+    """decode_geo when each rank holds only a block of rows of H (FSDP; see RowBlocks), for
+    Householder bases. `matrices` is a list of (H_rows, left, right, rows), typically all of one
+    FSDP module's rotated matrices. The right side acts on each row alone: K = H Q^T row by row.
+    The left side mixes rows only through r directions: (P K)_j = K_j - Y_j T (Y^T K), and
+    Y^T K (r x n) is the sum over ranks of Y_j^T K_j: r n numbers against the m n / W of the
+    block, summed for all the matrices in one all-reduce. Returns each matrix's rows of G."""
+    Ks = [right.apply(H.T).T if right is not None else H for H, _, right, _ in matrices]
+    lefts = [(k, rows.mine(left.Y), left.T) for k, (_, left, _, rows) in enumerate(matrices)
+             if left is not None]                                  # Y_j: (rows here, r)
+    if lefts:
+        rows = matrices[0][3]
+        totals = rows.sum_all([Y.T @ Ks[k] for k, Y, _ in lefts])  # Y^T K of each, (r, n)
+        for (k, Y, T), YtK in zip(lefts, totals):
+            Ks[k] = Ks[k] - Y @ (T @ YtK)
+    return Ks
+
+
+def swap_entries_rows(matrices):
+    """swap_entries on this rank's block of rows of H (FSDP; see RowBlocks), for a list of
+    (H_rows, swaps, rows). A pair may join two blocks (core entries sit in the first rows,
+    their partners in the last), so every rank contributes the values at the swapped positions
+    it holds, one all-reduce (2 s numbers per matrix, all matrices at once) shares them, and
+    every rank writes each of its positions' partner value."""
+    out, writes, contributions, group_rows = [], [], [], None
+    for H_rows, swaps, rows in matrices:
+        if swaps is None or not rows.sharded:
+            out.append(compress.swap_entries(H_rows, swaps))
+            continue
+        first = rows.start * H_rows.shape[1]                # flat index of this block's start
+        positions = torch.cat(compress.on_device(swaps, H_rows.device))  # (2 s,): all a's, then all b's
+        held = (positions >= first) & (positions < first + H_rows.numel())
+        local = positions[held] - first                     # the swapped positions held here
+        flat = H_rows.reshape(-1).clone()
+        values = flat.new_zeros(positions.numel())
+        values[held] = flat[local]
+        out.append(flat.view(H_rows.shape))
+        writes.append((flat, held, local))
+        contributions.append(values)
+        group_rows = rows
+    if writes:
+        for (flat, held, local), values in zip(writes, group_rows.sum_all(contributions)):
+            partner = values.roll(values.numel() // 2)      # a_k <-> b_k
+            flat[local] = partner[held]
+    return out

@@ -67,8 +67,7 @@ def group_summary(layers, names):
 
 def tables(path, codec="round-trip", last=1, group="mlp.w2.weight", vocab_size=None,
            workers=None):
-    import torch
-    data = torch.load(path, map_location="cpu", weights_only=True)
+    data = fidelity.load_gradient_file(path)
     vocab = vocab_size if vocab_size is not None else data.get("vocab_size", 0)
     shapes = {n: t.shape for n, t in data["steps"][0][0].items()}
     matrices = [n for n, s in shapes.items() if len(s) == 2 and vocab not in s]

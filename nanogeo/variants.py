@@ -21,10 +21,7 @@ encodings that lost there are kept here, not in compress.py.
 
 import argparse
 import math
-import os
 import sys
-
-import torch
 
 import compress
 from nanogeo import fidelity
@@ -46,13 +43,13 @@ def encodings(layer, round_trip):
 
 
 def compare(path, rank=16):
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} does not exist; capture one with "
-                                f"`python -m nanogeo.capture --out {path}`")
-    data = torch.load(path, map_location="cpu", weights_only=True)
+    data = fidelity.load_gradient_file(path)
     steps, record = data["steps"], data.get("optimizer")
     if record is None:
         raise ValueError(f"{path} records no optimizer; capture it with nanogeo.capture --keep=all")
+    if len(steps) < 2:
+        raise ValueError(f"{path} holds {len(steps)} step; the bases come from earlier steps, so "
+                         "capture at least 2 (--capture_steps=2 or more)")
     names = list(steps[0][0])
     exact = [{n: sum(w[n].float() for w in ws) / len(ws) for n in names} for ws in steps]
     states, _ = fidelity.exact_updates(record, exact, data.get("grad_clip", 0.0))

@@ -10,6 +10,7 @@ from compress import (GeoFP8Communicator, GeoOptions, HouseholderBasis, ShardLay
                       all_reduce_mean, decode_geo, dequantize, encode_geo, quantize,
                       simulate_mean, wire_nbytes)
 from conftest import run_ranks
+from nanogeo import fsdp
 
 GRANULARITIES = [128, 32, "row", "tensor"]
 
@@ -417,7 +418,7 @@ def sharded_rank(rank, world_size, out):
     g = torch.Generator().manual_seed(0)
     G = torch.randn(m, r, generator=g) @ torch.randn(r, n, generator=g) * 5 \
         + torch.randn(m, n, generator=g)
-    rows = compress.RowBlocks(m)
+    rows = fsdp.RowBlocks(m)
     whole, sharded = (compress.initial_subspaces(G, r, seed=3),
                       compress.initial_subspaces(rows.mine(G), r, seed=3, rows=rows))
     U, V = whole[0], whole[1]
@@ -430,10 +431,10 @@ def sharded_rank(rank, world_size, out):
     # a second matrix, rotated on its left side only, shares the two all-reduces
     G2 = torch.randn(m, 8, generator=g)
     H2 = compress.encode_geo(G2, left, None)
-    unswapped, unswapped2 = compress.swap_entries_rows([(rows.mine(H), swaps, rows),
-                                                        (rows.mine(H2), None, rows)])
-    decoded, decoded2 = compress.decode_geo_rows([(unswapped, left, right, rows),
-                                                  (unswapped2, left, None, rows)])
+    unswapped, unswapped2 = fsdp.swap_entries_rows([(rows.mine(H), swaps, rows),
+                                                    (rows.mine(H2), None, rows)])
+    decoded, decoded2 = fsdp.decode_geo_rows([(unswapped, left, right, rows),
+                                              (unswapped2, left, None, rows)])
     assert torch.allclose(decoded2, rows.mine(G2), atol=1e-4)
     torch.save({"whole": whole + update_whole, "sharded": sharded + update_sharded,
                 "decoded": decoded, "expected": rows.mine(G), "rows": (rows.start, rows.end),

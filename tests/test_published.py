@@ -7,6 +7,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import compress
+from nanogeo import hooks
 from compress import GeoFP8Communicator, GeoOptions
 from conftest import run_ranks
 
@@ -242,7 +243,7 @@ def moments_rank(rank, world_size, out):
     comm = GeoFP8Communicator(named, GeoOptions(geometry="whiten", min_numel=16, whiten_rank=4))
     layers = compress.linear_layers(model, comm.moment_layers())
     assert set(layers) == {"0.weight", "2.weight"}          # found by module type
-    stats = compress.KroneckerMoments(layers, comm.wants_moments).attach()
+    stats = hooks.KroneckerMoments(layers, comm.wants_moments).attach()
     g = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(8, 5, 24, generator=g) * (1 + rank)
     model(x).pow(2).mean().backward()

@@ -1,0 +1,111 @@
+"""
+What GeoFP8 reads from the model and its optimizers, as torch hooks and adapters:
+
+  * KroneckerMoments: the K-FAC statistics of linear layers (A = E[a a^T] of the inputs, G =
+    E[delta delta^T] of the output gradients) that the published method whitens with, collected
+    by forward hooks (compress.py section 3b);
+  * optimizer_views: each parameter's optimizer (AdamW or Muon) as a compress.OptimizerView, so
+    that the per-layer choice is judged by the error that optimizer sees (section 4b).
+"""
+import contextlib
+import functools
+
+import torch
+
+from compress import OptimizerView
+
+
+class KroneckerMoments:
+    """Collects the K-FAC statistics of some linear layers: input[name] = sum of a a^T over
+    tokens (a forward pre-hook on the layer's input) and output[name] = sum of delta delta^T (a
+    hook on the gradient of the layer's output), in fp32, with token counts. Only training
+    forwards with autograd on count (an evaluation in between adds nothing), and only while
+    `active()` is true. take() returns the per-token means collected since the last take().
+    `layers` maps weight names to nn.Linear modules (see linear_layers).
+
+    The hooks exist between attach() and detach(). train.py attaches them for the forward
+    passes of refresh steps only, which it runs eagerly, so a torch.compile'd graph never
+    contains them; the DDP hook keeps them attached and lets `active()` decide."""
+
+    def __init__(self, layers, active=None, sides=("input",)):
+        self.layers, self.active, self.sides = layers, active, sides
+        self.sums, self.counts, self.handles = {}, {}, []
+
+    def attach(self):
+        for name, module in self.layers.items():
+            # partials of methods, not closures: a model with these hooks still pickles
+            if "input" in self.sides:
+                self.handles.append(module.register_forward_pre_hook(
+                    functools.partial(self._input_hook, name)))
+            if "output" in self.sides:
+                self.handles.append(module.register_forward_hook(
+                    functools.partial(self._output_hook, name)))
+        return self
+
+    def detach(self):
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    @contextlib.contextmanager
+    def attached(self):
+        """with moments.attached(): forwards here record their statistics."""
+        self.attach()
+        try:
+            yield self
+        finally:
+            self.detach()
+
+    def _collecting(self, module):
+        return module.training and torch.is_grad_enabled() and (self.active is None or self.active())
+
+    def _add(self, key, x):
+        with torch.autocast(x.device.type, enabled=False):    # fp32 sums, also under autocast
+            x = x.detach().reshape(-1, x.shape[-1]).float()      # (tokens, d)
+            self.sums[key] = self.sums.get(key, 0) + x.T @ x
+        self.counts[key] = self.counts.get(key, 0) + x.shape[0]
+
+    def _input_hook(self, name, module, args):
+        if self._collecting(module):
+            self._add(("input", name), args[0])
+
+    def _output_hook(self, name, module, args, out):
+        if self._collecting(module) and out.requires_grad:
+            out.register_hook(functools.partial(self._add, ("output", name)))
+
+    def take(self):
+        """{"input": {name: A}, "output": {name: G}, "tokens": {side: {name: count}}}: the
+        means per token since the last take(); empty if nothing came."""
+        means = {"input": {}, "output": {}, "tokens": {"input": {}, "output": {}}}
+        for (side, name), total in self.sums.items():
+            means[side][name] = total / self.counts[(side, name)]
+            means["tokens"][side][name] = self.counts[(side, name)]
+        self.sums, self.counts = {}, {}
+        return means
+
+
+OPTIMIZER_KINDS = {"AdamW": "adamw", "Adam": "adamw", "Muon": "muon"}
+
+
+def optimizer_views(optimizers, model):
+    """{parameter name: OptimizerView} for the AdamW/Adam/Muon parameters of `optimizers`
+    (other optimizer classes: none, and their layers are judged in plain L2)."""
+    names = {p: n for n, p in model.named_parameters()}
+    views = {}
+    for opt in optimizers:
+        kind = OPTIMIZER_KINDS.get(type(opt).__name__)
+        for group in opt.param_groups if kind else ():
+            for p in group["params"]:
+                views[names[p]] = OptimizerView(kind, functools.partial(param_group, opt, p),
+                                                functools.partial(param_state, opt, p))
+    return views
+
+
+def param_state(optimizer, param):
+    """The optimizer's state of one parameter now (functions, so views pickle)."""
+    return optimizer.state.get(param, {})
+
+
+def param_group(optimizer, param):
+    """The param group holding `param` now (load_state_dict replaces the group dicts)."""
+    return next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
