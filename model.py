@@ -40,6 +40,7 @@ from dataclasses import dataclass, asdict
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from einops import rearrange
 
 
 @dataclass
@@ -135,17 +136,17 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_head * self.head_dim, cfg.n_embd, bias=False)
 
     def forward(self, x, cos, sin):
-        B, T, C = x.shape
-        q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)     # (B, nh, T, hs)
-        k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
-        v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        heads = "b t (h hs) -> b h t hs"                     # (B, T, h * hs) -> (B, h, T, hs)
+        q = rearrange(self.wq(x), heads, hs=self.head_dim)                          # (B, nh, T, hs)
+        k = rearrange(self.wk(x), heads, hs=self.head_dim)                          # (B, nkv, T, hs)
+        v = rearrange(self.wv(x), heads, hs=self.head_dim)                          # (B, nkv, T, hs)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # GQA: each kv head serves n_head // n_kv_head query heads
         repeat = self.n_head // self.n_kv_head
         k = k.repeat_interleave(repeat, dim=1)                                      # (B, nh, T, hs)
         v = v.repeat_interleave(repeat, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)                # (B, nh, T, hs)
-        return self.wo(y.transpose(1, 2).reshape(B, T, C))
+        return self.wo(rearrange(y, "b h t hs -> b t (h hs)"))                     # (B, T, C)
 
 
 class SwiGLU(nn.Module):
