@@ -84,6 +84,7 @@ are the same.
 
 import contextlib
 import functools
+import importlib
 import math
 import zlib
 from dataclasses import dataclass, field
@@ -104,8 +105,9 @@ FP8_MAX = {dtype: fmax for dtype, fmax in FP8_FORMATS.values()}
 FP8_MAX_CODE = {torch.float8_e4m3fn: 0x7E, torch.float8_e5m2: 0x7B}  # largest finite magnitude
 FORMATS = ("e4m3", "e5m2", "nvfp4")
 NVFP4_BLOCK = 16        # NVFP4 always scales blocks of 16 values; `block` does not apply to it
-E2M1_MAX = 6.0
-E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the 8 magnitudes of a 4-bit e2m1 value
+# Formats other than FP8 live in nanogeo/, one module each, imported on first use: the module
+# has quantize(x, stochastic, generator) -> Quantized, dequantize(q) and wire_nbytes(shape).
+OTHER_CODECS = {"nvfp4": "nanogeo.nvfp4"}     # 4-bit e2m1 values, e4m3 scales per 16 values
 FP32_MAX = torch.finfo(torch.float32).max
 
 
@@ -205,8 +207,8 @@ def wire_nbytes(shape, fmt, block):
     numel = math.prod(shape)
     if numel == 0:
         return 0
-    if fmt == "nvfp4":  # fp32 tensor scale + one e4m3 scale per 16 values + two values per byte
-        return 4 + num_groups(shape, NVFP4_BLOCK) + (numel + 1) // 2
+    if fmt in OTHER_CODECS:
+        return other_codec(fmt).wire_nbytes(shape)
     return 4 * num_groups(shape, block) + numel  # fp32 scale per group + one byte per value
 
 
@@ -232,61 +234,27 @@ def round_to_fp8(y, dtype, stochastic=False, generator=None):
     return torch.where(draw < p_other, other, nearest.view(torch.uint8).view(dtype))
 
 
-def round_to_e2m1(y, stochastic=False, generator=None):
-    """4-bit codes (sign << 3 | magnitude index into E2M1_GRID) of y, |y| <= 6."""
-    grid = on_device(E2M1_GRID, y.device)
-    a = y.abs()
-    if stochastic:
-        low = (torch.bucketize(a, grid, right=True) - 1).clamp(0, 6)   # grid[low] <= a
-        lo, hi = grid[low], grid[low + 1]
-        p_up = ((a - lo) / (hi - lo)).clamp(0, 1)
-        draw = torch.rand(a.shape, generator=generator, device=y.device)
-        idx = low + (draw < p_up).long()
-    else:
-        # nearest, ties to the even code: ties at 0.25, 1.25, 2.5, 5 round down, at 0.75, 1.75,
-        # 3.5 round up (the even codes are 0, 1, 2, 4)
-        ties_down = on_device((0.25, 1.25, 2.5, 5.0), y.device)
-        ties_up = on_device((0.75, 1.75, 3.5), y.device)
-        idx = (a[..., None] > ties_down).sum(-1) + (a[..., None] >= ties_up).sum(-1)
-    return (idx | torch.where(y < 0, 8, 0)).to(torch.uint8)
-
-
 def quantize(x, fmt="e4m3", block=128, stochastic=False, generator=None) -> Quantized:
     """Quantize x into one uint8 wire buffer.
 
     e4m3 / e5m2: each group (block of `block` flattened elements, a row, or the whole tensor)
     gets scale s = fmax / amax; values are cast as torch casts x * s, saturated at +-fmax.
-    Wire: [s per group, fp32][one fp8 byte per element].
-    nvfp4: blocks of 16, e2m1 values, e4m3 block scales, one fp32 tensor scale.
-    Wire: [tensor scale, fp32][block scale per 16 values, e4m3][two e2m1 values per byte].
+    Wire: [s per group, fp32][one fp8 byte per element]. nvfp4: see nanogeo/nvfp4.py.
     """
     check_codec(fmt, block)
-    if fmt == "nvfp4":
-        block = NVFP4_BLOCK
+    if fmt in OTHER_CODECS:
+        return other_codec(fmt).quantize(x, stochastic, generator)
     numel = x.numel()
     if numel == 0:
         return Quantized(torch.empty(0, dtype=torch.uint8, device=x.device), x.shape, fmt, block)
-    groups = scale_groups(x, block)                                    # (G, L) fp32
-    if fmt != "nvfp4":
-        scale, codes = encode_groups(groups, fmt, stochastic, generator)
-        buffer = torch.cat([scale.view(torch.uint8), codes.reshape(-1)[:numel]])
-        return Quantized(buffer, x.shape, fmt, block)
-    amax = groups.abs().amax(dim=1)                                    # (G,)
-    # nvfp4: the fp32 tensor scale brings the largest block scale to the top of e4m3's range
-    tensor_amax = amax.max()
-    tensor_scale = torch.where(tensor_amax > 0, tensor_amax / (E2M1_MAX * 448.0),
-                               torch.ones_like(tensor_amax)).reshape(1)
-    block_scale = (amax / (E2M1_MAX * tensor_scale)).clamp(max=448.0).to(torch.float8_e4m3fn)
-    step = block_scale.float() * tensor_scale                          # (G,) decoded block scale
-    y = torch.where(step[:, None] > 0, groups / step[:, None], torch.zeros_like(groups))
-    codes = round_to_e2m1(y.clamp(-E2M1_MAX, E2M1_MAX), stochastic, generator).reshape(-1)
-    codes = codes[:numel]
-    if numel % 2:
-        codes = torch.cat([codes, codes.new_zeros(1)])
-    packed = codes[0::2] | (codes[1::2] << 4)                           # low nibble first
-    buffer = torch.cat([tensor_scale.float().view(torch.uint8),
-                        block_scale.view(torch.uint8), packed])
+    scale, codes = encode_groups(scale_groups(x, block), fmt, stochastic, generator)
+    buffer = torch.cat([scale.view(torch.uint8), codes.reshape(-1)[:numel]])
     return Quantized(buffer, x.shape, fmt, block)
+
+
+def other_codec(fmt):
+    """The module of a format in OTHER_CODECS."""
+    return importlib.import_module(OTHER_CODECS[fmt])
 
 
 def fp8_scale(groups, fmax):
@@ -321,23 +289,16 @@ def as_float32(raw):
 
 def dequantize(q: Quantized) -> torch.Tensor:
     """fp32 tensor of q's shape."""
+    if q.fmt in OTHER_CODECS:
+        return other_codec(q.fmt).dequantize(q)
     numel = math.prod(q.shape)
     if numel == 0:
         return torch.zeros(q.shape, device=q.buffer.device)
-    n_groups = num_groups(q.shape, NVFP4_BLOCK if q.fmt == "nvfp4" else q.block)
-    if q.fmt != "nvfp4":
-        dtype, _ = FP8_FORMATS[q.fmt]
-        scale = as_float32(q.buffer[: 4 * n_groups])
-        group_len = numel // n_groups if q.block in ("row", "tensor") else q.block
-        return fp8_decode(q.buffer[4 * n_groups:], scale, group_len, dtype).view(q.shape)
-    tensor_scale = as_float32(q.buffer[:4])
-    block_scale = q.buffer[4: 4 + n_groups].view(torch.float8_e4m3fn).float()
-    packed = q.buffer[4 + n_groups:]
-    codes = torch.stack([packed & 0x0F, packed >> 4], dim=1).reshape(-1)[:numel].long()
-    grid = on_device(E2M1_GRID, packed.device)
-    values = grid[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
-    step = (block_scale * tensor_scale).repeat_interleave(NVFP4_BLOCK)[:numel]
-    return (values * step).view(q.shape)
+    n_groups = num_groups(q.shape, q.block)
+    dtype, _ = FP8_FORMATS[q.fmt]
+    scale = as_float32(q.buffer[: 4 * n_groups])
+    group_len = numel // n_groups if q.block in ("row", "tensor") else q.block
+    return fp8_decode(q.buffer[4 * n_groups:], scale, group_len, dtype).view(q.shape)
 
 
 # =============================================================================
