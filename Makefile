@@ -15,9 +15,16 @@ ARGS   ?=
 # (the paper's profiler) go to whitened coordinates for good (enter/exit gain 0), with error
 # feedback on them and an EMA of the factors. It ends with the per-layer table, the wire ratio
 # and the last step's error against Euclidean FP8 on the same collective.
+# NCCL sums float8 only on compute capability 9.0 and newer (Hopper): on older GPUs the demo
+# runs the published whitening on the two-stage collective (its gain check chooses the layers).
+GPU_CC := $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d .)
+ifeq ($(shell [ -n "$(GPU_CC)" ] && [ "$(GPU_CC)" -lt 90 ] && echo old),old)
+DEMO   ?= --comm=geofp8 --error_feedback --feedback_geo_only --factor_decay=0.95
+else
 DEMO   ?= --comm=geofp8 --fmt=e5m2 --block=tensor --collective=fp8-sum --geo_layers=fragile:4 \
           --geo_enter_gain=0 --geo_exit_gain=0 --error_feedback --feedback_geo_only \
           --factor_decay=0.95
+endif
 BIN     = $(VENV)/bin
 
 .PHONY: train test install data

@@ -105,8 +105,9 @@ FP8_MAX = {dtype: fmax for dtype, fmax in FP8_FORMATS.values()}
 FP8_MAX_CODE = {torch.float8_e4m3fn: 0x7E, torch.float8_e5m2: 0x7B}  # largest finite magnitude
 FORMATS = ("e4m3", "e5m2", "nvfp4")
 NVFP4_BLOCK = 16        # NVFP4 always scales blocks of 16 values; `block` does not apply to it
-# Formats other than FP8 live in nanogeo/, one module each, imported on first use: the module
-# has quantize(x, stochastic, generator) -> Quantized, dequantize(q) and wire_nbytes(shape).
+# NVFP4's arithmetic lives in nanogeo/nvfp4.py, imported on first use (a module with
+# quantize(x, stochastic, generator) -> Quantized, dequantize(q) and wire_nbytes(shape)); this
+# file knows only its fixed block of 16 and that it is not an FP8 format (no packing, no FP8 sum).
 OTHER_CODECS = {"nvfp4": "nanogeo.nvfp4"}     # 4-bit e2m1 values, e4m3 scales per 16 values
 FP32_MAX = torch.finfo(torch.float32).max
 
@@ -252,6 +253,7 @@ def quantize(x, fmt="e4m3", block=128, stochastic=False, generator=None) -> Quan
     return Quantized(buffer, x.shape, fmt, block)
 
 
+@functools.lru_cache(maxsize=None)
 def other_codec(fmt):
     """The module of a format in OTHER_CODECS."""
     return importlib.import_module(OTHER_CODECS[fmt])
@@ -1073,7 +1075,7 @@ def update_subspaces(G, U, V, left_energy, right_energy, decay=0.0, iters=1, row
     represented by the previous bases and their energies e (r numbers per side): memory stays
     O(r (m + n)). A Rayleigh-Ritz step then rotates U and V so that U^T G V is diagonal, with
     the largest entry first: in coordinates every dominant row of H has one large entry.
-    G may be this rank's block of rows only (see AllRows); U and V are always whole.
+    G may be this rank's block of rows only (nanogeo.fsdp.RowBlocks); U and V are always whole.
     Returns (U, V, left_energy, right_energy)."""
     for _ in range(iters):
         A = (1 - decay) * (G @ rows.sum(G.T @ rows.mine(U)))          # rows of G G^T U
@@ -1457,6 +1459,8 @@ class WhitenedLayer:
     use_geo: bool = False
     gain: float = float("nan")
     energy: float = float("nan")                    # (subspace only)
+    sides = "both"                                  # (subspace only: no side is chosen here)
+    transform = ()                                  # (subspace only: no rotation)
 
     @property
     def ready(self):
@@ -1924,7 +1928,7 @@ class GeoFP8Communicator:
         total = 0
         for layer in self.layers.values():
             tensors = layer.tensors() if layer.ready else []
-            tensors += [t for t in getattr(layer, "transform", ()) if isinstance(t, torch.Tensor)]
+            tensors += [t for t in layer.transform if isinstance(t, torch.Tensor)]
             total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
         return total
 
@@ -1936,7 +1940,7 @@ class GeoFP8Communicator:
             if n in self.layers:
                 l = self.layers[n]
                 coords = self.coords(n)
-                if coords == "geo" and getattr(l, "sides", "both") != "both":
+                if coords == "geo" and l.sides != "both":
                     coords += "/" + l.sides
                 lines.append(f"{n:40s} {shape:>12s} {l.rank:4d} {coords:>10s} "
                              f"{l.gain:6.2f} {float(l.energy):6.2f}")

@@ -114,10 +114,41 @@ class TrainConfig:
     check_every: int = 100            # all-rank parameter checksum every N steps (0 = never)
 
 
+# Per-preset defaults for the training loop (the model shapes live in model.PRESETS).
+TRAIN_PRESETS = {
+    "cpu-tiny": dict(batch_size=8, block_size=128, learning_rate=3e-3, max_iters=200,
+                     warmup_iters=20),
+    # many simulated ranks on one CPU: train.py --preset=char-study --simulate_workers=32
+    "char-study": dict(data_dir="data/shakespeare_char", batch_size=4, block_size=64,
+                       learning_rate=3e-3, min_lr=3e-4, max_iters=2000, warmup_iters=100,
+                       eval_interval=250, eval_iters=4, log_interval=50),
+    "llama-300m": dict(batch_size=4, block_size=2048, grad_accum=2, learning_rate=1.5e-3,
+                       min_lr=1.5e-4, max_iters=20000, warmup_iters=1000, eval_interval=500,
+                       eval_iters=20, ckpt_interval=1000),
+    "llama-600m": dict(batch_size=4, block_size=2048, grad_accum=2, learning_rate=1e-3,
+                       min_lr=1e-4, max_iters=20000, warmup_iters=1000, eval_interval=500,
+                       eval_iters=20, ckpt_interval=1000),
+    # the paper's recipe: Muon (lr 5e-4 -> 5e-5, momentum 0.9, 5 Newton-Schulz steps, weight
+    # decay 0.1) with AdamW (0.9, 0.95) on embeddings and gains, clip 1.0; 16K tokens per rank-step
+    "paper-300m": dict(batch_size=2, block_size=4096, grad_accum=2, optimizer="muon",
+                       learning_rate=5e-4, min_lr=5e-5, max_iters=20000, warmup_iters=1000,
+                       eval_interval=500, eval_iters=20, ckpt_interval=1000),
+    "paper-600m": dict(batch_size=4, block_size=2048, grad_accum=2, optimizer="muon",
+                       learning_rate=5e-4, min_lr=5e-5, max_iters=20000, warmup_iters=1000,
+                       eval_interval=500, eval_iters=20, ckpt_interval=1000),
+}
+
+CHOICES = {"comm": ("fp32", "bf16", "fp8", "geofp8", "subspace"),
+           "device": ("auto", "cpu", "cuda"), "fmt": compress.FORMATS,
+           "collective": compress.COLLECTIVES, "sum_order": compress.SUM_ORDERS,
+           "whiten_factor": compress.WHITEN_FACTORS, "whiten_sides": compress.WHITEN_SIDES,
+           "geo_judge": compress.JUDGES, "preset": tuple(model_lib.PRESETS),
+           "optimizer": ("adamw", "muon"), "muon_adjust_lr": ("original", "match_rms_adamw")}
+
+
 def parse_config(argv):
     """train.py's flags -> TrainConfig (nanogeo/config.py: --key=value or --key value)."""
-    return config.parse_config(argv, TrainConfig, config.TRAIN_PRESETS, config.TRAIN_CHOICES,
-                               __doc__)
+    return config.parse_config(argv, TrainConfig, TRAIN_PRESETS, CHOICES, __doc__)
 
 
 # -----------------------------------------------------------------------------
@@ -273,16 +304,13 @@ def set_learning_rates(optimizers, peaks, lr, base_lr):
 # -----------------------------------------------------------------------------
 # training
 
-def optimizer_step(params, optimizers, grad_clip, skip=False):
+def optimizer_step(params, optimizers, grad_clip):
     """Clip the averaged gradients (identical on every rank), step every optimizer, clear the
-    gradients. Returns the gradient norm before clipping. skip=True only clears them."""
-    grad_norm = None
-    if not skip:
-        grad_norm = (torch.nn.utils.clip_grad_norm_(params, grad_clip) if grad_clip > 0
-                     else torch.norm(torch.stack([p.grad.norm() for p in params])))
+    gradients. Returns the gradient norm before clipping."""
+    grad_norm = (torch.nn.utils.clip_grad_norm_(params, grad_clip) if grad_clip > 0
+                 else torch.norm(torch.stack([p.grad.norm() for p in params])))
     for o in optimizers:
-        if not skip:
-            o.step()
+        o.step()
         o.zero_grad(set_to_none=True)
     return grad_norm
 
@@ -352,7 +380,7 @@ def train(cfg):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if restarts and os.path.exists(os.path.join(cfg.out_dir, "ckpt.pt")):
+    if restarts and os.path.exists(checkpoint.ckpt_path(cfg)):
         cfg = dataclasses.replace(cfg, resume=True)     # torchrun --max-restarts brought us back
     # checked before anything is built: fail in a second, not after a minute
     ckpt = checkpoint.open_checkpoint(cfg, data_parallel, device, master=rank == 0)
@@ -373,7 +401,7 @@ def train(cfg):
     if ckpt is not None:
         start_step = checkpoint.restore(ckpt, raw_model, optimizers, communicator, cfg, rank,
                                         world_size, device)
-        log.print(f"resumed from {cfg.out_dir}/ckpt.pt at step {start_step}"
+        log.print(f"resumed from {checkpoint.ckpt_path(cfg)} at step {start_step}"
                   + (f" (elastic restart {restarts})" if restarts else ""))
     saver = checkpoint.Checkpointer(cfg, mcfg, data_parallel, rank, world_size,
                                     last_step=start_step if ckpt is not None else None)
@@ -402,7 +430,8 @@ def train(cfg):
             log.print(f"step {step + 1}: warning: non-finite gradient on some rank; step skipped")
             if collect:
                 moments.take()      # this step's statistics go with it
-            optimizer_step(params, optimizers, cfg.grad_clip, skip=True)
+            for o in optimizers:
+                o.zero_grad(set_to_none=True)
             continue
         last = communicator is not None and step + 1 == cfg.max_iters
         if last:        # kept for the end-of-run comparison with Euclidean FP8
@@ -433,10 +462,11 @@ def train(cfg):
         if cfg.ckpt_interval and done % cfg.ckpt_interval == 0 and done < cfg.max_iters:
             saver.save(done, raw_model, optimizers, communicator)
     saver.save(cfg.max_iters, raw_model, optimizers, communicator)
+    elapsed = time.time() - t_start     # the training, without the comparison below
     if delivered is not None:       # the last step, measured against Euclidean FP8
         log.print(summary.last_step_report(communicator, local, delivered, coords, data_parallel,
                                            simulated=bool(cfg.simulate_workers)))
-    result = log.finish(train_loss, val_loss, first_val, start_step, time.time() - t_start,
+    result = log.finish(train_loss, val_loss, first_val, start_step, elapsed,
                         runtime.parameter_checksum(params), saver.path)
     if world_size > 1:
         dist.destroy_process_group()

@@ -35,6 +35,7 @@ import torch
 import compress
 import model as model_lib
 import train
+from prepare_data import ShardError
 from nanogeo import bytegpt, checkpoint, config, hooks
 
 
@@ -204,7 +205,7 @@ def main(argv=None):
                                            "model": ("llama", "bytegpt"),
                                            "keep": ("all", "linear")}, doc=__doc__)
         capture(cfg)
-    except (config.ConfigError, train.ShardError) as e:
+    except (config.ConfigError, ShardError) as e:
         sys.exit(f"nanogeo.capture: error: {e}")
 
 

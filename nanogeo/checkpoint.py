@@ -17,6 +17,10 @@ import torch.distributed as dist
 from nanogeo.config import ConfigError
 
 
+def ckpt_path(cfg):
+    return os.path.join(cfg.out_dir, "ckpt.pt")
+
+
 # what a checkpoint's numbers depend on: resuming with any of these changed would silently load
 # mismatched geometry, optimizer state or residuals
 RESUME_MUST_MATCH = ("preset", "optimizer", "comm", "fmt", "block", "collective", "geo_rank",
@@ -27,35 +31,35 @@ def open_checkpoint(cfg, world_size, device, master):
     """The checkpoint to resume from (None for a fresh run), after checking that it is this
     run's. A fresh run with --overwrite first moves an existing one aside (to ckpt.pt.old), so
     that an elastic restart before its first save cannot resume the replaced run."""
-    ckpt_path = os.path.join(cfg.out_dir, "ckpt.pt")
+    path = ckpt_path(cfg)
     if not cfg.resume:
-        if os.path.exists(ckpt_path) and not cfg.overwrite:
+        if os.path.exists(path) and not cfg.overwrite:
             raise ConfigError(f"{cfg.out_dir} already holds another run's checkpoint; pass --resume "
                               "to continue it, --overwrite=true to replace it, or choose another "
                               "--out_dir")
-        if os.path.exists(ckpt_path) and master:
-            os.replace(ckpt_path, ckpt_path + ".old")
+        if os.path.exists(path) and master:
+            os.replace(path, path + ".old")
             for name in os.listdir(cfg.out_dir):
                 if name.startswith("residuals-rank"):
                     os.remove(os.path.join(cfg.out_dir, name))
         if dist.is_initialized():
             dist.barrier()          # no rank looks for a checkpoint before it is moved
         return None
-    if not os.path.exists(ckpt_path):
-        raise ConfigError(f"--resume but {ckpt_path} does not exist; drop --resume to start fresh")
-    ckpt = torch.load(ckpt_path, map_location=device, weights_only=True)
+    if not os.path.exists(path):
+        raise ConfigError(f"--resume but {path} does not exist; drop --resume to start fresh")
+    ckpt = torch.load(path, map_location=device, weights_only=True)
     saved = {"optimizer": "adamw", **ckpt["config"]}
     for flag in RESUME_MUST_MATCH:
         if flag in saved and saved[flag] != getattr(cfg, flag):
-            raise ConfigError(f"{ckpt_path} is a --{flag}={saved[flag]} run; resume it with that "
+            raise ConfigError(f"{path} is a --{flag}={saved[flag]} run; resume it with that "
                               f"setting or use another --out_dir")
     saved_world = ckpt.get("world_size", world_size)
     if cfg.error_feedback and saved_world != world_size:
-        raise ConfigError(f"{ckpt_path} keeps error-feedback residuals for {saved_world} ranks; "
+        raise ConfigError(f"{path} keeps error-feedback residuals for {saved_world} ranks; "
                           f"resume on {saved_world} ranks or start a new run")
     if cfg.error_feedback and ckpt.get("simulated", False) != bool(cfg.simulate_workers):
         was = "simulated ranks (--simulate_workers)" if ckpt.get("simulated") else "real ranks"
-        raise ConfigError(f"{ckpt_path} keeps error-feedback residuals of {was}; resume it the "
+        raise ConfigError(f"{path} keeps error-feedback residuals of {was}; resume it the "
                           "same way or start a new run")
     return ckpt
 
@@ -96,8 +100,6 @@ def atomic_save(obj, path):
     os.replace(tmp, path)
 
 
-
-
 def optimizer_states(optimizers):
     """The checkpoint's optimizer entries: AdamW under "optimizer", Muon under "muon"."""
     *muon, adamw = optimizers
@@ -131,7 +133,7 @@ class Checkpointer:
     def __init__(self, cfg, model_config, data_parallel, rank, world_size, last_step=None):
         self.cfg, self.model_config = cfg, model_config
         self.data_parallel, self.rank, self.world_size = data_parallel, rank, world_size
-        self.path = os.path.join(cfg.out_dir, "ckpt.pt")
+        self.path = ckpt_path(cfg)
         self.last_step = last_step          # the step of this run's latest ckpt.pt, if any
 
     def save(self, step, model, optimizers, communicator):

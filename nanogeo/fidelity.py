@@ -253,7 +253,7 @@ def load_gradient_file(path):
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:      # empty, truncated or not a torch file at all
-        raise ValueError(f"{path} is not a gradient file ({type(e).__name__}); {fix}") from None
+        raise ValueError(f"{path} is not a gradient file ({type(e).__name__}: {e}); {fix}") from None
     if not isinstance(data, dict) or not data.get("steps"):
         raise ValueError(f"{path} is not a gradient file (no captured steps); {fix}")
     return data

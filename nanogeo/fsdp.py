@@ -312,8 +312,8 @@ def load_state_dict(comms, state):
 class RowBlocks(compress.AllRows):
     """Where the rows of a gradient G (m x n) live while its geometry is estimated.
 
-    By default (DDP, train.py) every rank holds all of G and every method below is the identity.
-    Under FSDP each rank holds only a block of rows: rank j has rows [j c, (j + 1) c) of G, with
+    Under DDP (train.py) every rank holds all of G: compress.AllRows, whose methods are the
+    identity. Under FSDP each rank holds only a block of rows: rank j has rows [j c, (j + 1) c) of G, with
     c = ceil(m / W) (FSDP's dim-0 sharding). The subspace iteration is then the same algebra with
     two collectives: `sum` adds the rank's partial products (G^T U = sum_j G_j^T U_j is an n x r
     all-reduce) and `gather` assembles an m x r matrix from its row blocks. Bases (U, V) are

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import compress
 import model as model_lib
-import train
+from prepare_data import ShardError
 from nanogeo.capture import CaptureConfig, simulated_training
 from nanogeo import config, hooks
 
@@ -100,7 +100,7 @@ def main(argv=None):
         if cfg.by == "fragility" and not cfg.top_k and not cfg.threshold:
             raise config.ConfigError("choose the selection: --top_k=K or --threshold=T")
         scores, ranked, selected = profile(cfg)
-    except (config.ConfigError, train.ShardError) as e:
+    except (config.ConfigError, ShardError) as e:
         sys.exit(f"nanogeo.profile: error: {e}")
     label = "saturated fraction" if cfg.by == "fragility" else "measured gain"
     print(f"{'rank':>4s}  {'matrix':40s} {label:>18s}  selected")

@@ -1,6 +1,7 @@
 """
 The distributed runtime of train.py: process-group setup under torchrun (elastic restarts
-included), the rank-agreement check, and the GPU's peak for MFU. Nothing here knows about
+included), the checks that every rank agrees (finite gradients everywhere, identical
+parameters: a checksum all-reduce, a sha256 for tests), and the GPU's peak for MFU. Nothing here knows about
 gradient communication; that is train.py's reduce_gradients and compress.py.
 """
 import hashlib
@@ -60,8 +61,6 @@ def check_ranks_agree(params, step, device):
         raise RankMismatch(f"parameters differ across ranks at step {step}; a rank diverged "
                            "(nondeterministic kernel, bad hardware or a code change on one node): "
                            "restart from the last checkpoint")
-
-
 
 
 def setup_distributed(cfg):

@@ -10,7 +10,7 @@ from compress import (GeoFP8Communicator, GeoOptions, HouseholderBasis, ShardLay
                       all_reduce_mean, decode_geo, dequantize, encode_geo, quantize,
                       simulate_mean, wire_nbytes)
 from conftest import run_ranks
-from nanogeo import fsdp, nvfp4
+from nanogeo import nvfp4
 
 GRANULARITIES = [128, 32, "row", "tensor"]
 
@@ -413,6 +413,7 @@ def test_state_dict_round_trip():
 
 def sharded_rank(rank, world_size, out):
     """Each rank holds a block of rows (FSDP's layout); results must match the whole-matrix ones."""
+    from nanogeo import fsdp
     dist.init_process_group("gloo")
     m, n, r = 37, 24, 4                                 # 37 rows: uneven, padded blocks
     g = torch.Generator().manual_seed(0)
