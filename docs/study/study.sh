@@ -6,3 +6,7 @@ COMMON="--workers 32 --seeds 0,1,2 --out_dir out/study -- --preset=char-study --
 python -m nanogeo.ablate --comms fp32,fp8-paper,subspace-paper,geofp8-paper,fp8-paper-ef,bf16 --optimizers adamw $COMMON
 python -m nanogeo.ablate --comms fp32,fp8-paper,subspace-paper,geofp8-paper --optimizers muon $COMMON
 python -m nanogeo.ablate --comms fp32,fp8-paper,subspace-paper-all --optimizers adamw $COMMON
+# Muon: error feedback and bf16. The first command was stopped during subspace-paper-all's
+# seed 1 (5.8 s a step on the loaded machine) to free the CPU; the second finished the grid.
+python -m nanogeo.ablate --comms fp32,fp8-paper,fp8-paper-ef,bf16,subspace-paper-all --optimizers muon $COMMON
+python -m nanogeo.ablate --comms fp32,fp8-paper,fp8-paper-ef,bf16 --optimizers muon $COMMON
