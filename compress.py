@@ -1345,6 +1345,19 @@ def exemption(name, shape, opts, linear=None):
     return None
 
 
+def goes_geometry_aware(layer, opts, listed):
+    """The selection, for a candidate matrix whose gain (Euclidean error / geometry-aware error,
+    as its optimizer sees them) was just measured. select="all": always. Otherwise with
+    hysteresis: a Euclidean layer enters when its gain reaches enter_gain, a geometry-aware one
+    stays while it keeps exit_gain; with select="list" or "fragile" only the `listed` layers
+    may (enter_gain = exit_gain = 0: the paper's fixed choice, even before a measurement)."""
+    if opts.select == "all":
+        return True
+    threshold = opts.exit_gain if layer.use_geo else opts.enter_gain
+    measured_better = layer.gain >= threshold or (math.isnan(layer.gain) and threshold <= 0)
+    return (opts.select == "gain" or listed) and measured_better
+
+
 @dataclass
 class SubspaceLayer:
     """Subspace-rotation coordinates of one matrix: r (m + n) + 2 r^2 + 2 r numbers. The dominant
@@ -1822,14 +1835,8 @@ class GeoFP8Communicator:
             self._choose(n)
 
     def _choose(self, name):
-        layer = self.layers[name]
-        if self.opts.select == "all":
-            layer.use_geo = True
-            return
-        threshold = self.opts.exit_gain if layer.use_geo else self.opts.enter_gain
-        eligible = self.opts.select == "gain" or name in self.chosen
-        layer.use_geo = eligible and (layer.gain >= threshold or math.isnan(layer.gain)
-                                      and threshold <= 0)
+        self.layers[name].use_geo = goes_geometry_aware(self.layers[name], self.opts,
+                                                        listed=name in self.chosen)
 
     def _select_fragile(self):
         """The published selection: the top_k matrices by mean fraction of saturated FP8 sums
