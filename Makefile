@@ -48,4 +48,4 @@ train: install data
 	    $(DEMO) $(ARGS)
 
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=10

@@ -1278,7 +1278,7 @@ class GeoOptions:
     moment_decay: float = 0.95      # EMA of the second moments across refreshes
     factor_decay: float = 0.0       # EMA of the triangular factor itself (published: 0.95)
     # subspace rotation
-    rank: int = 16                  # r, per side, capped at min(m, n) // 2
+    geo_rank: int = 16              # r, per side, capped at min(m, n) // 2
     decay: float = 0.0              # EMA of the covariance; 0 = bases from the latest mean only
     iters: int = 1                  # subspace iterations per refresh
     full: bool = False              # exact dense eigenbases (reference / ablation)
@@ -1305,9 +1305,9 @@ class GeoOptions:
                 raise ValueError(f"{key} must be one of {', '.join(allowed)}, got {getattr(self, key)!r}")
         if self.refresh == 0:
             self.refresh = 50 if self.geometry == "whiten" else 4
-        if min(self.rank, self.refresh, self.whiten_rank, self.scale_sync_every,
+        if min(self.geo_rank, self.refresh, self.whiten_rank, self.scale_sync_every,
                self.judge_every) < 1:
-            raise ValueError("rank, whiten_rank, refresh, scale_sync_every and judge_every "
+            raise ValueError("geo_rank, whiten_rank, refresh, scale_sync_every and judge_every "
                              "must be >= 1")
         if self.collective == "fp8-sum" and (self.fmt == "nvfp4" or self.stochastic):
             raise ValueError("the fp8-sum collective sums e4m3/e5m2 codes with nearest rounding; "
@@ -1365,7 +1365,7 @@ class SubspaceLayer:
     encode / decode map a gradient to coordinates and back; refresh updates the bases from a
     decoded mean gradient (identical on every rank); state_dict / load_state_dict for resume."""
     shape: tuple
-    rank: int
+    geo_rank: int                       # r: dominant directions kept per side
     seed: int
     opts: object = field(repr=False)    # the GeoOptions (basis, full, decay, iters)
     left_basis: HouseholderBasis = None   # P, completed from the (m, r) dominant left subspace
@@ -1419,7 +1419,7 @@ class SubspaceLayer:
         """New bases from the decoded mean (this rank's rows of it under FSDP)."""
         if self.left_basis is None:
             U, V, self.left_energy, self.right_energy = initial_subspaces(
-                mean, self.rank, self.seed, rows=rows)
+                mean, self.geo_rank, self.seed, rows=rows)
         else:
             U, V, self.left_energy, self.right_energy = update_subspaces(
                 mean, self.left_basis.columns(), self.right_basis.columns(),
@@ -1480,7 +1480,8 @@ class WhitenedLayer:
         return bool(self.factors)
 
     @property
-    def rank(self):
+    def geo_rank(self):
+        """r of the low-rank factor (the table's column for both geometries)."""
         return self.opts.whiten_rank
 
     def encode(self, g):
@@ -1566,7 +1567,7 @@ class GeoFP8Communicator:
         self.saturation_steps = 0
 
     def _subspace_layer(self, name, shape):
-        r = min(shape) if self.opts.full else min(self.opts.rank, min(shape) // 2)
+        r = min(shape) if self.opts.full else min(self.opts.geo_rank, min(shape) // 2)
         layer = SubspaceLayer(shape, r, seed=zlib.crc32(name.encode()), opts=self.opts,
                               sides="both" if self.opts.sides == "auto" else self.opts.sides)
         if self.opts.scatter_core and not self.opts.full and self.opts.basis == "householder":
@@ -1941,7 +1942,7 @@ class GeoFP8Communicator:
 
     def table(self, names=None):
         """Per-layer table: shape, rank, coordinates in use, last measured gain, core energy."""
-        lines = [f"{'tensor':40s} {'shape':>12s} {'rank':>4s} {'coords':>10s} {'gain':>6s} {'energy':>6s}"]
+        lines = [f"{'tensor':40s} {'shape':>12s} {'r':>4s} {'coords':>10s} {'gain':>6s} {'energy':>6s}"]
         for n in names or self.names:
             shape = "x".join(map(str, self.shapes[n]))
             if n in self.layers:
@@ -1949,7 +1950,7 @@ class GeoFP8Communicator:
                 coords = self.coords(n)
                 if coords == "geo" and l.sides != "both":
                     coords += "/" + l.sides
-                lines.append(f"{n:40s} {shape:>12s} {l.rank:4d} {coords:>10s} "
+                lines.append(f"{n:40s} {shape:>12s} {l.geo_rank:4d} {coords:>10s} "
                              f"{l.gain:6.2f} {float(l.energy):6.2f}")
             else:
                 lines.append(f"{n:40s} {shape:>12s} {'-':>4s} {'euclidean':>10s} "

@@ -3,7 +3,7 @@ Benchmarks of the collective and of GeoFP8's compute cost. Not tests: numbers fo
 
     torchrun --standalone --nproc_per_node=2 -m nanogeo.bench collective [--sizes 1,4,16] [--iters 5] [--compile]
     python -m nanogeo.bench overhead [--steps 10]
-    python -m nanogeo.bench flops [--preset llama-600m --tokens 8192 --rank 16 --refresh 1,4]
+    python -m nanogeo.bench flops [--preset llama-600m --tokens 8192 --geo_rank 16 --refresh 1,4]
     torchrun --standalone --nproc_per_node=2 -m nanogeo.bench fsdp [--checkpoint out/ablate/fp32/adamw/ranks2/seed1337/ckpt.pt]
     python -m nanogeo.bench codec [--preset llama-600m --world 8 --iters 5]
     torchrun --standalone --nproc_per_node=2 -m nanogeo.bench accumulation [--seeds 0,1,2 --steps 30]
@@ -155,7 +155,8 @@ def print_collective(rows):
               f"{r['bytes_sent'] / 1e6:9.2f} {r['bytes_vs_bf16']:8.3f}  {parts}")
 
 
-def measure_overhead(steps, preset="cpu-tiny", batch_size=8, block_size=128, refresh=1, rank=16):
+def measure_overhead(steps, preset="cpu-tiny", batch_size=8, block_size=128, refresh=1,
+                     geo_rank=16):
     """GeoFP8 extra compute per step on one rank, against forward + backward of the preset."""
     torch.manual_seed(0)
     cfg = model_lib.model_config(preset, block_size=block_size)
@@ -177,7 +178,7 @@ def measure_overhead(steps, preset="cpu-tiny", batch_size=8, block_size=128, ref
     results = {}
     for name, opts in (("fp8", compress.GeoOptions(geometry="euclidean", vocab_size=cfg.vocab_size)),
                        ("subspace", compress.GeoOptions(geometry="subspace", vocab_size=cfg.vocab_size,
-                                                      refresh=refresh, rank=rank))):
+                                                      refresh=refresh, geo_rank=geo_rank))):
         comm = compress.GeoFP8Communicator(named, opts, linear=set(compress.linear_layers(net)))
         comm.reduce_workers([grads])  # first bases
         t0 = time.perf_counter()
@@ -186,14 +187,14 @@ def measure_overhead(steps, preset="cpu-tiny", batch_size=8, block_size=128, ref
         results[name] = (time.perf_counter() - t0) / steps
         geo_layers = sum(comm.coords(n) == "geo" for n, _ in named)
     overhead = results["subspace"] - results["fp8"]
-    return {"preset": preset, "refresh": refresh, "rank": rank,
+    return {"preset": preset, "refresh": refresh, "geo_rank": geo_rank,
             "tokens": batch_size * block_size, "fwd_bwd_ms": fwd_bwd_s * 1000,
             "fp8_codec_ms": results["fp8"] * 1000, "subspace_codec_ms": results["subspace"] * 1000,
             "geo_overhead_ms": overhead * 1000, "overhead_vs_fwd_bwd": overhead / fwd_bwd_s,
             "geo_layers": geo_layers}
 
 
-def fsdp_fidelity(checkpoint, steps, last, rank, sides="auto", data_dir="data/shakespeare",
+def fsdp_fidelity(checkpoint, steps, last, geo_rank, sides="auto", data_dir="data/shakespeare",
                   batch_size=8, block_size=128):
     """Three FSDP2 copies of one checkpoint, each step the same batches: fp32 / fp8 / subspace.
     Sequences of block_size tokens, or of the checkpoint's context length if shorter."""
@@ -217,7 +218,7 @@ def fsdp_fidelity(checkpoint, steps, last, rank, sides="auto", data_dir="data/sh
         fully_shard(net, mesh=mesh)
         if method != "fp32":
             comms[method] = use_geofp8(net, geometry="subspace" if method == "subspace" else "euclidean",
-                                       rank=rank, sides=sides, vocab_size=mcfg.vocab_size)
+                                       geo_rank=geo_rank, sides=sides, vocab_size=mcfg.vocab_size)
         nets[method] = net
     candidates = {n for c in comms["subspace"] for n in c.comm.layers}
     sq = {m: torch.zeros(4, dtype=torch.float64) for m in comms}   # err, ref; matrices' err, ref
@@ -247,7 +248,7 @@ def fsdp_fidelity(checkpoint, steps, last, rank, sides="auto", data_dir="data/sh
         total = v.to(device)
         dist.all_reduce(total)
         v.copy_(total.cpu())
-    out = {"world": world, "steps": steps, "last": last, "rank": rank, "sides": sides,
+    out = {"world": world, "steps": steps, "last": last, "geo_rank": geo_rank, "sides": sides,
            "geo_matrices": sum(c.comm.coords(n) == "geo" for c in comms["subspace"] for n in c.names),
            "candidate_matrices": len(candidates)}
     for method, v in sq.items():
@@ -262,7 +263,7 @@ def fsdp_fidelity(checkpoint, steps, last, rank, sides="auto", data_dir="data/sh
     # the decode's all-reduces carry r x n fp32 numbers per matrix whose rows are rotated, twice
     # (ring), against ~m x n FP8 bytes of its reduce-scatter: about 8 r / m of that matrix's
     # bytes, whatever W
-    rotated = [(l.rank, l.shape) for c in comms["subspace"] for n, l in c.comm.layers.items()
+    rotated = [(l.geo_rank, l.shape) for c in comms["subspace"] for n, l in c.comm.layers.items()
                if c.comm.is_geo(n) and l.transform[0] is not None]
     out["geometry_bytes_predicted"] = sum(8 * r / m for r, (m, n) in rotated) / max(1, len(rotated))
     out["geometry_bytes_vs_rotated_matrices"] = (
@@ -441,11 +442,11 @@ def print_accumulation(rows):
             print(f"{method:>9s} {str(no_sync):>8s}  {final:28s} {rise}")
 
 
-def analytic_flops(preset, tokens, rank, refresh=4):
+def analytic_flops(preset, tokens, geo_rank, refresh=4):
     """GeoFP8 flops per step / training flops per step, at a preset's shapes."""
-    geo, net = perfmodel.geo_flops(preset, rank, refresh)
+    geo, net = perfmodel.geo_flops(preset, geo_rank, refresh)
     train_flops = net.flops_per_token(net.config.block_size) * tokens
-    return {"preset": preset, "tokens_per_rank": tokens, "rank": rank,
+    return {"preset": preset, "tokens_per_rank": tokens, "geo_rank": geo_rank,
             "refresh": refresh, "geo_gflops": geo / 1e9, "train_gflops": train_flops / 1e9,
             "fraction": geo / train_flops}
 
@@ -461,7 +462,7 @@ def main(argv=None):
     parser.add_argument("--refresh", default="1,4", help="basis refresh intervals to try")
     parser.add_argument("--preset", default="llama-600m")
     parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--rank", type=int, default=16, help="r (the GeoOptions default)")
+    parser.add_argument("--geo_rank", type=int, default=16, help="r (the GeoOptions default)")
     parser.add_argument("--world", type=int, default=8, help="codec mode: W")
     parser.add_argument("--seeds", default="0,1,2", help="accumulation mode")
     parser.add_argument("--checkpoint", default="out/ablate/fp32/adamw/ranks2/seed1337/ckpt.pt", help="fsdp mode")
@@ -489,7 +490,7 @@ def main(argv=None):
             if dist.get_rank() == 0:
                 print_collective(result)
         else:
-            result = fsdp_fidelity(args.checkpoint, args.steps, args.last, args.rank, args.sides)
+            result = fsdp_fidelity(args.checkpoint, args.steps, args.last, args.geo_rank, args.sides)
             if dist.get_rank() == 0:
                 print(json.dumps(result, indent=1))
         dist.destroy_process_group()
@@ -497,11 +498,11 @@ def main(argv=None):
         result = codec_launches(args.preset, args.world, args.iters)
         print(json.dumps(result, indent=1))
     elif args.mode == "overhead":
-        result = [measure_overhead(args.steps, refresh=r, rank=args.rank)
+        result = [measure_overhead(args.steps, refresh=r, geo_rank=args.geo_rank)
                   for r in (int(x) for x in args.refresh.split(","))]
         print(json.dumps(result, indent=1))
     else:
-        result = [analytic_flops(args.preset, args.tokens, args.rank, int(r))
+        result = [analytic_flops(args.preset, args.tokens, args.geo_rank, int(r))
                   for r in args.refresh.split(",")]
         print(json.dumps(result, indent=1))
     if args.json and int(os.environ.get("RANK", 0)) == 0:

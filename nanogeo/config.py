@@ -127,7 +127,7 @@ def geo_options(cfg, vocab_size):
             scale_sync_every=cfg.scale_sync_every, refresh=cfg.geo_refresh, warmup=cfg.geo_warmup,
             judge=cfg.geo_judge, enter_gain=cfg.geo_enter_gain, exit_gain=cfg.geo_exit_gain,
             factor=cfg.whiten_factor, whiten_rank=cfg.whiten_rank, whiten_sides=cfg.whiten_sides,
-            factor_decay=cfg.factor_decay, rank=cfg.geo_rank, error_feedback=cfg.error_feedback,
+            factor_decay=cfg.factor_decay, geo_rank=cfg.geo_rank, error_feedback=cfg.error_feedback,
             feedback_geo_only=cfg.feedback_geo_only,
             stochastic=cfg.stochastic_round, seed=cfg.seed, vocab_size=vocab_size,
             **parse_geo_layers(cfg.geo_layers))

@@ -6,7 +6,7 @@ GeoFP8 for any DistributedDataParallel model, as a DDP communication hook.
 
     model = DDP(model)
     state = GeoFP8HookState(model)                                  # published GeoFP8, or
-    state = GeoFP8HookState(model, geometry="subspace", rank=16)    # the subspace rotation
+    state = GeoFP8HookState(model, geometry="subspace", geo_rank=16)    # the subspace rotation
     model.register_comm_hook(state, geofp8_hook)
     state.watch(optimizers)     # judge each layer by the error its optimizer sees
 

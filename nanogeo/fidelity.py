@@ -26,7 +26,7 @@ Methods (each with the two-stage e4m3 block-128 collective unless it says otherw
 Any method takes GeoOptions overrides after colons, for ablations:
     geofp8:factor=diag   geofp8:factor=block:whiten_block=64   geofp8:whiten_rank=8
     geofp8:whiten_sides=both   geofp8:select=all   fp8-paper:sum_order=tree
-    subspace:rank=8   subspace:sides=left   fp8-block:error_feedback=1   fp8-block:block=32
+    subspace:geo_rank=8   subspace:sides=left   fp8-block:error_feedback=1   fp8-block:block=32
 The whitening methods read each step's input (and output) second moments from the file. The
 candidates are the file's `linear` weights (the model's nn.Linear modules; older files: every
 matrix); a vocabulary dimension stays Euclidean, its size from --vocab_size or the file's
@@ -66,7 +66,7 @@ DEFAULT_METHODS = "bf16,fp8-tensor,fp8-row,fp8-block,fp8-paper,geofp8,geofp8-pap
 
 
 def method_options(spec, vocab_size):
-    """'subspace:rank=8:sides=left' -> GeoOptions (or None for bf16)."""
+    """'subspace:geo_rank=8:sides=left' -> GeoOptions (or None for bf16)."""
     name, *overrides = spec.split(":")
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")

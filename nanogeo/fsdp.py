@@ -7,7 +7,7 @@ GeoFP8 gradient reduce-scatter for FSDP2 (`fully_shard`), through its custom red
     for block in model.layers:
         fully_shard(block)
     fully_shard(model)
-    comms = use_geofp8(model, rank=16, warmup=10)     # after fully_shard, before training
+    comms = use_geofp8(model, geo_rank=16, warmup=10)     # after fully_shard, before training
     watch_optimizers(comms, optimizers, model)       # judge each matrix as its optimizer sees it
 
 What FSDP hands the reduce-scatter
@@ -251,7 +251,7 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
                                for n, l in zip(names, layers)])
         G = decode_geo_rows([(h, *l.transform, blocks[n]) for h, n, l in zip(H, names, layers)])
         for l in layers:  # the two small all-reduces' bytes (ring estimate), for logging
-            small = (l.rank * l.shape[1] if l.transform[0] is not None else 0) + \
+            small = (l.geo_rank * l.shape[1] if l.transform[0] is not None else 0) + \
                 (2 * l.swaps[0].numel() if l.swaps_for(l.transform) is not None else 0)
             self.geometry_bytes += compress.ring_allreduce_bytes(small, 4, world)
         return dict(zip(names, G))

@@ -288,11 +288,11 @@ def subspace_flops(w: Workload, iters=1):
     return total
 
 
-def geo_flops(preset, rank, refresh=4, iters=1):
+def geo_flops(preset, geo_rank, refresh=4, iters=1):
     """(subspace rotation flops per step, meta model) at a preset's shapes (nanogeo.bench)."""
     with torch.device("meta"):
         net = model_lib.Llama(model_lib.model_config(preset))
-    return subspace_flops(workload(preset, geo_rank=rank, geo_refresh=refresh), iters), net
+    return subspace_flops(workload(preset, geo_rank=geo_rank, geo_refresh=refresh), iters), net
 
 
 def transform_seconds(transform, w: Workload, c: Cluster):
@@ -593,7 +593,7 @@ def main(argv=None):
     parser.add_argument("--nodes", default=None, help="comma-separated node counts (scan; default 16)")
     parser.add_argument("--tokens", type=int, default=None,
                         help="tokens per GPU per step (scan default 8192, paper 16384)")
-    parser.add_argument("--rank", type=int, default=16, help="r of the subspace rotation")
+    parser.add_argument("--geo_rank", type=int, default=16, help="r of the subspace rotation")
     parser.add_argument("--whiten_rank", type=int, default=32, help="r of the low-rank whitening")
     parser.add_argument("--whiten_refresh", type=int, default=50, help="K: steps between refreshes")
     parser.add_argument("--eigh_in_step", type=int, choices=[0, 1], default=0,
@@ -613,7 +613,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     overrides = {k: getattr(args, k) for k in asdict(Cluster())
                  if k != "nodes" and getattr(args, k) is not None}
-    settings = dict(geo_rank=args.rank, whiten_rank=args.whiten_rank, whiten_refresh=args.whiten_refresh)
+    settings = dict(geo_rank=args.geo_rank, whiten_rank=args.whiten_rank, whiten_refresh=args.whiten_refresh)
 
     if args.mode == "paper":
         unknowns = args.solve.split(",")
@@ -631,7 +631,7 @@ def main(argv=None):
     cluster_settings = {**asdict(Cluster()), **overrides}
     tokens = args.tokens or 8192
     print("assumptions: " + ", ".join(f"{k}={v}" for k, v in cluster_settings.items() if k != "nodes")
-          + f", tokens/GPU/step={tokens}, r={args.rank}")
+          + f", tokens/GPU/step={tokens}, r={args.geo_rank}")
     w = workload(args.preset, tokens, **settings)
     comms = (args.comms or "bf16,fp8,subspace,nvfp4").split(",")
     for nodes in (int(n) for n in (args.nodes or "16").split(",")):

@@ -100,14 +100,14 @@ def rotated_shapes(net):
             if compress.exemption(n, tuple(p.shape), opts, set(compress.linear_layers(net))) is None]
 
 
-def check_transform(device, net, iters, rank=16):
+def check_transform(device, net, iters, geo_rank=16):
     """encode_geo + decode_geo of every rotated matrix once: GeoFP8's per-step transform."""
     shapes = rotated_shapes(net)
     work = []
     for k, (m, n) in enumerate(shapes):
         g = torch.Generator().manual_seed(k)
-        U = torch.linalg.qr(torch.randn(m, rank, generator=g)).Q.to(device)
-        V = torch.linalg.qr(torch.randn(n, rank, generator=g)).Q.to(device)
+        U = torch.linalg.qr(torch.randn(m, geo_rank, generator=g)).Q.to(device)
+        V = torch.linalg.qr(torch.randn(n, geo_rank, generator=g)).Q.to(device)
         bases = (compress.HouseholderBasis.complete(U), compress.HouseholderBasis.complete(V))
         work.append((torch.randn(m, n, device=device), bases))
 
@@ -115,8 +115,8 @@ def check_transform(device, net, iters, rank=16):
         for G, bases in work:
             compress.decode_geo(compress.encode_geo(G, *bases), *bases)
 
-    out = {"matrices": len(shapes), "elements": sum(m * n for m, n in shapes), "rank": rank,
-           "state_mb": sum((m + n) * rank * 4 for m, n in shapes) / 1e6}
+    out = {"matrices": len(shapes), "elements": sum(m * n for m, n in shapes), "geo_rank": geo_rank,
+           "state_mb": sum((m + n) * geo_rank * 4 for m, n in shapes) / 1e6}
     for compiled in (False, True):
         compress.compile_hot_path(compiled)
         out["compiled_ms" if compiled else "eager_ms"] = timed(step, iters) * 1000
@@ -137,7 +137,7 @@ def check_ddp(device):
         ids = [device.index] if device.type == "cuda" else None
         net = DDP(net, device_ids=ids)
         if hooked:
-            state = GeoFP8HookState(net, geometry="subspace", warmup=1, rank=8)
+            state = GeoFP8HookState(net, geometry="subspace", warmup=1, geo_rank=8)
             net.register_comm_hook(state, geofp8_hook)
         nets.append(net)
     errors = []

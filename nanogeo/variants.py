@@ -1,7 +1,7 @@
 """
 Which rotation suits AdamW? Round-trip error of alternative encodings, as the optimizer sees it.
 
-    python -m nanogeo.variants grads.pt [--rank 16]
+    python -m nanogeo.variants grads.pt [--geo_rank 16]
 
 For every step of a gradient file after the first, with the subspace rotation's bases estimated
 from the earlier decoded means (as in training), each worker's gradient of each candidate matrix
@@ -42,7 +42,7 @@ def encodings(layer, round_trip):
             "core": core}
 
 
-def compare(path, rank=16):
+def compare(path, geo_rank=16):
     data = fidelity.load_gradient_file(path)
     steps, record = data["steps"], data.get("optimizer")
     if record is None:
@@ -54,7 +54,7 @@ def compare(path, rank=16):
     exact = [{n: sum(w[n].float() for w in ws) / len(ws) for n in names} for ws in steps]
     states, _ = fidelity.exact_updates(record, exact, data.get("grad_clip", 0.0))
     views = fidelity.optimizer_views(record, states)
-    opts = compress.GeoOptions(geometry="subspace", select="all", rank=rank,
+    opts = compress.GeoOptions(geometry="subspace", select="all", geo_rank=geo_rank,
                                vocab_size=data.get("vocab_size", 0))
     comm = compress.GeoFP8Communicator([(n, steps[0][0][n].shape) for n in names], opts,
                                        linear=set(data["linear"]) if "linear" in data else None)
@@ -77,10 +77,10 @@ def compare(path, rank=16):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("path")
-    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--geo_rank", type=int, default=16)
     args = parser.parse_args(argv)
     try:
-        ratios = compare(args.path, args.rank)
+        ratios = compare(args.path, args.geo_rank)
     except (ValueError, FileNotFoundError, KeyError) as e:
         sys.exit(f"nanogeo.variants: error: {e}")
     print("optimizer-visible round-trip error vs Euclidean FP8: "

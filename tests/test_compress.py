@@ -303,7 +303,7 @@ def run_steps(options, steps, name="layers.0.mlp.w1.weight"):
 def test_geofp8_beats_euclidean_on_planted_anisotropy():
     steps = planted_workers(256, 384, 4, 5)
     euclid, _ = run_steps(GeoOptions(geometry="euclidean"), steps)
-    geo, comm = run_steps(GeoOptions(geometry="subspace", rank=16), steps)
+    geo, comm = run_steps(GeoOptions(geometry="subspace", geo_rank=16), steps)
     assert comm.coords("layers.0.mlp.w1.weight") == "geo"
     assert sum(geo[1:]) / sum(euclid[1:]) < 0.5
 
@@ -312,7 +312,7 @@ def test_geofp8_not_worse_on_isotropic_input():
     g = torch.Generator().manual_seed(0)
     steps = [[torch.randn(256, 384, generator=g) for _ in range(4)] for _ in range(5)]
     euclid, _ = run_steps(GeoOptions(geometry="euclidean"), steps)
-    geo, comm = run_steps(GeoOptions(geometry="subspace", rank=16), steps)
+    geo, comm = run_steps(GeoOptions(geometry="subspace", geo_rank=16), steps)
     assert sum(geo[1:]) <= 1.02 * sum(euclid[1:])
     assert comm.coords("layers.0.mlp.w1.weight") == "euclidean"  # measured: no gain, not used
 
@@ -337,7 +337,7 @@ def test_exemptions():
 
 def test_warmup_keeps_euclidean():
     steps = planted_workers(128, 128, 2, 4)
-    _, comm = run_steps(GeoOptions(geometry="subspace", rank=8, warmup=10), steps)
+    _, comm = run_steps(GeoOptions(geometry="subspace", geo_rank=8, warmup=10), steps)
     assert comm.coords("layers.0.mlp.w1.weight") == "euclidean"
     assert comm.layers["layers.0.mlp.w1.weight"].left_basis is not None  # estimated in warm-up
 
@@ -360,7 +360,7 @@ def test_error_feedback_bounds_accumulated_error():
 
 def test_geometry_state_is_small():
     shapes = [(f"layers.{i}.w", (1024, 4096)) for i in range(2)]
-    comm = GeoFP8Communicator(shapes, GeoOptions(geometry="subspace", rank=32))
+    comm = GeoFP8Communicator(shapes, GeoOptions(geometry="subspace", geo_rank=32))
     comm.reduce_workers([[torch.randn(1024, 4096) for _ in shapes] for _ in range(2)])
     params = sum(math.prod(s) for _, s in shapes) * 4
     assert comm.state_bytes() <= 0.05 * params
@@ -379,8 +379,8 @@ def communicator_rank(rank, world_size, out_path, options):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("options", [GeoOptions(geometry="subspace", rank=8, min_numel=1024),
-                                     GeoOptions(geometry="subspace", rank=8, min_numel=1024, error_feedback=True,
+@pytest.mark.parametrize("options", [GeoOptions(geometry="subspace", geo_rank=8, min_numel=1024),
+                                     GeoOptions(geometry="subspace", geo_rank=8, min_numel=1024, error_feedback=True,
                                                 stochastic=True, fmt="nvfp4")])
 def test_distributed_communicator_matches_simulator(options, tmp_path):
     out = str(tmp_path / "comm")
@@ -400,7 +400,7 @@ def test_distributed_communicator_matches_simulator(options, tmp_path):
 
 def test_state_dict_round_trip():
     steps = planted_workers(128, 96, 2, 3)
-    options = GeoOptions(geometry="subspace", rank=8, error_feedback=True)
+    options = GeoOptions(geometry="subspace", geo_rank=8, error_feedback=True)
     _, comm = run_steps(options, steps)
     state = comm.state_dict()
     other = GeoFP8Communicator([("layers.0.mlp.w1.weight", (128, 96))], options)

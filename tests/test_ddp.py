@@ -65,7 +65,7 @@ def ddp_rank(rank, world_size, out, hook_options):
 
 def test_ddp_hook_matches_fp32_ddp_within_fp8_error(tmp_path):
     out = str(tmp_path / "ddp")
-    run_ranks(ddp_rank, 2, out, {"geometry": "subspace", "rank": 8, "warmup": 1})
+    run_ranks(ddp_rank, 2, out, {"geometry": "subspace", "geo_rank": 8, "warmup": 1})
     r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
     assert torch.equal(r0["params"], r1["params"])      # ranks stay bit-identical
     assert max(r0["errors"]) < 0.05                     # e4m3 two-stage error is a few percent
@@ -83,7 +83,7 @@ def test_ddp_hook_on_a_gpt2_shaped_model(tmp_path):
     net = build("gpt2")
     assert compress.linear_layers(net) == {}               # the tied head is an embedding too
     out = str(tmp_path / "ddp")
-    run_ranks(ddp_rank, 2, out, {"geometry": "subspace", "rank": 8, "warmup": 1,
+    run_ranks(ddp_rank, 2, out, {"geometry": "subspace", "geo_rank": 8, "warmup": 1,
                                  "model": "gpt2", "name_conv1d": True,
                                  "bucket_cap_mb": 0.1})
     r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
@@ -162,7 +162,7 @@ def resume_rank(rank, world_size, out, hook_options):
 
 
 @pytest.mark.parametrize("options", [
-    {"geometry": "subspace", "rank": 8, "warmup": 1, "error_feedback": True},
+    {"geometry": "subspace", "geo_rank": 8, "warmup": 1, "error_feedback": True},
     {"warmup": 1, "refresh": 2, "error_feedback": True, "select": "all"}])
 def test_ddp_hook_state_resumes_bit_identically(tmp_path, options):
     """The hook's state_dict is keyed by parameter name with one step counter: every bucket's

@@ -100,7 +100,7 @@ def test_no_host_sync_between_geometry_steps(monkeypatch, options, optimizer):
     """The step path (encode, collective, decode, residuals) never waits for the device; only
     steps that touch the geometry (refresh, gain check) do, a few times - also when the gain
     check reads AdamW's state (its step counter is a tensor, on the GPU when fused)."""
-    opts = compress.GeoOptions(min_numel=16, rank=4, whiten_rank=4, **options)
+    opts = compress.GeoOptions(min_numel=16, geo_rank=4, whiten_rank=4, **options)
     comm = compress.GeoFP8Communicator([("w", (48, 64)), ("b", (64,))], opts)
     if optimizer:
         state = {"step": torch.tensor(5.0), "exp_avg": torch.zeros(48, 64),

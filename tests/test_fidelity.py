@@ -34,7 +34,7 @@ def test_fidelity_contract(tmp_path, capsys):
     write_gradient_file(path)
     methods = ["bf16", "fp8-tensor", "fp8-row", "fp8-block", "fp8-paper", "geofp8", "geofp8-paper",
                "geofp8:factor=diag:select=all", "subspace", "subspace-full", "nvfp4", "geo-nvfp4",
-               "subspace-nvfp4", "subspace:rank=4:sides=left"]
+               "subspace-nvfp4", "subspace:geo_rank=4:sides=left"]
     fidelity.main([path, "--methods", ",".join(methods), "--json", out])
     report = json.load(open(out))
     assert set(report) == set(methods)

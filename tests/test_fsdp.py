@@ -121,7 +121,7 @@ def geo_rank(rank, world_size, out, options):
 
 def test_fsdp2_geofp8_reduce_scatter_close_to_fp32(tmp_path):
     out = str(tmp_path / "geo")
-    run_ranks(geo_rank, 2, out, {"geometry": "subspace", "rank": 8, "warmup": 1, "refresh": 2})
+    run_ranks(geo_rank, 2, out, {"geometry": "subspace", "geo_rank": 8, "warmup": 1, "refresh": 2})
     r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
     print("GeoFP8 FSDP2 relative gradient error per step:", [f"{e:.4f}" for e in r0["errors"]])
     assert max(r0["errors"]) < 0.05 and max(r1["errors"]) < 0.05
@@ -197,7 +197,7 @@ def resume_rank(rank, world_size, out):
     def fresh():
         torch.manual_seed(0)
         model = shard(GPT2Shaped(VOCAB, D), mesh)
-        comms = fsdp.use_geofp8(model, linear=conv1d_weights(model), min_numel=1024, rank=8,
+        comms = fsdp.use_geofp8(model, linear=conv1d_weights(model), min_numel=1024, geo_rank=8,
                                 warmup=1, refresh=2)
         return model, comms, torch.optim.AdamW(model.parameters(), lr=1e-3)
 

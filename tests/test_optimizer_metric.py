@@ -120,7 +120,7 @@ def test_sides_right_rotates_the_columns_only():
     g = torch.Generator().manual_seed(0)
     U, V = torch.randn(64, 4, generator=g), torch.randn(96, 4, generator=g)
     opts = compress.GeoOptions(geometry="subspace", sides="right", select="all", min_numel=16,
-                               rank=4)
+                               geo_rank=4)
     comm = compress.GeoFP8Communicator([("w", (64, 96))], opts)
     for _ in range(3):
         workers = [[U @ V.T + 0.1 * torch.randn(64, 96, generator=g)] for _ in range(2)]
@@ -155,7 +155,7 @@ def test_auto_sides_keep_quiet_rows_quiet_under_adamw(judge):
     state = {"step": torch.tensor(100.0), "exp_avg": torch.zeros(64, 96), "exp_avg_sq": v}
     view = compress.OptimizerView("adamw", lambda: {"betas": (0.9, 0.95), "eps": 1e-8},
                                   lambda: state)
-    opts = compress.GeoOptions(geometry="subspace", sides="auto", min_numel=16, rank=4,
+    opts = compress.GeoOptions(geometry="subspace", sides="auto", min_numel=16, geo_rank=4,
                                refresh=1, judge=judge)
     comm = compress.GeoFP8Communicator([("w", (64, 96))], opts).watch({"w": view})
     used = set()
@@ -169,5 +169,5 @@ def test_auto_sides_keep_quiet_rows_quiet_under_adamw(judge):
 
 
 def test_variants_names_the_fix_for_a_missing_file(tmp_path):
-    with pytest.raises(SystemExit, match="capture one with"):
+    with pytest.raises(SystemExit, match="write one with"):
         variants.main([str(tmp_path / "missing.pt")])

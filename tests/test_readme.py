@@ -14,6 +14,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -21,7 +22,10 @@ from conftest import ROOT, free_port
 
 TRAIN = ("--preset=cpu-tiny --max_iters=2 --batch_size=2 --block_size=16 --eval_iters=1 "
          "--eval_interval=2 --warmup_iters=1 --compile=false --geo_warmup=1")
-CAPTURE = "--train_steps=1 --capture_steps=2 --batch_size=1 --block_size=16"
+# the smallest model (2 x 64, characters) where the model does not matter to the command
+CHARS = "--preset=char-study --data_dir=data/shakespeare_char"
+TRAIN_CHARS = TRAIN.replace("--preset=cpu-tiny", CHARS)
+CAPTURE = f"{CHARS} --train_steps=1 --capture_steps=2 --batch_size=1 --block_size=16"
 EVAL = "--limit 2 --tasks piqa --batch_size 2 --data_root tasks"
 
 # README command -> what is appended to run it small (a str), or why it is not run (Skip).
@@ -48,28 +52,28 @@ TOY = {
         CAPTURE,
     "python -m nanogeo.fidelity grads.pt --methods bf16,fp8-block,fp8-paper,geofp8,geofp8-paper,"
     "subspace --last 3 --json report.json": "--last 1",
-    "python -m nanogeo.fidelity grads.pt --methods fp8-block,geofp8:factor=diag,subspace:rank=8,"
+    "python -m nanogeo.fidelity grads.pt --methods fp8-block,geofp8:factor=diag,subspace:geo_rank=8,"
     "subspace:sides=left": "",
     "python -m nanogeo.tables grads.pt --last 3": "--last 1",
     "python -m nanogeo.variants grads.pt": "",
     "python -m nanogeo.profile --workers=8 --steps=100 --top_k=4 --out layers.json":
-        "--steps=2 --batch_size=1 --block_size=16",
+        f"{CHARS} --steps=2 --batch_size=1 --block_size=16",
     "torchrun --standalone --nproc_per_node=2 -m nanogeo.bench collective --sizes 1,4,16":
         "--sizes 0.01 --iters 1",
     "python -m nanogeo.bench overhead": "--steps 1 --refresh 4",
-    "python -m nanogeo.bench flops --preset llama-600m --tokens 8192 --rank 32": "",
+    "python -m nanogeo.bench flops --preset llama-600m --tokens 8192 --geo_rank 32": "",
     "torchrun --standalone --nproc_per_node=2 -m nanogeo.bench fsdp --checkpoint "
     "out/ablate/fp32/adamw/ranks2/seed1337/ckpt.pt --steps 12": "--steps 2 --last 1",
     "python -m nanogeo.smoke --out smoke.json":
         "--preset=cpu-tiny --numel=5000 --iters=1 --batch_size=2 --block_size=16",
     "torchrun --nnodes=N --nproc_per_node=4 --rdzv-backend=c10d --rdzv-endpoint=HOST0:29500 "
     "--rdzv-id=myrun train.py --preset=llama-600m --comm=geofp8 --out_dir=/shared/runs/geo":
-        TRAIN + " --out_dir=runs/geo",     # on one node: N=1, HOST0=127.0.0.1 (see NODES)
+        TRAIN_CHARS + " --out_dir=runs/geo",     # on one node: N=1, HOST0=127.0.0.1 (NODES)
     "torchrun --standalone --nproc_per_node=4 -m nanogeo.bench collective --sizes 16,64 --compile":
         Skip("the compiled codec on 4 ranks takes minutes on 2 CPU cores; the same mode runs "
              "uncompiled above and the compiled codec in test_smoke_test_runs_on_cpu"),
     "torchrun --standalone --nproc_per_node=4 train.py --preset=llama-300m --max_iters=50 "
-    "--comm=geofp8 --geo_warmup=10 --eval_interval=25 --compile": TRAIN + " --out_dir=runs/smoke",
+    "--comm=geofp8 --geo_warmup=10 --eval_interval=25 --compile": TRAIN_CHARS + " --out_dir=runs/smoke",
     "python -m nanogeo.eval out/demo/ckpt.pt --limit 200": EVAL,
     "python -m nanogeo.eval --compare runs/fp32/ckpt.pt runs/geofp8/ckpt.pt --limit 1000 "
     "--json cmp.json": EVAL,
@@ -79,7 +83,7 @@ TOY = {
 # have from a longer session): destination -> source.
 INPUTS = {"out/ablate/fp32/adamw/ranks2/seed1337/ckpt.pt": "out/ckpt.pt",
           "out/demo/ckpt.pt": "out/ckpt.pt", "runs/fp32/ckpt.pt": "out/ckpt.pt",
-          "runs/geofp8/ckpt.pt": "runs/geo/ckpt.pt"}
+          "runs/geofp8/ckpt.pt": "out/ckpt.pt"}
 NODES = {"--nnodes=N": "--nnodes=1", "HOST0:29500": "127.0.0.1:{port}"}
 
 
@@ -145,8 +149,10 @@ def test_readme_commands_run_as_written(scratch):
                 (scratch / dest).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy(scratch / src, scratch / dest)
         env["MASTER_PORT"] = str(free_port())
+        start = time.time()
         done = subprocess.run(["bash", "-c", f"{command} {toy}"], cwd=scratch, env=env,
                               capture_output=True, text=True, timeout=600)
+        print(f"{time.time() - start:6.1f}s  {command}")     # pytest -s shows where the time goes
         assert done.returncode == 0, f"{command} {toy}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
 
 
