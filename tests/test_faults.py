@@ -21,7 +21,7 @@ def test_a_non_finite_step_does_not_poison_the_geometry_or_the_residuals(geometr
     the bases / factors and the error-feedback residuals stay as they were, and every later
     step decodes finite means - with or without the fault, the same geometry."""
     opts = compress.GeoOptions(geometry=geometry, refresh=2, judge_every=2, min_numel=16,
-                               rank=4, whiten_rank=4, error_feedback=True, select="all")
+                               geo_rank=4, whiten_rank=4, error_feedback=True, select="all")
     clean, faulty = (compress.GeoFP8Communicator([("w", (48, 64))], opts) for _ in range(2))
     moment = {"input": {"w": anisotropic_moment(64, 0)}} if geometry == "whiten" else None
     fault = 2 if geometry == "whiten" else 3        # a step that refreshes the geometry
