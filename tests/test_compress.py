@@ -237,6 +237,7 @@ def test_encode_decode_identity_fp32():
 def test_never_forms_an_m_by_m_matrix():
     """m = 300,000: an m x m fp32 matrix would need 360 GB, so this only passes if the
     transform really works in O(m r) memory."""
+    torch.manual_seed(0)
     m, n, r = 300_000, 8, 2
     G = torch.randn(m, n)
     U = compress.orthonormal(torch.randn(m, r))
@@ -244,7 +245,9 @@ def test_never_forms_an_m_by_m_matrix():
     right = HouseholderBasis.complete(compress.orthonormal(torch.randn(n, r)))
     H = encode_geo(G, left, right)
     assert H.shape == (m, n)
-    assert (decode_geo(H, left, right) - G).abs().max() < 1e-4
+    # Y^T X sums 300,000 fp32 products: rounding ~ eps sqrt(m) |G| ~ 3e-4 at worst (8 seeds
+    # measured 0.3e-4 to 1.7e-4; the bound was 1e-4 and failed now and then, unseeded)
+    assert (decode_geo(H, left, right) - G).abs().max() < 1e-3
 
 
 def test_low_rank_matches_full_mode_at_full_rank():
