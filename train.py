@@ -258,8 +258,7 @@ def reduce_gradients(params, cfg, communicator, world_size, moments=None):
         for g in grads:
             g.copy_(flat[offset: offset + g.numel()].view_as(g))
             offset += g.numel()
-        return ring_allreduce_bytes(flat.numel(), flat.new_empty((), dtype=dtype).element_size(),
-                                    world_size)
+        return ring_allreduce_bytes(flat.numel(), dtype.itemsize, world_size)
     # The published GeoFP8 refreshes its factors from its layers' input statistics, which
     # forward pre-hooks (`moments`) collected during this step's forward passes on refresh steps.
     stats = moments.take() if moments is not None and communicator.wants_moments() else None

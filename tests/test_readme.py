@@ -135,11 +135,18 @@ def scratch(tmp_path_factory):
     return work
 
 
-def test_readme_commands_run_as_written(scratch):
+def shell(scratch, command):
+    """`command` through bash in the scratch checkout, its python and torchrun first on PATH."""
     env = {**os.environ, "PATH": f"{scratch / 'bin'}:{os.environ['PATH']}", "PYTHONPATH": ROOT,
-           "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
+           "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    return subprocess.run(["bash", "-c", command], cwd=scratch, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_readme_commands_run_as_written(scratch):
+    toy_for = {normalise(c): toy for c, toy in TOY.items()}
     for command in readme_commands():
-        toy = TOY[next(c for c in TOY if normalise(c) == normalise(command))]
+        toy = toy_for[normalise(command)]
         if isinstance(toy, Skip):
             continue
         for old, new in NODES.items():
@@ -148,10 +155,8 @@ def test_readme_commands_run_as_written(scratch):
             if dest in command and not (scratch / dest).exists():
                 (scratch / dest).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy(scratch / src, scratch / dest)
-        env["MASTER_PORT"] = str(free_port())
         start = time.time()
-        done = subprocess.run(["bash", "-c", f"{command} {toy}"], cwd=scratch, env=env,
-                              capture_output=True, text=True, timeout=600)
+        done = shell(scratch, f"{command} {toy}")
         print(f"{time.time() - start:6.1f}s  {command}")     # pytest -s shows where the time goes
         assert done.returncode == 0, f"{command} {toy}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
 
@@ -166,12 +171,9 @@ def test_make_train_runs_the_demo(scratch):
                          capture_output=True, text=True, check=True).stdout
     line = next(l for l in dry.replace("\\\n", " ").splitlines() if "bin/torchrun" in l)
     line = line.replace("venv/bin/torchrun", "torchrun")
-    env = {**os.environ, "PATH": f"{scratch / 'bin'}:{os.environ['PATH']}", "PYTHONPATH": ROOT,
-           "OMP_NUM_THREADS": "1"}
     if not (scratch / "data" / "shakespeare" / "train.bin").exists():
-        subprocess.run(["python", "prepare_data.py"], cwd=scratch, env=env, check=True)
-    done = subprocess.run(["bash", "-c", f"{line} {TRAIN} --max_iters=4 --eval_interval=4"],
-                          cwd=scratch, env=env, capture_output=True, text=True, timeout=600)
+        assert shell(scratch, "python prepare_data.py").returncode == 0
+    done = shell(scratch, f"{line} {TRAIN} --max_iters=4 --eval_interval=4")
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
     assert "--comm=geofp8" in line and "--geo_layers=fragile:4" in line
