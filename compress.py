@@ -71,15 +71,14 @@ The two-stage collective (this project's default, for every geometry)
     re-quantizes its averaged shard                  -> all_gather
     every rank decodes the same bytes                -> bit-identical results everywhere
 Wire bytes per rank ~ 2 (W-1)/W N (1 + 4/block) versus 2 (W-1)/W N 2 for a bf16 ring all-reduce:
-~0.516x at block 128. `simulate_mean` runs exactly the same numerics in one process. A whole
-bucket goes through one encode or decode call per stage (Packing: each group of `block` values
-travels as [fp32 scale | block codes], so every shard is one byte matrix).
+~0.516x at block 128. `simulate_mean` runs exactly the same numerics in one process.
 
 Reading order: codecs (quantize/dequantize), the two collectives, the rotation, the whitening,
 geometry estimation, the optimizer's view of an error, and the communicator that train.py calls
-once per step. Functions marked
-@hot_path run through torch.compile after compile_hot_path() (train.py --compile); the numbers
-are the same.
+once per step. This file is the reference; production forms with the same numbers live in
+nanogeo/: the packed collective (one codec call per bucket and stage), torch.compile of the
+functions marked "hot path" (nanogeo/kernels.py, train.py --compile), NVFP4, stochastic
+rounding, FSDP's row-sharded forms, the ablation-only factors and bases.
 """
 
 import contextlib
@@ -102,13 +101,16 @@ FP8_FORMATS = {  # name -> (torch dtype, largest finite value)
     "e5m2": (torch.float8_e5m2, 57344.0),
 }
 FP8_MAX = {dtype: fmax for dtype, fmax in FP8_FORMATS.values()}
-FP8_MAX_CODE = {torch.float8_e4m3fn: 0x7E, torch.float8_e5m2: 0x7B}  # largest finite magnitude
 FORMATS = ("e4m3", "e5m2", "nvfp4")
 NVFP4_BLOCK = 16        # NVFP4 always scales blocks of 16 values; `block` does not apply to it
-# NVFP4's arithmetic lives in nanogeo/nvfp4.py, imported on first use (a module with
-# quantize(x, stochastic, generator) -> Quantized, dequantize(q) and wire_nbytes(shape)); this
-# file knows only its fixed block of 16 and that it is not an FP8 format (no packing, no FP8 sum).
-OTHER_CODECS = {"nvfp4": "nanogeo.nvfp4"}     # 4-bit e2m1 values, e4m3 scales per 16 values
+# Production forms of some parts live in nanogeo/, imported on first use (nanogeo imports this
+# file; this file imports nanogeo only here, lazily): NVFP4's arithmetic (a module with
+# quantize(x, stochastic, generator) -> Quantized, dequantize(q) and wire_nbytes(shape); this file
+# knows only its fixed block of 16 and that it is not an FP8 format), stochastic rounding, the
+# packed form of the two-stage collective, and the ablation-only whitening factors and bases.
+ELSEWHERE = {"nvfp4": "nanogeo.nvfp4", "rounding": "nanogeo.rounding",
+             "packed": "nanogeo.packing", "ablations": "nanogeo.ablations"}
+OTHER_CODECS = ("nvfp4",)     # 4-bit e2m1 values, e4m3 scales per 16 values
 FP32_MAX = torch.finfo(torch.float32).max
 
 
@@ -123,45 +125,6 @@ class Quantized:
     @property
     def nbytes(self) -> int:
         return self.buffer.numel()
-
-
-class hot_path:
-    """A function of the codec / transform hot path: run eagerly, or - after compile_hot_path(),
-    which train.py --compile calls - through torch.compile(dynamic=False). The codec is a chain
-    of small elementwise kernels (abs, amax, divide, clamp, cast) that inductor fuses. Fixed
-    shapes: each distinct shape compiles once, on first use; a training run sees a fixed set of
-    shapes (its buckets' pieces), all in its first steps."""
-    enabled = False
-    float8_eager = False        # a GPU whose Triton cannot cast to float8 (below sm_89)
-
-    def __init__(self, fn, float8=False):
-        self.fn, self.compiled, self.float8 = fn, None, float8
-        functools.update_wrapper(self, fn)
-
-    @classmethod
-    def casting_float8(cls, fn):
-        """A hot-path function that casts to or from float8."""
-        return cls(fn, float8=True)
-
-    def __call__(self, *args):
-        if not hot_path.enabled or (self.float8 and hot_path.float8_eager):
-            return self.fn(*args)
-        if self.compiled is None:
-            self.compiled = torch.compile(self.fn, dynamic=False)
-        return self.compiled(*args)
-
-
-def compile_hot_path(enabled=True):
-    """Switch the codec and transform kernels between torch.compile (True) and eager (False)."""
-    hot_path.enabled = enabled
-    if enabled:  # one compile per distinct shape: allow for the dozens of a real model's pieces
-        import torch._dynamo
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    hot_path.float8_eager = enabled and torch.cuda.is_available() and \
-        torch.cuda.get_device_capability() < (8, 9)
-    if hot_path.float8_eager:
-        print("compress.py: this GPU (below sm_89) has no float8 casts in Triton: the FP8 codec "
-              "runs eagerly, the transforms compiled", flush=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -209,30 +172,8 @@ def wire_nbytes(shape, fmt, block):
     if numel == 0:
         return 0
     if fmt in OTHER_CODECS:
-        return other_codec(fmt).wire_nbytes(shape)
+        return elsewhere(fmt).wire_nbytes(shape)
     return 4 * num_groups(shape, block) + numel  # fp32 scale per group + one byte per value
-
-
-def round_to_fp8(y, dtype, stochastic=False, generator=None):
-    """Cast y (already within the format's range) to an fp8 dtype. Round-to-nearest-even by
-    default; stochastically, each value rounds to one of its two fp8 neighbours with probability
-    proportional to closeness, so the rounding is unbiased: E[decode] = y."""
-    nearest = y.to(dtype)
-    if not stochastic:
-        return nearest
-    # the other neighbour of y: one step away from `nearest` on the far side of y, found by
-    # stepping the 7-bit magnitude code (fp8 magnitudes are ordered like their codes)
-    max_code = FP8_MAX_CODE[dtype]
-    near_val = nearest.float()
-    mag = (nearest.view(torch.uint8) & 0x7F).int()
-    overshoot = near_val.abs() > y.abs()
-    other_mag = torch.where(overshoot, mag - 1, (mag + 1).clamp(max=max_code)).clamp(min=0)
-    sign = torch.where(y < 0, 0x80, 0)
-    other = (other_mag | sign).to(torch.uint8).view(dtype)
-    gap = (other.float() - near_val).abs()
-    p_other = torch.where(gap > 0, (y - near_val).abs() / gap, torch.zeros_like(y))
-    draw = torch.rand(y.shape, generator=generator, device=y.device)
-    return torch.where(draw < p_other, other, nearest.view(torch.uint8).view(dtype))
 
 
 def quantize(x, fmt="e4m3", block=128, stochastic=False, generator=None) -> Quantized:
@@ -244,7 +185,7 @@ def quantize(x, fmt="e4m3", block=128, stochastic=False, generator=None) -> Quan
     """
     check_codec(fmt, block)
     if fmt in OTHER_CODECS:
-        return other_codec(fmt).quantize(x, stochastic, generator)
+        return elsewhere(fmt).quantize(x, stochastic, generator)
     numel = x.numel()
     if numel == 0:
         return Quantized(torch.empty(0, dtype=torch.uint8, device=x.device), x.shape, fmt, block)
@@ -254,9 +195,9 @@ def quantize(x, fmt="e4m3", block=128, stochastic=False, generator=None) -> Quan
 
 
 @functools.lru_cache(maxsize=None)
-def other_codec(fmt):
-    """The module of a format in OTHER_CODECS."""
-    return importlib.import_module(OTHER_CODECS[fmt])
+def elsewhere(part):
+    """The nanogeo module of a part in ELSEWHERE."""
+    return importlib.import_module(ELSEWHERE[part])
 
 
 def fp8_scale(groups, fmax):
@@ -266,15 +207,13 @@ def fp8_scale(groups, fmax):
     return scale, (groups * scale[:, None]).clamp(-fmax, fmax)
 
 
-@hot_path.casting_float8
-def fp8_encode(groups, fmax, dtype):
+def fp8_encode(groups, fmax, dtype):      # hot path (nanogeo.kernels)
     """(G, L) fp32 -> scales (G,) fp32 and codes (G, L) uint8, round to nearest even."""
     scale, y = fp8_scale(groups, fmax)
     return scale, y.to(dtype).view(torch.uint8)
 
 
-@hot_path.casting_float8
-def fp8_decode(codes, scale, group_len, dtype):
+def fp8_decode(codes, scale, group_len, dtype):      # hot path
     """codes (numel,) uint8 and scales (G,) -> (numel,) fp32. The last group may be partial:
     pad it, divide (G, L) by (G, 1), drop the padding. (The same as dividing by the scales
     repeated per element, which torch 2.13's inductor miscompiles on CPU for a partial group.)"""
@@ -292,7 +231,7 @@ def as_float32(raw):
 def dequantize(q: Quantized) -> torch.Tensor:
     """fp32 tensor of q's shape."""
     if q.fmt in OTHER_CODECS:
-        return other_codec(q.fmt).dequantize(q)
+        return elsewhere(q.fmt).dequantize(q)
     numel = math.prod(q.shape)
     if numel == 0:
         return torch.zeros(q.shape, device=q.buffer.device)
@@ -328,18 +267,22 @@ class ShardLayout:
     cut into W equal ranges, each with one scale (a single scale per tensor would force one rank
     to own the whole tensor and unbalance the all_gather). Tensors with fewer groups than ranks
     are spread by rotating which rank gets the remainder. The layout depends only on the shapes,
-    so every rank computes the same one."""
+    so every rank computes the same one.
+
+    With FP8 and integer blocks the stages run packed (nanogeo/packing.py: the whole bucket in
+    one codec call per stage, groups sent as [fp32 scale | block codes]; the same means, bit for
+    bit, as the piece-by-piece code below, which runs for NVFP4, row and tensor scaling, and
+    with packed=False)."""
 
     def __init__(self, shapes, fmt, block, world_size, pieces=None, packed=True):
         check_codec(fmt, block)
         block = NVFP4_BLOCK if fmt == "nvfp4" else block
         self.shapes, self.fmt, self.world_size = [tuple(s) for s in shapes], fmt, world_size
         self.block = block
-        # FP8 with integer blocks: the whole bucket goes through the codec in one call per stage
-        self.packable = packed and fmt != "nvfp4" and isinstance(block, int)
         self.pieces = self._cut(block) if pieces is None else pieces
+        packable = packed and fmt not in OTHER_CODECS and isinstance(block, int)
+        self.packing = elsewhere("packed").Packing(self) if packable else None
         self.nbytes = [sum(map(self.piece_nbytes, pieces)) for pieces in self.pieces]
-        self.packing = Packing(self) if self.packable else None
 
     def _cut(self, block):
         pieces = [[] for _ in range(self.world_size)]
@@ -365,10 +308,9 @@ class ShardLayout:
         return pieces
 
     def piece_nbytes(self, p):
-        """Wire bytes of one piece: groups of [fp32 scale | block codes] when the layout packs
-        (see Packing), else quantize()'s own format."""
-        if self.packable:
-            return -(-(p.end - p.start) // self.block) * (4 + self.block)
+        """Wire bytes of one piece."""
+        if self.packing:
+            return self.packing.piece_nbytes(p)
         return wire_nbytes(p.shape, self.fmt, p.block)
 
 
@@ -379,80 +321,13 @@ def shard_layout(shapes, fmt, block, world_size):
     return ShardLayout(shapes, fmt, block, world_size)
 
 
-class Packing:
-    """How a whole bucket goes through the FP8 codec in ONE call per stage, instead of one per
-    piece (a bucket has W x T pieces: thousands of small kernel launches per step at scale).
-
-    With integer blocks every piece is cut into groups of `block` elements starting at the
-    piece's start, the last one zero-padded, and each group travels as [fp32 scale | block fp8
-    codes]: a shard is a (groups, 4 + block) byte matrix, and all shards of a bucket stacked are
-    one. So stage 1 is one concatenation of the pieces in wire order (with their padding), one
-    encode and one concatenation of scales and codes; stage 2 decodes the W copies as one
-    matrix; stage 3 decodes the W shards as one matrix and concatenates the pieces' values back
-    into tensors. Only views and host-side bookkeeping per piece; the padding (< block bytes per
-    piece that ends a tensor or a chunk) is the price."""
-
-    def __init__(self, layout):
-        B = layout.block
-        self.block = B
-        self.first_group = [0]          # shard j's groups: first_group[j] to first_group[j + 1]
-        self.encode_order = []                  # (tensor, start, end, pad), in wire order
-        by_tensor = [[] for _ in layout.shapes]  # (start, shard, first group in shard, n)
-        for j, pieces in enumerate(layout.pieces):
-            q = 0
-            for p in pieces:
-                n = p.end - p.start
-                count = -(-n // B)
-                self.encode_order.append((p.tensor, p.start, p.end, count * B - n))
-                by_tensor[p.tensor].append((p.start, j, q, n))
-                q += count
-            self.first_group.append(self.first_group[-1] + q)
-        self.decode_order = [(j, q, n) for pieces in by_tensor for _, j, q, n in sorted(pieces)]
-
-    def groups(self, flats):
-        """The bucket's (G, block) groups in wire order, zero-padded per piece."""
-        zero, parts = on_device((0.0,) * self.block, flats[0].device), []
-        for t, start, end, pad in self.encode_order:
-            parts += [flats[t][start:end], zero[:pad]] if pad else [flats[t][start:end]]
-        return torch.cat(parts).view(-1, self.block)
-
-    def ungroup(self, values, rows_per_shard=None):
-        """(rows, block) decoded values of all shards (shard j from row j * rows_per_shard, or
-        back to back) -> the bucket's flat fp32 values in tensor order."""
-        flat = values.reshape(-1)
-        B, parts = self.block, []
-        for j, q, n in self.decode_order:
-            first = (j * rows_per_shard if rows_per_shard is not None else self.first_group[j]) + q
-            parts.append(flat[first * B: first * B + n])
-        return torch.cat(parts)
-
-
 def encode_groups(groups, fmt, stochastic=False, generator=None):
     """(G, L) fp32 -> scales (G,) fp32 and codes (G, L) uint8, for e4m3 / e5m2."""
     dtype, fmax = FP8_FORMATS[fmt]
-    if stochastic:
+    if stochastic:                      # unbiased rounding: nanogeo/rounding.py
         scale, y = fp8_scale(groups, fmax)
-        return scale, round_to_fp8(y, dtype, True, generator).view(torch.uint8)
+        return scale, elsewhere("rounding").stochastic_fp8(y, dtype, generator).view(torch.uint8)
     return fp8_encode(groups, fmax, dtype)
-
-
-def pack_groups(groups, fmt, stochastic=False, generator=None):
-    """(G, L) fp32 -> (G * (4 + L),) uint8 wire bytes, per group [fp32 scale | L codes]."""
-    scale, codes = encode_groups(groups, fmt, stochastic, generator)
-    return torch.cat([scale.view(torch.uint8).view(-1, 4), codes], dim=1).view(-1)
-
-
-def unpack_groups(buffer, block, fmt):
-    """Inverse of pack_groups: uint8 bytes -> (G, block) fp32 values."""
-    rows = buffer.view(-1, 4 + block)
-    scale = rows[:, :4].contiguous().view(torch.float32).view(-1)       # (G,)
-    return fp8_decode_groups(rows[:, 4:], scale, FP8_FORMATS[fmt][0])
-
-
-@hot_path.casting_float8
-def fp8_decode_groups(codes, scale, dtype):
-    """codes (G, L) uint8 and their scales (G,) -> (G, L) fp32."""
-    return codes.view(dtype).float() / scale[:, None]
 
 
 def encode_shards(tensors, layout, stochastic=False, generator=None):
@@ -461,11 +336,11 @@ def encode_shards(tensors, layout, stochastic=False, generator=None):
     flats = [t.reshape(-1).float() for t in tensors]
     if not sum(layout.nbytes):           # only empty tensors: nothing to send
         return flats[0].new_empty(0, dtype=torch.uint8)
-    if not layout.packable:              # NVFP4, row or tensor scaling: one call per piece
-        return torch.cat([quantize(flats[p.tensor][p.start:p.end].view(p.shape), layout.fmt,
-                                   p.block, stochastic, generator).buffer
-                          for pieces in layout.pieces for p in pieces])
-    return pack_groups(layout.packing.groups(flats), layout.fmt, stochastic, generator)
+    if layout.packing:
+        return layout.packing.encode(flats, stochastic, generator)
+    return torch.cat([quantize(flats[p.tensor][p.start:p.end].view(p.shape), layout.fmt,
+                               p.block, stochastic, generator).buffer
+                      for pieces in layout.pieces for p in pieces])
 
 
 def decode_pieces(buffer, pieces, fmt):
@@ -480,39 +355,27 @@ def decode_pieces(buffer, pieces, fmt):
 
 def sum_shard(received, layout, shard):
     """Decode the W received copies of one shard (in `received`, back to back in source-rank
-    order) and sum them in fp32, always in the same order (one torch sum over the W copies):
-    the simulator and every rank sum identically.
-    Returns the shard's (groups, block) values when packable, else one tensor per piece."""
-    if layout.packable:
-        values = unpack_groups(received, layout.block, layout.fmt)
-        return values.view(layout.world_size, -1, layout.block).sum(dim=0)
+    order) and sum them in fp32, always in the same order: the simulator and every rank sum
+    identically. Returns one flat fp32 tensor per piece of the shard."""
+    if layout.packing:
+        total = layout.packing.sum_copies(received)
+        return layout.packing.piece_values(total, layout.pieces[shard])
     total = None
     for copy in received.split(layout.nbytes[shard]):
-        values = decode_pieces(copy, layout.pieces[shard], layout.fmt)
+        values = [v.reshape(-1) for v in decode_pieces(copy, layout.pieces[shard], layout.fmt)]
         total = values if total is None else [a + b for a, b in zip(total, values)]
     return total
-
-
-def shard_pieces(total, layout, shard):
-    """sum_shard's result as one flat fp32 tensor per piece of the shard (views)."""
-    if not layout.packable:
-        return [v.reshape(-1) for v in total]
-    flat, out, first = total.reshape(-1), [], 0
-    for p in layout.pieces[shard]:
-        n = p.end - p.start
-        out.append(flat[first: first + n])
-        first += -(-n // layout.block) * layout.block
-    return out
 
 
 def reduce_shard(received, layout, shard, stochastic=False, generator=None):
     """Stage 2, on the rank that owns `shard`: decode the W copies (back to back in `received`,
     in source-rank order), sum in fp32, divide by W, re-quantize. Returns the shard's bytes."""
-    total = sum_shard(received, layout, shard)
-    if layout.packable:
-        return pack_groups(total / layout.world_size, layout.fmt, stochastic, generator)
-    parts = [quantize(v / layout.world_size, layout.fmt, p.block, stochastic, generator).buffer
-             for v, p in zip(total, layout.pieces[shard])]
+    if layout.packing:
+        total = layout.packing.sum_copies(received)
+        return layout.packing.requantize(total, stochastic, generator)
+    parts = [quantize((v / layout.world_size).view(p.shape), layout.fmt, p.block, stochastic,
+                      generator).buffer
+             for v, p in zip(sum_shard(received, layout, shard), layout.pieces[shard])]
     return torch.cat(parts) if parts else received.new_empty(0)
 
 
@@ -522,12 +385,8 @@ def decode_shards(buffer, layout, stride=None):
     sizes = [math.prod(s) for s in layout.shapes]
     if not sum(layout.nbytes):
         return [torch.zeros(s, device=buffer.device) for s in layout.shapes]
-    if layout.packable:
-        rows = None if stride is None else stride // (4 + layout.block)
-        # the padding rows of a gathered buffer (shards shorter than the largest) decode to
-        # garbage (scale 0); ungroup never reads them
-        values = unpack_groups(buffer, layout.block, layout.fmt)
-        flat = layout.packing.ungroup(values, rows)
+    if layout.packing:
+        flat = layout.packing.decode(buffer, stride)
     else:
         flat, starts, offset = torch.zeros(sum(sizes), device=buffer.device), [0], 0
         for size in sizes:
@@ -539,19 +398,6 @@ def decode_shards(buffer, layout, stride=None):
                 flat[starts[p.tensor] + p.start: starts[p.tensor] + p.end] = values.reshape(-1)
             offset += layout.nbytes[j]
     return [t.view(s) for t, s in zip(flat.split(sizes), layout.shapes)]
-
-
-@functools.lru_cache(maxsize=64)
-def wire_buffers(layout, rank, device):
-    """The collective's uint8 wire buffers for one bucket layout, allocated once and reused
-    every step: what this rank receives in the all_to_all, its averaged shard for the
-    all_gather and the W gathered slots (each padded to the largest shard). Reuse is safe
-    because every use is ordered: synchronous on CPU, and on GPU all uses of a bucket run on
-    one stream, in order."""
-    recv = torch.empty(layout.world_size * layout.nbytes[rank], dtype=torch.uint8, device=device)
-    shard = torch.zeros(max(layout.nbytes), dtype=torch.uint8, device=device)
-    gathered = torch.zeros(layout.world_size, max(layout.nbytes), dtype=torch.uint8, device=device)
-    return recv, shard, gathered
 
 
 def rng(seed, rank, stage, device):
@@ -601,7 +447,9 @@ def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, stochastic=False
         means, sent = decode_shards(shard, layout), 0
     else:
         own = layout.nbytes[me]
-        recv, mine, gathered = wire_buffers(layout, me, device)
+        recv = send.new_empty(world * own)                  # the W copies of this rank's shard
+        mine = send.new_zeros(max(layout.nbytes))           # its average, padded: all_gather
+        gathered = send.new_empty(world, max(layout.nbytes))    # needs equal sizes
         with timer.stage("all_to_all"):
             dist.all_to_all_single(recv, send, [own] * world, layout.nbytes, group=group)
         with timer.stage("reduce"):
@@ -803,8 +651,7 @@ class HouseholderBasis:
         return self.apply(torch.eye(m, r, device=self.Y.device, dtype=self.Y.dtype))
 
 
-@hot_path
-def reflect(X, Y, T):
+def reflect(X, Y, T):      # hot path (nanogeo.kernels)
     """(I - Y T Y^T) X: three thin matrix products, never the m x m matrix."""
     return X - Y @ (T @ (Y.T @ X))
 
@@ -902,117 +749,83 @@ WHITEN_SIDES = ("input", "output", "both")
 
 @dataclass
 class Whitening:
-    """One side's factor F (F F^T = A^ + damping I), in the form it is applied in:
-    full / lowrank-dense: L (d, d) lower triangular (Cholesky); block: L (nb, b, b), one Cholesky
-    factor per diagonal block; diag: sqrt_d (d,); lowrank: sqrt_d (d,) = D^1/2, Q (d, r) and the
-    r multipliers up = (1 + S^2)^1/2 - 1, down = (1 + S^2)^-1/2 - 1 of the formula above."""
+    """One side's low-rank factor F (F F^T = A^ + damping I) in the form it is applied in:
+    sqrt_d (d,) = D^1/2, Q (d, r) and the r multipliers up = (1 + S^2)^1/2 - 1,
+    down = (1 + S^2)^-1/2 - 1 of the formula above. (The dense kinds of WHITEN_FACTORS, for
+    ablations and the published artifact's dense Cholesky form: nanogeo/ablations.py.)"""
     kind: str
     size: int                   # d
-    L: torch.Tensor = None
     sqrt_d: torch.Tensor = None
     Q: torch.Tensor = None
     up: torch.Tensor = None
     down: torch.Tensor = None
 
     def whiten(self, X):
-        """X F^-T for X (m, d): every row of X to whitened coordinates."""
-        if self.kind == "lowrank":      # F^-T = D^-1/2 M^-1, M = I + Q diag(up) Q^T symmetric
-            Y = X / self.sqrt_d
-            return Y + ((Y @ self.Q) * self.down) @ self.Q.T
-        if self.kind == "diag":
-            return X / self.sqrt_d
-        if self.kind == "block":
-            blocks = self._blocks(X)                                    # (nb, m, b)
-            out = torch.linalg.solve_triangular(self.L.transpose(1, 2), blocks, upper=True,
-                                                left=False)
-            return self._unblocks(out, X)
-        return torch.linalg.solve_triangular(self.L.T, X, upper=True, left=False)
+        """X F^-T for X (m, d): every row of X to whitened coordinates. F^-T = D^-1/2 M^-1,
+        M = I + Q diag(up) Q^T symmetric."""
+        Y = X / self.sqrt_d
+        return Y + ((Y @ self.Q) * self.down) @ self.Q.T
 
     def unwhiten(self, X):
-        """X F^T for X (m, d): back to the original coordinates."""
-        if self.kind == "lowrank":      # F^T = M D^1/2: two thin products, then a scaling
-            return (X + ((X @ self.Q) * self.up) @ self.Q.T) * self.sqrt_d
-        if self.kind == "diag":
-            return X * self.sqrt_d
-        if self.kind == "block":
-            return self._unblocks(self._blocks(X) @ self.L.transpose(1, 2), X)
-        return X @ self.L.T
-
-    def _blocks(self, X):
-        """(m, d) -> (nb, m, b), zero-padding d up to nb * b."""
-        nb, b, _ = self.L.shape
-        X = torch.nn.functional.pad(X, (0, nb * b - X.shape[1]))
-        return X.view(X.shape[0], nb, b).transpose(0, 1)
-
-    def _unblocks(self, blocks, like):
-        return blocks.transpose(0, 1).reshape(like.shape[0], -1)[:, : like.shape[1]]
+        """X F^T for X (m, d): back to the original coordinates. F^T = M D^1/2: two thin
+        products, then a scaling."""
+        return (X + ((X @ self.Q) * self.up) @ self.Q.T) * self.sqrt_d
 
     def dense(self):
-        """F as a dense (d, d) matrix: the reference the tests compare the applied forms with."""
-        if self.kind in ("full", "lowrank-dense"):
-            return self.L
-        if self.kind == "block":
-            return torch.block_diag(*self.L)[: self.size, : self.size]
-        F = torch.diag(self.sqrt_d)
-        if self.kind == "lowrank":
-            eye = torch.eye(self.size, dtype=F.dtype, device=F.device)
-            F = F @ (eye + (self.Q * self.up) @ self.Q.T)
-        return F
+        """F as a dense (d, d) matrix: the reference the tests compare the applied form with."""
+        eye = torch.eye(self.size, dtype=self.sqrt_d.dtype, device=self.sqrt_d.device)
+        return torch.diag(self.sqrt_d) @ (eye + (self.Q * self.up) @ self.Q.T)
 
     def tensors(self):
-        return {k: v for k, v in (("L", self.L), ("sqrt_d", self.sqrt_d), ("Q", self.Q),
-                                  ("up", self.up), ("down", self.down)) if v is not None}
+        return {"sqrt_d": self.sqrt_d, "Q": self.Q, "up": self.up, "down": self.down}
+
+    def blended(self, old, decay):
+        """The published factor EMA (factor_decay) does not apply: the low-rank form is not
+        closed under blending, so it is smoothed through its second moment (the EMA of A) only."""
+        return self
+
+
+def top_eigenpairs(A, rank, floor):
+    """A^ = U diag(lam) U^T + diag(rest): the top-`rank` eigenpairs of A (d x d, symmetric;
+    eigenvalues clipped at 0) and the floored diagonal residual."""
+    values, vectors = torch.linalg.eigh(A)                             # ascending
+    U, lam = vectors[:, -rank:], values[-rank:].clamp(min=0)           # (d, r), (r,)
+    rest = (A.diagonal() - (U.pow(2) * lam).sum(1)).clamp(min=floor)   # (d,) diagonal residual
+    return U, lam, rest
 
 
 def whitening_factor(A, kind="lowrank", rank=32, block=64, damping=1e-3, floor=1e-3):
     """The factor of a second moment A (d x d) that GeoFP8 whitens with, F F^T = A^ + damping I.
 
-    lowrank: A^ = U L U^T + diag(max(diag(A - U L U^T), floor)) with the top-`rank` eigenpairs
-      (eigenvalues clipped at 0), applied in O(d r) per row. lowrank-dense: the same A^ with a
-      dense Cholesky factor (what the published artifact does). full: A itself (Cholesky).
-      diag: A's diagonal only. block: A's diagonal blocks of `block` x `block` (Cholesky each).
+    lowrank: A^ = U L U^T + diag(max(diag(A - U L U^T), floor)) with the top-`rank` eigenpairs,
+      applied in O(d r) per row. The other kinds (nanogeo/ablations.py): lowrank-dense, the same
+      A^ with a dense Cholesky factor (what the published artifact does); full: A itself;
+      diag: A's diagonal; block: A's diagonal blocks of `block` x `block`.
     Computed in float64 (the eigen- and Cholesky decompositions of a nearly singular A need it),
     returned in A's dtype."""
     if kind not in WHITEN_FACTORS:
         raise ValueError(f"unknown whitening factor {kind!r}; choose one of {', '.join(WHITEN_FACTORS)}")
-    dtype, d = A.dtype, A.shape[0]
+    dtype = A.dtype
     A = (A.double() + A.double().T) / 2
-    eye = torch.eye(d, dtype=A.dtype, device=A.device)
-    if kind == "full":
-        return Whitening(kind, d, L=torch.linalg.cholesky(A + damping * eye).to(dtype))
-    if kind == "diag":
-        return Whitening(kind, d, sqrt_d=(A.diagonal().clamp(min=0) + damping).sqrt().to(dtype))
-    if kind == "block":
-        nb = -(-d // block)
-        padded = torch.eye(nb * block, dtype=A.dtype, device=A.device)  # identity on the padding
-        padded[:d, :d] = A
-        blocks = torch.stack([padded[i * block:(i + 1) * block, i * block:(i + 1) * block]
-                              for i in range(nb)])
-        damp = damping * torch.eye(block, dtype=A.dtype, device=A.device)
-        return Whitening(kind, d, L=torch.linalg.cholesky(blocks + damp).to(dtype))
-    r = min(rank, d)
-    values, vectors = torch.linalg.eigh(A)                             # ascending
-    U, lam = vectors[:, -r:], values[-r:].clamp(min=0)                 # (d, r), (r,)
-    rest = (A.diagonal() - (U.pow(2) * lam).sum(1)).clamp(min=floor)   # (d,) diagonal residual
-    if kind == "lowrank-dense":
-        A_hat = (U * lam) @ U.T + torch.diag(rest)
-        return Whitening(kind, d, L=torch.linalg.cholesky(A_hat + damping * eye).to(dtype))
+    if kind != "lowrank":
+        dense = elsewhere("ablations").whitening_factor(A, kind, min(rank, A.shape[0]), block,
+                                                        damping, floor)
+        return load_factor({"kind": dense.kind, "size": dense.size,
+                            **{k: v.to(dtype) for k, v in dense.tensors().items()}})
+    U, lam, rest = top_eigenpairs(A, min(rank, A.shape[0]), floor)
     D = rest + damping
     K = U * lam.sqrt() / D.sqrt()[:, None]                             # D^-1/2 U L^1/2
     Q, S, _ = torch.linalg.svd(K, full_matrices=False)
-    return Whitening(kind, d, sqrt_d=D.sqrt().to(dtype), Q=Q.to(dtype),
+    return Whitening(kind, A.shape[0], sqrt_d=D.sqrt().to(dtype), Q=Q.to(dtype),
                      up=((1 + S.pow(2)).sqrt() - 1).to(dtype),
                      down=((1 + S.pow(2)).rsqrt() - 1).to(dtype))
 
 
-def blend_factors(old, new, decay):
-    """The published factor smoothing, F <- decay F_old + (1 - decay) F_new, for the triangular
-    kinds (a blend of two triangular factors is still one). The low-rank form is not closed under
-    blending, so it is smoothed through its second moment (the EMA of A) only."""
-    if old is None or decay == 0 or new.kind == "lowrank" or old.kind != new.kind:
-        return new
-    return Whitening(new.kind, new.size, **{k: decay * getattr(old, k) + (1 - decay) * v
-                                            for k, v in new.tensors().items()})
+def load_factor(state):
+    """A factor from its {"kind", "size", tensors...} (WhitenedLayer's state_dict)."""
+    if state["kind"] == "lowrank":
+        return Whitening(**state)
+    return elsewhere("ablations").DenseFactor(**state)
 
 
 def linear_layers(model, names=None):
@@ -1108,17 +921,6 @@ def initial_subspaces(G, r, seed, iters=4, rows=ALL_ROWS):
     V = orthonormal(rows.sum(G.T @ rows.mine(U)))
     zeros = torch.zeros(r, device=G.device, dtype=G.dtype)
     return update_subspaces(G, U, V, zeros, zeros, decay=0.0, iters=iters, rows=rows)
-
-
-def exact_bases(G):
-    """Full mode: the complete singular bases of G, dense. A reference for tests and ablations."""
-    U, _, Vh = torch.linalg.svd(G)
-    return U, Vh.T
-
-
-def random_orthogonal(n, seed, device, dtype=torch.float32):
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    return orthonormal(torch.randn(n, n, generator=generator, dtype=torch.float64)).to(device, dtype)
 
 
 # =============================================================================
@@ -1379,6 +1181,7 @@ class SubspaceLayer:
     transform: tuple = field(default=(None, None), repr=False)  # (left, right), derived
     swaps: tuple = field(default=None, repr=False)              # core_swaps, fixed by shape
     sides: str = "both"                 # the sides rotated now (sides="auto": chosen by gain)
+    exact: tuple = field(default=None, repr=False)  # full=True: dense singular bases (ablation)
 
     @property
     def ready(self):
@@ -1398,15 +1201,17 @@ class SubspaceLayer:
         a large value into a quiet row's scaling block.)"""
         return self.swaps if transform[0] is not None and transform[1] is not None else None
 
-    def rotation(self, sides=None, mean=None):
-        """(left, right) of the rotation of `sides` (default: the layer's own)."""
+    def rotation(self, sides=None):
+        """(left, right) of the rotation of `sides` (default: the layer's own). Ablations
+        (nanogeo/ablations.py): dense random rotations, or the exact singular bases of the
+        latest mean (full=True, kept in `exact`)."""
         opts, sides = self.opts, sides or self.sides
         if opts.basis == "random":
-            device = self.left_basis.Y.device
-            left = random_orthogonal(self.shape[0], self.seed, device)
-            right = random_orthogonal(self.shape[1], self.seed + 1, device)
+            device, ablations = self.left_basis.Y.device, elsewhere("ablations")
+            left = ablations.random_orthogonal(self.shape[0], self.seed, device)
+            right = ablations.random_orthogonal(self.shape[1], self.seed + 1, device)
         elif opts.full:
-            left, right = exact_bases(mean)
+            left, right = self.exact
         else:
             left, right = self.left_basis, self.right_basis
         return (left if sides in ("both", "left") else None,
@@ -1425,7 +1230,9 @@ class SubspaceLayer:
                 mean, self.left_basis.columns(), self.right_basis.columns(),
                 self.left_energy, self.right_energy, self.opts.decay, self.opts.iters, rows)
         self.left_basis, self.right_basis = HouseholderBasis.complete(U), HouseholderBasis.complete(V)
-        self.transform = self.rotation(mean=mean)
+        if self.opts.full:
+            self.exact = elsewhere("ablations").exact_bases(mean)
+        self.transform = self.rotation()
         total = rows.sum(mean.pow(2).sum())
         core = rows.sum(rows.mine(U).T @ mean @ V).pow(2).sum()   # sum over ranks, then square
         self.energy = core / total.clamp(min=1e-30)               # stays on the device
@@ -1449,14 +1256,14 @@ class SubspaceLayer:
                 "right_Y": self.right_basis.Y, "right_T": self.right_basis.T,
                 "left_energy": self.left_energy, "right_energy": self.right_energy,
                 "use_geo": self.use_geo, "gain": self.gain, "energy": self.energy,
-                "sides": self.sides}
+                "sides": self.sides, "exact": self.exact}
 
     def load_state_dict(self, s):
         self.use_geo, self.gain = s["use_geo"], s["gain"]
         self.left_basis = HouseholderBasis(s["left_Y"], s["left_T"])
         self.right_basis = HouseholderBasis(s["right_Y"], s["right_T"])
         self.left_energy, self.right_energy = s["left_energy"], s["right_energy"]
-        self.energy = s["energy"]
+        self.energy, self.exact = s["energy"], s.get("exact")
         self.rotate_sides(s.get("sides", self.sides))
 
 
@@ -1504,7 +1311,7 @@ class WhitenedLayer:
                                   else opts.moment_decay * old + (1 - opts.moment_decay) * moment)
             factor = whitening_factor(self.moments[side], opts.factor, opts.whiten_rank,
                                       opts.whiten_block, opts.damping)
-            self.factors[side] = blend_factors(self.factors.get(side), factor, opts.factor_decay)
+            self.factors[side] = factor.blended(self.factors.get(side), opts.factor_decay)
 
     def tensors(self):
         return ([m for m in self.moments.values()]
@@ -1524,7 +1331,7 @@ class WhitenedLayer:
     def load_state_dict(self, s):
         self.use_geo, self.gain = s["use_geo"], s["gain"]
         self.moments = dict(s["moments"])
-        self.factors = {side: Whitening(**f) for side, f in s["factors"].items()}
+        self.factors = {side: load_factor(f) for side, f in s["factors"].items()}
 
 
 class GeoFP8Communicator:
@@ -1565,6 +1372,8 @@ class GeoFP8Communicator:
         self.skipped = 0        # geometry updates skipped for a non-finite mean
         self.saturation = None  # fp8-sum: running sum of each tensor's saturated fraction
         self.saturation_steps = 0
+        self.across_ranks = False   # the step in progress: over the process group (advance())
+        self.rows = {}              # ... and its FSDP row blocks, by name (nanogeo.fsdp)
 
     def _subspace_layer(self, name, shape):
         r = min(shape) if self.opts.full else min(self.opts.geo_rank, min(shape) // 2)
@@ -1662,6 +1471,13 @@ class GeoFP8Communicator:
         bucket, every FSDP module): buckets of the same layout must not round alike."""
         return (self.opts.seed * 7919 + self.step) * 2_147_483_659 + self.rounding_stream
 
+    def _sum_over_ranks(self, t):
+        """In place: the sum of t over the process group when the step in progress ran across
+        it; a step of one process (or of simulated workers, summed already) leaves t as it is."""
+        if self.across_ranks:
+            dist.all_reduce(t, group=self.group)
+        return t
+
     def _local_scales(self):
         return self.opts.scale_sync_every > 1 and self.step % self.opts.scale_sync_every != 0
 
@@ -1688,12 +1504,11 @@ class GeoFP8Communicator:
         mean_coords, sent, local = self._collective(coords)
         if self.opts.error_feedback:
             self._keep_residual(rank, coords, local, all_finite(mean_coords))
-        all_reduce_sum = ((lambda t: dist.all_reduce(t, group=self.group))
-                          if dist.is_initialized() else None)
-        if moments is not None and all_reduce_sum is not None:
+        self.across_ranks = dist.is_initialized()
+        if moments is not None and self.across_ranks:
             moments = average_moments(moments, {n: self.shapes[n] for n in self.moment_layers()},
-                                      self.whitened_sides(), all_reduce_sum, grads[0].device)
-        for g, m in zip(grads, self._finish(mean_coords, [sent_grads], all_reduce_sum, moments)):
+                                      self.whitened_sides(), self._sum_over_ranks, grads[0].device)
+        for g, m in zip(grads, self._finish(mean_coords, [sent_grads], self.across_ranks, moments)):
             g.copy_(m)
         return sent
 
@@ -1721,45 +1536,48 @@ class GeoFP8Communicator:
             finite = all_finite(mean_coords)
             for i in range(len(coords)):
                 self._keep_residual(i, coords[i], local[i], finite)
-        return self._finish(mean_coords, [g for g, _ in prepared], moments=moments), sent
+        return self._finish(mean_coords, [g for g, _ in prepared], False, moments), sent
 
-    def _finish(self, mean_coords, worker_grads, all_reduce=None, moments=None):
+    def _finish(self, mean_coords, worker_grads, across_ranks, moments=None):
         """Decode the averaged coordinates; on refresh steps update the geometry."""
         with self.timer.stage("rotate"):
             means = [self.from_coords(n, h) for n, h in zip(self.names, mean_coords)]
-        self.advance(dict(zip(self.names, means)), worker_grads, all_reduce, moments=moments)
+        self.advance(dict(zip(self.names, means)), worker_grads, across_ranks, moments=moments)
         return means
 
-    def advance(self, means, worker_grads, all_reduce=None, rows=None, moments=None):
+    def advance(self, means, worker_grads, across_ranks, rows=None, moments=None):
         """Count a finished step; on refresh steps update the geometry. `means` maps names to
         decoded mean gradients - under FSDP only this rank's block of rows, described by
-        rows[name] (nanogeo.fsdp.RowBlocks; whole tensors otherwise)."""
+        rows[name] (nanogeo.fsdp.RowBlocks; whole tensors otherwise). `worker_grads`: the
+        gradients this process sent (one list per simulated worker). across_ranks: the step
+        ran over the process group (so the gain measurements are summed over it and the
+        geometry checked across it), not in one process."""
         whiten_now = self.step % self.opts.refresh == 0 and moments is not None  # of this step
+        self.across_ranks, self.rows = across_ranks, rows or {}
         self.step += 1
         if not self.layers:
             return
         if self._geometry_due(whiten_now):
-            if self._finite(means, moments, all_reduce, rows):
+            if self._finite(means, moments):
                 with self.timer.stage("geometry"):
-                    refreshed = self._update_geometry(means, worker_grads, all_reduce, rows,
-                                                      moments, whiten_now)
-                if all_reduce is not None and refreshed:
+                    refreshed = self._update_geometry(means, worker_grads, moments, whiten_now)
+                if across_ranks and refreshed:
                     self._verify_bases()
             else:
                 self.skipped += 1   # a non-finite mean (or statistic) must not reach the bases
         if self.opts.select == "fragile" and self.step == self.opts.warmup:
             self._select_fragile()
 
-    def _update_geometry(self, means, worker_grads, all_reduce, rows, moments, whiten_now):
+    def _update_geometry(self, means, worker_grads, moments, whiten_now):
         """Refresh the bases / factors (True), or only re-judge the whitening (False: the
         decisions come from all-reduced errors, nothing new to verify across ranks)."""
         if self.opts.geometry == "whiten" and not whiten_now:
-            self._judge_whitening(means, worker_grads, all_reduce)
+            self._judge_whitening(means, worker_grads)
             return False
         if self.opts.geometry == "whiten":
-            self._refresh_whitening(moments, means, worker_grads, all_reduce)
+            self._refresh_whitening(moments, means, worker_grads)
         else:
-            self._refresh(means, worker_grads, all_reduce, rows or {})
+            self._refresh(means, worker_grads)
         return True
 
     def _geometry_due(self, whiten_now):
@@ -1768,7 +1586,7 @@ class GeoFP8Communicator:
             return whiten_now or self.step % self.opts.judge_every == 0
         return self.step % self.opts.refresh == 0 or any(not l.ready for l in self.layers.values())
 
-    def _finite(self, means, moments, all_reduce, rows):
+    def _finite(self, means, moments):
         """Are this step's means (and statistics) finite? One host sync, on geometry steps only.
         Under DDP every rank holds the same means; under FSDP (rows) each holds its own rows,
         so the ranks agree through one small all-reduce."""
@@ -1776,8 +1594,8 @@ class GeoFP8Communicator:
         for side in ("input", "output"):
             tensors += list((moments or {}).get(side, {}).values())
         bad = (~all_finite(tensors)).double()
-        if rows and all_reduce is not None:
-            all_reduce(bad)
+        if self.rows:
+            self._sum_over_ranks(bad)
         return bad.item() == 0
 
     # -- selection ---------------------------------------------------------------------------------
@@ -1785,7 +1603,7 @@ class GeoFP8Communicator:
     def _round_trip(self, x):
         return dequantize(quantize(x, self.opts.fmt, self.opts.block))
 
-    def _measure_gains(self, names, worker_grads, means, all_reduce=None, rows=None):
+    def _measure_gains(self, names, worker_grads, means):
         """(euclidean, geometry-aware) error of the gradients actually sent, with the geometry in
         use, as the layer's optimizer sees it (UpdateError) - measured on each rank's own
         gradients, summed by one all-reduce, so every rank takes the same decision."""
@@ -1794,14 +1612,13 @@ class GeoFP8Communicator:
         for n in names:
             layer = self.layers[n]
             view = self.views.get(n) if self.opts.judge == "optimizer" else None
-            seen = UpdateError(view, means[n], (rows or {}).get(n))
+            seen = UpdateError(view, means[n], self.rows.get(n))
             for grads in worker_grads:
                 g = grads[self.index[n]].float()
                 errors.append(seen(self._round_trip(g) - g))
                 errors += [seen(self._sent(layer, g, sides) - g) for sides in variants]
         errors = torch.stack(errors).double().view(len(names), len(worker_grads), -1).sum(1)
-        if all_reduce is not None:
-            all_reduce(errors)
+        self._sum_over_ranks(errors)
         return errors.cpu()                                 # one transfer per refresh
 
     def _variants(self):
@@ -1850,11 +1667,11 @@ class GeoFP8Communicator:
 
     # -- geometry ----------------------------------------------------------------------------------
 
-    def _refresh_whitening(self, moments, means, worker_grads, all_reduce=None):
+    def _refresh_whitening(self, moments, means, worker_grads):
         """New factors from this step's second moments (identical on every rank: averaged over
         the ranks). The gains are measured first, with the factors in use: factors judged on
         the gradients they were computed from would look better than they will be on the next."""
-        ready = self._judge_whitening(means, worker_grads, all_reduce)
+        ready = self._judge_whitening(means, worker_grads)
         for n, layer in self.layers.items():
             stats = {side: moments[side][n] for side in self.whitened_sides()
                      if n in moments.get(side, {})}
@@ -1863,16 +1680,16 @@ class GeoFP8Communicator:
                 if n not in ready:  # first factors, not yet measured: only select="all" (or
                     self._choose(n)  # the paper's rule, gains 0) uses them before a measurement
 
-    def _judge_whitening(self, means, worker_grads, all_reduce=None):
+    def _judge_whitening(self, means, worker_grads):
         """Between refreshes, re-measure the gains with the factors in use, on gradients they
         were not computed from: factors go stale (on a fast-moving model within a few steps),
         and a layer must leave as soon as they do. Returns the layers judged."""
         ready = [n for n, l in self.layers.items() if l.ready]
         if ready:
-            self._decide(ready, self._measure_gains(ready, worker_grads, means, all_reduce))
+            self._decide(ready, self._measure_gains(ready, worker_grads, means))
         return ready
 
-    def _refresh(self, means, worker_grads, all_reduce=None, rows=None):
+    def _refresh(self, means, worker_grads):
         """Subspace rotation: update the bases from the decoded mean (identical on every rank)
         and decide each layer's coordinates by measured gain.
 
@@ -1883,10 +1700,10 @@ class GeoFP8Communicator:
         gradients are used only for this measurement, never for the bases."""
         names = list(self.layers)
         fresh = [n for n in names if not self.layers[n].ready]
-        rows = rows or {}
+        rows = self.rows
         for n in fresh:  # a layer's first bases: nothing earlier to judge by, so judge these
             self.layers[n].refresh(means[n], rows.get(n, ALL_ROWS))
-        self._decide(names, self._measure_gains(names, worker_grads, means, all_reduce, rows))
+        self._decide(names, self._measure_gains(names, worker_grads, means))
         if self.step % self.opts.refresh == 0:
             for n in names:
                 if n not in fresh:

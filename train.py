@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 import compress
 import model as model_lib
-from nanogeo import checkpoint, config, hooks, runlog, runtime, summary
+from nanogeo import checkpoint, config, hooks, kernels, runlog, runtime, summary
 from nanogeo.config import ConfigError
 from nanogeo.runtime import RankMismatch
 from prepare_data import ShardError, read_header, read_shard
@@ -389,7 +389,7 @@ def train(cfg):
     data = load_data(cfg, mcfg.vocab_size)
     raw_model = model_lib.Llama(mcfg).to(device)
     model = torch.compile(raw_model, dynamic=False) if cfg.compile else raw_model
-    compress.compile_hot_path(cfg.compile)      # the codec and transform kernels too
+    kernels.compile_hot_path(cfg.compile)      # the codec and transform kernels too
     params = [p for p in raw_model.parameters() if p.requires_grad]
     optimizers = make_optimizers(cfg, raw_model, fused=device.type == "cuda")
     peaks = peak_lrs(optimizers)    # read before a checkpoint overwrites "lr" with its last value

@@ -46,7 +46,7 @@ import torch.distributed as dist
 import compress
 import model as model_lib
 import train
-from nanogeo import perfmodel, smoke
+from nanogeo import kernels, packing, perfmodel, smoke
 
 
 class StageTimer:
@@ -303,21 +303,21 @@ def one_rank_collective(tensors, layout, rank=0):
 def count_codec_calls(fn):
     """Calls of the FP8 codec's kernels (encode and decode, one fused kernel each when compiled)."""
     counts = {"calls": 0}
-    originals = {name: getattr(compress, name) for name in ("fp8_encode", "fp8_decode",
-                                                           "fp8_decode_groups")}
+    originals = {(module, name): getattr(module, name) for module, name in (
+        (compress, "fp8_encode"), (compress, "fp8_decode"), (packing, "fp8_decode_groups"))}
 
     def counting(f):
         def wrapper(*args):
             counts["calls"] += 1
             return f(*args)
         return wrapper
-    for name, f in originals.items():
-        setattr(compress, name, counting(f))
+    for (module, name), f in originals.items():
+        setattr(module, name, counting(f))
     try:
         fn()
     finally:
-        for name, f in originals.items():
-            setattr(compress, name, f)
+        for (module, name), f in originals.items():
+            setattr(module, name, f)
     return counts["calls"]
 
 
@@ -369,14 +369,14 @@ def codec_launches(preset, world, iters, fmt="e4m3", block=128):
     copy_s = smoke.timed(lambda: dst.copy_(src), iters)
     rows["copy_gb_per_s"] = 8 * numel / copy_s / 1e9
     for compiled in (False, True):
-        compress.compile_hot_path(compiled)
+        kernels.compile_hot_path(compiled)
         for packed, layout in layouts.items():
             name = "packed" if packed else "per_piece"
             seconds = smoke.timed(lambda: one_rank_collective(tensors, layout), iters)
             rows[name]["compiled_ms" if compiled else "eager_ms"] = seconds * 1000
             rows[name]["compiled_vs_roofline" if compiled else "eager_vs_roofline"] = (
                 (11 + 1 / world) / 8 * copy_s / seconds)
-    compress.compile_hot_path(False)
+    kernels.compile_hot_path(False)
     rows["bucket_numel"], rows["bucket_tensors"] = numel, len(timed_bucket)
     return rows
 
@@ -470,10 +470,10 @@ def main(argv=None):
     parser.add_argument("--sides", default="auto", choices=["auto", "both", "left", "right"],
                         help="fsdp mode: which sides the subspace rotation rotates (GeoOptions)")
     parser.add_argument("--compile", action="store_true",
-                        help="torch.compile the codec and transform (compress.compile_hot_path)")
+                        help="torch.compile the codec and transform (kernels.compile_hot_path)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    compress.compile_hot_path(args.compile)
+    kernels.compile_hot_path(args.compile)
     if args.mode in ("collective", "fsdp", "accumulation"):
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

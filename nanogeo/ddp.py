@@ -37,8 +37,8 @@ Parameters that received no gradient (find_unused_parameters=True) arrive as zer
 like any other.
 
 Memory and streams: the per-parameter gradients DDP hands over are views of the bucket, so they
-are averaged in place (no copies); the collective's wire buffers are allocated once per bucket
-layout (compress.wire_buffers). On GPU the hook runs on its own CUDA stream: DDP calls it from
+are averaged in place (no copies); the collective's wire buffers come from torch's caching
+allocator. On GPU the hook runs on its own CUDA stream: DDP calls it from
 the backward pass as each bucket fills, and on the compute stream the collectives would make
 the rest of the backward wait for the network. The side stream first waits for the gradients
 (the compute stream's work so far), then encodes, communicates and decodes while the backward

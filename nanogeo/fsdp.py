@@ -137,7 +137,7 @@ def exchange_and_sum(send, layout, group):
     me = group.rank()
     recv = torch.empty(group.size() * layout.nbytes[me], dtype=torch.uint8, device=send.device)
     dist.all_to_all_single(recv, send, group=group)
-    return compress.shard_pieces(compress.sum_shard(recv, layout, me), layout, me)
+    return compress.sum_shard(recv, layout, me)
 
 
 def average(total, op, world):
@@ -224,7 +224,7 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
                           means[n].new_zeros(c * math.prod(s[1:]) - means[n].numel())])
                for n, s, c in zip(self.names, self.shapes, per_rank)]
         output_tensor.copy_(torch.cat(out).to(output_tensor.dtype))
-        self.comm.advance(means, [grads], lambda t: dist.all_reduce(t, group=group), blocks)
+        self.comm.advance(means, [grads], across_ranks=True, rows=blocks)
         return None
 
     def _align_core_scattering(self, per_rank):

@@ -11,7 +11,7 @@ is measured by `torchrun ... -m nanogeo.bench collective` on a real node). What 
   nccl       a 1-rank NCCL process group runs the collective's calls on uint8 buffers
              (all_to_all_single, all_gather) and all_reduce_mean returns finite means
   codec      quantize + dequantize throughput in GB/s of fp32 input (e4m3, e5m2, nvfp4),
-             eager and torch.compile'd (compress.compile_hot_path)
+             eager and torch.compile'd (kernels.compile_hot_path)
   transform  GeoFP8's encode + decode of every rotated matrix of the preset, ms per step,
              eager and compiled, and the bytes of the geometry state
   ddp        the DDP hook on the CUDA side stream: gradients of a small model equal plain
@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 import compress
 import model as model_lib
+from nanogeo import kernels
 
 
 def timed(fn, iters):
@@ -86,11 +87,11 @@ def check_codec(device, numel, iters):
     rows = []
     for fmt in ("e4m3", "e5m2", "nvfp4"):
         for compiled in ((False, True) if fmt != "nvfp4" else (False,)):
-            compress.compile_hot_path(compiled)
+            kernels.compile_hot_path(compiled)
             seconds = timed(lambda: compress.dequantize(compress.quantize(x, fmt, 128)), iters)
             rows.append({"fmt": fmt, "compiled": compiled, "ms": seconds * 1000,
                          "gb_per_s": 4 * numel / seconds / 1e9})
-    compress.compile_hot_path(False)
+    kernels.compile_hot_path(False)
     return rows
 
 
@@ -118,9 +119,9 @@ def check_transform(device, net, iters, geo_rank=16):
     out = {"matrices": len(shapes), "elements": sum(m * n for m, n in shapes), "geo_rank": geo_rank,
            "state_mb": sum((m + n) * geo_rank * 4 for m, n in shapes) / 1e6}
     for compiled in (False, True):
-        compress.compile_hot_path(compiled)
+        kernels.compile_hot_path(compiled)
         out["compiled_ms" if compiled else "eager_ms"] = timed(step, iters) * 1000
-    compress.compile_hot_path(False)
+    kernels.compile_hot_path(False)
     return out
 
 

@@ -10,7 +10,7 @@ from compress import (GeoFP8Communicator, GeoOptions, HouseholderBasis, ShardLay
                       all_reduce_mean, decode_geo, dequantize, encode_geo, quantize,
                       simulate_mean, wire_nbytes)
 from conftest import run_ranks
-from nanogeo import nvfp4
+from nanogeo import ablations, kernels, nvfp4, packing
 
 GRANULARITIES = [128, 32, "row", "tensor"]
 
@@ -198,9 +198,9 @@ def test_packed_codec_equals_one_call_per_piece(world, monkeypatch):
         monkeypatch.setattr(compress, "shard_layout", lambda *a: apart)
         expected = simulate_mean(workers, fmt, block, return_local=True)
         calls = []
-        for name in ("fp8_encode", "fp8_decode_groups"):
-            original = getattr(compress, name)
-            monkeypatch.setattr(compress, name, lambda *a, f=original, n=name: calls.append(n) or f(*a))
+        for module, name in ((compress, "fp8_encode"), (packing, "fp8_decode_groups")):
+            original = getattr(module, name)
+            monkeypatch.setattr(module, name, lambda *a, f=original, n=name: calls.append(n) or f(*a))
         monkeypatch.setattr(compress, "shard_layout", lambda *a: packed)
         got = simulate_mean(workers, fmt, block, return_local=True)
         monkeypatch.undo()
@@ -253,7 +253,7 @@ def test_never_forms_an_m_by_m_matrix():
 def test_low_rank_matches_full_mode_at_full_rank():
     torch.manual_seed(0)
     G = torch.randn(48, 48) * torch.logspace(0, -2, 48)
-    U, V = compress.exact_bases(G)
+    U, V = ablations.exact_bases(G)
     lr_left, lr_right = HouseholderBasis.complete(U), HouseholderBasis.complete(V)
     H_full, H_lr = encode_geo(G, U, V), encode_geo(G, lr_left, lr_right)
     assert torch.allclose(H_full.abs(), H_lr.abs(), atol=1e-5)  # equal up to column signs
@@ -401,9 +401,12 @@ def test_distributed_communicator_matches_simulator(options, tmp_path):
     assert ranks[0][-1][2] == "geo"
 
 
-def test_state_dict_round_trip():
+@pytest.mark.parametrize("options", [
+    GeoOptions(geometry="subspace", geo_rank=8, error_feedback=True),
+    GeoOptions(geometry="subspace", full=True, select="all"),          # dense exact bases
+    GeoOptions(geometry="subspace", basis="random", select="all")])   # dense random rotation
+def test_state_dict_round_trip(options):
     steps = planted_workers(128, 96, 2, 3)
-    options = GeoOptions(geometry="subspace", geo_rank=8, error_feedback=True)
     _, comm = run_steps(options, steps)
     state = comm.state_dict()
     other = GeoFP8Communicator([("layers.0.mlp.w1.weight", (128, 96))], options)
@@ -411,6 +414,7 @@ def test_state_dict_round_trip():
     nxt = planted_workers(128, 96, 2, 1, seed=3)[0]
     a, _ = comm.reduce_workers([[w] for w in nxt])
     b, _ = other.reduce_workers([[w] for w in nxt])
+    assert comm.coords("layers.0.mlp.w1.weight") == "geo"
     assert torch.equal(a[0], b[0])
 
 
@@ -481,11 +485,11 @@ def test_compiled_hot_path_equals_eager():
         return out + simulate_mean([tensors, [2 * t for t in tensors]])[0]
 
     eager = run()
-    compress.compile_hot_path(True)
+    kernels.compile_hot_path(True)
     try:
         compiled = run()
     finally:
-        compress.compile_hot_path(False)
+        kernels.compile_hot_path(False)
     for a, b in zip(eager, compiled):
         if a.dtype == torch.uint8:
             assert torch.equal(a, b)

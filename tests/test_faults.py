@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import compress
+from nanogeo import kernels
 from test_published import anisotropic_moment
 
 
@@ -61,17 +62,18 @@ def test_the_fp8_codec_stays_eager_on_gpus_without_float8_casts(monkeypatch, cap
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
     try:
-        compress.compile_hot_path(True)
-        assert compress.hot_path.float8_eager
+        kernels.compile_hot_path(True)
+        assert kernels.state["float8_eager"]
         assert "below sm_89" in capsys.readouterr().out
-        for fn in (compress.fp8_encode, compress.fp8_decode):     # must not be used
-            monkeypatch.setattr(fn, "compiled", lambda *a: pytest.fail("compiled float8 cast"))
+        for key in (("compress", "fp8_encode"), ("compress", "fp8_decode")):
+            assert key not in kernels.EAGER             # the float8 casts stay plain functions
+        assert ("compress", "reflect") in kernels.EAGER      # the transform is compiled
         x = torch.randn(4, 128)
         q = compress.quantize(x, "e4m3", 128)
         assert ((compress.dequantize(q) - x).abs() <= x.abs() / 8 + 1e-3).all()
     finally:
-        compress.compile_hot_path(False)
-    assert not compress.hot_path.float8_eager
+        kernels.compile_hot_path(False)
+    assert not kernels.state["float8_eager"] and not kernels.EAGER
 
 
 class HostSyncs:

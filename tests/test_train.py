@@ -11,7 +11,7 @@ import compress
 import train
 from conftest import ROOT, run_ranks
 from model import Llama, ModelConfig
-from nanogeo import config
+from nanogeo import config, kernels
 from train import ConfigError, parse_config
 
 
@@ -223,7 +223,7 @@ def test_compile_matches_eager_and_saves_clean_keys(tiny_corpus, tmp_path):
     eager = train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "eager", *geo)))
     compiled = train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "compiled", *geo,
                                                   "--compile")))
-    compress.compile_hot_path(False)
+    kernels.compile_hot_path(False)
     assert abs(eager["final_train_loss"] - compiled["final_train_loss"]) < 1e-3
     assert abs(eager["final_val_loss"] - compiled["final_val_loss"]) < 1e-3
     keys = torch.load(tmp_path / "compiled" / "ckpt.pt", weights_only=True)["model"].keys()

@@ -1,0 +1,108 @@
+"""
+Ablation-only coordinates of compress.py, imported by it on first use (compress.ELSEWHERE):
+
+  * whitening factors other than the low-rank one compress.py applies in O(d r) per row -
+    "lowrank-dense": the same low-rank + diagonal A^ with a dense Cholesky factor and a
+    triangular solve (what the published artifact does; its factor EMA, factor_decay, applies to
+    it), "full": A itself, "diag": A's diagonal, "block": A's diagonal blocks;
+  * dense bases for the subspace rotation - exact singular bases (full=True) and a random
+    rotation (basis="random").
+
+They exist to measure what the low-rank approximations and the Householder completion cost or
+gain (BENCHMARKS.md sections 11-12, nanogeo.tables); training uses compress.py's own forms.
+"""
+from dataclasses import dataclass
+
+import torch
+
+import compress
+
+
+@dataclass
+class DenseFactor:
+    """One side's factor F (F F^T = A^ + damping I) of a kind other than "lowrank":
+    full / lowrank-dense: L (d, d) lower triangular (Cholesky); block: L (nb, b, b), one Cholesky
+    factor per diagonal block; diag: sqrt_d (d,). Same methods as compress.Whitening."""
+    kind: str
+    size: int                   # d
+    L: torch.Tensor = None
+    sqrt_d: torch.Tensor = None
+
+    def whiten(self, X):
+        """X F^-T for X (m, d): every row of X to whitened coordinates."""
+        if self.kind == "diag":
+            return X / self.sqrt_d
+        if self.kind == "block":
+            out = torch.linalg.solve_triangular(self.L.transpose(1, 2), self._blocks(X),
+                                                upper=True, left=False)
+            return self._unblocks(out, X)
+        return torch.linalg.solve_triangular(self.L.T, X, upper=True, left=False)
+
+    def unwhiten(self, X):
+        """X F^T for X (m, d): back to the original coordinates."""
+        if self.kind == "diag":
+            return X * self.sqrt_d
+        if self.kind == "block":
+            return self._unblocks(self._blocks(X) @ self.L.transpose(1, 2), X)
+        return X @ self.L.T
+
+    def _blocks(self, X):
+        """(m, d) -> (nb, m, b), zero-padding d up to nb * b."""
+        nb, b, _ = self.L.shape
+        X = torch.nn.functional.pad(X, (0, nb * b - X.shape[1]))
+        return X.view(X.shape[0], nb, b).transpose(0, 1)
+
+    def _unblocks(self, blocks, like):
+        return blocks.transpose(0, 1).reshape(like.shape[0], -1)[:, : like.shape[1]]
+
+    def dense(self):
+        """F as a dense (d, d) matrix."""
+        if self.kind == "diag":
+            return torch.diag(self.sqrt_d)
+        if self.kind == "block":
+            return torch.block_diag(*self.L)[: self.size, : self.size]
+        return self.L
+
+    def tensors(self):
+        return {k: v for k, v in (("L", self.L), ("sqrt_d", self.sqrt_d)) if v is not None}
+
+    def blended(self, old, decay):
+        """The published factor smoothing, F <- decay F_old + (1 - decay) F_new (a blend of two
+        triangular factors is still one)."""
+        if old is None or decay == 0 or old.kind != self.kind:
+            return self
+        return DenseFactor(self.kind, self.size, **{k: decay * getattr(old, k) + (1 - decay) * v
+                                                    for k, v in self.tensors().items()})
+
+
+def whitening_factor(A, kind, rank, block, damping, floor):
+    """compress.whitening_factor for the dense kinds; A symmetric float64 (d, d)."""
+    d = A.shape[0]
+    eye = torch.eye(d, dtype=A.dtype, device=A.device)
+    if kind == "full":
+        return DenseFactor(kind, d, L=torch.linalg.cholesky(A + damping * eye))
+    if kind == "diag":
+        return DenseFactor(kind, d, sqrt_d=(A.diagonal().clamp(min=0) + damping).sqrt())
+    if kind == "block":
+        nb = -(-d // block)
+        padded = torch.eye(nb * block, dtype=A.dtype, device=A.device)  # identity on the padding
+        padded[:d, :d] = A
+        blocks = torch.stack([padded[i * block:(i + 1) * block, i * block:(i + 1) * block]
+                              for i in range(nb)])
+        damp = damping * torch.eye(block, dtype=A.dtype, device=A.device)
+        return DenseFactor(kind, d, L=torch.linalg.cholesky(blocks + damp))
+    U, lam, rest = compress.top_eigenpairs(A, rank, floor)             # "lowrank-dense"
+    A_hat = (U * lam) @ U.T + torch.diag(rest)
+    return DenseFactor(kind, d, L=torch.linalg.cholesky(A_hat + damping * eye))
+
+
+def exact_bases(G):
+    """full=True: the complete singular bases of G, dense."""
+    U, _, Vh = torch.linalg.svd(G)
+    return U, Vh.T
+
+
+def random_orthogonal(n, seed, device, dtype=torch.float32):
+    """basis="random": a dense random rotation, seeded identically on every rank."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    return compress.orthonormal(torch.randn(n, n, generator=generator, dtype=torch.float64)).to(device, dtype)

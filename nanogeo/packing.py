@@ -1,0 +1,98 @@
+"""
+The packed form of compress.py's two-stage collective: a whole bucket through the FP8 codec in
+ONE call per stage, instead of one per piece (a bucket has W x T pieces: thousands of small
+kernel launches per step at scale). compress.ShardLayout uses it for e4m3 / e5m2 with integer
+blocks; the means are bit-identical to quantizing piece by piece (tests/test_compress.py,
+test_packed_codec_equals_one_call_per_piece), the wire carries < block padding bytes more per
+piece.
+
+With integer blocks every piece is cut into groups of `block` elements starting at the piece's
+start, the last one zero-padded, and each group travels as [fp32 scale | block fp8 codes]: a
+shard is a (groups, 4 + block) byte matrix, and all shards of a bucket stacked are one. So
+stage 1 is one concatenation of the pieces in wire order (with their padding), one encode and
+one concatenation of scales and codes; stage 2 decodes the W copies as one matrix; stage 3
+decodes the W shards as one matrix and concatenates the pieces' values back into tensors. Only
+views and host-side bookkeeping per piece.
+"""
+import torch
+
+import compress
+
+
+def pack_groups(groups, fmt, stochastic=False, generator=None):
+    """(G, L) fp32 -> (G * (4 + L),) uint8 wire bytes, per group [fp32 scale | L codes]."""
+    scale, codes = compress.encode_groups(groups, fmt, stochastic, generator)
+    return torch.cat([scale.view(torch.uint8).view(-1, 4), codes], dim=1).view(-1)
+
+
+def unpack_groups(buffer, block, fmt):
+    """Inverse of pack_groups: uint8 bytes -> (G, block) fp32 values."""
+    rows = buffer.view(-1, 4 + block)
+    scale = rows[:, :4].contiguous().view(torch.float32).view(-1)       # (G,)
+    return fp8_decode_groups(rows[:, 4:], scale, compress.FP8_FORMATS[fmt][0])
+
+
+def fp8_decode_groups(codes, scale, dtype):      # hot path (nanogeo.kernels)
+    """codes (G, L) uint8 and their scales (G,) -> (G, L) fp32."""
+    return codes.view(dtype).float() / scale[:, None]
+
+
+class Packing:
+    """The packed wire form of one compress.ShardLayout (FP8, integer block)."""
+
+    def __init__(self, layout):
+        B = layout.block
+        self.block, self.fmt, self.world_size = B, layout.fmt, layout.world_size
+        self.first_group = [0]          # shard j's groups: first_group[j] to first_group[j + 1]
+        self.encode_order = []                  # (tensor, start, end, pad), in wire order
+        by_tensor = [[] for _ in layout.shapes]  # (start, shard, first group in shard, n)
+        for j, pieces in enumerate(layout.pieces):
+            q = 0
+            for p in pieces:
+                n = p.end - p.start
+                count = -(-n // B)
+                self.encode_order.append((p.tensor, p.start, p.end, count * B - n))
+                by_tensor[p.tensor].append((p.start, j, q, n))
+                q += count
+            self.first_group.append(self.first_group[-1] + q)
+        self.decode_order = [(j, q, n) for pieces in by_tensor for _, j, q, n in sorted(pieces)]
+
+    def piece_nbytes(self, piece):
+        """Groups of [fp32 scale | block codes], the last one padded."""
+        return -(-(piece.end - piece.start) // self.block) * (4 + self.block)
+
+    def encode(self, flats, stochastic=False, generator=None):
+        """Stage 1: the bucket's flat fp32 tensors -> the W shards' bytes, back to back."""
+        zero, parts = compress.on_device((0.0,) * self.block, flats[0].device), []
+        for t, start, end, pad in self.encode_order:
+            parts += [flats[t][start:end], zero[:pad]] if pad else [flats[t][start:end]]
+        return pack_groups(torch.cat(parts).view(-1, self.block), self.fmt, stochastic, generator)
+
+    def sum_copies(self, received):
+        """Stage 2: the W received copies of a shard -> their fp32 sum, (groups, block)."""
+        values = unpack_groups(received, self.block, self.fmt)
+        return values.view(self.world_size, -1, self.block).sum(dim=0)
+
+    def requantize(self, total, stochastic=False, generator=None):
+        """Stage 2: the summed shard divided by W, back to wire bytes."""
+        return pack_groups(total / self.world_size, self.fmt, stochastic, generator)
+
+    def piece_values(self, total, pieces):
+        """sum_copies' result as one flat fp32 view per piece of the shard."""
+        flat, out, first = total.reshape(-1), [], 0
+        for p in pieces:
+            n = p.end - p.start
+            out.append(flat[first: first + n])
+            first += -(-n // self.block) * self.block
+        return out
+
+    def decode(self, buffer, stride=None):
+        """Stage 3: the W shards' bytes (shard j at j * stride, or back to back) -> the bucket's
+        flat fp32 values in tensor order. The padding rows of a gathered buffer (shards shorter
+        than the largest) decode to garbage (scale 0); they are never read."""
+        rows_per_shard = None if stride is None else stride // (4 + self.block)
+        flat, B, parts = unpack_groups(buffer, self.block, self.fmt).reshape(-1), self.block, []
+        for j, q, n in self.decode_order:
+            first = (j * rows_per_shard if rows_per_shard is not None else self.first_group[j]) + q
+            parts.append(flat[first * B: first * B + n])
+        return torch.cat(parts)
