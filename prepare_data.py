@@ -205,6 +205,28 @@ def read_shard(path):
     return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(count,))
 
 
+def load_splits(data_dir, block_size, vocab_size):
+    """{"train": tokens, "val": tokens} of a prepared directory, checked against the model that
+    will read them: a vocabulary the model can embed, and at least one window of block_size + 1
+    tokens plus one."""
+    if not os.path.isdir(data_dir):
+        raise ShardError(f"--data_dir={data_dir} does not exist; run `python prepare_data.py` "
+                         "for the bundled corpus or point --data_dir at your shards")
+    shards = {}
+    for split in ("train", "val"):
+        path = os.path.join(data_dir, f"{split}.bin")
+        count, tokenizer_name, tokenizer_vocab = read_header(path)
+        if tokenizer_vocab > vocab_size:
+            raise ShardError(f"{path} was tokenized with {tokenizer_name} ({tokenizer_vocab} ids) "
+                             f"but the model has vocab_size {vocab_size}; use a matching preset "
+                             "or re-tokenize")
+        if count < block_size + 2:
+            raise ShardError(f"{path} has {count} tokens, fewer than --block_size + 2; "
+                             "use more data or a smaller --block_size")
+        shards[split] = read_shard(path)
+    return shards
+
+
 # -----------------------------------------------------------------------------
 # reading documents, streaming
 

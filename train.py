@@ -42,10 +42,10 @@ import torch.distributed as dist
 
 import compress
 import model as model_lib
-from nanogeo import checkpoint, config, hooks, kernels, runlog, runtime, summary
+from nanogeo import checkpoint, config, hooks, kernels, runlog, runtime, simulated, summary
 from nanogeo.config import ConfigError
 from nanogeo.runtime import RankMismatch
-from prepare_data import ShardError, read_header, read_shard
+from prepare_data import ShardError, load_splits
 
 
 # -----------------------------------------------------------------------------
@@ -168,25 +168,6 @@ def batch_rng(seed, rank, step, micro, split="train"):
     return np.random.default_rng([seed, rank, step, micro, split == "val"])
 
 
-def load_data(cfg, vocab_size):
-    shards = {}
-    if not os.path.isdir(cfg.data_dir):
-        raise ConfigError(f"--data_dir={cfg.data_dir} does not exist; run `python prepare_data.py` "
-                          "for the bundled corpus or point --data_dir at your shards")
-    for split in ("train", "val"):
-        path = os.path.join(cfg.data_dir, f"{split}.bin")
-        count, tokenizer_name, tokenizer_vocab = read_header(path)
-        if tokenizer_vocab > vocab_size:
-            raise ConfigError(f"{path} was tokenized with {tokenizer_name} ({tokenizer_vocab} ids) "
-                              f"but the model has vocab_size {vocab_size}; use a matching preset "
-                              "or re-tokenize")
-        if count < cfg.block_size + 2:
-            raise ConfigError(f"{path} has {count} tokens, fewer than --block_size + 2; "
-                              "use more data or a smaller --block_size")
-        shards[split] = read_shard(path)
-    return shards
-
-
 # -----------------------------------------------------------------------------
 # gradient communication: the one seam
 
@@ -211,31 +192,6 @@ def make_communicator(cfg, model, optimizers):
         # its hooks are attached in train() for the forwards of refresh steps only
         moments = hooks.KroneckerMoments(layers, sides=communicator.whitened_sides())
     return communicator, moments
-
-
-@torch.no_grad()
-def reduce_simulated(params, worker_grads, cfg, communicator, worker_moments=None):
-    """--simulate_workers: set each param's .grad to the mean of the W simulated ranks'
-    gradients (worker_grads[i]: rank i's, in params order), through exactly the numerics of the
-    collective a W-rank run uses: the same sum in the wire's dtype for fp32 / bf16 (equal, bit
-    for bit, to a 2-rank gloo run), the collective's simulator for the compressed methods.
-    Returns the bytes each rank would send."""
-    world = len(worker_grads)
-    if cfg.comm in ("fp32", "bf16"):
-        dtype = torch.float32 if cfg.comm == "fp32" else torch.bfloat16
-        means = []
-        for grads in zip(*worker_grads):
-            total = grads[0].to(dtype)
-            for g in grads[1:]:
-                total = total + g.to(dtype)         # the all_reduce SUM, in the wire's dtype
-            means.append(total.float() / world)
-        numel = sum(g.numel() for g in worker_grads[0])
-        sent = ring_allreduce_bytes(numel, dtype.itemsize, world) if world > 1 else 0
-    else:   # worker_moments: each rank's whitening statistics, on the steps that collect them
-        means, sent = communicator.reduce_workers(worker_grads, worker_moments or None)
-    for p, mean in zip(params, means):
-        p.grad = mean
-    return sent
 
 
 @torch.no_grad()
@@ -386,7 +342,7 @@ def train(cfg):
     log = runlog.RunLog(cfg, master=rank == 0)
 
     mcfg = model_lib.model_config(cfg.preset, block_size=cfg.block_size)
-    data = load_data(cfg, mcfg.vocab_size)
+    data = load_splits(cfg.data_dir, cfg.block_size, mcfg.vocab_size)
     raw_model = model_lib.Llama(mcfg).to(device)
     model = torch.compile(raw_model, dynamic=False) if cfg.compile else raw_model
     kernels.compile_hot_path(cfg.compile)      # the codec and transform kernels too
@@ -437,7 +393,8 @@ def train(cfg):
             local = [[g.clone() for g in w] for w in worker_grads] or [g.clone() for g in grads]
             coords = [communicator.coords(n) for n in communicator.names]   # as sent
         if cfg.simulate_workers:
-            wire_bytes = reduce_simulated(params, worker_grads, cfg, communicator, worker_moments)
+            wire_bytes = simulated.reduce_gradients(params, worker_grads, cfg.comm, communicator,
+                                                    worker_moments)
         else:
             wire_bytes = reduce_gradients(params, cfg, communicator, world_size, moments)
         if last:

@@ -47,6 +47,7 @@ import compress
 import model as model_lib
 import train
 from nanogeo import kernels, packing, perfmodel, smoke
+from prepare_data import load_splits
 
 
 class StageTimer:
@@ -207,8 +208,7 @@ def fsdp_fidelity(checkpoint, steps, last, geo_rank, sides="auto", data_dir="dat
     ckpt = torch.load(checkpoint, map_location="cpu", weights_only=True)
     mcfg = model_lib.ModelConfig(**ckpt["model_config"])
     block_size = min(block_size, mcfg.block_size)
-    data = train.load_data(types.SimpleNamespace(data_dir=data_dir, block_size=block_size),
-                           mcfg.vocab_size)
+    data = load_splits(data_dir, block_size, mcfg.vocab_size)
     nets, comms = {}, {}
     for method in ("fp32", "fp8", "subspace"):
         net = model_lib.Llama(mcfg).to(device)

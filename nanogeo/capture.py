@@ -35,7 +35,7 @@ import torch
 import compress
 import model as model_lib
 import train
-from prepare_data import ShardError
+from prepare_data import ShardError, load_splits
 from nanogeo import bytegpt, checkpoint, config, hooks
 
 
@@ -84,7 +84,7 @@ def simulated_training(cfg, record_from, collect_moments=False):
         data = bytegpt.stdlib_corpus()
     else:
         model = model_lib.Llama(model_lib.model_config(cfg.preset, block_size=cfg.block_size))
-        data = train.load_data(cfg, model.config.vocab_size)
+        data = load_splits(cfg.data_dir, cfg.block_size, model.config.vocab_size)
     mcfg = model.config
     optimizers = train.make_optimizers(cfg, model, fused=False)
     start = 0

@@ -89,10 +89,10 @@ def test_vocabulary_mismatch_is_refused(tmp_path):
         writer = ShardWriter(str(tmp_path / f"{split}.bin"), "bigtok", 60000)
         writer.write(list(range(1000)))
         writer.close()
-    cfg = train.parse_config([f"--data_dir={tmp_path}", "--block_size=16"])
+    from prepare_data import ShardError, load_splits
     try:
-        train.load_data(cfg, 50304)
-    except train.ConfigError as e:
+        load_splits(str(tmp_path), 16, 50304)
+    except ShardError as e:
         assert "60000 ids" in str(e) and "re-tokenize" in str(e)
     else:
         raise AssertionError("expected a vocabulary error")
