@@ -1187,6 +1187,11 @@ class SubspaceLayer:
     def ready(self):
         return self.left_basis is not None
 
+    @property
+    def rank(self):
+        """r of its low-rank approximation: the dominant directions kept per side."""
+        return self.geo_rank
+
     def encode(self, g, transform=None):
         transform = transform or self.transform
         return swap_entries(encode_geo(g, *transform), self.swaps_for(transform))
@@ -1287,8 +1292,8 @@ class WhitenedLayer:
         return bool(self.factors)
 
     @property
-    def geo_rank(self):
-        """r of the low-rank factor (the table's column for both geometries)."""
+    def rank(self):
+        """r of its low-rank approximation: the factor's eigenpairs (whiten_rank)."""
         return self.opts.whiten_rank
 
     def encode(self, g):
@@ -1453,19 +1458,6 @@ class GeoFP8Communicator:
                 new[n] = torch.where(finite, r, old.get(n, torch.zeros_like(r)))
         self.residuals[worker] = new
 
-    def _collective(self, coords):
-        """(means in coordinates, bytes sent, this rank's local round trip) for this rank."""
-        opts = self.opts
-        if opts.collective == "fp8-sum":
-            means, sent, local, saturated = all_reduce_fp8_sum(
-                coords, opts.fmt, self.group, opts.sum_order, self._local_scales())
-            self._count_saturation(saturated)
-            return means, sent, local
-        out = all_reduce_mean(coords, opts.fmt, opts.block, self.group, opts.stochastic,
-                              self.rounding_seed(), return_local=opts.error_feedback,
-                              timer=self.timer)
-        return out if opts.error_feedback else (*out, None)   # no extra decode without feedback
-
     def rounding_seed(self):
         """This step's stochastic-rounding seed, different for every tensor list (every DDP
         bucket, every FSDP module): buckets of the same layout must not round alike."""
@@ -1498,17 +1490,13 @@ class GeoFP8Communicator:
 
     def reduce(self, grads, moments=None):
         """Average grads (a list matching the names) across the group, in place. Returns bytes sent."""
-        rank = dist.get_rank(self.group) if dist.is_initialized() else 0
-        with self.timer.stage("rotate"):
-            sent_grads, coords = self._prepare(grads, rank)
-        mean_coords, sent, local = self._collective(coords)
-        if self.opts.error_feedback:
-            self._keep_residual(rank, coords, local, all_finite(mean_coords))
         self.across_ranks = dist.is_initialized()
+        rank = dist.get_rank(self.group) if self.across_ranks else 0
         if moments is not None and self.across_ranks:
             moments = average_moments(moments, {n: self.shapes[n] for n in self.moment_layers()},
                                       self.whitened_sides(), self._sum_over_ranks, grads[0].device)
-        for g, m in zip(grads, self._finish(mean_coords, [sent_grads], self.across_ranks, moments)):
+        means, sent = self._step({rank: grads}, self._exchange, moments)
+        for g, m in zip(grads, means):
             g.copy_(m)
         return sent
 
@@ -1516,34 +1504,57 @@ class GeoFP8Communicator:
         """The same numerics for W simulated workers. moments: already averaged over all of
         them, or a list of each worker's (averaged here as reduce() averages over ranks).
         Returns (means, bytes sent per rank)."""
+        self.across_ranks = False
         if isinstance(moments, list):
             moments = average_worker_moments(
                 moments, {n: self.shapes[n] for n in self.moment_layers()},
                 self.whitened_sides(), worker_grads[0][0].device)
-        prepared = [self._prepare(g, i) for i, g in enumerate(worker_grads)]
-        coords = [c for _, c in prepared]
-        opts = self.opts
-        if opts.collective == "fp8-sum":
-            mean_coords, sent, local, saturated = simulate_fp8_sum(
-                coords, opts.fmt, opts.sum_order, self._local_scales())
-            self._count_saturation(saturated)
-        else:
-            mean_coords, sent, *local = simulate_mean(coords, opts.fmt, opts.block, opts.stochastic,
-                                                      self.rounding_seed(),
-                                                      return_local=opts.error_feedback)
-            local = local[0] if local else None
-        if opts.error_feedback:
-            finite = all_finite(mean_coords)
-            for i in range(len(coords)):
-                self._keep_residual(i, coords[i], local[i], finite)
-        return self._finish(mean_coords, [g for g, _ in prepared], False, moments), sent
+        return self._step(dict(enumerate(worker_grads)), self._simulate, moments)
 
-    def _finish(self, mean_coords, worker_grads, across_ranks, moments=None):
-        """Decode the averaged coordinates; on refresh steps update the geometry."""
+    def _step(self, worker_grads, collective, moments):
+        """One step for the workers this process holds ({index: gradients}: its rank, or every
+        simulated worker): into coordinates, through the collective, error feedback, back to
+        original coordinates, and on refresh steps the geometry. Returns (means, bytes sent)."""
+        with self.timer.stage("rotate"):
+            prepared = {w: self._prepare(g, w) for w, g in worker_grads.items()}
+        coords = {w: c for w, (_, c) in prepared.items()}
+        mean_coords, sent, local = collective(list(coords.values()))
+        if self.opts.error_feedback:
+            finite = all_finite(mean_coords)
+            for (w, c), l in zip(coords.items(), local):
+                self._keep_residual(w, c, l, finite)
         with self.timer.stage("rotate"):
             means = [self.from_coords(n, h) for n, h in zip(self.names, mean_coords)]
-        self.advance(dict(zip(self.names, means)), worker_grads, across_ranks, moments=moments)
-        return means
+        self.advance(dict(zip(self.names, means)), [g for g, _ in prepared.values()],
+                     self.across_ranks, moments=moments)
+        return means, sent
+
+    def _exchange(self, coords):
+        """The collective over the process group, for this rank's tensors (coords: [them]).
+        Returns (means in coordinates, bytes sent, [its local round trip] or None)."""
+        (mine,), opts = coords, self.opts
+        if opts.collective == "fp8-sum":
+            means, sent, local, saturated = all_reduce_fp8_sum(
+                mine, opts.fmt, self.group, opts.sum_order, self._local_scales())
+            self._count_saturation(saturated)
+            return means, sent, [local]
+        means, sent, *local = all_reduce_mean(mine, opts.fmt, opts.block, self.group,
+                                              opts.stochastic, self.rounding_seed(),
+                                              return_local=opts.error_feedback, timer=self.timer)
+        return means, sent, local or None       # no extra decode without error feedback
+
+    def _simulate(self, coords):
+        """The collective's simulator for every worker's tensors (coords[i]: worker i's).
+        Returns (means in coordinates, bytes per rank, each worker's local round trip or None)."""
+        opts = self.opts
+        if opts.collective == "fp8-sum":
+            means, sent, local, saturated = simulate_fp8_sum(
+                coords, opts.fmt, opts.sum_order, self._local_scales())
+            self._count_saturation(saturated)
+            return means, sent, local
+        means, sent, *local = simulate_mean(coords, opts.fmt, opts.block, opts.stochastic,
+                                            self.rounding_seed(), return_local=opts.error_feedback)
+        return means, sent, local[0] if local else None
 
     def advance(self, means, worker_grads, across_ranks, rows=None, moments=None):
         """Count a finished step; on refresh steps update the geometry. `means` maps names to
@@ -1730,9 +1741,7 @@ class GeoFP8Communicator:
             return
         mine = self._checksum()
         device = mine.device
-        both = torch.stack([mine, -mine])
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
-        if (both == torch.stack([mine, -mine])).all().item():     # max = min = mine: agreed
+        if same_on_every_rank(mine, self.group):
             return
         print(f"compress.py: warning: GeoFP8 geometry differs across ranks at step {self.step}; "
               "using rank 0's", flush=True)
@@ -1746,33 +1755,6 @@ class GeoFP8Communicator:
             layer.load_flags(flags.tolist())
 
     # -- reporting and checkpoints -------------------------------------------------------------
-
-    def state_bytes(self):
-        """Memory held for geometry (reflectors, energies, moments, factors; dense bases in
-        ablations), in bytes."""
-        total = 0
-        for layer in self.layers.values():
-            tensors = layer.tensors() if layer.ready else []
-            tensors += [t for t in layer.transform if isinstance(t, torch.Tensor)]
-            total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
-        return total
-
-    def table(self, names=None):
-        """Per-layer table: shape, rank, coordinates in use, last measured gain, core energy."""
-        lines = [f"{'tensor':40s} {'shape':>12s} {'r':>4s} {'coords':>10s} {'gain':>6s} {'energy':>6s}"]
-        for n in names or self.names:
-            shape = "x".join(map(str, self.shapes[n]))
-            if n in self.layers:
-                l = self.layers[n]
-                coords = self.coords(n)
-                if coords == "geo" and l.sides != "both":
-                    coords += "/" + l.sides
-                lines.append(f"{n:40s} {shape:>12s} {l.geo_rank:4d} {coords:>10s} "
-                             f"{l.gain:6.2f} {float(l.energy):6.2f}")
-            else:
-                lines.append(f"{n:40s} {shape:>12s} {'-':>4s} {'euclidean':>10s} "
-                             f"{'(' + self.reasons[n] + ')':>13s}")
-        return "\n".join(lines)
 
     def state_dict(self):
         layers = {n: l.state_dict() for n, l in self.layers.items() if l.ready}
@@ -1793,6 +1775,14 @@ class GeoFP8Communicator:
         self.chosen = set(state.get("chosen", self.chosen))
         for n, layer_state in state["layers"].items():
             self.layers[n].load_state_dict(layer_state)
+
+
+def same_on_every_rank(value, group=None):
+    """True on every rank iff the device scalar `value` is the same on every rank: one
+    all-reduce MAX of (value, -value), whose result is (value, -value) only if max = min."""
+    both = torch.stack([value, -value])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    return bool((both == torch.stack([value, -value])).all())
 
 
 def all_finite(tensors):

@@ -410,7 +410,7 @@ def train(cfg):
         if done % cfg.eval_interval == 0 or done == cfg.max_iters:
             val_loss = evaluate(model, data, cfg, my_ranks, world_size, autocast, device)
             if cfg.comm in ("geofp8", "subspace") and done > cfg.geo_warmup:
-                log.print(f"GeoFP8 layers at step {done}:\n{communicator.table()}")
+                log.print(f"GeoFP8 layers at step {done}:\n{summary.layer_table(communicator)}")
         if done % cfg.log_interval == 0 or done == cfg.max_iters:
             log.step(done, train_loss, val_loss, lr, grad_norm, dt, wire_bytes)
         if cfg.eval_every and done % cfg.eval_every == 0:

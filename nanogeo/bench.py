@@ -34,6 +34,7 @@ codec: the two-stage collective's codec work on one rank, per DDP bucket (25 MB,
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -57,20 +58,17 @@ class StageTimer:
     def __init__(self):
         self.seconds = {}
 
+    @contextlib.contextmanager
     def stage(self, name):
-        timer = self
-
-        class _Stage:
-            def __enter__(self):
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                self.t0 = time.perf_counter()
-
-            def __exit__(self, *exc):
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                timer.seconds[name] = timer.seconds.get(name, 0.0) + time.perf_counter() - self.t0
-        return _Stage()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
 
 
 def bucket_shapes(million_elements, width=1024):

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 import compress
-from nanogeo import hooks
+from nanogeo import hooks, summary
 
 
 def check_candidates(names, module):
@@ -206,7 +206,7 @@ class GeoFP8HookState:
 
     def table(self):
         """Each parameter once, as the communicator holding it now reports it."""
-        return "\n".join(c.table(names) for c, names in self._owned() if names)
+        return "\n".join(summary.layer_table(c, names) for c, names in self._owned() if names)
 
 
 def geofp8_hook(state: GeoFP8HookState,

@@ -62,7 +62,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 import compress
-from nanogeo import hooks
+from nanogeo import hooks, summary
 from nanogeo.ddp import check_candidates
 
 CHECKED_TORCH = (2, 9)      # FSDP2's custom reduce-scatter and the internals below: 2.9 .. 2.13
@@ -257,7 +257,7 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
         return dict(zip(names, G))
 
     def table(self):
-        return self.comm.table()
+        return summary.layer_table(self.comm)
 
 
 def use_geofp8(model, linear=None, **options):

@@ -10,6 +10,7 @@ import os
 import torch
 import torch.distributed as dist
 
+import compress
 from nanogeo.config import ConfigError
 
 
@@ -39,7 +40,7 @@ def parameter_checksum(params):
 def gradients_finite(grads, world_size):
     """True on every rank iff no rank has a NaN/inf gradient: one 1-element all-reduce and one
     transfer to the host (the flags of all tensors are combined on the device)."""
-    bad = torch.stack([~torch.isfinite(g).all() for g in grads]).any().float().reshape(1)
+    bad = (~compress.all_finite(grads)).float().reshape(1)
     if world_size > 1:
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     return bad.item() == 0
@@ -50,14 +51,12 @@ class RankMismatch(RuntimeError):
 
 
 def check_ranks_agree(params, step, device):
-    """All ranks must hold bitwise-identical parameters. One all-reduce of a checksum (MAX of
-    c and of -c: equal on every rank iff every rank's c is the same) checks it."""
+    """All ranks must hold bitwise-identical parameters: one all-reduce of a checksum checks it
+    (compress.same_on_every_rank)."""
     checksum = torch.zeros((), dtype=torch.float64, device=device)
     for i, p in enumerate(params):
         checksum += p.detach().double().sum() * (1 + (i % 7) / 7)
-    both = torch.stack([checksum, -checksum])
-    dist.all_reduce(both, op=dist.ReduceOp.MAX)
-    if both[0].item() != checksum.item() or -both[1].item() != checksum.item():
+    if not compress.same_on_every_rank(checksum):
         raise RankMismatch(f"parameters differ across ranks at step {step}; a rank diverged "
                            "(nondeterministic kernel, bad hardware or a code change on one node): "
                            "restart from the last checkpoint")

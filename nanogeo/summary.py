@@ -1,5 +1,7 @@
 """
-What a compressed run's communication did, measured on the run's own last step: the error of
+What a compressed run's communication did: the per-layer table (layer_table: each candidate's
+coordinates, measured gain and core energy; every other tensor with the reason it stays
+Euclidean), the memory its geometry holds, and, measured on the run's own last step, the error of
 the averaged gradient its communicator delivered, against the exact fp32 mean of the same
 gradients, next to Euclidean FP8 through the same collective (a stateless twin fed the same
 gradients). train.py prints it at the end of every run with --comm=fp8/geofp8/subspace, after
@@ -17,6 +19,35 @@ import torch
 import torch.distributed as dist
 
 import compress
+
+
+def layer_table(communicator, names=None):
+    """Per-layer table: shape, rank, coordinates in use, last measured gain, core energy."""
+    lines = [f"{'tensor':40s} {'shape':>12s} {'r':>4s} {'coords':>10s} {'gain':>6s} {'energy':>6s}"]
+    for n in names or communicator.names:
+        shape = "x".join(map(str, communicator.shapes[n]))
+        layer = communicator.layers.get(n)
+        if layer is None:
+            lines.append(f"{n:40s} {shape:>12s} {'-':>4s} {'euclidean':>10s} "
+                         f"{'(' + communicator.reasons[n] + ')':>13s}")
+            continue
+        coords = communicator.coords(n)
+        if coords == "geo" and layer.sides != "both":
+            coords += "/" + layer.sides
+        lines.append(f"{n:40s} {shape:>12s} {layer.rank:4d} {coords:>10s} "
+                     f"{layer.gain:6.2f} {float(layer.energy):6.2f}")
+    return "\n".join(lines)
+
+
+def geometry_state_bytes(communicator):
+    """Memory held for geometry (reflectors, energies, moments, factors; dense bases in
+    ablations), in bytes."""
+    total = 0
+    for layer in communicator.layers.values():
+        tensors = layer.tensors() if layer.ready else []
+        tensors += [t for t in layer.transform if isinstance(t, torch.Tensor)]
+        total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    return total
 
 
 def euclidean_twin(communicator):

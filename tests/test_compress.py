@@ -10,7 +10,7 @@ from compress import (GeoFP8Communicator, GeoOptions, HouseholderBasis, ShardLay
                       all_reduce_mean, decode_geo, dequantize, encode_geo, quantize,
                       simulate_mean, wire_nbytes)
 from conftest import run_ranks
-from nanogeo import ablations, kernels, nvfp4, packing
+from nanogeo import ablations, kernels, nvfp4, packing, summary
 
 GRANULARITIES = [128, 32, "row", "tensor"]
 
@@ -335,7 +335,7 @@ def test_exemptions():
                              for w in workers])
     for n in ("tok_embeddings.weight", "lm_head.weight", "proj", "norm.weight", "tiny.weight"):
         assert comm.coords(n) == "euclidean"
-    assert "vocabulary" in comm.table()
+    assert "vocabulary" in summary.layer_table(comm)
 
 
 def test_warmup_keeps_euclidean():
@@ -366,7 +366,7 @@ def test_geometry_state_is_small():
     comm = GeoFP8Communicator(shapes, GeoOptions(geometry="subspace", geo_rank=32))
     comm.reduce_workers([[torch.randn(1024, 4096) for _ in shapes] for _ in range(2)])
     params = sum(math.prod(s) for _, s in shapes) * 4
-    assert comm.state_bytes() <= 0.05 * params
+    assert summary.geometry_state_bytes(comm) <= 0.05 * params
 
 
 def communicator_rank(rank, world_size, out_path, options):
