@@ -75,10 +75,10 @@ Wire bytes per rank ~ 2 (W-1)/W N (1 + 4/block) versus 2 (W-1)/W N 2 for a bf16 
 
 Reading order: codecs (quantize/dequantize), the two collectives, the rotation, the whitening,
 geometry estimation, the optimizer's view of an error, and the communicator that train.py calls
-once per step. This file is the reference; production forms with the same numbers live in
-nanogeo/: the packed collective (one codec call per bucket and stage), torch.compile of the
-functions marked "hot path" (nanogeo/kernels.py, train.py --compile), NVFP4, stochastic
-rounding, FSDP's row-sharded forms, the ablation-only factors and bases.
+once per step. This file is the reference. nanogeo/ holds production forms with the same
+numbers - the packed collective (one codec call per bucket and stage), torch.compile of the
+functions marked "hot path" (nanogeo/kernels.py, train.py --compile), FSDP's row-sharded forms -
+and what this file only names: NVFP4, stochastic rounding, the ablation-only factors and bases.
 """
 
 import contextlib
@@ -103,13 +103,14 @@ FP8_FORMATS = {  # name -> (torch dtype, largest finite value)
 FP8_MAX = {dtype: fmax for dtype, fmax in FP8_FORMATS.values()}
 FORMATS = ("e4m3", "e5m2", "nvfp4")
 NVFP4_BLOCK = 16        # NVFP4 always scales blocks of 16 values; `block` does not apply to it
-# Production forms of some parts live in nanogeo/, imported on first use (nanogeo imports this
-# file; this file imports nanogeo only here, lazily): NVFP4's arithmetic (a module with
-# quantize(x, stochastic, generator) -> Quantized, dequantize(q) and wire_nbytes(shape); this file
-# knows only its fixed block of 16 and that it is not an FP8 format), stochastic rounding, the
-# packed form of the two-stage collective, and the ablation-only whitening factors and bases.
+# Parts that live in nanogeo/, imported on first use (nanogeo imports this file; this file
+# imports nanogeo only here, lazily): NVFP4's arithmetic (a module with quantize(x, stochastic,
+# generator) -> Quantized, dequantize(q) and wire_nbytes(shape); this file knows only its fixed
+# block of 16 and that it is not an FP8 format - a format name in OTHER_CODECS is its key here),
+# stochastic rounding, the packed form of the two-stage collective, and the ablation-only
+# whitening factors and bases.
 ELSEWHERE = {"nvfp4": "nanogeo.nvfp4", "rounding": "nanogeo.rounding",
-             "packed": "nanogeo.packing", "ablations": "nanogeo.ablations"}
+             "packing": "nanogeo.packing", "ablations": "nanogeo.ablations"}
 OTHER_CODECS = ("nvfp4",)     # 4-bit e2m1 values, e4m3 scales per 16 values
 FP32_MAX = torch.finfo(torch.float32).max
 
@@ -281,7 +282,7 @@ class ShardLayout:
         self.block = block
         self.pieces = self._cut(block) if pieces is None else pieces
         packable = packed and fmt not in OTHER_CODECS and isinstance(block, int)
-        self.packing = elsewhere("packed").Packing(self) if packable else None
+        self.packing = elsewhere("packing").Packing(self) if packable else None
         self.nbytes = [sum(map(self.piece_nbytes, pieces)) for pieces in self.pieces]
 
     def _cut(self, block):
@@ -808,10 +809,8 @@ def whitening_factor(A, kind="lowrank", rank=32, block=64, damping=1e-3, floor=1
     dtype = A.dtype
     A = (A.double() + A.double().T) / 2
     if kind != "lowrank":
-        dense = elsewhere("ablations").whitening_factor(A, kind, min(rank, A.shape[0]), block,
-                                                        damping, floor)
-        return load_factor({"kind": dense.kind, "size": dense.size,
-                            **{k: v.to(dtype) for k, v in dense.tensors().items()}})
+        return elsewhere("ablations").whitening_factor(A, kind, min(rank, A.shape[0]), block,
+                                                       damping, floor, dtype)
     U, lam, rest = top_eigenpairs(A, min(rank, A.shape[0]), floor)
     D = rest + damping
     K = U * lam.sqrt() / D.sqrt()[:, None]                             # D^-1/2 U L^1/2
@@ -1167,7 +1166,7 @@ class SubspaceLayer:
     encode / decode map a gradient to coordinates and back; refresh updates the bases from a
     decoded mean gradient (identical on every rank); state_dict / load_state_dict for resume."""
     shape: tuple
-    geo_rank: int                       # r: dominant directions kept per side
+    r: int                              # dominant directions kept per side (geo_rank, capped)
     seed: int
     opts: object = field(repr=False)    # the GeoOptions (basis, full, decay, iters)
     left_basis: HouseholderBasis = None   # P, completed from the (m, r) dominant left subspace
@@ -1186,11 +1185,6 @@ class SubspaceLayer:
     @property
     def ready(self):
         return self.left_basis is not None
-
-    @property
-    def rank(self):
-        """r of its low-rank approximation: the dominant directions kept per side."""
-        return self.geo_rank
 
     def encode(self, g, transform=None):
         transform = transform or self.transform
@@ -1229,7 +1223,7 @@ class SubspaceLayer:
         """New bases from the decoded mean (this rank's rows of it under FSDP)."""
         if self.left_basis is None:
             U, V, self.left_energy, self.right_energy = initial_subspaces(
-                mean, self.geo_rank, self.seed, rows=rows)
+                mean, self.r, self.seed, rows=rows)
         else:
             U, V, self.left_energy, self.right_energy = update_subspaces(
                 mean, self.left_basis.columns(), self.right_basis.columns(),
@@ -1244,7 +1238,7 @@ class SubspaceLayer:
 
     def tensors(self):
         return [self.left_basis.Y, self.left_basis.T, self.right_basis.Y, self.right_basis.T,
-                self.left_energy, self.right_energy]
+                self.left_energy, self.right_energy, *(self.exact or ())]
 
     def flags(self):
         """The decisions as numbers: (use_geo, only the right side rotates, gain)."""
@@ -1269,6 +1263,9 @@ class SubspaceLayer:
         self.right_basis = HouseholderBasis(s["right_Y"], s["right_T"])
         self.left_energy, self.right_energy = s["left_energy"], s["right_energy"]
         self.energy, self.exact = s["energy"], s.get("exact")
+        if self.opts.full and self.exact is None:
+            raise ValueError("this communicator state has no exact bases (saved before full=True "
+                             "kept them); start the full=True ablation afresh")
         self.rotate_sides(s.get("sides", self.sides))
 
 
@@ -1292,7 +1289,7 @@ class WhitenedLayer:
         return bool(self.factors)
 
     @property
-    def rank(self):
+    def r(self):
         """r of its low-rank approximation: the factor's eigenpairs (whiten_rank)."""
         return self.opts.whiten_rank
 
@@ -1377,8 +1374,8 @@ class GeoFP8Communicator:
         self.skipped = 0        # geometry updates skipped for a non-finite mean
         self.saturation = None  # fp8-sum: running sum of each tensor's saturated fraction
         self.saturation_steps = 0
-        self.across_ranks = False   # the step in progress: over the process group (advance())
-        self.rows = {}              # ... and its FSDP row blocks, by name (nanogeo.fsdp)
+        self.across_ranks = False   # the latest step ran over the process group (set by
+        self.rows = {}              # reduce / reduce_workers / advance), and its FSDP row blocks
 
     def _subspace_layer(self, name, shape):
         r = min(shape) if self.opts.full else min(self.opts.geo_rank, min(shape) // 2)
@@ -1492,9 +1489,6 @@ class GeoFP8Communicator:
         """Average grads (a list matching the names) across the group, in place. Returns bytes sent."""
         self.across_ranks = dist.is_initialized()
         rank = dist.get_rank(self.group) if self.across_ranks else 0
-        if moments is not None and self.across_ranks:
-            moments = average_moments(moments, {n: self.shapes[n] for n in self.moment_layers()},
-                                      self.whitened_sides(), self._sum_over_ranks, grads[0].device)
         means, sent = self._step({rank: grads}, self._exchange, moments)
         for g, m in zip(grads, means):
             g.copy_(m)
@@ -1525,6 +1519,10 @@ class GeoFP8Communicator:
                 self._keep_residual(w, c, l, finite)
         with self.timer.stage("rotate"):
             means = [self.from_coords(n, h) for n, h in zip(self.names, mean_coords)]
+        if moments is not None and self.across_ranks:   # this rank's statistics -> the ranks' mean
+            moments = average_moments(moments, {n: self.shapes[n] for n in self.moment_layers()},
+                                      self.whitened_sides(), self._sum_over_ranks,
+                                      mean_coords[0].device)
         self.advance(dict(zip(self.names, means)), [g for g, _ in prepared.values()],
                      self.across_ranks, moments=moments)
         return means, sent
@@ -1556,7 +1554,7 @@ class GeoFP8Communicator:
                                             self.rounding_seed(), return_local=opts.error_feedback)
         return means, sent, local[0] if local else None
 
-    def advance(self, means, worker_grads, across_ranks, rows=None, moments=None):
+    def advance(self, means, worker_grads, across_ranks=False, rows=None, moments=None):
         """Count a finished step; on refresh steps update the geometry. `means` maps names to
         decoded mean gradients - under FSDP only this rank's block of rows, described by
         rows[name] (nanogeo.fsdp.RowBlocks; whole tensors otherwise). `worker_grads`: the

@@ -75,8 +75,15 @@ class DenseFactor:
                                                     for k, v in self.tensors().items()})
 
 
-def whitening_factor(A, kind, rank, block, damping, floor):
-    """compress.whitening_factor for the dense kinds; A symmetric float64 (d, d)."""
+def whitening_factor(A, kind, rank, block, damping, floor, dtype):
+    """compress.whitening_factor for the dense kinds: A symmetric float64 (d, d), the factor
+    returned in `dtype`."""
+    factor = dense_factor(A, kind, rank, block, damping, floor)
+    return DenseFactor(factor.kind, factor.size,
+                       **{k: v.to(dtype) for k, v in factor.tensors().items()})
+
+
+def dense_factor(A, kind, rank, block, damping, floor):
     d = A.shape[0]
     eye = torch.eye(d, dtype=A.dtype, device=A.device)
     if kind == "full":

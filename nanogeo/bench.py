@@ -261,7 +261,7 @@ def fsdp_fidelity(checkpoint, steps, last, geo_rank, sides="auto", data_dir="dat
     # the decode's all-reduces carry r x n fp32 numbers per matrix whose rows are rotated, twice
     # (ring), against ~m x n FP8 bytes of its reduce-scatter: about 8 r / m of that matrix's
     # bytes, whatever W
-    rotated = [(l.geo_rank, l.shape) for c in comms["subspace"] for n, l in c.comm.layers.items()
+    rotated = [(l.r, l.shape) for c in comms["subspace"] for n, l in c.comm.layers.items()
                if c.comm.is_geo(n) and l.transform[0] is not None]
     out["geometry_bytes_predicted"] = sum(8 * r / m for r, (m, n) in rotated) / max(1, len(rotated))
     out["geometry_bytes_vs_rotated_matrices"] = (

@@ -251,7 +251,7 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
                                for n, l in zip(names, layers)])
         G = decode_geo_rows([(h, *l.transform, blocks[n]) for h, n, l in zip(H, names, layers)])
         for l in layers:  # the two small all-reduces' bytes (ring estimate), for logging
-            small = (l.geo_rank * l.shape[1] if l.transform[0] is not None else 0) + \
+            small = (l.r * l.shape[1] if l.transform[0] is not None else 0) + \
                 (2 * l.swaps[0].numel() if l.swaps_for(l.transform) is not None else 0)
             self.geometry_bytes += compress.ring_allreduce_bytes(small, 4, world)
         return dict(zip(names, G))

@@ -14,7 +14,6 @@ of shapes (its buckets' pieces), all in its first steps.
 import importlib
 
 import torch
-import torch._dynamo
 
 HOT_PATH = {   # module -> its hot-path functions
     "compress": ("fp8_encode", "fp8_decode", "reflect"),
@@ -22,7 +21,7 @@ HOT_PATH = {   # module -> its hot-path functions
 }
 CASTS_FLOAT8 = {"fp8_encode", "fp8_decode", "fp8_decode_groups"}
 EAGER = {}                  # (module, name) -> the plain function, while compiled
-COMPILED = {}               # (module, name) -> its compiled version, made once
+COMPILED = {}               # plain function -> its compiled version, made once
 state = {"float8_eager": False}   # a GPU whose Triton cannot cast to float8 (below sm_89)
 
 
@@ -34,23 +33,24 @@ def compile_hot_path(enabled=True):
     if not enabled:
         return
     if state["float8_eager"]:
-        print("compress.py: this GPU (below sm_89) has no float8 casts in Triton: the FP8 codec "
+        print("nanogeo.kernels: this GPU (below sm_89) has no float8 casts in Triton: the FP8 codec "
               "runs eagerly, the transforms compiled", flush=True)
+    import torch._dynamo as dynamo   # imported only when compiling (about a second)
     # one compile per distinct shape: allow for the dozens of a real model's pieces
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 64)
     for module_name, names in HOT_PATH.items():
         module = importlib.import_module(module_name)
         for name in names:
             if state["float8_eager"] and name in CASTS_FLOAT8:
                 continue
-            key = module_name, name
-            EAGER[key] = getattr(module, name)
-            if key not in COMPILED:
-                COMPILED[key] = torch.compile(EAGER[key], dynamic=False)
-            setattr(module, name, COMPILED[key])
+            plain = EAGER[module_name, name] = getattr(module, name)
+            if plain not in COMPILED:
+                COMPILED[plain] = torch.compile(plain, dynamic=False)
+            setattr(module, name, COMPILED[plain])
 
 
 def restore_eager():
+    """Put the plain functions back."""
     for (module_name, name), fn in EAGER.items():
         setattr(importlib.import_module(module_name), name, fn)
     EAGER.clear()

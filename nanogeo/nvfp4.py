@@ -20,9 +20,9 @@ E4M3_MAX = 448.0
 
 
 def wire_nbytes(shape):
-    """fp32 tensor scale + one e4m3 scale per 16 values + two values per byte (a non-empty
-    shape: compress.wire_nbytes answers 0 for an empty one)."""
-    return 4 + num_groups(shape, NVFP4_BLOCK) + (math.prod(shape) + 1) // 2
+    """fp32 tensor scale + one e4m3 scale per 16 values + two values per byte; 0 if empty."""
+    numel = math.prod(shape)
+    return 4 + num_groups(shape, NVFP4_BLOCK) + (numel + 1) // 2 if numel else 0
 
 
 def round_to_e2m1(y, stochastic=False, generator=None):

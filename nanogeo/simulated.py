@@ -10,15 +10,15 @@ import compress
 
 
 @torch.no_grad()
-def reduce_gradients(params, worker_grads, comm, communicator, worker_moments=None):
-    """--simulate_workers: set each param's .grad to the mean of the W simulated ranks'
-    gradients (worker_grads[i]: rank i's, in params order), through exactly the numerics of the
-    collective a W-rank run uses: the same sum in the wire's dtype for fp32 / bf16 (equal, bit
-    for bit, to a 2-rank gloo run), the collective's simulator for the compressed methods.
-    Returns the bytes each rank would send."""
+def reduce_gradients(params, worker_grads, method, communicator, worker_moments=None):
+    """train.reduce_gradients for W simulated ranks (method: --comm): set each param's .grad
+    to the mean of their gradients (worker_grads[i]: rank i's, in params order), through exactly
+    the numerics of the collective a W-rank run uses: the same sum in the wire's dtype for fp32 /
+    bf16 (equal, bit for bit, to a 2-rank gloo run), the collective's simulator for the
+    compressed methods. Returns the bytes each rank would send."""
     world = len(worker_grads)
-    if comm in ("fp32", "bf16"):
-        dtype = torch.float32 if comm == "fp32" else torch.bfloat16
+    if method in ("fp32", "bf16"):
+        dtype = torch.float32 if method == "fp32" else torch.bfloat16
         means = []
         for grads in zip(*worker_grads):
             total = grads[0].to(dtype)

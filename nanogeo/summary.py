@@ -34,7 +34,7 @@ def layer_table(communicator, names=None):
         coords = communicator.coords(n)
         if coords == "geo" and layer.sides != "both":
             coords += "/" + layer.sides
-        lines.append(f"{n:40s} {shape:>12s} {layer.rank:4d} {coords:>10s} "
+        lines.append(f"{n:40s} {shape:>12s} {layer.r:4d} {coords:>10s} "
                      f"{layer.gain:6.2f} {float(layer.energy):6.2f}")
     return "\n".join(lines)
 
@@ -42,12 +42,12 @@ def layer_table(communicator, names=None):
 def geometry_state_bytes(communicator):
     """Memory held for geometry (reflectors, energies, moments, factors; dense bases in
     ablations), in bytes."""
-    total = 0
+    held = {}                                   # id -> tensor: each counted once
     for layer in communicator.layers.values():
         tensors = layer.tensors() if layer.ready else []
         tensors += [t for t in layer.transform if isinstance(t, torch.Tensor)]
-        total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
-    return total
+        held.update((id(t), t) for t in tensors if t is not None)
+    return sum(t.numel() * t.element_size() for t in held.values())
 
 
 def euclidean_twin(communicator):

@@ -466,6 +466,25 @@ def test_geometry_on_row_blocks_matches_whole_matrix(tmp_path):
         assert torch.equal(w, s)                            # every rank: the same bases
 
 
+def test_hot_path_list_matches_the_marked_functions():
+    """nanogeo.kernels.HOT_PATH names exactly the functions marked "# hot path" in their
+    modules, and compile_hot_path swaps each of them (and puts the plain one back)."""
+    import importlib
+    import inspect
+    for module_name, names in kernels.HOT_PATH.items():
+        module = importlib.import_module(module_name)
+        marked = {line.split("(")[0][4:] for line in inspect.getsource(module).splitlines()
+                  if line.startswith("def ") and "# hot path" in line}
+        assert marked == set(names), module_name
+        plain = {n: getattr(module, n) for n in names}
+        kernels.compile_hot_path(True)
+        try:
+            assert all(getattr(module, n) is not plain[n] for n in names)
+        finally:
+            kernels.compile_hot_path(False)
+        assert all(getattr(module, n) is plain[n] for n in names)
+
+
 def test_compiled_hot_path_equals_eager():
     """compile_hot_path(): torch.compile(dynamic=False) of the codec and the Householder
     transform gives the same bytes and values as eager, including partial last blocks."""

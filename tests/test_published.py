@@ -1,5 +1,4 @@
 """The published GeoFP8: K-FAC whitening, the FP8-sum collective, fragility selection."""
-import math
 
 import pytest
 import torch

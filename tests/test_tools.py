@@ -5,7 +5,6 @@ import math
 import torch
 import torch.distributed as dist
 
-import train
 from conftest import run_ranks
 from nanogeo import ablate, bench, capture
 

@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import compress
 import train
 from conftest import ROOT, run_ranks
 from model import Llama, ModelConfig
