@@ -331,9 +331,6 @@ def train(cfg):
     my_ranks = data_parallel_ranks(cfg, rank, world_size)
     data_parallel = len(my_ranks) * world_size
     torch.manual_seed(cfg.seed)  # same seed on every rank: identical initial parameters
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restarts and os.path.exists(checkpoint.ckpt_path(cfg)):
         cfg = dataclasses.replace(cfg, resume=True)     # torchrun --max-restarts brought us back
