@@ -114,41 +114,11 @@ class TrainConfig:
     check_every: int = 100            # all-rank parameter checksum every N steps (0 = never)
 
 
-# Per-preset defaults for the training loop (the model shapes live in model.PRESETS).
-TRAIN_PRESETS = {
-    "cpu-tiny": dict(batch_size=8, block_size=128, learning_rate=3e-3, max_iters=200,
-                     warmup_iters=20),
-    # many simulated ranks on one CPU: train.py --preset=char-study --simulate_workers=32
-    "char-study": dict(data_dir="data/shakespeare_char", batch_size=4, block_size=64,
-                       learning_rate=3e-3, min_lr=3e-4, max_iters=2000, warmup_iters=100,
-                       eval_interval=250, eval_iters=4, log_interval=50),
-    "llama-300m": dict(batch_size=4, block_size=2048, grad_accum=2, learning_rate=1.5e-3,
-                       min_lr=1.5e-4, max_iters=20000, warmup_iters=1000, eval_interval=500,
-                       eval_iters=20, ckpt_interval=1000),
-    "llama-600m": dict(batch_size=4, block_size=2048, grad_accum=2, learning_rate=1e-3,
-                       min_lr=1e-4, max_iters=20000, warmup_iters=1000, eval_interval=500,
-                       eval_iters=20, ckpt_interval=1000),
-    # the paper's recipe: Muon (lr 5e-4 -> 5e-5, momentum 0.9, 5 Newton-Schulz steps, weight
-    # decay 0.1) with AdamW (0.9, 0.95) on embeddings and gains, clip 1.0; 16K tokens per rank-step
-    "paper-300m": dict(batch_size=2, block_size=4096, grad_accum=2, optimizer="muon",
-                       learning_rate=5e-4, min_lr=5e-5, max_iters=20000, warmup_iters=1000,
-                       eval_interval=500, eval_iters=20, ckpt_interval=1000),
-    "paper-600m": dict(batch_size=4, block_size=2048, grad_accum=2, optimizer="muon",
-                       learning_rate=5e-4, min_lr=5e-5, max_iters=20000, warmup_iters=1000,
-                       eval_interval=500, eval_iters=20, ckpt_interval=1000),
-}
-
-CHOICES = {"comm": ("fp32", "bf16", "fp8", "geofp8", "subspace"),
-           "device": ("auto", "cpu", "cuda"), "fmt": compress.FORMATS,
-           "collective": compress.COLLECTIVES, "sum_order": compress.SUM_ORDERS,
-           "whiten_factor": compress.WHITEN_FACTORS, "whiten_sides": compress.WHITEN_SIDES,
-           "geo_judge": compress.JUDGES, "preset": tuple(model_lib.PRESETS),
-           "optimizer": ("adamw", "muon"), "muon_adjust_lr": ("original", "match_rms_adamw")}
-
-
 def parse_config(argv):
-    """train.py's flags -> TrainConfig (nanogeo/config.py: --key=value or --key value)."""
-    return config.parse_config(argv, TrainConfig, TRAIN_PRESETS, CHOICES, __doc__)
+    """train.py's flags -> TrainConfig (nanogeo/config.py: --key=value or --key value; each
+    --preset's defaults for the loop are config.TRAIN_PRESETS, its model model.PRESETS)."""
+    return config.parse_config(argv, TrainConfig, config.TRAIN_PRESETS, config.TRAIN_CHOICES,
+                               __doc__)
 
 
 # -----------------------------------------------------------------------------
