@@ -9,7 +9,7 @@ Two geometries live here side by side, behind one communicator:
   * this project's variant, the two-sided subspace rotation (section 3), described first below;
 
 and two collectives: this project's two-stage FP8 collective (section 2) and the paper's one
-all_reduce SUM of FP8 codes with one scale per tensor (section 2b).
+all_reduce SUM of FP8 codes with one scale per tensor (nanogeo/fp8sum.py).
 
 The problem
 -----------
@@ -73,12 +73,15 @@ The two-stage collective (this project's default, for every geometry)
 Wire bytes per rank ~ 2 (W-1)/W N (1 + 4/block) versus 2 (W-1)/W N 2 for a bf16 ring all-reduce:
 ~0.516x at block 128. `simulate_mean` runs exactly the same numerics in one process.
 
-Reading order: codecs (quantize/dequantize), the two collectives, the rotation, the whitening,
-geometry estimation, the optimizer's view of an error, and the communicator that train.py calls
-once per step. This file is the reference. nanogeo/ holds production forms with the same
-numbers - the packed collective (one codec call per bucket and stage), torch.compile of the
-functions marked "hot path" (nanogeo/kernels.py, train.py --compile), FSDP's row-sharded forms -
-and what this file only names: NVFP4, stochastic rounding, the ablation-only factors and bases.
+Reading order: the codec (quantize/dequantize), the two-stage collective, the rotation, the
+whitening, geometry estimation, the optimizer's view of an error, and the communicator that
+train.py calls once per step. This file is the reference. nanogeo/ holds production forms with
+the same numbers - the packed collective (one codec call per bucket and stage), torch.compile
+of the functions marked "hot path" (nanogeo/kernels.py, train.py --compile), FSDP's
+row-sharded forms - and the parts this file only names and calls (the ELSEWHERE table): the
+paper's FP8-sum collective, the error AdamW and Muon see, the averaging of the K-FAC
+statistics over the ranks, the check that every rank holds the same geometry, NVFP4,
+stochastic rounding, the ablation-only factors and bases.
 """
 
 import contextlib
@@ -103,14 +106,18 @@ FP8_FORMATS = {  # name -> (torch dtype, largest finite value)
 FP8_MAX = {dtype: fmax for dtype, fmax in FP8_FORMATS.values()}
 FORMATS = ("e4m3", "e5m2", "nvfp4")
 NVFP4_BLOCK = 16        # NVFP4 always scales blocks of 16 values; `block` does not apply to it
-# Parts that live in nanogeo/, imported on first use (nanogeo imports this file; this file
-# imports nanogeo only here, lazily): NVFP4's arithmetic (a module with quantize(x, stochastic,
-# generator) -> Quantized, dequantize(q) and wire_nbytes(shape); this file knows only its fixed
-# block of 16 and that it is not an FP8 format - a format name in OTHER_CODECS is its key here),
-# stochastic rounding, the packed form of the two-stage collective, and the ablation-only
-# whitening factors and bases.
-ELSEWHERE = {"nvfp4": "nanogeo.nvfp4", "rounding": "nanogeo.rounding",
-             "packing": "nanogeo.packing", "ablations": "nanogeo.ablations"}
+# Parts that live in nanogeo/, imported on first use by elsewhere(part) (nanogeo imports this
+# file; this file imports nanogeo only through this table):
+ELSEWHERE = {
+    "nvfp4": "nanogeo.nvfp4",                # NVFP4: quantize, dequantize, wire_nbytes
+    "rounding": "nanogeo.rounding",          # stochastic rounding
+    "packing": "nanogeo.packing",            # the two-stage collective, one call per bucket
+    "fp8-sum": "nanogeo.fp8sum",             # the paper's collective: NCCL sums FP8 codes
+    "update-error": "nanogeo.update_error",  # the error AdamW and Muon see (section 4b)
+    "moments": "nanogeo.hooks",              # K-FAC statistics, averaged over the ranks
+    "agreement": "nanogeo.agreement",        # every rank holds the same geometry
+    "ablations": "nanogeo.ablations",        # dense whitening factors and bases
+}
 OTHER_CODECS = ("nvfp4",)     # 4-bit e2m1 values, e4m3 scales per 16 values
 FP32_MAX = torch.finfo(torch.float32).max
 
@@ -417,6 +424,13 @@ def collective_bytes(layout, rank):
     return stage1 + (layout.world_size - 1) * max(layout.nbytes)
 
 
+def ring_allreduce_bytes(numel, bytes_per_element, world_size):
+    """Bytes each rank sends in a ring all-reduce: reduce-scatter + all-gather, each moving
+    (W - 1) / W of the buffer (bf16: 2 bytes an element; the paper's FP8-sum collective, 1 - its
+    scales' MAX all-reduce not counted)."""
+    return int(2 * (world_size - 1) * numel * bytes_per_element // world_size)
+
+
 class NoTimer:
     """Times nothing: the default stage timer (nanogeo.bench.StageTimer measures each stage;
     a plain class, so states pickle)."""
@@ -480,136 +494,6 @@ def simulate_mean(worker_tensors, fmt="e4m3", block=128, stochastic=False, seed=
     if return_local:
         return means, sent, [decode_shards(s, layout) for s in sends]
     return means, sent
-
-
-# =============================================================================
-# 2b. The paper's collective: one scale per tensor, one all_reduce SUM of FP8 codes
-# =============================================================================
-#
-# The published GeoFP8 sends each tensor with ONE e5m2 scale that is the same on every rank
-# (s = fmax / max over ranks of amax: one tiny all-reduce MAX), and sums the FP8 codes
-# themselves with NCCL's float8 all_reduce. NCCL adds two FP8 values by widening both to fp16,
-# adding, and rounding back to FP8 with saturation at the format's max - at every hop. So,
-# unlike the two-stage collective (which sums in fp32), the partial sums are re-rounded W - 1
-# times, and a sum that outgrows the format's max is clipped: the shared scale only guarantees
-# that ONE rank's values fit. Decode: sum / (s W). On GPU this is NCCL's own all_reduce; on CPU
-# (gloo) and in the simulator the same arithmetic is emulated hop by hop, so its error growth
-# with W can be measured on one machine. Wire bytes per rank: 2 (W-1)/W N, one byte an element.
-
-SUM_ORDERS = ("ring", "tree")
-
-
-def fp8_add(a, b, dtype):
-    """One hop of NCCL's FP8 sum on uint8 codes: widen to fp16, add in fp16, round back to FP8,
-    saturating at +-max (fp16 itself overflows to inf above 65504; that saturates too)."""
-    fmax = FP8_MAX[dtype]
-    total = a.view(dtype).half() + b.view(dtype).half()
-    return total.float().clamp(-fmax, fmax).to(dtype).view(torch.uint8)
-
-
-def fp8_sum(codes, dtype, order="ring"):
-    """Sum W ranks' FP8 codes as NCCL's all_reduce does: codes (W, N) uint8 -> (N,) uint8.
-
-    ring: the buffer is cut into W chunks; chunk c's partial sum starts at rank c+1 and travels
-      once around the ring (c+1, c+2, ..., c), each rank adding its own value: W - 1 roundings.
-    tree: a balanced binary tree in rank order, ((x0 + x1) + (x2 + x3)) + ...: log2 W roundings
-      per element - a model of the shallower orders NCCL prefers for FP8 where its topology
-      allows (not NCCL's exact tree)."""
-    world, n = codes.shape
-    if order == "ring":
-        chunk = torch.arange(n, device=codes.device) * world // n    # (N,) chunk of each element
-        def from_rank(hop):                                          # the value added at a hop
-            return codes.gather(0, ((chunk + hop) % world)[None])[0]
-        total = from_rank(1)
-        for hop in range(2, world + 1):
-            total = fp8_add(total, from_rank(hop), dtype)
-        return total
-    level = list(codes.unbind(0))
-    while len(level) > 1:
-        pairs = [fp8_add(level[i], level[i + 1], dtype) for i in range(0, len(level) - 1, 2)]
-        level = pairs + level[len(pairs) * 2:]
-    return level[0]
-
-
-def fp8_sum_encode(tensors, fmt, amax):
-    """Per-tensor codes (one flat uint8 buffer) and scales s = fmax / amax (amax: (T,) fp32)."""
-    dtype, fmax = FP8_FORMATS[fmt]
-    scales = torch.where(amax > 0, fmax / amax, torch.ones_like(amax)).clamp(max=FP32_MAX)
-    codes = [(t.float().reshape(-1) * s).clamp(-fmax, fmax).to(dtype).view(torch.uint8)
-             for t, s in zip(tensors, scales.unbind())]
-    return torch.cat(codes), scales
-
-
-def fp8_sum_decode(codes, tensors, scales, fmt, world=1):
-    """codes / (s W) per tensor, shaped like `tensors` (W = 1: a rank's own round trip)."""
-    dtype = FP8_FORMATS[fmt][0]
-    values = codes.view(dtype).float().split([t.numel() for t in tensors])
-    return [(v / (s * world)).view(t.shape) for v, s, t in zip(values, scales.unbind(), tensors)]
-
-
-def saturated_fraction(summed, tensors, fmt):
-    """(T,) each tensor's fraction of summed codes at +-max: the published fragility score."""
-    dtype, fmax = FP8_FORMATS[fmt]
-    values = summed.view(dtype).float().split([t.numel() for t in tensors])
-    return torch.stack([(v.abs() >= fmax).float().mean() for v in values])
-
-
-def ring_allreduce_bytes(numel, bytes_per_element, world_size):
-    """Bytes each rank sends in a ring all-reduce: reduce-scatter + all-gather, each moving
-    (W - 1) / W of the buffer. The FP8-sum collective sends one byte an element (its scales'
-    MAX all-reduce is not counted)."""
-    return int(2 * (world_size - 1) * numel * bytes_per_element // world_size)
-
-
-def all_reduce_fp8_sum(tensors, fmt="e5m2", group=None, order="ring", local_scales=False):
-    """The paper's collective: returns (means, bytes_sent, local, saturated).
-
-    local: this rank's own round trip (its codes decoded with its scale), for error feedback.
-    saturated: (T,) fraction of each tensor's summed codes at +-max (the fragility profile).
-    local_scales=True reproduces the published defect: every rank encodes with and decodes by
-    its OWN amax (no MAX all-reduce), so the ranks decode the same sum into different means."""
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
-    amax = torch.stack([t.detach().abs().amax().float() for t in tensors])     # (T,)
-    if world > 1 and not local_scales:
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-    codes, scales = fp8_sum_encode(tensors, fmt, amax)
-    dtype = FP8_FORMATS[fmt][0]
-    local = fp8_sum_decode(codes, tensors, scales, fmt)
-    if world == 1:
-        summed = codes
-    elif codes.is_cuda:   # NCCL's native float8 sum (fp16 adds, saturating), in its own order
-        summed = codes.view(dtype)
-        try:
-            dist.all_reduce(summed, group=group)
-        except RuntimeError as e:
-            raise RuntimeError("this torch/NCCL cannot all_reduce float8 tensors (needs NCCL >= "
-                               "2.24 and a GPU of compute capability >= 9.0); use the two-stage "
-                               f"collective (--collective=two-stage) instead: {e}") from None
-        summed = summed.view(torch.uint8)
-    else:                 # gloo has no float8 sum: gather every rank's codes, add them as NCCL would
-        gathered = codes.new_empty(world * codes.numel())
-        all_gather_flat(gathered, codes, group=group)
-        summed = fp8_sum(gathered.view(world, -1), dtype, order)
-    means = fp8_sum_decode(summed, tensors, scales, fmt, world)
-    sent = ring_allreduce_bytes(codes.numel(), 1, world)
-    return means, sent, local, saturated_fraction(summed, tensors, fmt)
-
-
-def simulate_fp8_sum(worker_tensors, fmt="e5m2", order="ring", local_scales=False):
-    """The numerics of all_reduce_fp8_sum for W workers in one process - exactly those of its
-    gloo emulation (NCCL adds in its own chunk order and algorithm). Returns (means
-    as worker 0 decodes them, bytes per rank, per-worker local round trips, saturated)."""
-    world = len(worker_tensors)
-    amaxes = [torch.stack([t.abs().amax().float() for t in ts]) for ts in worker_tensors]
-    shared = torch.stack(amaxes).amax(0)
-    encoded = [fp8_sum_encode(ts, fmt, a if local_scales else shared)
-               for ts, a in zip(worker_tensors, amaxes)]
-    dtype = FP8_FORMATS[fmt][0]
-    summed = fp8_sum(torch.stack([codes for codes, _ in encoded]), dtype, order)
-    means = fp8_sum_decode(summed, worker_tensors[0], encoded[0][1], fmt, world)
-    local = [fp8_sum_decode(codes, ts, scales, fmt) for (codes, scales), ts in zip(encoded, worker_tensors)]
-    return (means, ring_allreduce_bytes(encoded[0][0].numel(), 1, world), local,
-            saturated_fraction(summed, worker_tensors[0], fmt))
 
 
 # =============================================================================
@@ -931,97 +815,18 @@ def initial_subspaces(G, r, seed, iters=4, rows=ALL_ROWS):
 # coordinates over every element, including those. Muon orthogonalises the update, so what
 # matters is how an error moves the orthogonalised matrix. The per-layer decision (section 5)
 # therefore measures each codec's error through the optimizer that owns the layer, to first
-# order, from the optimizer's own state (identical on every rank under DDP).
+# order, from the optimizer's own state (identical on every rank under DDP): AdamW's elementwise
+# sensitivity and Muon's Newton-Schulz map, in nanogeo/update_error.py.
 
-@dataclass
-class OptimizerView:
-    """One parameter's optimizer as the gain check needs it: "adamw" or "muon", and functions
-    returning its param group's settings and its per-parameter state now (empty before the
-    first step). Read lazily: an optimizer.load_state_dict() after watch() is seen."""
-    kind: str
-    read_hyper: object
-    read_state: object
-
-    @property
-    def hyper(self):
-        return self.read_hyper()
-
-
-def newton_schulz(X, coefficients, steps, eps=1e-7):
-    """Muon's orthogonalisation (the quintic iteration of torch.optim.Muon) in fp32: the gain
-    check differences two calls, which bf16 rounding would drown."""
-    a, b, c = coefficients
-    wide = X.T if X.shape[0] > X.shape[1] else X
-    Y = wide / wide.norm().clamp(min=eps)
-    for _ in range(steps):
-        A = Y @ Y.T
-        Y = a * Y + (b * A + c * A @ A) @ Y
-    return Y.T if X.shape[0] > X.shape[1] else Y
-
-
-def local_tensor(t):
-    """A DTensor's local shard (FSDP2's sharded optimizer state), any other tensor as it is."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def adamw_sensitivity(view, g):
-    """d update / d g of AdamW's next step, element by element (its Jacobian is diagonal): with
-    m^ = (b1 m + (1 - b1) g) / c1, v^ = (b2 v + (1 - b2) g^2) / c2, s = sqrt(v^),
-        u = m^ / (s + eps),   du/dg = (1 - b1) / (c1 (s + eps)) - m^ (1 - b2) g / (c2 s (s + eps)^2).
-    The second term matters where the new gradient dominates v (quiet rows waking up)."""
-    state, (beta1, beta2), eps = view.read_state(), view.hyper["betas"], view.hyper["eps"]
-    step = torch.as_tensor(state.get("step", 0), dtype=torch.float64, device=g.device) + 1
-    c1, c2 = (1 - beta1 ** step).float(), (1 - beta2 ** step).float()   # no host sync
-    m, v = (local_tensor(state[k]).float() if k in state else torch.zeros_like(g)
-            for k in ("exp_avg", "exp_avg_sq"))
-    m_hat = (beta1 * m + (1 - beta1) * g) / c1
-    s = ((beta2 * v + (1 - beta2) * g * g) / c2).sqrt()
-    through_v = torch.where(s > 0, m_hat * (1 - beta2) * g / (c2 * s.clamp(min=1e-30) * (s + eps) ** 2),
-                            torch.zeros_like(s))
-    return (1 - beta1) / (c1 * (s + eps)) - through_v
-
-
-class UpdateError:
-    """Squared size of the change a gradient error makes to the next update of the optimizer
-    in `view`, to first order, when the decoded mean gradient is `mean` (both (m, n)):
-
-        none   ||delta||^2
-        adamw  ||J * delta||^2      J: AdamW's elementwise sensitivity (adamw_sensitivity)
-        muon   ||NS(X + c delta) - NS(X)||^2 / ...   X: the matrix Muon orthogonalises, c = dX/dg
-
-    Scalar factors common to every codec (learning rate, Muon's lr adjustment) are left out:
-    only ratios between codecs are used. `rows` (FSDP):
-    `mean` and the optimizer state hold only this rank's rows; the error is measured there
-    (Muon, which needs whole matrices, falls back to L2)."""
-
-    def __init__(self, view, mean, rows=None):
-        self.kind = view.kind if view is not None else "none"
-        self.rows = rows
-        if self.kind == "muon" and rows is not None:
-            self.kind = "none"
-        if self.kind == "adamw":
-            self.weight = adamw_sensitivity(view, mean.float())
-        elif self.kind == "muon":
-            state, hyper = view.read_state(), view.hyper
-            mu = hyper["momentum"]
-            buf = state.get("momentum_buffer")
-            buf = torch.zeros_like(mean, dtype=torch.float32) if buf is None else buf.float()
-            buf = buf.lerp(mean.float(), 1 - mu)                         # this step's buffer
-            self.X = mean.float().lerp(buf, mu) if hyper["nesterov"] else buf
-            self.c = (1 - mu) * (1 + mu) if hyper["nesterov"] else 1 - mu
-            self.ns = functools.partial(newton_schulz, coefficients=hyper["ns_coefficients"],
-                                        steps=hyper["ns_steps"], eps=hyper.get("eps", 1e-7))
-            self.base = self.ns(self.X)
-
-    def __call__(self, delta):
-        if self.rows is not None:
-            delta = self.rows.mine(delta)
-        if self.kind == "adamw":
-            return (delta * self.weight).pow(2).sum()
-        if self.kind == "muon":     # a directional derivative: a step small enough to be linear
-            eps = (1e-3 * self.X.norm()).clamp(min=1e-12) / (self.c * delta).norm().clamp(min=1e-30)
-            return (self.ns(self.X + eps * self.c * delta) - self.base).pow(2).sum() / eps ** 2
-        return delta.pow(2).sum()
+def error_measure(view, mean, rows=None):
+    """delta -> the squared size of a gradient error delta (m, n) as the next update sees it:
+    through the optimizer in `view` (nanogeo.update_error.UpdateError, at the decoded mean
+    `mean`), or in plain L2 without one (judge="l2", or no watch()). Under FSDP (rows) only this
+    rank's rows are measured; the caller sums over the ranks."""
+    if view is not None:
+        return elsewhere("update-error").UpdateError(view, mean, rows)
+    mine = (rows or ALL_ROWS).mine
+    return lambda delta: mine(delta).pow(2).sum()
 
 
 # =============================================================================
@@ -1041,6 +846,7 @@ class UpdateError:
 GEOMETRIES = ("whiten", "subspace", "euclidean")
 SELECTIONS = ("gain", "all", "list", "fragile")
 COLLECTIVES = ("two-stage", "fp8-sum")
+SUM_ORDERS = ("ring", "tree")      # fp8-sum: the order NCCL adds in (nanogeo/fp8sum.py)
 JUDGES = ("optimizer", "l2")
 
 
@@ -1500,7 +1306,7 @@ class GeoFP8Communicator:
         Returns (means, bytes sent per rank)."""
         self.across_ranks = False
         if isinstance(moments, list):
-            moments = average_worker_moments(
+            moments = elsewhere("moments").average_worker_moments(
                 moments, {n: self.shapes[n] for n in self.moment_layers()},
                 self.whitened_sides(), worker_grads[0][0].device)
         return self._step(dict(enumerate(worker_grads)), self._simulate, moments)
@@ -1520,9 +1326,9 @@ class GeoFP8Communicator:
         with self.timer.stage("rotate"):
             means = [self.from_coords(n, h) for n, h in zip(self.names, mean_coords)]
         if moments is not None and self.across_ranks:   # this rank's statistics -> the ranks' mean
-            moments = average_moments(moments, {n: self.shapes[n] for n in self.moment_layers()},
-                                      self.whitened_sides(), self._sum_over_ranks,
-                                      mean_coords[0].device)
+            moments = elsewhere("moments").average_moments(
+                moments, {n: self.shapes[n] for n in self.moment_layers()},
+                self.whitened_sides(), self._sum_over_ranks, mean_coords[0].device)
         self.advance(dict(zip(self.names, means)), [g for g, _ in prepared.values()],
                      self.across_ranks, moments=moments)
         return means, sent
@@ -1532,7 +1338,7 @@ class GeoFP8Communicator:
         Returns (means in coordinates, bytes sent, [its local round trip] or None)."""
         (mine,), opts = coords, self.opts
         if opts.collective == "fp8-sum":
-            means, sent, local, saturated = all_reduce_fp8_sum(
+            means, sent, local, saturated = elsewhere("fp8-sum").all_reduce_fp8_sum(
                 mine, opts.fmt, self.group, opts.sum_order, self._local_scales())
             self._count_saturation(saturated)
             return means, sent, [local]
@@ -1546,7 +1352,7 @@ class GeoFP8Communicator:
         Returns (means in coordinates, bytes per rank, each worker's local round trip or None)."""
         opts = self.opts
         if opts.collective == "fp8-sum":
-            means, sent, local, saturated = simulate_fp8_sum(
+            means, sent, local, saturated = elsewhere("fp8-sum").simulate_fp8_sum(
                 coords, opts.fmt, opts.sum_order, self._local_scales())
             self._count_saturation(saturated)
             return means, sent, local
@@ -1571,7 +1377,7 @@ class GeoFP8Communicator:
                 with self.timer.stage("geometry"):
                     refreshed = self._update_geometry(means, worker_grads, moments, whiten_now)
                 if across_ranks and refreshed:
-                    self._verify_bases()
+                    elsewhere("agreement").verify_geometry(self)
             else:
                 self.skipped += 1   # a non-finite mean (or statistic) must not reach the bases
         if self.opts.select == "fragile" and self.step == self.opts.warmup:
@@ -1621,7 +1427,7 @@ class GeoFP8Communicator:
         for n in names:
             layer = self.layers[n]
             view = self.views.get(n) if self.opts.judge == "optimizer" else None
-            seen = UpdateError(view, means[n], self.rows.get(n))
+            seen = error_measure(view, means[n], self.rows.get(n))
             for grads in worker_grads:
                 g = grads[self.index[n]].float()
                 errors.append(seen(self._round_trip(g) - g))
@@ -1718,40 +1524,6 @@ class GeoFP8Communicator:
                 if n not in fresh:
                     self.layers[n].refresh(means[n], rows.get(n, ALL_ROWS))
 
-    def _checksum(self):
-        """One number (on the device) that changes with any bit of the geometry in use."""
-        terms = []
-        for i, layer in enumerate(self.layers.values()):
-            if layer.ready:
-                tensors = layer.tensors()
-                terms += [t.double().sum() * (i + k + 1) for k, t in enumerate(tensors)]
-                use_geo, right_only, _ = layer.flags()
-                terms.append(tensors[0].new_tensor(0.5 * use_geo + 0.25 * right_only,
-                                                   dtype=torch.float64))
-        return torch.stack(terms).sum()
-
-    def _verify_bases(self):
-        """Every rank computed its geometry from the same bytes, so it must agree bit for bit.
-        One tiny all-reduce checks it; on a mismatch (nondeterministic kernels, say) rank 0's
-        state is broadcast and a warning printed."""
-        ready = [l for l in self.layers.values() if l.ready]
-        if not ready:               # nothing computed yet (no statistics came): nothing to check
-            return
-        mine = self._checksum()
-        device = mine.device
-        if same_on_every_rank(mine, self.group):
-            return
-        print(f"compress.py: warning: GeoFP8 geometry differs across ranks at step {self.step}; "
-              "using rank 0's", flush=True)
-        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        for layer in self.layers.values():
-            if not layer.ready:
-                continue
-            flags = torch.tensor(layer.flags(), device=device)
-            for t in layer.tensors() + [flags]:
-                dist.broadcast(t, src=src, group=self.group)
-            layer.load_flags(flags.tolist())
-
     # -- reporting and checkpoints -------------------------------------------------------------
 
     def state_dict(self):
@@ -1775,52 +1547,6 @@ class GeoFP8Communicator:
             self.layers[n].load_state_dict(layer_state)
 
 
-def same_on_every_rank(value, group=None):
-    """True on every rank iff the device scalar `value` is the same on every rank: one
-    all-reduce MAX of (value, -value), whose result is (value, -value) only if max = min."""
-    both = torch.stack([value, -value])
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    return bool((both == torch.stack([value, -value])).all())
-
-
 def all_finite(tensors):
     """A bool tensor on the device: every element of every tensor finite (no host sync)."""
     return torch.stack([torch.isfinite(t).all() for t in tensors]).all()
-
-
-def average_worker_moments(worker_moments, shapes, sides, device):
-    """average_moments for W simulated ranks (worker_moments[i]: rank i's), with the same
-    arithmetic: each rank's vector of count-weighted sums, added in rank order."""
-    vectors = []
-    for moments in worker_moments:
-        average_moments(moments, shapes, sides, lambda flat: vectors.append(flat.clone()), device)
-    total = vectors[0]
-    for v in vectors[1:]:
-        total = total + v
-    return average_moments(worker_moments[0], shapes, sides, lambda flat: flat.copy_(total), device)
-
-
-def average_moments(moments, shapes, sides, all_reduce, device):
-    """The token-weighted mean over ranks of every rank's K-FAC statistics, in one all-reduce
-    over a fixed list of (side, layer) slots - the same list on every rank, whatever each rank
-    collected (a layer a rank did not run contributes zero tokens). Afterwards every rank holds
-    the same A and G, so every rank computes the same factors. One host sync (the counts)."""
-    tokens = moments.get("tokens", {})
-    slots, parts = [], []
-    for side in sides:
-        for n, shape in shapes.items():
-            d = shape[1] if side == "input" else shape[0]
-            m, count = moments.get(side, {}).get(n), tokens.get(side, {}).get(n, 0)
-            parts.append(m.reshape(-1) * count if m is not None
-                         else torch.zeros(d * d, device=device))
-            slots.append((side, n, d))
-    counts = torch.tensor([float(tokens.get(side, {}).get(n, 0)) for side, n, _ in slots],
-                          device=device)
-    flat = torch.cat(parts + [counts])
-    all_reduce(flat)
-    totals = flat[: -len(slots)].split([d * d for _, _, d in slots])
-    out = {side: {} for side in sides}
-    for (side, n, d), total, count in zip(slots, totals, flat[-len(slots):].tolist()):
-        if count > 0:
-            out[side][n] = total.view(d, d) / count
-    return out

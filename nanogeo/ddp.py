@@ -79,7 +79,7 @@ class GeoFP8HookState:
         self.trainable = sum(p.requires_grad for p in self.names)     # what DDP's buckets hold
         self.linear = set(compress.linear_layers(module) if linear is None else linear)
         check_candidates(self.linear, module)
-        self.views = {}             # name -> compress.OptimizerView, from watch()
+        self.views = {}             # name -> nanogeo.update_error.OptimizerView, from watch()
         self.communicators = {}     # tuple of names -> GeoFP8Communicator
         self.owner = {}             # name -> the key of the communicator holding its state
         self.iteration = 0          # backward passes completed: the one step counter

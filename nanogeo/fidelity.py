@@ -44,7 +44,7 @@ import sys
 import torch
 
 import compress
-from nanogeo import hooks
+from nanogeo import hooks, update_error
 
 PAPER_CODEC = dict(fmt="e5m2", block="tensor", collective="fp8-sum")
 METHODS = {  # name -> GeoOptions fields (None: the bf16 ring all-reduce)
@@ -120,7 +120,7 @@ def run_method(spec, steps, names, vocab_size, moments=None, linear=None, views=
     """Means delivered by one method for every step, and bytes per rank, plus coords used.
     moments[s] = {"input": {name: A}, "output": {name: G}} of step s, for the whitening;
     linear: the names of the model's nn.Linear weights (the candidates; None: every matrix);
-    views[s] = {name: compress.OptimizerView} before step s (the selection's error measure)."""
+    views[s] = {name: update_error.OptimizerView} before step s (the selection's error measure)."""
     options = method_options(spec, vocab_size)
     shapes = [steps[0][0][n].shape for n in names]
     results = []
@@ -186,11 +186,11 @@ def optimizer_classes(record):
 
 
 def optimizer_views(record, states):
-    """Per step {name: compress.OptimizerView}: the file's optimizers with the state they had
+    """Per step {name: update_error.OptimizerView}: the file's optimizers with the state they had
     before that step (replayed on the exact means), as the communicator's selection reads them."""
     kinds = {group["class"]: hooks.OPTIMIZER_KINDS.get(group["class"])
              for group in record["groups"]}
-    return [{n: compress.OptimizerView(kinds[group["class"]], lambda group=group: group["hyper"],
+    return [{n: update_error.OptimizerView(kinds[group["class"]], lambda group=group: group["hyper"],
                                        lambda state=state, n=n: state.get(n, {}))
              for group in record["groups"] if kinds[group["class"]] for n in group["params"]}
             for state in states]
@@ -220,7 +220,7 @@ def update_errors(record, states, exact, results, names, classes, grad_clip):
     decoded mean and from the exact mean, per layer and per optimizer ("adamw", "muon"; over all
     of its parameters), averaged over the steps given."""
     layers = {n: {classes[n]: 0.0} for n in names}
-    total = {c: 0.0 for c in set(classes.values())}
+    total = {c: 0.0 for c in sorted(set(classes.values()))}   # a fixed order for the table
     for state, ref, (means, *_) in zip(states, exact, results):
         update, _ = optimizer_step(record, state, dict(zip(names, means)), grad_clip)
         err2 = {c: 0.0 for c in total}

@@ -4,7 +4,7 @@ What GeoFP8 reads from the model and its optimizers, as torch hooks and adapters
   * KroneckerMoments: the K-FAC statistics of linear layers (A = E[a a^T] of the inputs, G =
     E[delta delta^T] of the output gradients) that the published method whitens with, collected
     by forward hooks (compress.py section 3b);
-  * optimizer_views: each parameter's optimizer (AdamW or Muon) as a compress.OptimizerView, so
+  * optimizer_views: each parameter's optimizer (AdamW or Muon) as an OptimizerView, so
     that the per-layer choice is judged by the error that optimizer sees (section 4b).
 """
 import contextlib
@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from compress import OptimizerView
+from nanogeo.update_error import OptimizerView
 
 
 class KroneckerMoments:
@@ -109,3 +109,41 @@ def param_state(optimizer, param):
 def param_group(optimizer, param):
     """The param group holding `param` now (load_state_dict replaces the group dicts)."""
     return next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
+
+
+def average_worker_moments(worker_moments, shapes, sides, device):
+    """average_moments for W simulated ranks (worker_moments[i]: rank i's), with the same
+    arithmetic: each rank's vector of count-weighted sums, added in rank order."""
+    vectors = []
+    for moments in worker_moments:
+        average_moments(moments, shapes, sides, lambda flat: vectors.append(flat.clone()), device)
+    total = vectors[0]
+    for v in vectors[1:]:
+        total = total + v
+    return average_moments(worker_moments[0], shapes, sides, lambda flat: flat.copy_(total), device)
+
+
+def average_moments(moments, shapes, sides, all_reduce, device):
+    """The token-weighted mean over ranks of every rank's K-FAC statistics, in one all-reduce
+    over a fixed list of (side, layer) slots - the same list on every rank, whatever each rank
+    collected (a layer a rank did not run contributes zero tokens). Afterwards every rank holds
+    the same A and G, so every rank computes the same factors. One host sync (the counts)."""
+    tokens = moments.get("tokens", {})
+    slots, parts = [], []
+    for side in sides:
+        for n, shape in shapes.items():
+            d = shape[1] if side == "input" else shape[0]
+            m, count = moments.get(side, {}).get(n), tokens.get(side, {}).get(n, 0)
+            parts.append(m.reshape(-1) * count if m is not None
+                         else torch.zeros(d * d, device=device))
+            slots.append((side, n, d))
+    counts = torch.tensor([float(tokens.get(side, {}).get(n, 0)) for side, n, _ in slots],
+                          device=device)
+    flat = torch.cat(parts + [counts])
+    all_reduce(flat)
+    totals = flat[: -len(slots)].split([d * d for _, _, d in slots])
+    out = {side: {} for side in sides}
+    for (side, n, d), total, count in zip(slots, totals, flat[-len(slots):].tolist()):
+        if count > 0:
+            out[side][n] = total.view(d, d) / count
+    return out

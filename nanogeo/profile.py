@@ -12,8 +12,8 @@ others stay Euclidean. (At 600M parameters the paper's top 13 were all MLP down-
 
 This tool trains --preset in one process as --workers data-parallel workers (the model steps with
 their exact mean, nanogeo.capture's loop), sends every step's gradients through the paper's
-collective as simulated (compress.simulate_fp8_sum: fp16 adds, saturating re-rounds per hop, in
-ring or tree order), prints the ranking and writes the selection:
+collective as simulated (nanogeo.fp8sum.simulate_fp8_sum: fp16 adds, saturating re-rounds per
+hop, in ring or tree order), prints the ranking and writes the selection:
 
     --top_k K        the K highest scores (the paper's rule)
     --threshold T    every matrix whose score is >= T

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import compress
+from nanogeo import agreement
 from nanogeo.config import ConfigError
 
 
@@ -52,11 +53,11 @@ class RankMismatch(RuntimeError):
 
 def check_ranks_agree(params, step, device):
     """All ranks must hold bitwise-identical parameters: one all-reduce of a checksum checks it
-    (compress.same_on_every_rank)."""
+    (nanogeo.agreement.same_on_every_rank)."""
     checksum = torch.zeros((), dtype=torch.float64, device=device)
     for i, p in enumerate(params):
         checksum += p.detach().double().sum() * (1 + (i % 7) / 7)
-    if not compress.same_on_every_rank(checksum):
+    if not agreement.same_on_every_rank(checksum):
         raise RankMismatch(f"parameters differ across ranks at step {step}; a rank diverged "
                            "(nondeterministic kernel, bad hardware or a code change on one node): "
                            "restart from the last checkpoint")

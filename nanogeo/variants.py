@@ -6,7 +6,7 @@ Which rotation suits AdamW? Round-trip error of alternative encodings, as the op
 For every step of a gradient file after the first, with the subspace rotation's bases estimated
 from the earlier decoded means (as in training), each worker's gradient of each candidate matrix
 goes once through the e4m3 block-128 codec in several encodings; the error that comes back is
-weighed by what the file's optimizer does with it in its next update (compress.UpdateError,
+weighed by what the file's optimizer does with it in its next update (update_error.UpdateError,
 from the optimizer state replayed on the exact means) and summed. Printed: each encoding's
 summed error relative to Euclidean's (as a ratio of root-sum-squares):
 
@@ -24,7 +24,7 @@ import math
 import sys
 
 import compress
-from nanogeo import fidelity
+from nanogeo import fidelity, update_error
 
 
 def encodings(layer, round_trip):
@@ -63,7 +63,7 @@ def compare(path, geo_rank=16):
     for s, workers in enumerate(steps):
         if s > 0:                     # bases exist from the earlier steps' decoded means
             for n, layer in comm.layers.items():
-                seen = compress.UpdateError(views[s].get(n), exact[s][n])
+                seen = update_error.UpdateError(views[s].get(n), exact[s][n])
                 coders = encodings(layer, round_trip)
                 for w in workers:
                     G = w[n].float()

@@ -1,12 +1,14 @@
 """Faults the communicator must survive without a silent wrong result: a non-finite gradient
-(an fp16 GradScaler overflow, a bad batch) on a refresh step, and stochastic-rounding streams
-that must not repeat across buckets."""
+(an fp16 GradScaler overflow, a bad batch) on a refresh step, stochastic-rounding streams
+that must not repeat across buckets, and ranks whose geometry differs."""
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import compress
-from nanogeo import kernels
+from conftest import run_ranks
+from nanogeo import agreement, kernels, update_error
 from test_published import anisotropic_moment
 
 
@@ -41,6 +43,32 @@ def test_a_non_finite_step_does_not_poison_the_geometry_or_the_residuals(geometr
             assert torch.isfinite(means[0]).all()
         assert all(torch.isfinite(r["w"]).all() for r in faulty.residuals.values())
     assert faulty.is_geo("w") and all(torch.isfinite(t).all() for t in faulty.layers["w"].tensors())
+
+
+def diverged_geometry_rank(rank, world_size, out):
+    """Every rank estimates its bases from a different matrix (as a nondeterministic kernel
+    might), then runs the check that follows every refresh."""
+    dist.init_process_group("gloo")
+    opts = compress.GeoOptions(geometry="subspace", select="all", min_numel=16, geo_rank=4)
+    comm = compress.GeoFP8Communicator([("w", (48, 64))], opts)
+    layer = comm.layers["w"]
+    layer.refresh(workers_at(step=rank)[0][0])
+    layer.use_geo, layer.gain = rank == 0, 1.5 + rank
+    before = [t.clone() for t in layer.tensors()]
+    agreement.verify_geometry(comm)
+    torch.save({"before": before, "after": layer.tensors(), "flags": layer.flags()},
+               f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_a_geometry_that_differs_across_ranks_is_replaced_by_rank_0s(tmp_path):
+    out = str(tmp_path / "geometry")
+    run_ranks(diverged_geometry_rank, 2, out)
+    r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
+    assert not all(torch.equal(a, b) for a, b in zip(r0["before"], r1["before"]))
+    for rank in (r0, r1):
+        assert all(torch.equal(a, b) for a, b in zip(rank["after"], r0["before"]))
+        assert rank["flags"] == [1.0, 0.0, 1.5]
 
 
 def test_stochastic_rounding_streams_differ_between_tensor_lists():
@@ -107,7 +135,7 @@ def test_no_host_sync_between_geometry_steps(monkeypatch, options, optimizer):
     if optimizer:
         state = {"step": torch.tensor(5.0), "exp_avg": torch.zeros(48, 64),
                  "exp_avg_sq": torch.full((48, 64), 1e-2)}
-        comm.watch({"w": compress.OptimizerView(
+        comm.watch({"w": update_error.OptimizerView(
             "adamw", lambda: {"betas": (0.9, 0.95), "eps": 1e-8}, lambda: state)})
     moment = {"input": {"w": anisotropic_moment(64, 0)}, "tokens": {"input": {"w": 64}}}
     per_step = []

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import compress
-from nanogeo import bytegpt, capture, fidelity, variants
+from nanogeo import bytegpt, capture, fidelity, update_error, variants
 
 
 def torch_update(optimizer_class, hyper, state, grad):
@@ -43,7 +43,7 @@ def test_adamw_update_error_matches_torchs_adamw():
     deltas = [torch.zeros_like(g), torch.zeros_like(g)]
     deltas[0][small] = 1e-6 * torch.randn(int(small.sum()), 64)     # on the quiet rows
     deltas[1][~small] = 1e-6 * torch.randn(int((~small).sum()), 64)
-    seen = compress.UpdateError(compress.OptimizerView("adamw", lambda: hyper, lambda: state), g)
+    seen = update_error.UpdateError(update_error.OptimizerView("adamw", lambda: hyper, lambda: state), g)
     estimate = [seen(d).item() for d in deltas]
     base = torch_update(torch.optim.AdamW, hyper, state, g)
     real = [(torch_update(torch.optim.AdamW, hyper, state, g + d) - base).pow(2).sum().item()
@@ -63,9 +63,9 @@ def test_muon_update_error_follows_torchs_muon():
     U, _, Vh = torch.linalg.svd(torch.randn(48, 64), full_matrices=False)
     g = U @ torch.diag(torch.logspace(1, -3, 48)) @ Vh                 # a steep spectrum
     state = {"momentum_buffer": 0.5 * g + 0.1 * torch.randn(48, 64)}
-    seen = compress.UpdateError(compress.OptimizerView("muon", lambda: hyper, lambda: state), g)
+    seen = update_error.UpdateError(update_error.OptimizerView("muon", lambda: hyper, lambda: state), g)
     update = torch_update(torch.optim.Muon, hyper, state, g)
-    mine = compress.newton_schulz(seen.X, hyper["ns_coefficients"], hyper["ns_steps"])
+    mine = update_error.newton_schulz(seen.X, hyper["ns_coefficients"], hyper["ns_steps"])
     assert (update + mine).norm() < 0.05 * update.norm()
     delta = 1e-3 * g.norm() / 48 * torch.randn(48, 64)
     moved = seen.ns(seen.X + seen.c * delta) - seen.base
@@ -153,7 +153,7 @@ def test_auto_sides_keep_quiet_rows_quiet_under_adamw(judge):
     steps, scale = quiet_row_workers(6, 4)
     v = (scale ** 2).expand(64, 96).clone()
     state = {"step": torch.tensor(100.0), "exp_avg": torch.zeros(64, 96), "exp_avg_sq": v}
-    view = compress.OptimizerView("adamw", lambda: {"betas": (0.9, 0.95), "eps": 1e-8},
+    view = update_error.OptimizerView("adamw", lambda: {"betas": (0.9, 0.95), "eps": 1e-8},
                                   lambda: state)
     opts = compress.GeoOptions(geometry="subspace", sides="auto", min_numel=16, geo_rank=4,
                                refresh=1, judge=judge)

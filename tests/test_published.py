@@ -6,7 +6,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import compress
-from nanogeo import hooks
+from nanogeo import fp8sum, hooks
 from compress import GeoFP8Communicator, GeoOptions
 from conftest import run_ranks
 
@@ -106,10 +106,10 @@ def test_fp8_sum_emulation_matches_elementwise_reference(fmt, world):
     g = torch.Generator().manual_seed(world)
     values = torch.randn(world, 53, generator=g) * fmax / 3       # sums do saturate here
     codes = values.clamp(-fmax, fmax).to(dtype).view(torch.uint8)
-    emulated = compress.fp8_sum(codes, dtype, "ring")
+    emulated = fp8sum.fp8_sum(codes, dtype, "ring")
     assert torch.equal(emulated, elementwise_sum(codes, dtype, "ring"))
     assert (emulated.view(dtype).float().abs() == fmax).any()     # saturation was exercised
-    assert torch.equal(compress.fp8_sum(codes, dtype, "tree"), elementwise_sum(codes, dtype, "tree"))
+    assert torch.equal(fp8sum.fp8_sum(codes, dtype, "tree"), elementwise_sum(codes, dtype, "tree"))
 
 
 def test_fp8_sum_error_grows_with_workers():
@@ -119,7 +119,7 @@ def test_fp8_sum_error_grows_with_workers():
     for world in (4, 16, 64):
         workers = [[torch.randn(4096, generator=g) + 0.5] for _ in range(world)]
         exact = sum(w[0] for w in workers) / world
-        means, sent, _, saturated = compress.simulate_fp8_sum(workers, "e5m2")
+        means, sent, _, saturated = fp8sum.simulate_fp8_sum(workers, "e5m2")
         errors.append(((means[0] - exact).norm() / exact.norm()).item())
         assert sent == 2 * (world - 1) * 4096 // world
     assert errors[0] < errors[1] < errors[2]
@@ -129,7 +129,7 @@ def fp8_sum_rank(rank, world_size, out, local_scales):
     dist.init_process_group("gloo")
     g = torch.Generator().manual_seed(10 + rank)
     tensors = [torch.randn(40, 30, generator=g) * (1 + rank), torch.randn(17, generator=g)]
-    means, sent, local, saturated = compress.all_reduce_fp8_sum(tensors, "e5m2",
+    means, sent, local, saturated = fp8sum.all_reduce_fp8_sum(tensors, "e5m2",
                                                                 local_scales=local_scales)
     torch.save({"inputs": tensors, "means": means, "sent": sent, "saturated": saturated},
                f"{out}.{rank}")
@@ -140,7 +140,7 @@ def test_fp8_sum_collective_on_gloo_equals_simulator(tmp_path):
     out = str(tmp_path / "sum")
     run_ranks(fp8_sum_rank, 3, out, False)
     ranks = [torch.load(f"{out}.{r}") for r in range(3)]
-    means, sent, _, saturated = compress.simulate_fp8_sum([r["inputs"] for r in ranks], "e5m2")
+    means, sent, _, saturated = fp8sum.simulate_fp8_sum([r["inputs"] for r in ranks], "e5m2")
     for r in ranks:
         assert all(torch.equal(a, b) for a, b in zip(r["means"], means))   # identical replicas
         assert r["sent"] == sent and torch.equal(r["saturated"], saturated)

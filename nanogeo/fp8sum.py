@@ -1,0 +1,124 @@
+"""
+The paper's collective, an option of compress.GeoFP8Communicator (collective="fp8-sum"): one
+scale per tensor, one all_reduce SUM of the FP8 codes themselves.
+
+The published GeoFP8 sends each tensor with ONE e5m2 scale that is the same on every rank
+(s = fmax / max over ranks of amax: one tiny all-reduce MAX), and sums the FP8 codes
+themselves with NCCL's float8 all_reduce. NCCL adds two FP8 values by widening both to fp16,
+adding, and rounding back to FP8 with saturation at the format's max - at every hop. So,
+unlike the two-stage collective (which sums in fp32), the partial sums are re-rounded W - 1
+times, and a sum that outgrows the format's max is clipped: the shared scale only guarantees
+that ONE rank's values fit. Decode: sum / (s W). On GPU this is NCCL's own all_reduce; on CPU
+(gloo) and in the simulator the same arithmetic is emulated hop by hop, so its error growth
+with W can be measured on one machine. Wire bytes per rank: 2 (W-1)/W N, one byte an element.
+"""
+import torch
+import torch.distributed as dist
+
+import compress
+
+
+def fp8_add(a, b, dtype):
+    """One hop of NCCL's FP8 sum on uint8 codes: widen to fp16, add in fp16, round back to FP8,
+    saturating at +-max (fp16 itself overflows to inf above 65504; that saturates too)."""
+    fmax = compress.FP8_MAX[dtype]
+    total = a.view(dtype).half() + b.view(dtype).half()
+    return total.float().clamp(-fmax, fmax).to(dtype).view(torch.uint8)
+
+
+def fp8_sum(codes, dtype, order="ring"):
+    """Sum W ranks' FP8 codes as NCCL's all_reduce does: codes (W, N) uint8 -> (N,) uint8.
+
+    ring: the buffer is cut into W chunks; chunk c's partial sum starts at rank c+1 and travels
+      once around the ring (c+1, c+2, ..., c), each rank adding its own value: W - 1 roundings.
+    tree: a balanced binary tree in rank order, ((x0 + x1) + (x2 + x3)) + ...: log2 W roundings
+      per element - a model of the shallower orders NCCL prefers for FP8 where its topology
+      allows (not NCCL's exact tree)."""
+    world, n = codes.shape
+    if order == "ring":
+        chunk = torch.arange(n, device=codes.device) * world // n    # (N,) chunk of each element
+        def from_rank(hop):                                          # the value added at a hop
+            return codes.gather(0, ((chunk + hop) % world)[None])[0]
+        total = from_rank(1)
+        for hop in range(2, world + 1):
+            total = fp8_add(total, from_rank(hop), dtype)
+        return total
+    level = list(codes.unbind(0))
+    while len(level) > 1:
+        pairs = [fp8_add(level[i], level[i + 1], dtype) for i in range(0, len(level) - 1, 2)]
+        level = pairs + level[len(pairs) * 2:]
+    return level[0]
+
+
+def fp8_sum_encode(tensors, fmt, amax):
+    """Per-tensor codes (one flat uint8 buffer) and scales s = fmax / amax (amax: (T,) fp32)."""
+    dtype, fmax = compress.FP8_FORMATS[fmt]
+    scales = torch.where(amax > 0, fmax / amax, torch.ones_like(amax)).clamp(max=compress.FP32_MAX)
+    codes = [(t.float().reshape(-1) * s).clamp(-fmax, fmax).to(dtype).view(torch.uint8)
+             for t, s in zip(tensors, scales.unbind())]
+    return torch.cat(codes), scales
+
+
+def fp8_sum_decode(codes, tensors, scales, fmt, world=1):
+    """codes / (s W) per tensor, shaped like `tensors` (W = 1: a rank's own round trip)."""
+    dtype = compress.FP8_FORMATS[fmt][0]
+    values = codes.view(dtype).float().split([t.numel() for t in tensors])
+    return [(v / (s * world)).view(t.shape) for v, s, t in zip(values, scales.unbind(), tensors)]
+
+
+def saturated_fraction(summed, tensors, fmt):
+    """(T,) each tensor's fraction of summed codes at +-max: the published fragility score."""
+    dtype, fmax = compress.FP8_FORMATS[fmt]
+    values = summed.view(dtype).float().split([t.numel() for t in tensors])
+    return torch.stack([(v.abs() >= fmax).float().mean() for v in values])
+
+
+def all_reduce_fp8_sum(tensors, fmt="e5m2", group=None, order="ring", local_scales=False):
+    """The paper's collective: returns (means, bytes_sent, local, saturated).
+
+    local: this rank's own round trip (its codes decoded with its scale), for error feedback.
+    saturated: (T,) fraction of each tensor's summed codes at +-max (the fragility profile).
+    local_scales=True reproduces the published defect: every rank encodes with and decodes by
+    its OWN amax (no MAX all-reduce), so the ranks decode the same sum into different means."""
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    amax = torch.stack([t.detach().abs().amax().float() for t in tensors])     # (T,)
+    if world > 1 and not local_scales:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    codes, scales = fp8_sum_encode(tensors, fmt, amax)
+    dtype = compress.FP8_FORMATS[fmt][0]
+    local = fp8_sum_decode(codes, tensors, scales, fmt)
+    if world == 1:
+        summed = codes
+    elif codes.is_cuda:   # NCCL's native float8 sum (fp16 adds, saturating), in its own order
+        summed = codes.view(dtype)
+        try:
+            dist.all_reduce(summed, group=group)
+        except RuntimeError as e:
+            raise RuntimeError("this torch/NCCL cannot all_reduce float8 tensors (needs NCCL >= "
+                               "2.24 and a GPU of compute capability >= 9.0); use the two-stage "
+                               f"collective (--collective=two-stage) instead: {e}") from None
+        summed = summed.view(torch.uint8)
+    else:                 # gloo has no float8 sum: gather every rank's codes, add them as NCCL would
+        gathered = codes.new_empty(world * codes.numel())
+        compress.all_gather_flat(gathered, codes, group=group)
+        summed = fp8_sum(gathered.view(world, -1), dtype, order)
+    means = fp8_sum_decode(summed, tensors, scales, fmt, world)
+    sent = compress.ring_allreduce_bytes(codes.numel(), 1, world)
+    return means, sent, local, saturated_fraction(summed, tensors, fmt)
+
+
+def simulate_fp8_sum(worker_tensors, fmt="e5m2", order="ring", local_scales=False):
+    """The numerics of all_reduce_fp8_sum for W workers in one process - exactly those of its
+    gloo emulation (NCCL adds in its own chunk order and algorithm). Returns (means
+    as worker 0 decodes them, bytes per rank, per-worker local round trips, saturated)."""
+    world = len(worker_tensors)
+    amaxes = [torch.stack([t.abs().amax().float() for t in ts]) for ts in worker_tensors]
+    shared = torch.stack(amaxes).amax(0)
+    encoded = [fp8_sum_encode(ts, fmt, a if local_scales else shared)
+               for ts, a in zip(worker_tensors, amaxes)]
+    dtype = compress.FP8_FORMATS[fmt][0]
+    summed = fp8_sum(torch.stack([codes for codes, _ in encoded]), dtype, order)
+    means = fp8_sum_decode(summed, worker_tensors[0], encoded[0][1], fmt, world)
+    local = [fp8_sum_decode(codes, ts, scales, fmt) for (codes, scales), ts in zip(encoded, worker_tensors)]
+    return (means, compress.ring_allreduce_bytes(encoded[0][0].numel(), 1, world), local,
+            saturated_fraction(summed, worker_tensors[0], fmt))

@@ -1,0 +1,107 @@
+"""
+The error the optimizer sees: what a gradient error does to the next update (compress.py
+section 4b; the per-layer choice of coordinates is judged by it).
+
+The relative L2 error of the averaged gradient is not what training feels. AdamW divides every
+element by the root of its second moment, so an error on an element whose gradients are
+usually tiny is magnified; a rotation spreads the quantisation error of a few large
+coordinates over every element, including those. Muon orthogonalises the update, so what
+matters is how an error moves the orthogonalised matrix. The per-layer decision (section 5)
+therefore measures each codec's error through the optimizer that owns the layer, to first
+order, from the optimizer's own state (identical on every rank under DDP).
+"""
+import functools
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class OptimizerView:
+    """One parameter's optimizer as the gain check needs it: "adamw" or "muon", and functions
+    returning its param group's settings and its per-parameter state now (empty before the
+    first step). Read lazily: an optimizer.load_state_dict() after watch() is seen."""
+    kind: str
+    read_hyper: object
+    read_state: object
+
+    @property
+    def hyper(self):
+        return self.read_hyper()
+
+
+def newton_schulz(X, coefficients, steps, eps=1e-7):
+    """Muon's orthogonalisation (the quintic iteration of torch.optim.Muon) in fp32: the gain
+    check differences two calls, which bf16 rounding would drown."""
+    a, b, c = coefficients
+    wide = X.T if X.shape[0] > X.shape[1] else X
+    Y = wide / wide.norm().clamp(min=eps)
+    for _ in range(steps):
+        A = Y @ Y.T
+        Y = a * Y + (b * A + c * A @ A) @ Y
+    return Y.T if X.shape[0] > X.shape[1] else Y
+
+
+def local_tensor(t):
+    """A DTensor's local shard (FSDP2's sharded optimizer state), any other tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def adamw_sensitivity(view, g):
+    """d update / d g of AdamW's next step, element by element (its Jacobian is diagonal): with
+    m^ = (b1 m + (1 - b1) g) / c1, v^ = (b2 v + (1 - b2) g^2) / c2, s = sqrt(v^),
+        u = m^ / (s + eps),   du/dg = (1 - b1) / (c1 (s + eps)) - m^ (1 - b2) g / (c2 s (s + eps)^2).
+    The second term matters where the new gradient dominates v (quiet rows waking up)."""
+    state, (beta1, beta2), eps = view.read_state(), view.hyper["betas"], view.hyper["eps"]
+    step = torch.as_tensor(state.get("step", 0), dtype=torch.float64, device=g.device) + 1
+    c1, c2 = (1 - beta1 ** step).float(), (1 - beta2 ** step).float()   # no host sync
+    m, v = (local_tensor(state[k]).float() if k in state else torch.zeros_like(g)
+            for k in ("exp_avg", "exp_avg_sq"))
+    m_hat = (beta1 * m + (1 - beta1) * g) / c1
+    s = ((beta2 * v + (1 - beta2) * g * g) / c2).sqrt()
+    through_v = torch.where(s > 0, m_hat * (1 - beta2) * g / (c2 * s.clamp(min=1e-30) * (s + eps) ** 2),
+                            torch.zeros_like(s))
+    return (1 - beta1) / (c1 * (s + eps)) - through_v
+
+
+class UpdateError:
+    """Squared size of the change a gradient error makes to the next update of the optimizer
+    in `view`, to first order, when the decoded mean gradient is `mean` (both (m, n)):
+
+        none   ||delta||^2
+        adamw  ||J * delta||^2      J: AdamW's elementwise sensitivity (adamw_sensitivity)
+        muon   ||NS(X + c delta) - NS(X)||^2 / ...   X: the matrix Muon orthogonalises, c = dX/dg
+
+    Scalar factors common to every codec (learning rate, Muon's lr adjustment) are left out:
+    only ratios between codecs are used. `rows` (FSDP):
+    `mean` and the optimizer state hold only this rank's rows; the error is measured there
+    (Muon, which needs whole matrices, falls back to L2)."""
+
+    def __init__(self, view, mean, rows=None):
+        self.kind = view.kind if view is not None else "none"
+        self.rows = rows
+        if self.kind == "muon" and rows is not None:
+            self.kind = "none"
+        if self.kind == "adamw":
+            self.weight = adamw_sensitivity(view, mean.float())
+        elif self.kind == "muon":
+            state, hyper = view.read_state(), view.hyper
+            mu = hyper["momentum"]
+            buf = state.get("momentum_buffer")
+            buf = torch.zeros_like(mean, dtype=torch.float32) if buf is None else buf.float()
+            buf = buf.lerp(mean.float(), 1 - mu)                         # this step's buffer
+            self.X = mean.float().lerp(buf, mu) if hyper["nesterov"] else buf
+            self.c = (1 - mu) * (1 + mu) if hyper["nesterov"] else 1 - mu
+            self.ns = functools.partial(newton_schulz, coefficients=hyper["ns_coefficients"],
+                                        steps=hyper["ns_steps"], eps=hyper.get("eps", 1e-7))
+            self.base = self.ns(self.X)
+
+    def __call__(self, delta):
+        if self.rows is not None:
+            delta = self.rows.mine(delta)
+        if self.kind == "adamw":
+            return (delta * self.weight).pow(2).sum()
+        if self.kind == "muon":     # a directional derivative: a step small enough to be linear
+            eps = (1e-3 * self.X.norm()).clamp(min=1e-12) / (self.c * delta).norm().clamp(min=1e-30)
+            return (self.ns(self.X + eps * self.c * delta) - self.base).pow(2).sum() / eps ** 2
+        return delta.pow(2).sum()
