@@ -51,7 +51,7 @@ structure (an outlier column) stays local where block scales handle it.
 Where the bases come from: every rank holds the same decoded mean gradient after each step. A
 warm-started subspace iteration on it (optionally an EMA of its covariance), followed by a
 Rayleigh-Ritz rotation, refreshes U and V every `refresh` steps. The local gradient of a rank is
-never used, so every rank computes the same bases (verified by a checksum). Under FSDP a rank
+never used, so every rank computes the same bases (checked: nanogeo/agreement.py). Under FSDP a rank
 holds only a block of rows of the mean; the same iteration runs with its partial products
 summed over ranks, and the decode needs one small r x n sum (nanogeo/fsdp.py).
 
@@ -103,7 +103,6 @@ FP8_FORMATS = {  # name -> (torch dtype, largest finite value)
     "e4m3": (torch.float8_e4m3fn, 448.0),
     "e5m2": (torch.float8_e5m2, 57344.0),
 }
-FP8_MAX = {dtype: fmax for dtype, fmax in FP8_FORMATS.values()}
 FORMATS = ("e4m3", "e5m2", "nvfp4")
 NVFP4_BLOCK = 16        # NVFP4 always scales blocks of 16 values; `block` does not apply to it
 # Parts that live in nanogeo/, imported on first use by elsewhere(part) (nanogeo imports this
@@ -426,8 +425,9 @@ def collective_bytes(layout, rank):
 
 def ring_allreduce_bytes(numel, bytes_per_element, world_size):
     """Bytes each rank sends in a ring all-reduce: reduce-scatter + all-gather, each moving
-    (W - 1) / W of the buffer (bf16: 2 bytes an element; the paper's FP8-sum collective, 1 - its
-    scales' MAX all-reduce not counted)."""
+    (W - 1) / W of the buffer: the bf16 baseline (2 bytes an element) that the two-stage
+    collective's bytes are compared with, and the paper's FP8-sum collective (1 byte; its scales'
+    MAX all-reduce not counted)."""
     return int(2 * (world_size - 1) * numel * bytes_per_element // world_size)
 
 
@@ -825,7 +825,7 @@ def error_measure(view, mean, rows=None):
     rank's rows are measured; the caller sums over the ranks."""
     if view is not None:
         return elsewhere("update-error").UpdateError(view, mean, rows)
-    mine = (rows or ALL_ROWS).mine
+    mine = (ALL_ROWS if rows is None else rows).mine
     return lambda delta: mine(delta).pow(2).sum()
 
 
@@ -1173,7 +1173,7 @@ class GeoFP8Communicator:
         if unknown:
             raise ValueError(f"geo_layers names {len(unknown)} tensors this model does not have, "
                              f"e.g. {sorted(unknown)[0]!r}: profile this model (nanogeo.profile)")
-        self.views = {}         # name -> OptimizerView (watch()); none: judged in plain L2
+        self.views = {}         # name -> nanogeo.update_error.OptimizerView (watch()); none: L2
         self.chosen = set(self.opts.geo_layers) if self.opts.select == "list" else set()
         self.step = 0
         self.residuals = {}     # worker index -> {name: fp32 residual}, with error feedback
@@ -1376,8 +1376,10 @@ class GeoFP8Communicator:
             if self._finite(means, moments):
                 with self.timer.stage("geometry"):
                     refreshed = self._update_geometry(means, worker_grads, moments, whiten_now)
-                if across_ranks and refreshed:
-                    elsewhere("agreement").verify_geometry(self)
+                if across_ranks and refreshed:   # every rank must hold the same geometry
+                    device = next(iter(means.values())).device
+                    elsewhere("agreement").verify_geometry(list(self.layers.values()), self.group,
+                                                           self.step, device)
             else:
                 self.skipped += 1   # a non-finite mean (or statistic) must not reach the bases
         if self.opts.select == "fragile" and self.step == self.opts.warmup:
@@ -1420,7 +1422,7 @@ class GeoFP8Communicator:
 
     def _measure_gains(self, names, worker_grads, means):
         """(euclidean, geometry-aware) error of the gradients actually sent, with the geometry in
-        use, as the layer's optimizer sees it (UpdateError) - measured on each rank's own
+        use, as the layer's optimizer sees it (error_measure) - measured on each rank's own
         gradients, summed by one all-reduce, so every rank takes the same decision."""
         errors = []
         variants = self._variants()

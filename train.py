@@ -24,7 +24,8 @@ How data parallelism works here (no DistributedDataParallel wrapper, on purpose)
      again.
 
 Configuration: one dataclass, `TrainConfig`; every field is a flag `--name=value`. `--preset`
-picks a model size and sensible defaults for it; explicit flags win. Unknown flags are an error.
+picks a model size and sensible defaults for it (nanogeo/config.py TRAIN_PRESETS); explicit
+flags win. Unknown flags are an error.
 One log line per step, pipe-separated; the same numbers go to out_dir/log.jsonl.
 """
 

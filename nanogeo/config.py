@@ -10,7 +10,7 @@ import os
 import sys
 
 import compress
-import model
+import model as model_lib
 
 
 class ConfigError(ValueError):
@@ -48,7 +48,7 @@ TRAIN_CHOICES = {"comm": ("fp32", "bf16", "fp8", "geofp8", "subspace"),
                  "device": ("auto", "cpu", "cuda"), "fmt": compress.FORMATS,
                  "collective": compress.COLLECTIVES, "sum_order": compress.SUM_ORDERS,
                  "whiten_factor": compress.WHITEN_FACTORS, "whiten_sides": compress.WHITEN_SIDES,
-                 "geo_judge": compress.JUDGES, "preset": tuple(model.PRESETS),
+                 "geo_judge": compress.JUDGES, "preset": tuple(model_lib.PRESETS),
                  "optimizer": ("adamw", "muon"),
                  "muon_adjust_lr": ("original", "match_rms_adamw")}
 

@@ -17,11 +17,13 @@ import torch.distributed as dist
 
 import compress
 
+FP8_MAX = {dtype: fmax for dtype, fmax in compress.FP8_FORMATS.values()}   # by torch dtype
+
 
 def fp8_add(a, b, dtype):
     """One hop of NCCL's FP8 sum on uint8 codes: widen to fp16, add in fp16, round back to FP8,
     saturating at +-max (fp16 itself overflows to inf above 65504; that saturates too)."""
-    fmax = compress.FP8_MAX[dtype]
+    fmax = FP8_MAX[dtype]
     total = a.view(dtype).half() + b.view(dtype).half()
     return total.float().clamp(-fmax, fmax).to(dtype).view(torch.uint8)
 

@@ -4,8 +4,12 @@ What GeoFP8 reads from the model and its optimizers, as torch hooks and adapters
   * KroneckerMoments: the K-FAC statistics of linear layers (A = E[a a^T] of the inputs, G =
     E[delta delta^T] of the output gradients) that the published method whitens with, collected
     by forward hooks (compress.py section 3b);
+  * average_moments: those statistics averaged over the ranks (token-weighted, one
+    all-reduce), so that every rank computes the same factors (compress.GeoFP8Communicator
+    calls it; average_worker_moments does the same for simulated ranks);
   * optimizer_views: each parameter's optimizer (AdamW or Muon) as an OptimizerView, so
-    that the per-layer choice is judged by the error that optimizer sees (section 4b).
+    that the per-layer choice is judged by the error that optimizer sees (compress.py
+    section 4b).
 """
 import contextlib
 import functools

@@ -1,14 +1,8 @@
 """
-The error the optimizer sees: what a gradient error does to the next update (compress.py
-section 4b; the per-layer choice of coordinates is judged by it).
-
-The relative L2 error of the averaged gradient is not what training feels. AdamW divides every
-element by the root of its second moment, so an error on an element whose gradients are
-usually tiny is magnified; a rotation spreads the quantisation error of a few large
-coordinates over every element, including those. Muon orthogonalises the update, so what
-matters is how an error moves the orthogonalised matrix. The per-layer decision (section 5)
-therefore measures each codec's error through the optimizer that owns the layer, to first
-order, from the optimizer's own state (identical on every rank under DDP).
+The error the optimizer sees: what a gradient error does to the next update, to first order,
+from the optimizer's own state - AdamW's elementwise sensitivity, Muon's Newton-Schulz map.
+compress.GeoFP8Communicator judges each layer's coordinates by it (why: compress.py section
+4b, "The error the optimizer sees"); nanogeo.fidelity and nanogeo.variants report with it.
 """
 import functools
 from dataclasses import dataclass
@@ -68,7 +62,8 @@ class UpdateError:
     """Squared size of the change a gradient error makes to the next update of the optimizer
     in `view`, to first order, when the decoded mean gradient is `mean` (both (m, n)):
 
-        none   ||delta||^2
+        none   ||delta||^2          no optimizer (view None; compress.error_measure gives
+                                    the communicator this case without importing this file)
         adamw  ||J * delta||^2      J: AdamW's elementwise sensitivity (adamw_sensitivity)
         muon   ||NS(X + c delta) - NS(X)||^2 / ...   X: the matrix Muon orthogonalises, c = dX/dg
 

@@ -2,6 +2,8 @@
 (an fp16 GradScaler overflow, a bad batch) on a refresh step, stochastic-rounding streams
 that must not repeat across buckets, and ranks whose geometry differs."""
 
+import datetime
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -45,30 +47,51 @@ def test_a_non_finite_step_does_not_poison_the_geometry_or_the_residuals(geometr
     assert faulty.is_geo("w") and all(torch.isfinite(t).all() for t in faulty.layers["w"].tensors())
 
 
-def diverged_geometry_rank(rank, world_size, out):
-    """Every rank estimates its bases from a different matrix (as a nondeterministic kernel
-    might), then runs the check that follows every refresh."""
-    dist.init_process_group("gloo")
-    opts = compress.GeoOptions(geometry="subspace", select="all", min_numel=16, geo_rank=4)
-    comm = compress.GeoFP8Communicator([("w", (48, 64))], opts)
-    layer = comm.layers["w"]
-    layer.refresh(workers_at(step=rank)[0][0])
-    layer.use_geo, layer.gain = rank == 0, 1.5 + rank
-    before = [t.clone() for t in layer.tensors()]
-    agreement.verify_geometry(comm)
-    torch.save({"before": before, "after": layer.tensors(), "flags": layer.flags()},
-               f"{out}.{rank}")
+def geometry_check_rank(rank, world_size, out):
+    """The check that follows every refresh, on 3 ranks: bases estimated from a different matrix
+    on every rank (as a nondeterministic kernel might produce), over all ranks and over the
+    subgroup of ranks 1 and 2; the same bases everywhere; a geometry on rank 0 only."""
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    pair = dist.new_group([1, 2])               # every rank must take part in creating it
+
+    def check(matrix_seed, group, ready=True):
+        opts = compress.GeoOptions(geometry="subspace", select="all", min_numel=16, geo_rank=4)
+        layer = compress.GeoFP8Communicator([("w", (48, 64))], opts).layers["w"]
+        if ready:
+            layer.refresh(workers_at(step=matrix_seed)[0][0])
+            layer.use_geo, layer.gain = matrix_seed == 0, 1.5 + matrix_seed
+        before = [t.clone() for t in layer.tensors()] if ready else []
+        try:
+            repaired = agreement.verify_geometry([layer], group, 7, torch.device("cpu"))
+        except RuntimeError as e:
+            return {"error": str(e)}
+        return {"repaired": repaired, "before": before, "after": layer.tensors(),
+                "flags": layer.flags()}
+
+    result = {"all": check(rank, None), "same": check(0, None),
+              "some": check(0, None, ready=rank == 0)}
+    if rank in (1, 2):
+        result["pair"] = check(rank, pair)
+    torch.save(result, f"{out}.{rank}")
     dist.destroy_process_group()
 
 
 def test_a_geometry_that_differs_across_ranks_is_replaced_by_rank_0s(tmp_path):
     out = str(tmp_path / "geometry")
-    run_ranks(diverged_geometry_rank, 2, out)
-    r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
-    assert not all(torch.equal(a, b) for a, b in zip(r0["before"], r1["before"]))
-    for rank in (r0, r1):
-        assert all(torch.equal(a, b) for a, b in zip(rank["after"], r0["before"]))
-        assert rank["flags"] == [1.0, 0.0, 1.5]
+    run_ranks(geometry_check_rank, 3, out)
+    ranks = [torch.load(f"{out}.{r}") for r in range(3)]
+    for case, members in (("all", ranks), ("pair", ranks[1:])):
+        source = members[0][case]           # the group's rank 0
+        assert not all(torch.equal(a, b) for a, b in zip(source["before"],
+                                                         members[1][case]["before"]))
+        for r in members:
+            assert r[case]["repaired"]
+            assert all(torch.equal(a, b) for a, b in zip(r[case]["after"], source["before"]))
+            assert r[case]["flags"] == source["flags"]
+    for r in ranks:
+        assert not r["same"]["repaired"]
+        assert all(torch.equal(a, b) for a, b in zip(r["same"]["after"], r["same"]["before"]))
+        assert "different layers" in r["some"]["error"]
 
 
 def test_stochastic_rounding_streams_differ_between_tensor_lists():

@@ -72,7 +72,7 @@ def test_whitening_protects_the_small_input_directions():
 
 def hop(a, b, dtype):
     """Reference hop on two scalars: fp16 add, then FP8 with saturation."""
-    fmax = compress.FP8_MAX[dtype]
+    fmax = fp8sum.FP8_MAX[dtype]
     s = float(torch.tensor(float(a.float()), dtype=torch.float16)
               + torch.tensor(float(b.float()), dtype=torch.float16))
     return torch.tensor([max(-fmax, min(fmax, s))]).to(dtype)
