@@ -1405,14 +1405,13 @@ class GeoFP8Communicator:
 
     def _finite(self, means, moments):
         """Are this step's means (and statistics) finite? One host sync, on geometry steps only.
-        Under DDP every rank holds the same means; under FSDP (rows) each holds its own rows,
-        so the ranks agree through one small all-reduce."""
+        The ranks decide together through one small all-reduce: under FSDP (rows) each holds
+        its own rows, and under DDP a rank whose copy went bad alone must not skip the geometry
+        steps (and their collectives) that the others run."""
         tensors = list(means.values())
         for side in ("input", "output"):
             tensors += list((moments or {}).get(side, {}).values())
-        bad = (~all_finite(tensors)).double()
-        if self.rows:
-            self._sum_over_ranks(bad)
+        bad = self._sum_over_ranks((~all_finite(tensors)).double())
         return bad.item() == 0
 
     # -- selection ---------------------------------------------------------------------------------

@@ -5,19 +5,40 @@ Each rank computes its bases or whitening factors from the same bytes (the decod
 all-reduced K-FAC statistics), so they agree bit for bit - unless a kernel is nondeterministic
 or a node misbehaves. After each refresh compress.GeoFP8Communicator checks it with one tiny
 all-reduce (verify_geometry); nanogeo.runtime.check_ranks_agree checks the parameters with the
-same same_on_every_rank.
+same same_on_every_rank. Every decision below is read from the all-reduced values, which are
+identical on every rank, so every rank takes the same branch and enters the same collectives.
 """
 import torch
 import torch.distributed as dist
 
 
-def same_on_every_rank(value, group=None):
-    """True on every rank iff the device tensor `value` (a scalar, or any shape) is the same on
-    every rank: one all-reduce MAX of (value, -value), whose result is (value, -value) only if
-    max = min, element by element."""
+def agrees_elementwise(value, group=None):
+    """A bool tensor shaped like the device tensor `value`, identical on every rank: True where
+    that element of `value` is the same on every rank. One all-reduce MAX of (value, -value):
+    max = -max(-value) = min only where all ranks agree. NaN counts as +inf (a NaN would not
+    reliably survive MAX)."""
+    value = torch.nan_to_num(value.double(), nan=float("inf"))
     both = torch.stack([value, -value])
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    return bool((both == torch.stack([value, -value])).all())
+    return both[0] == -both[1]
+
+
+def same_on_every_rank(value, group=None):
+    """True on every rank iff the device tensor `value` is the same on every rank."""
+    return bool(agrees_elementwise(value, group).all())
+
+
+def geometry_checksum(layers, ready):
+    """One number (on the device) that changes with the geometry in use: every ready layer's
+    tensors and its decisions, each weighted by its position. `ready`: readiness() of layers."""
+    terms, decisions = [], []
+    for i, layer in enumerate(layers):
+        if layer.ready:
+            terms += [t.double().sum() * (i + k + 1) for k, t in enumerate(layer.tensors())]
+            use_geo, right_only, _ = layer.flags()
+            decisions.append((i + 1) * (0.5 * use_geo + 0.25 * right_only))
+    terms.append(torch.tensor(decisions, dtype=torch.float64, device=ready.device).sum())
+    return torch.stack(terms).sum()
 
 
 def readiness(layers, device):
@@ -26,37 +47,36 @@ def readiness(layers, device):
                         device=device)
 
 
-def geometry_checksum(layers, device):
-    """One number (on the device) that changes with any bit of the geometry in use: which layers
-    have one, every ready layer's tensors and its decisions, each weighted by its position."""
-    ready = readiness(layers, device)
-    terms = [(ready * torch.arange(1, len(layers) + 1, device=device)).sum()]
-    for i, layer in enumerate(layers):
-        if layer.ready:
-            tensors = layer.tensors()
-            terms += [t.double().sum() * (i + k + 1) for k, t in enumerate(tensors)]
-            use_geo, right_only, _ = layer.flags()
-            terms.append(tensors[0].new_tensor(0.5 * use_geo + 0.25 * right_only,
-                                               dtype=torch.float64))
-    return torch.stack(terms).sum()
-
-
 def verify_geometry(layers, group, step, device):
     """Check that every rank of `group` holds the same geometry in `layers` (a list, in the same
-    order on every rank). On a mismatch rank 0's (every ready layer's tensors and decisions) is
+    order on every rank): which layers have one, and its bits. On a mismatch rank 0's is
     broadcast and a warning printed; returns whether that was needed. Ranks on which different
     layers have a geometry cannot be repaired that way: a RuntimeError says so on every rank."""
-    if same_on_every_rank(geometry_checksum(layers, device), group):
+    ready = readiness(layers, device)
+    agree = agrees_elementwise(torch.cat([ready, geometry_checksum(layers, ready).reshape(1)]),
+                               group)
+    if bool(agree.all()):
         return False
-    if not same_on_every_rank(readiness(layers, device), group):
+    if not bool(agree[:-1].all()):
         raise RuntimeError(f"GeoFP8: the ranks built geometries for different layers by step "
                            f"{step}; restart from the last checkpoint")
     print(f"nanogeo.agreement: warning: GeoFP8 geometry differs across ranks at step {step}; "
           "using rank 0's", flush=True)
-    for layer in layers:
-        if layer.ready:
-            flags = torch.tensor(layer.flags(), dtype=torch.float64, device=device)
-            for t in layer.tensors() + [flags]:
-                dist.broadcast(t, group=group, group_src=0)
-            layer.load_flags(flags.tolist())
+    broadcast_from_first(layers, group, device)
     return True
+
+
+def broadcast_from_first(layers, group, device):
+    """Overwrite every ready layer's tensors and decisions with those of the group's rank 0: one
+    broadcast of one contiguous float64 buffer (exact for fp32 values; NCCL refuses
+    non-contiguous tensors, and an SVD's factors are often strided), copied back in place."""
+    ready = [layer for layer in layers if layer.ready]
+    tensors = [t for layer in ready for t in layer.tensors()]
+    flags = torch.tensor([layer.flags() for layer in ready], dtype=torch.float64, device=device)
+    buffer = torch.cat([t.double().reshape(-1) for t in tensors] + [flags.reshape(-1)])
+    dist.broadcast(buffer, group=group, group_src=0)
+    values = buffer.split([t.numel() for t in tensors] + [flags.numel()])
+    for t, v in zip(tensors, values):
+        t.copy_(v.view(t.shape))
+    for layer, row in zip(ready, values[-1].view(len(ready), -1).tolist()):
+        layer.load_flags(row)

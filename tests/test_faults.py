@@ -48,31 +48,36 @@ def test_a_non_finite_step_does_not_poison_the_geometry_or_the_residuals(geometr
 
 
 def geometry_check_rank(rank, world_size, out):
-    """The check that follows every refresh, on 3 ranks: bases estimated from a different matrix
-    on every rank (as a nondeterministic kernel might produce), over all ranks and over the
-    subgroup of ranks 1 and 2; the same bases everywhere; a geometry on rank 0 only."""
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    pair = dist.new_group([1, 2])               # every rank must take part in creating it
+    """The check that follows every refresh, on 3 ranks: a geometry estimated from different
+    statistics on every rank (as a nondeterministic kernel might produce) - bases over the
+    subgroup of ranks 1 and 2 and over all ranks, whitening factors over all ranks; the same
+    bases everywhere; a geometry on rank 0 only."""
+    timeout = datetime.timedelta(seconds=60)
+    dist.init_process_group("gloo", timeout=timeout)
+    pair = dist.new_group([1, 2], timeout=timeout)      # every rank takes part in creating it
 
-    def check(matrix_seed, group, ready=True):
-        opts = compress.GeoOptions(geometry="subspace", select="all", min_numel=16, geo_rank=4)
+    def check(seed, group, geometry="subspace", ready=True):
+        opts = compress.GeoOptions(geometry=geometry, select="all", min_numel=16, geo_rank=4,
+                                   whiten_rank=4)
         layer = compress.GeoFP8Communicator([("w", (48, 64))], opts).layers["w"]
+        if ready and geometry == "subspace":
+            layer.refresh(workers_at(step=seed)[0][0])
+        elif ready:
+            layer.refresh({"input": anisotropic_moment(64, seed=seed)})
         if ready:
-            layer.refresh(workers_at(step=matrix_seed)[0][0])
-            layer.use_geo, layer.gain = matrix_seed == 0, 1.5 + matrix_seed
-        before = [t.clone() for t in layer.tensors()] if ready else []
+            layer.use_geo, layer.gain = seed == 0, 1.1 + seed       # 1.1: not exact in fp32
+        before = ([t.clone() for t in layer.tensors()], layer.flags()) if ready else ([], [])
         try:
             repaired = agreement.verify_geometry([layer], group, 7, torch.device("cpu"))
         except RuntimeError as e:
             return {"error": str(e)}
-        return {"repaired": repaired, "before": before, "after": layer.tensors(),
-                "flags": layer.flags()}
+        return {"repaired": repaired, "before": before, "after": (layer.tensors(), layer.flags())}
 
-    result = {"all": check(rank, None), "same": check(0, None),
-              "some": check(0, None, ready=rank == 0)}
-    if rank in (1, 2):
-        result["pair"] = check(rank, pair)
+    result = {"pair": check(rank, pair) if rank in (1, 2) else None,
+              "all": check(rank, None), "whiten": check(rank, None, "whiten"),
+              "same": check(0, None), "some": check(0, None, ready=rank == 0)}
     torch.save(result, f"{out}.{rank}")
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -80,17 +85,17 @@ def test_a_geometry_that_differs_across_ranks_is_replaced_by_rank_0s(tmp_path):
     out = str(tmp_path / "geometry")
     run_ranks(geometry_check_rank, 3, out)
     ranks = [torch.load(f"{out}.{r}") for r in range(3)]
-    for case, members in (("all", ranks), ("pair", ranks[1:])):
-        source = members[0][case]           # the group's rank 0
-        assert not all(torch.equal(a, b) for a, b in zip(source["before"],
-                                                         members[1][case]["before"]))
+    for case, members in (("all", ranks), ("whiten", ranks), ("pair", ranks[1:])):
+        source_tensors, source_flags = members[0][case]["before"]     # the group's rank 0
+        assert not all(torch.equal(a, b) for a, b in zip(source_tensors,
+                                                         members[1][case]["before"][0]))
         for r in members:
-            assert r[case]["repaired"]
-            assert all(torch.equal(a, b) for a, b in zip(r[case]["after"], source["before"]))
-            assert r[case]["flags"] == source["flags"]
+            tensors, flags = r[case]["after"]
+            assert r[case]["repaired"] and flags == source_flags
+            assert all(torch.equal(a, b) for a, b in zip(tensors, source_tensors))
     for r in ranks:
         assert not r["same"]["repaired"]
-        assert all(torch.equal(a, b) for a, b in zip(r["same"]["after"], r["same"]["before"]))
+        assert all(torch.equal(a, b) for a, b in zip(r["same"]["after"][0], r["same"]["before"][0]))
         assert "different layers" in r["some"]["error"]
 
 
