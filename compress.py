@@ -207,10 +207,14 @@ def elsewhere(part):
     return importlib.import_module(ELSEWHERE[part])
 
 
+def scale_from_amax(amax, fmax):
+    """s = fmax / amax, elementwise (1 where amax is 0; at most fp32's max)."""
+    return torch.where(amax > 0, fmax / amax, torch.ones_like(amax)).clamp(max=FP32_MAX)
+
+
 def fp8_scale(groups, fmax):
-    """Per-group scale s = fmax / amax (1 for all-zero groups) and the scaled, saturated values."""
-    amax = groups.abs().amax(dim=1)                                    # (G,)
-    scale = torch.where(amax > 0, fmax / amax, torch.ones_like(amax)).clamp(max=FP32_MAX)
+    """Per-group scale s = fmax / amax and the scaled, saturated values."""
+    scale = scale_from_amax(groups.abs().amax(dim=1), fmax)            # (G,)
     return scale, (groups * scale[:, None]).clamp(-fmax, fmax)
 
 
@@ -1305,10 +1309,6 @@ class GeoFP8Communicator:
         them, or a list of each worker's (averaged here as reduce() averages over ranks).
         Returns (means, bytes sent per rank)."""
         self.across_ranks = False
-        if isinstance(moments, list):
-            moments = elsewhere("moments").average_worker_moments(
-                moments, {n: self.shapes[n] for n in self.moment_layers()},
-                self.whitened_sides(), worker_grads[0][0].device)
         return self._step(dict(enumerate(worker_grads)), self._simulate, moments)
 
     def _step(self, worker_grads, collective, moments):
@@ -1325,13 +1325,21 @@ class GeoFP8Communicator:
                 self._keep_residual(w, c, l, finite)
         with self.timer.stage("rotate"):
             means = [self.from_coords(n, h) for n, h in zip(self.names, mean_coords)]
-        if moments is not None and self.across_ranks:   # this rank's statistics -> the ranks' mean
-            moments = elsewhere("moments").average_moments(
-                moments, {n: self.shapes[n] for n in self.moment_layers()},
-                self.whitened_sides(), self._sum_over_ranks, mean_coords[0].device)
+        if isinstance(moments, list) or (moments is not None and self.across_ranks):
+            moments = self._average_moments(moments, mean_coords[0].device)
         self.advance(dict(zip(self.names, means)), [g for g, _ in prepared.values()],
                      self.across_ranks, moments=moments)
         return means, sent
+
+    def _average_moments(self, moments, device):
+        """The K-FAC statistics of every rank (this rank's, summed over the group; or a list of
+        each simulated worker's) -> their token-weighted mean, the same on every rank."""
+        shapes = {n: self.shapes[n] for n in self.moment_layers()}
+        averaging = elsewhere("moments")
+        if isinstance(moments, list):
+            return averaging.average_worker_moments(moments, shapes, self.whitened_sides(), device)
+        return averaging.average_moments(moments, shapes, self.whitened_sides(),
+                                         self._sum_over_ranks, device)
 
     def _exchange(self, coords):
         """The collective over the process group, for this rank's tensors (coords: [them]).

@@ -35,6 +35,7 @@ codec: the two-stage collective's codec work on one rank, per DDP bucket (25 MB,
 
 import argparse
 import contextlib
+import importlib
 import json
 import math
 import os
@@ -47,7 +48,7 @@ import torch.distributed as dist
 import compress
 import model as model_lib
 import train
-from nanogeo import kernels, packing, perfmodel, smoke
+from nanogeo import kernels, perfmodel, smoke
 from prepare_data import load_splits
 
 
@@ -301,8 +302,9 @@ def one_rank_collective(tensors, layout, rank=0):
 def count_codec_calls(fn):
     """Calls of the FP8 codec's kernels (encode and decode, one fused kernel each when compiled)."""
     counts = {"calls": 0}
-    originals = {(module, name): getattr(module, name) for module, name in (
-        (compress, "fp8_encode"), (compress, "fp8_decode"), (packing, "fp8_decode_groups"))}
+    modules = [(importlib.import_module(m), name) for m, names in kernels.HOT_PATH.items()
+               for name in names if name in kernels.CASTS_FLOAT8]      # the codec's kernels
+    originals = {(module, name): getattr(module, name) for module, name in modules}
 
     def counting(f):
         def wrapper(*args):

@@ -55,7 +55,7 @@ def fp8_sum(codes, dtype, order="ring"):
 def fp8_sum_encode(tensors, fmt, amax):
     """Per-tensor codes (one flat uint8 buffer) and scales s = fmax / amax (amax: (T,) fp32)."""
     dtype, fmax = compress.FP8_FORMATS[fmt]
-    scales = torch.where(amax > 0, fmax / amax, torch.ones_like(amax)).clamp(max=compress.FP32_MAX)
+    scales = compress.scale_from_amax(amax, fmax)
     codes = [(t.float().reshape(-1) * s).clamp(-fmax, fmax).to(dtype).view(torch.uint8)
              for t, s in zip(tensors, scales.unbind())]
     return torch.cat(codes), scales
