@@ -546,32 +546,16 @@ def reflect(X, Y, T):      # hot path (nanogeo.kernels)
 
 
 def encode_geo(G, left, right):
-    """H = P^T G Q. `left`/`right` are HouseholderBasis, dense orthogonal matrices (full mode and
-    ablations), or None (that side stays in original coordinates)."""
-    H = G
-    if isinstance(left, HouseholderBasis):
-        H = left.apply_t(H)
-    elif left is not None:
-        H = left.T @ H
-    if isinstance(right, HouseholderBasis):
-        H = right.apply_t(H.T).T             # G Q = (Q^T G^T)^T
-    elif right is not None:
-        H = H @ right
-    return H
+    """H = P^T G Q. `left`/`right`: HouseholderBasis (or any basis with its apply_t / apply: the
+    dense ablation bases of nanogeo/ablations.py), or None: that side stays as it is."""
+    H = left.apply_t(G) if left is not None else G
+    return right.apply_t(H.T).T if right is not None else H        # G Q = (Q^T G^T)^T
 
 
 def decode_geo(H, left, right):
     """G = P H Q^T, the inverse of encode_geo."""
-    G = H
-    if isinstance(right, HouseholderBasis):
-        G = right.apply(G.T).T               # H Q^T = (Q H^T)^T
-    elif right is not None:
-        G = G @ right.T
-    if isinstance(left, HouseholderBasis):
-        G = left.apply(G)
-    elif left is not None:
-        G = left @ G
-    return G
+    G = right.apply(H.T).T if right is not None else H              # H Q^T = (Q H^T)^T
+    return left.apply(G) if left is not None else G
 
 
 def core_swaps(shape, r, block):
@@ -923,7 +907,7 @@ class GeoOptions:
         if self.collective == "fp8-sum" and (self.fmt == "nvfp4" or self.stochastic):
             raise ValueError("the fp8-sum collective sums e4m3/e5m2 codes with nearest rounding; "
                              "use collective='two-stage' for nvfp4 or stochastic rounding")
-        if self.sides == "auto" and (self.full or self.basis != "householder"):
+        if self.sides == "auto" and self.dense_bases:
             self.sides = "both"     # the choice is between Householder rotations; dense: both
         if self.collective == "fp8-sum":
             self.block = "tensor"   # its one scale per tensor; the gain check measures that codec
@@ -932,6 +916,11 @@ class GeoOptions:
             raise ValueError("select='fragile' profiles saturated FP8 sums during the warmup: it "
                              "needs collective='fp8-sum', warmup >= 1 and top_k >= 1")
         self.geo_layers = tuple(self.geo_layers)
+
+    @property
+    def dense_bases(self):
+        """The subspace rotation with dense bases (ablations: full=True or basis="random")."""
+        return self.full or self.basis != "householder"
 
 
 def exemption(name, shape, opts, linear=None):
@@ -978,7 +967,7 @@ class SubspaceLayer:
     shape: tuple
     r: int                              # dominant directions kept per side (geo_rank, capped)
     seed: int
-    opts: object = field(repr=False)    # the GeoOptions (basis, full, decay, iters)
+    opts: object = field(repr=False)    # the GeoOptions (decay, iters)
     left_basis: HouseholderBasis = None   # P, completed from the (m, r) dominant left subspace
     right_basis: HouseholderBasis = None  # Q, from the (n, r) dominant right subspace
     left_energy: torch.Tensor = None    # (r,)
@@ -990,7 +979,6 @@ class SubspaceLayer:
     transform: tuple = field(default=(None, None), repr=False)  # (left, right), derived
     swaps: tuple = field(default=None, repr=False)              # core_swaps, fixed by shape
     sides: str = "both"                 # the sides rotated now (sides="auto": chosen by gain)
-    exact: tuple = field(default=None, repr=False)  # full=True: dense singular bases (ablation)
 
     @property
     def ready(self):
@@ -1010,19 +998,14 @@ class SubspaceLayer:
         a large value into a quiet row's scaling block.)"""
         return self.swaps if transform[0] is not None and transform[1] is not None else None
 
+    def bases(self):
+        """(P, Q), whole (nanogeo/ablations.py replaces them by dense bases for ablations)."""
+        return self.left_basis, self.right_basis
+
     def rotation(self, sides=None):
-        """(left, right) of the rotation of `sides` (default: the layer's own). Ablations
-        (nanogeo/ablations.py): dense random rotations, or the exact singular bases of the
-        latest mean (full=True, kept in `exact`)."""
-        opts, sides = self.opts, sides or self.sides
-        if opts.basis == "random":
-            device, ablations = self.left_basis.Y.device, elsewhere("ablations")
-            left = ablations.random_orthogonal(self.shape[0], self.seed, device)
-            right = ablations.random_orthogonal(self.shape[1], self.seed + 1, device)
-        elif opts.full:
-            left, right = self.exact
-        else:
-            left, right = self.left_basis, self.right_basis
+        """(left, right) of the rotation of `sides` (default: the layer's own); None: a side
+        that is not rotated."""
+        sides, (left, right) = sides or self.sides, self.bases()
         return (left if sides in ("both", "left") else None,
                 right if sides in ("both", "right") else None)
 
@@ -1039,8 +1022,6 @@ class SubspaceLayer:
                 mean, self.left_basis.columns(), self.right_basis.columns(),
                 self.left_energy, self.right_energy, self.opts.decay, self.opts.iters, rows)
         self.left_basis, self.right_basis = HouseholderBasis.complete(U), HouseholderBasis.complete(V)
-        if self.opts.full:
-            self.exact = elsewhere("ablations").exact_bases(mean)
         self.transform = self.rotation()
         total = rows.sum(mean.pow(2).sum())
         core = rows.sum(rows.mine(U).T @ mean @ V).pow(2).sum()   # sum over ranks, then square
@@ -1048,7 +1029,7 @@ class SubspaceLayer:
 
     def tensors(self):
         return [self.left_basis.Y, self.left_basis.T, self.right_basis.Y, self.right_basis.T,
-                self.left_energy, self.right_energy, *(self.exact or ())]
+                self.left_energy, self.right_energy]
 
     def flags(self):
         """The decisions as numbers: (use_geo, only the right side rotates, gain)."""
@@ -1056,26 +1037,21 @@ class SubspaceLayer:
 
     def load_flags(self, flags):
         self.use_geo, self.gain = bool(flags[0]), flags[2]
-        if not self.opts.full:
-            self.rotate_sides("right" if flags[1] else
-                              ("both" if self.sides == "right" else self.sides))
+        self.rotate_sides("right" if flags[1] else ("both" if self.sides == "right" else self.sides))
 
     def state_dict(self):
         return {"left_Y": self.left_basis.Y, "left_T": self.left_basis.T,
                 "right_Y": self.right_basis.Y, "right_T": self.right_basis.T,
                 "left_energy": self.left_energy, "right_energy": self.right_energy,
                 "use_geo": self.use_geo, "gain": self.gain, "energy": self.energy,
-                "sides": self.sides, "exact": self.exact}
+                "sides": self.sides}
 
     def load_state_dict(self, s):
         self.use_geo, self.gain = s["use_geo"], s["gain"]
         self.left_basis = HouseholderBasis(s["left_Y"], s["left_T"])
         self.right_basis = HouseholderBasis(s["right_Y"], s["right_T"])
         self.left_energy, self.right_energy = s["left_energy"], s["right_energy"]
-        self.energy, self.exact = s["energy"], s.get("exact")
-        if self.opts.full and self.exact is None:
-            raise ValueError("this communicator state has no exact bases (saved before full=True "
-                             "kept them); start the full=True ablation afresh")
+        self.energy = s["energy"]
         self.rotate_sides(s.get("sides", self.sides))
 
 
@@ -1188,12 +1164,13 @@ class GeoFP8Communicator:
         self.rows = {}              # reduce / reduce_workers / advance), and its FSDP row blocks
 
     def _subspace_layer(self, name, shape):
-        r = min(shape) if self.opts.full else min(self.opts.geo_rank, min(shape) // 2)
-        layer = SubspaceLayer(shape, r, seed=zlib.crc32(name.encode()), opts=self.opts,
-                              sides="both" if self.opts.sides == "auto" else self.opts.sides)
-        if self.opts.scatter_core and not self.opts.full and self.opts.basis == "householder":
-            block = NVFP4_BLOCK if self.opts.fmt == "nvfp4" else self.opts.block
-            layer.swaps = core_swaps(shape, r, block)
+        opts = self.opts
+        kind = elsewhere("ablations").DenseSubspaceLayer if opts.dense_bases else SubspaceLayer
+        layer = kind(shape, min(opts.geo_rank, min(shape) // 2), seed=zlib.crc32(name.encode()),
+                     opts=opts, sides="both" if opts.sides == "auto" else opts.sides)
+        if opts.scatter_core and not opts.dense_bases:
+            block = NVFP4_BLOCK if opts.fmt == "nvfp4" else opts.block
+            layer.swaps = core_swaps(shape, layer.r, block)
         return layer
 
     # -- coordinates ---------------------------------------------------------------------------

@@ -6,12 +6,13 @@ Ablation-only coordinates of compress.py, imported by it on first use (compress.
     triangular solve (what the published artifact does; its factor EMA, factor_decay, applies to
     it), "full": A itself, "diag": A's diagonal, "block": A's diagonal blocks;
   * dense bases for the subspace rotation - exact singular bases (full=True) and a random
-    rotation (basis="random").
+    rotation (basis="random"): DenseSubspaceLayer, a compress.SubspaceLayer whose bases() are
+    dense m x m and n x n matrices.
 
 They exist to measure what the low-rank approximations and the Householder completion cost or
 gain (BENCHMARKS.md sections 11-12, nanogeo.tables); training uses compress.py's own forms.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -113,3 +114,55 @@ def random_orthogonal(n, seed, device, dtype=torch.float32):
     """basis="random": a dense random rotation, seeded identically on every rank."""
     generator = torch.Generator(device="cpu").manual_seed(seed)
     return compress.orthonormal(torch.randn(n, n, generator=generator, dtype=torch.float64)).to(device, dtype)
+
+
+@dataclass
+class DenseBasis:
+    """A dense orthogonal matrix M with compress.HouseholderBasis's methods."""
+    M: torch.Tensor
+
+    def apply_t(self, X):
+        """M^T X."""
+        return self.M.T @ X
+
+    def apply(self, X):
+        """M X."""
+        return self.M @ X
+
+
+@dataclass
+class DenseSubspaceLayer(compress.SubspaceLayer):
+    """The subspace rotation with dense bases in place of the Householder completion: full=True,
+    the complete singular bases of the latest mean (kept in `exact`, at r = min(m, n)), or
+    basis="random", a seeded random rotation. The Householder bases are still estimated as in
+    compress.SubspaceLayer (they carry the warm start, the energies and the readiness)."""
+    exact: tuple = field(default=None, repr=False)      # full=True: (U (m, m), V (n, n))
+
+    def __post_init__(self):
+        if self.opts.full:
+            self.r = min(self.shape)
+
+    def bases(self):
+        if self.opts.full:
+            return tuple(DenseBasis(M) for M in self.exact)
+        device = self.left_basis.Y.device
+        return (DenseBasis(random_orthogonal(self.shape[0], self.seed, device)),
+                DenseBasis(random_orthogonal(self.shape[1], self.seed + 1, device)))
+
+    def refresh(self, mean, rows=compress.ALL_ROWS):
+        if self.opts.full:
+            self.exact = exact_bases(mean)
+        super().refresh(mean, rows)
+
+    def tensors(self):
+        return super().tensors() + list(self.exact or ())
+
+    def state_dict(self):
+        return {**super().state_dict(), "exact": self.exact}
+
+    def load_state_dict(self, s):
+        self.exact = s.get("exact")
+        if self.opts.full and self.exact is None:
+            raise ValueError("this communicator state has no exact bases (saved before full=True "
+                             "kept them); start the full=True ablation afresh")
+        super().load_state_dict(s)

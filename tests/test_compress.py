@@ -255,6 +255,7 @@ def test_low_rank_matches_full_mode_at_full_rank():
     G = torch.randn(48, 48) * torch.logspace(0, -2, 48)
     U, V = ablations.exact_bases(G)
     lr_left, lr_right = HouseholderBasis.complete(U), HouseholderBasis.complete(V)
+    U, V = ablations.DenseBasis(U), ablations.DenseBasis(V)
     H_full, H_lr = encode_geo(G, U, V), encode_geo(G, lr_left, lr_right)
     assert torch.allclose(H_full.abs(), H_lr.abs(), atol=1e-5)  # equal up to column signs
     via_full = decode_geo(dequantize(quantize(H_full)), U, V)
