@@ -822,7 +822,8 @@ def error_measure(view, mean, rows=None):
 # =============================================================================
 #
 # Coordinates, one interface: each candidate matrix has a layer object - SubspaceLayer (the
-# rotation, section 3) or WhitenedLayer (the published whitening, section 3b) - with
+# rotation, section 3; its dense-basis ablations: nanogeo.ablations.DenseSubspaceLayer) or
+# WhitenedLayer (the published whitening, section 3b) - with
 #     encode(g) -> h, decode(h) -> g      the change of coordinates and its inverse
 #     refresh(statistics)                 new geometry from statistics identical on every rank
 #                                         (the decoded mean / the averaged K-FAC moments)
@@ -907,6 +908,9 @@ class GeoOptions:
         if self.collective == "fp8-sum" and (self.fmt == "nvfp4" or self.stochastic):
             raise ValueError("the fp8-sum collective sums e4m3/e5m2 codes with nearest rounding; "
                              "use collective='two-stage' for nvfp4 or stochastic rounding")
+        if self.full and self.basis != "householder":
+            raise ValueError("full=True (exact bases) and basis='random' are two different "
+                             "ablations; choose one")
         if self.sides == "auto" and self.dense_bases:
             self.sides = "both"     # the choice is between Householder rotations; dense: both
         if self.collective == "fp8-sum":
@@ -1005,7 +1009,8 @@ class SubspaceLayer:
     def rotation(self, sides=None):
         """(left, right) of the rotation of `sides` (default: the layer's own); None: a side
         that is not rotated."""
-        sides, (left, right) = sides or self.sides, self.bases()
+        sides = sides or self.sides
+        left, right = self.bases()
         return (left if sides in ("both", "left") else None,
                 right if sides in ("both", "right") else None)
 
@@ -1166,11 +1171,12 @@ class GeoFP8Communicator:
     def _subspace_layer(self, name, shape):
         opts = self.opts
         kind = elsewhere("ablations").DenseSubspaceLayer if opts.dense_bases else SubspaceLayer
-        layer = kind(shape, min(opts.geo_rank, min(shape) // 2), seed=zlib.crc32(name.encode()),
-                     opts=opts, sides="both" if opts.sides == "auto" else opts.sides)
+        r = min(shape) if opts.full else min(opts.geo_rank, min(shape) // 2)
+        layer = kind(shape, r, seed=zlib.crc32(name.encode()), opts=opts,
+                     sides="both" if opts.sides == "auto" else opts.sides)
         if opts.scatter_core and not opts.dense_bases:
             block = NVFP4_BLOCK if opts.fmt == "nvfp4" else opts.block
-            layer.swaps = core_swaps(shape, layer.r, block)
+            layer.swaps = core_swaps(shape, r, block)
         return layer
 
     # -- coordinates ---------------------------------------------------------------------------

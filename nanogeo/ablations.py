@@ -133,14 +133,10 @@ class DenseBasis:
 @dataclass
 class DenseSubspaceLayer(compress.SubspaceLayer):
     """The subspace rotation with dense bases in place of the Householder completion: full=True,
-    the complete singular bases of the latest mean (kept in `exact`, at r = min(m, n)), or
+    the complete singular bases of the latest mean (kept in `exact`; r = min(m, n)), or
     basis="random", a seeded random rotation. The Householder bases are still estimated as in
     compress.SubspaceLayer (they carry the warm start, the energies and the readiness)."""
     exact: tuple = field(default=None, repr=False)      # full=True: (U (m, m), V (n, n))
-
-    def __post_init__(self):
-        if self.opts.full:
-            self.r = min(self.shape)
 
     def bases(self):
         if self.opts.full:

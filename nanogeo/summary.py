@@ -45,7 +45,7 @@ def geometry_state_bytes(communicator):
     held = {}                                   # id -> tensor: each counted once
     for layer in communicator.layers.values():
         tensors = layer.tensors() if layer.ready else []
-        tensors += [t for t in layer.transform if isinstance(t, torch.Tensor)]
+        tensors += [basis.M for basis in layer.transform if hasattr(basis, "M")]  # DenseBasis
         held.update((id(t), t) for t in tensors if t is not None)
     return sum(t.numel() * t.element_size() for t in held.values())
 

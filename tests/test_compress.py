@@ -255,10 +255,10 @@ def test_low_rank_matches_full_mode_at_full_rank():
     G = torch.randn(48, 48) * torch.logspace(0, -2, 48)
     U, V = ablations.exact_bases(G)
     lr_left, lr_right = HouseholderBasis.complete(U), HouseholderBasis.complete(V)
-    U, V = ablations.DenseBasis(U), ablations.DenseBasis(V)
-    H_full, H_lr = encode_geo(G, U, V), encode_geo(G, lr_left, lr_right)
+    full_left, full_right = ablations.DenseBasis(U), ablations.DenseBasis(V)
+    H_full, H_lr = encode_geo(G, full_left, full_right), encode_geo(G, lr_left, lr_right)
     assert torch.allclose(H_full.abs(), H_lr.abs(), atol=1e-5)  # equal up to column signs
-    via_full = decode_geo(dequantize(quantize(H_full)), U, V)
+    via_full = decode_geo(dequantize(quantize(H_full)), full_left, full_right)
     via_lr = decode_geo(dequantize(quantize(H_lr)), lr_left, lr_right)
     assert torch.allclose(via_full, via_lr, atol=1e-5)
 
@@ -368,6 +368,18 @@ def test_geometry_state_is_small():
     comm.reduce_workers([[torch.randn(1024, 4096) for _ in shapes] for _ in range(2)])
     params = sum(math.prod(s) for _, s in shapes) * 4
     assert summary.geometry_state_bytes(comm) <= 0.05 * params
+
+
+@pytest.mark.parametrize("ablation", [dict(full=True), dict(basis="random")])
+def test_geometry_state_counts_the_dense_bases_of_ablations(ablation):
+    """The dense ablation bases are m x m and n x n: the state counts them (and full=True and
+    basis="random" together are refused: two different ablations)."""
+    m, n = 64, 96
+    comm = GeoFP8Communicator([("w", (m, n))], GeoOptions(geometry="subspace", **ablation))
+    comm.reduce_workers([[torch.randn(m, n)] for _ in range(2)])
+    assert summary.geometry_state_bytes(comm) >= 4 * (m * m + n * n)
+    with pytest.raises(ValueError, match="choose one"):
+        GeoOptions(geometry="subspace", full=True, basis="random")
 
 
 def communicator_rank(rank, world_size, out_path, options):
