@@ -85,6 +85,7 @@ stochastic rounding, the ablation-only factors and bases.
 """
 
 import contextlib
+import copy
 import functools
 import importlib
 import math
@@ -802,17 +803,20 @@ def initial_subspaces(G, r, seed, iters=4, rows=ALL_ROWS):
 # usually tiny is magnified; a rotation spreads the quantisation error of a few large
 # coordinates over every element, including those. Muon orthogonalises the update, so what
 # matters is how an error moves the orthogonalised matrix. The per-layer decision (section 5)
-# therefore measures each codec's error through the optimizer that owns the layer, to first
-# order, from the optimizer's own state (identical on every rank under DDP): AdamW's elementwise
-# sensitivity and Muon's Newton-Schulz map, in nanogeo/update_error.py.
+# therefore measures each codec's error through the optimizer that owns the layer, from the
+# optimizer's own state (identical on every rank under DDP): AdamW's elementwise update, exactly
+# (early on, and on quiet elements, an error as large as the gradient flips the update's sign:
+# a derivative cannot see that), and Muon's Newton-Schulz map to first order, in
+# nanogeo/update_error.py.
 
-def error_measure(view, mean, rows=None):
+def error_measure(view, mean, rows=None, workers=1):
     """delta -> the squared size of a gradient error delta (m, n) as the next update sees it:
     through the optimizer in `view` (nanogeo.update_error.UpdateError, at the decoded mean
-    `mean`), or in plain L2 without one (judge="l2", or no watch()). Under FSDP (rows) only this
-    rank's rows are measured; the caller sums over the ranks."""
+    `mean`, with one worker's error scaled to its share of the mean of `workers`), or in plain
+    L2 without one (judge="l2", or no watch()). Under FSDP (rows) only this rank's rows are
+    measured; the caller sums over the ranks."""
     if view is not None:
-        return elsewhere("update-error").UpdateError(view, mean, rows)
+        return elsewhere("update-error").UpdateError(view, mean, rows, workers)
     mine = (ALL_ROWS if rows is None else rows).mine
     return lambda delta: mine(delta).pow(2).sum()
 
@@ -1098,7 +1102,8 @@ class WhitenedLayer:
         """New factors from this step's second moments ({side: A or G}, identical on every
         rank), smoothed by the EMA of the moments (and of the factor, if factor_decay)."""
         opts = self.opts
-        for side, moment in moments.items():
+        self.moments, self.factors = dict(self.moments), dict(self.factors)   # new dicts: a
+        for side, moment in moments.items():                                  # copy stays apart
             old = self.moments.get(side)
             self.moments[side] = (moment.float() if old is None
                                   else opts.moment_decay * old + (1 - opts.moment_decay) * moment)
@@ -1145,15 +1150,14 @@ class GeoFP8Communicator:
         self.rounding_stream = zlib.crc32("\0".join(self.names).encode())  # its own random draws
         self.index = {n: i for i, n in enumerate(self.names)}
         self.reasons = {}
-        self.layers = {}
+        self.layers = {}        # name -> the coordinates in use (measured, or Euclidean)
+        self.candidates = {}    # name -> a new geometry, not yet measured: not used (see _propose)
         for n, shape in named_shapes:
             reason = exemption(n, shape, self.opts, linear)
             if reason:
                 self.reasons[n] = reason
-            elif self.opts.geometry == "whiten":
-                self.layers[n] = WhitenedLayer(tuple(shape), self.opts)
             else:
-                self.layers[n] = self._subspace_layer(n, tuple(shape))
+                self.layers[n] = self._new_layer(n)
         unknown = set(self.opts.geo_layers) - set(self.names) if self.opts.select == "list" else ()
         if unknown:
             raise ValueError(f"geo_layers names {len(unknown)} tensors this model does not have, "
@@ -1167,6 +1171,11 @@ class GeoFP8Communicator:
         self.saturation_steps = 0
         self.across_ranks = False   # the latest step ran over the process group (set by
         self.rows = {}              # reduce / reduce_workers / advance), and its FSDP row blocks
+
+    def _new_layer(self, name):
+        if self.opts.geometry == "whiten":
+            return WhitenedLayer(self.shapes[name], self.opts)
+        return self._subspace_layer(name, self.shapes[name])
 
     def _subspace_layer(self, name, shape):
         opts = self.opts
@@ -1369,27 +1378,35 @@ class GeoFP8Communicator:
                     refreshed = self._update_geometry(means, worker_grads, moments, whiten_now)
                 if across_ranks and refreshed:   # every rank must hold the same geometry
                     device = next(iter(means.values())).device
-                    elsewhere("agreement").verify_geometry(list(self.layers.values()), self.group,
-                                                           self.step, device)
+                    newest = [self.candidates.get(n, l) for n, l in self.layers.items()]
+                    elsewhere("agreement").verify_geometry(newest, self.group, self.step, device)
             else:
                 self.skipped += 1   # a non-finite mean (or statistic) must not reach the bases
         if self.opts.select == "fragile" and self.step == self.opts.warmup:
             self._select_fragile()
 
     def _update_geometry(self, means, worker_grads, moments, whiten_now):
-        """Refresh the bases / factors (True), or only re-judge the whitening (False: the
-        decisions come from all-reduced errors, nothing new to verify across ranks)."""
-        if self.opts.geometry == "whiten" and not whiten_now:
-            self._judge_whitening(means, worker_grads)
-            return False
+        """Measure the candidates (and, for the whitening, re-judge the factors in use), then
+        propose new geometry where it is due. Returns True if new geometry was proposed (it
+        must then be checked across ranks)."""
+        judged = [n for n, layer in self.layers.items() if n in self.candidates
+                  or (self.opts.geometry == "whiten" and layer.ready)]
+        if judged:
+            self._judge(judged, worker_grads, means)
         if self.opts.geometry == "whiten":
-            self._refresh_whitening(moments, means, worker_grads)
+            due = [n for n in self.layers if whiten_now and self._statistics(n, moments)]
         else:
-            self._refresh(means, worker_grads)
-        return True
+            due = [n for n, layer in self.layers.items()
+                   if self.step % self.opts.refresh == 0 or not layer.ready]
+        for n in due:
+            self._propose(n, self._statistics(n, moments) if self.opts.geometry == "whiten"
+                          else means[n])
+        return bool(due)
 
     def _geometry_due(self, whiten_now):
-        """Does this step touch the geometry (bases, factors, the gain check)?"""
+        """Does this step touch the geometry (candidates to measure, a refresh, a re-judging)?"""
+        if self.candidates:
+            return True
         if self.opts.geometry == "whiten":
             return whiten_now or self.step % self.opts.judge_every == 0
         return self.step % self.opts.refresh == 0 or any(not l.ready for l in self.layers.values())
@@ -1405,28 +1422,71 @@ class GeoFP8Communicator:
         bad = self._sum_over_ranks((~all_finite(tensors)).double())
         return bad.item() == 0
 
+    # -- do no harm: new geometry is a candidate until measured ---------------------------------
+    #
+    # A geometry built from step t's statistics (the decoded mean, the K-FAC moments) has seen
+    # step t: judged on step t's gradients it looks better than it will be (in sample). So a new
+    # geometry is a *candidate*, kept beside the coordinates in use; the next step's gradients,
+    # which did not build it, measure it against Euclidean in the error the layer's optimizer
+    # sees, and only then does it replace the layer in use - geometry-aware if it measured
+    # better by enter_gain, Euclidean otherwise. Until then the layer keeps coordinates that
+    # were measured (or Euclidean ones): from the first step and after every refresh.
+
+    def _propose(self, name, statistics):
+        """A candidate for `name`: its newest geometry (in use or candidate) refreshed from
+        this step's statistics. The explicit opt-ins (select="all"; a listed layer with gains
+        0, the paper's fixed choice) take it at once: no measurement could change their choice."""
+        newest = self.candidates.get(name, self.layers[name])
+        candidate = copy.copy(newest)          # refresh() replaces, never mutates, its tensors
+        candidate.gain = float("nan")          # not measured yet
+        if self.opts.geometry == "whiten":
+            candidate.refresh(statistics)
+        else:
+            candidate.refresh(statistics, self.rows.get(name, ALL_ROWS))
+        if goes_geometry_aware(candidate, self.opts, listed=name in self.chosen):
+            candidate.use_geo = True
+            self.layers[name] = candidate
+            self.candidates.pop(name, None)
+        else:
+            self.candidates[name] = candidate
+
+    def _statistics(self, name, moments):
+        """{side: A or G} of a whitened layer from this step's averaged moments."""
+        return {side: moments[side][name] for side in self.whitened_sides()
+                if name in moments.get(side, {})}
+
+    def _judge(self, names, worker_grads, means):
+        """Measure each layer's candidate (or, without one, the geometry in use) on this step's
+        gradients, decide its coordinates, and put the candidates in use."""
+        layers = {n: self.candidates.get(n, self.layers[n]) for n in names}
+        self._decide(layers, self._measure_gains(layers, worker_grads, means))
+        for n in names:
+            self.layers[n] = layers[n]
+            self.candidates.pop(n, None)
+
     # -- selection ---------------------------------------------------------------------------------
 
     def _round_trip(self, x):
         return dequantize(quantize(x, self.opts.fmt, self.opts.block))
 
-    def _measure_gains(self, names, worker_grads, means):
-        """(euclidean, geometry-aware) error of the gradients actually sent, with the geometry in
-        use, as the layer's optimizer sees it (error_measure) - measured on each rank's own
-        gradients, summed by one all-reduce, so every rank takes the same decision."""
+    def _measure_gains(self, layers, worker_grads, means):
+        """(euclidean, geometry-aware) error of the gradients actually sent, with each layer's
+        geometry ({name: layer}), as the layer's optimizer sees it (error_measure) - measured on
+        each rank's own gradients, summed by one all-reduce, so every rank takes the same
+        decision."""
         errors = []
         variants = self._variants()
-        for n in names:
-            layer = self.layers[n]
+        world = dist.get_world_size(self.group) if self.across_ranks else 1
+        for n, layer in layers.items():
             view = self.views.get(n) if self.opts.judge == "optimizer" else None
-            seen = error_measure(view, means[n], self.rows.get(n))
+            seen = error_measure(view, means[n], self.rows.get(n), world * len(worker_grads))
             for grads in worker_grads:
                 g = grads[self.index[n]].float()
                 errors.append(seen(self._round_trip(g) - g))
                 errors += [seen(self._sent(layer, g, sides) - g) for sides in variants]
-        errors = torch.stack(errors).double().view(len(names), len(worker_grads), -1).sum(1)
+        errors = torch.stack(errors).double().view(len(layers), len(worker_grads), -1).sum(1)
         self._sum_over_ranks(errors)
-        return errors.cpu()                                 # one transfer per refresh
+        return errors.cpu()                                 # one transfer per measurement
 
     def _variants(self):
         """The geometry-aware codecs the gain check compares with Euclidean: the layer's own, or
@@ -1444,24 +1504,22 @@ class GeoFP8Communicator:
         rotation = layer.rotation(sides)
         return layer.decode(self._round_trip(layer.encode(g, rotation)), rotation)
 
-    def _decide(self, names, errors):
+    def _decide(self, layers, errors):
         """Hysteresis on the measured gain: enter geo at enter_gain, leave below exit_gain. With
         select="list" or "fragile" only the chosen layers may enter, and they leave too when
         their geometry-aware error exceeds Euclidean's (enter_gain = exit_gain = 0: never).
         With sides="auto" each layer takes the better of its measured rotations."""
         variants = self._variants()
-        for n, (euclid, *geos) in zip(names, errors.tolist()):
-            layer = self.layers[n]
+        for (n, layer), (euclid, *geos) in zip(layers.items(), errors.tolist()):
             best = min(range(len(geos)), key=lambda k: geos[k])
             geo = geos[best]
             if variants[best] is not None and variants[best] != layer.sides:
                 layer.rotate_sides(variants[best])
             layer.gain = math.sqrt(euclid / geo) if geo > 0 else (float("inf") if euclid > 0 else 1.0)
-            self._choose(n)
+            self._choose(n, layer)
 
-    def _choose(self, name):
-        self.layers[name].use_geo = goes_geometry_aware(self.layers[name], self.opts,
-                                                        listed=name in self.chosen)
+    def _choose(self, name, layer):
+        layer.use_geo = goes_geometry_aware(layer, self.opts, listed=name in self.chosen)
 
     def _select_fragile(self):
         """The published selection: the top_k matrices by mean fraction of saturated FP8 sums
@@ -1470,59 +1528,16 @@ class GeoFP8Communicator:
         ranked = sorted(self.layers, key=lambda n: -scores.get(n, 0.0))
         self.chosen = set(ranked[:self.opts.top_k])
         for n in ranked:
-            self._choose(n)
-
-    # -- geometry ----------------------------------------------------------------------------------
-
-    def _refresh_whitening(self, moments, means, worker_grads):
-        """New factors from this step's second moments (identical on every rank: averaged over
-        the ranks). The gains are measured first, with the factors in use: factors judged on
-        the gradients they were computed from would look better than they will be on the next."""
-        ready = self._judge_whitening(means, worker_grads)
-        for n, layer in self.layers.items():
-            stats = {side: moments[side][n] for side in self.whitened_sides()
-                     if n in moments.get(side, {})}
-            if stats:
-                layer.refresh(stats)
-                if n not in ready:  # first factors, not yet measured: only select="all" (or
-                    self._choose(n)  # the paper's rule, gains 0) uses them before a measurement
-
-    def _judge_whitening(self, means, worker_grads):
-        """Between refreshes, re-measure the gains with the factors in use, on gradients they
-        were not computed from: factors go stale (on a fast-moving model within a few steps),
-        and a layer must leave as soon as they do. Returns the layers judged."""
-        ready = [n for n, l in self.layers.items() if l.ready]
-        if ready:
-            self._decide(ready, self._measure_gains(ready, worker_grads, means))
-        return ready
-
-    def _refresh(self, means, worker_grads):
-        """Subspace rotation: update the bases from the decoded mean (identical on every rank)
-        and decide each layer's coordinates by measured gain.
-
-        The evidence: the codec's error on the gradients actually being sent, in both coordinate
-        systems, with the bases in use - estimated from earlier steps, exactly the situation of
-        the next step (out of sample). The decoded mean cannot serve here: it already lies on the
-        FP8 grid of the coordinates it was sent in, so it would always favour those. Local
-        gradients are used only for this measurement, never for the bases."""
-        names = list(self.layers)
-        fresh = [n for n in names if not self.layers[n].ready]
-        rows = self.rows
-        for n in fresh:  # a layer's first bases: nothing earlier to judge by, so judge these
-            self.layers[n].refresh(means[n], rows.get(n, ALL_ROWS))
-        self._decide(names, self._measure_gains(names, worker_grads, means))
-        if self.step % self.opts.refresh == 0:
-            for n in names:
-                if n not in fresh:
-                    self.layers[n].refresh(means[n], rows.get(n, ALL_ROWS))
+            self._choose(n, self.layers[n])
 
     # -- reporting and checkpoints -------------------------------------------------------------
 
     def state_dict(self):
         layers = {n: l.state_dict() for n, l in self.layers.items() if l.ready}
+        candidates = {n: l.state_dict() for n, l in self.candidates.items()}
         residuals = {w: dict(r) for w, r in self.residuals.items()}
         return {"geometry": self.opts.geometry, "step": self.step, "layers": layers,
-                "residuals": residuals, "chosen": sorted(self.chosen),
+                "candidates": candidates, "residuals": residuals, "chosen": sorted(self.chosen),
                 "saturation": self.saturation, "saturation_steps": self.saturation_steps}
 
     def load_state_dict(self, state):
@@ -1537,6 +1552,10 @@ class GeoFP8Communicator:
         self.chosen = set(state.get("chosen", self.chosen))
         for n, layer_state in state["layers"].items():
             self.layers[n].load_state_dict(layer_state)
+        self.candidates = {}                # (none in checkpoints from before they existed)
+        for n, layer_state in state.get("candidates", {}).items():
+            self.candidates[n] = self._new_layer(n)
+            self.candidates[n].load_state_dict(layer_state)
 
 
 def all_finite(tensors):

@@ -2,15 +2,17 @@
 How faithfully does each method deliver the mean gradient?
 
     python -m nanogeo.fidelity grads.pt [--methods bf16,fp8-block,geofp8] [--json OUT] [--last K]
+                                        [--per_step]
 
 Reads a gradient file (nanogeo.capture writes one), runs every method's full pipeline over the
 steps in order - geometry is estimated only from earlier decoded means, exactly as in training,
-with no training-time warm-up, so GeoFP8 can use geometry-aware coordinates from the second step
-on - and reports for the last K steps (averaged): per tensor and in total, the relative L2 error
-of the decoded mean against the exact fp32 mean, cosine similarity, the error in Adam-normalised
-units when the file has optimizer_v, and wire bytes per rank. Where the file records the
-optimizer: update_err, the relative L2 difference of the update torch's optimizer takes from the
-decoded vs the exact mean, per layer and per optimizer, and its floor (update_floor).
+with no training-time warm-up: a geometry built from step s is measured on step s + 1 and can be
+used from step s + 2 on - and reports for the last K steps (averaged): per tensor and in total,
+the relative L2 error of the decoded mean against the exact fp32 mean, cosine similarity, the
+error in Adam-normalised units when the file has optimizer_v, and wire bytes per rank. Where
+the file records the optimizer: update_err, the relative L2 difference of the update torch's
+optimizer takes from the decoded vs the exact mean, per layer and per optimizer, and its floor
+(update_floor); with --per_step also every step's total update error (JSON: "steps").
 
 Methods (each with the two-stage e4m3 block-128 collective unless it says otherwise):
     bf16            the bf16 ring all-reduce
@@ -296,6 +298,7 @@ def evaluate(path, methods, last=1, vocab_size=None, round_trip=False, workers=N
         if adam_v is not None:
             total["adam_rel_err"] = 0.0
         chosen = results[-last:]
+        per_step = []
         if record is not None:
             update_err = update_errors(record, states[-last:], updates[-last:], chosen, names,
                                        classes, grad_clip)
@@ -303,6 +306,9 @@ def evaluate(path, methods, last=1, vocab_size=None, round_trip=False, workers=N
             total["update_err_floor"] = floor
             for n in names:
                 layers[n]["update_err"] = update_err["layers"][n]
+            # every step on its own: a method must do no harm from its first step on
+            per_step = [update_errors(record, [s], [u], [r], names, classes, grad_clip)
+                        for s, u, r in zip(states, updates, results)]
         for (means, sent, per_tensor, coords), ref in zip(chosen, exact[-last:]):
             err2 = ref2 = mat_err2 = mat_ref2 = dot = mean2 = adam_err2 = adam_ref2 = 0.0
             for n, m, b, c in zip(names, means, per_tensor, coords):
@@ -330,8 +336,26 @@ def evaluate(path, methods, last=1, vocab_size=None, round_trip=False, workers=N
             total["matrices_rel_err"] += math.sqrt(mat_err2 / mat_ref2) / last if mat_ref2 else 0.0
             if adam_v is not None:
                 total["adam_rel_err"] += math.sqrt(adam_err2 / adam_ref2) / last
-        report[spec] = {"total": total, "layers": layers}
+        report[spec] = {"total": total, "layers": layers, "steps": per_step}
     return report
+
+
+def print_steps(report):
+    """The total update error of every step (all of the file's steps, not only the last K),
+    per optimizer, each method also as a multiple of the first method's."""
+    methods = list(report)
+    steps = report[methods[0]]["steps"]
+    if not steps:
+        print("(no per-step update errors: the file records no optimizer)")
+        return
+    for c in steps[0]["total"]:
+        print(f"update_err {c} by step" + "".join(f"{m[:16]:>17s}" for m in methods)
+              + f"   (x {methods[0]})")
+        for s in range(len(steps)):
+            base = steps[s]["total"][c]
+            values = [report[m]["steps"][s]["total"][c] for m in methods]
+            print(f"{'step ' + str(s):22s}" + "".join(f"{v:17.4f}" for v in values) + "   "
+                  + " ".join(f"{v / base:.2f}" if base else "-" for v in values[1:]))
 
 
 def print_report(report):
@@ -389,6 +413,8 @@ def main(argv=None):
     parser.add_argument("--last", type=int, default=1, help="average over the last K steps")
     parser.add_argument("--vocab_size", type=int, default=None,
                         help="vocabulary size (default: the file's vocab_size; 0 = none)")
+    parser.add_argument("--per_step", action="store_true",
+                        help="also print every step's total update error (files with an optimizer)")
     parser.add_argument("--round_trip", action="store_true",
                         help="one codec round trip of the exact mean instead of the collective")
     args = parser.parse_args(argv)
@@ -398,6 +424,8 @@ def main(argv=None):
     except (ValueError, FileNotFoundError, KeyError) as e:
         sys.exit(f"nanogeo.fidelity: error: {e}")
     print_report(report)
+    if args.per_step:
+        print_steps(report)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -41,9 +41,9 @@ def layer_table(communicator, names=None):
 
 def geometry_state_bytes(communicator):
     """Memory held for geometry (reflectors, energies, moments, factors; dense bases in
-    ablations), in bytes."""
+    ablations) - in use and candidates awaiting their measurement - in bytes."""
     held = {}                                   # id -> tensor: each counted once
-    for layer in communicator.layers.values():
+    for layer in [*communicator.layers.values(), *communicator.candidates.values()]:
         tensors = layer.tensors() if layer.ready else []
         tensors += [basis.M for basis in layer.transform if hasattr(basis, "M")]  # DenseBasis
         held.update((id(t), t) for t in tensors if t is not None)

@@ -1,6 +1,7 @@
 """
-The error the optimizer sees: what a gradient error does to the next update, to first order,
-from the optimizer's own state - AdamW's elementwise sensitivity, Muon's Newton-Schulz map.
+The error the optimizer sees: what a gradient error does to the next update, from the
+optimizer's own state - AdamW's elementwise update (exactly), Muon's Newton-Schulz map (to first
+order).
 compress.GeoFP8Communicator judges each layer's coordinates by it (why: compress.py section
 4b, "The error the optimizer sees"); nanogeo.fidelity and nanogeo.variants report with it.
 """
@@ -41,44 +42,50 @@ def local_tensor(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def adamw_sensitivity(view, g):
-    """d update / d g of AdamW's next step, element by element (its Jacobian is diagonal): with
-    m^ = (b1 m + (1 - b1) g) / c1, v^ = (b2 v + (1 - b2) g^2) / c2, s = sqrt(v^),
-        u = m^ / (s + eps),   du/dg = (1 - b1) / (c1 (s + eps)) - m^ (1 - b2) g / (c2 s (s + eps)^2).
-    The second term matters where the new gradient dominates v (quiet rows waking up)."""
+def adamw_update(view, g):
+    """The update AdamW's next step takes from gradient g (m, n), without lr and weight decay
+    (which move a parameter alike whatever the gradient), in float64: with
+        m^ = (b1 m + (1 - b1) g) / c1,  v^ = (b2 v + (1 - b2) g^2) / c2,  u = m^ / (sqrt(v^) + eps).
+    Exact, not linearised: early in training (v ~ the new g^2, u ~ sign(g)) and on quiet
+    elements an error as large as the gradient flips signs - no derivative sees that."""
     state, (beta1, beta2), eps = view.read_state(), view.hyper["betas"], view.hyper["eps"]
     step = torch.as_tensor(state.get("step", 0), dtype=torch.float64, device=g.device) + 1
-    c1, c2 = (1 - beta1 ** step).float(), (1 - beta2 ** step).float()   # no host sync
-    m, v = (local_tensor(state[k]).float() if k in state else torch.zeros_like(g)
+    c1, c2 = 1 - beta1 ** step, 1 - beta2 ** step                       # no host sync
+    m, v = (local_tensor(state[k]).double() if k in state else torch.zeros_like(g, dtype=torch.float64)
             for k in ("exp_avg", "exp_avg_sq"))
+    g = g.double()
     m_hat = (beta1 * m + (1 - beta1) * g) / c1
-    s = ((beta2 * v + (1 - beta2) * g * g) / c2).sqrt()
-    through_v = torch.where(s > 0, m_hat * (1 - beta2) * g / (c2 * s.clamp(min=1e-30) * (s + eps) ** 2),
-                            torch.zeros_like(s))
-    return (1 - beta1) / (c1 * (s + eps)) - through_v
+    v_hat = (beta2 * v + (1 - beta2) * g * g) / c2
+    return m_hat / (v_hat.sqrt() + eps)
 
 
 class UpdateError:
     """Squared size of the change a gradient error makes to the next update of the optimizer
-    in `view`, to first order, when the decoded mean gradient is `mean` (both (m, n)):
+    in `view`, when the decoded mean gradient is `mean` (both (m, n)):
 
         none   ||delta||^2          no optimizer (view None; compress.error_measure gives
                                     the communicator this case without importing this file)
-        adamw  ||J * delta||^2      J: AdamW's elementwise sensitivity (adamw_sensitivity)
-        muon   ||NS(X + c delta) - NS(X)||^2 / ...   X: the matrix Muon orthogonalises, c = dX/dg
+        adamw  ||u(mean + delta) - u(mean)||^2      u: AdamW's update (adamw_update), exact
+        muon   ||NS(X + c delta) - NS(X)||^2 / ...   X: the matrix Muon orthogonalises, c = dX/dg,
+                                                    to first order
 
-    Scalar factors common to every codec (learning rate, Muon's lr adjustment) are left out:
-    only ratios between codecs are used. `rows` (FSDP):
-    `mean` and the optimizer state hold only this rank's rows; the error is measured there
-    (Muon, which needs whole matrices, falls back to L2)."""
+    `workers`: the gain check measures each worker's own codec error, but the mean carries the
+    average of W independent errors, about 1 / sqrt(W) as large per element; AdamW's update is
+    not linear in the error, so the error is scaled to that size before it goes through
+    (and the result scaled back, so that sizes stay comparable to L2). Scalar factors common to
+    every codec (learning rate, Muon's lr adjustment) are left out: only ratios between codecs
+    are used. `rows` (FSDP): `mean` and the optimizer state hold only this rank's rows; the
+    error is measured there (Muon, which needs whole matrices, falls back to L2)."""
 
-    def __init__(self, view, mean, rows=None):
+    def __init__(self, view, mean, rows=None, workers=1):
         self.kind = view.kind if view is not None else "none"
         self.rows = rows
         if self.kind == "muon" and rows is not None:
             self.kind = "none"
         if self.kind == "adamw":
-            self.weight = adamw_sensitivity(view, mean.float())
+            self.view, self.mean = view, mean.double()
+            self.spread = workers ** -0.5
+            self.base = adamw_update(view, self.mean)
         elif self.kind == "muon":
             state, hyper = view.read_state(), view.hyper
             mu = hyper["momentum"]
@@ -95,7 +102,8 @@ class UpdateError:
         if self.rows is not None:
             delta = self.rows.mine(delta)
         if self.kind == "adamw":
-            return (delta * self.weight).pow(2).sum()
+            moved = adamw_update(self.view, self.mean + self.spread * delta.double())
+            return ((moved - self.base) / self.spread).pow(2).sum().float()
         if self.kind == "muon":     # a directional derivative: a step small enough to be linear
             eps = (1e-3 * self.X.norm()).clamp(min=1e-12) / (self.c * delta).norm().clamp(min=1e-30)
             return (self.ns(self.X + eps * self.c * delta) - self.base).pow(2).sum() / eps ** 2
