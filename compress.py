@@ -431,8 +431,8 @@ def collective_bytes(layout, rank):
 def ring_allreduce_bytes(numel, bytes_per_element, world_size):
     """Bytes each rank sends in a ring all-reduce: reduce-scatter + all-gather, each moving
     (W - 1) / W of the buffer: the bf16 baseline (2 bytes an element) that the two-stage
-    collective's bytes are compared with, and the paper's FP8-sum collective (1 byte; its scales'
-    MAX all-reduce not counted)."""
+    collective's bytes are compared with, and the paper's FP8-sum collective (1 byte; plus its
+    scales' MAX all-reduce, nanogeo.fp8sum.wire_bytes)."""
     return int(2 * (world_size - 1) * numel * bytes_per_element // world_size)
 
 

@@ -78,6 +78,7 @@ class TrainConfig:
     # evaluation, logging, checkpoints
     eval_interval: int = 100          # validation loss every N steps (and at the end)
     eval_iters: int = 10              # validation batches per rank
+    final_evals: int = 1              # final val loss: mean of N evals over the last 10 % of steps
     eval_every: int = 0               # downstream zero-shot eval (nanogeo.eval) every N steps
     eval_limit: int = 200             # ... on the first N documents of each task
     eval_tasks: str = "hellaswag,piqa,arc_easy"
@@ -189,11 +190,23 @@ def reduce_gradients(params, cfg, communicator, world_size, moments=None):
     # The published GeoFP8 refreshes its factors from its layers' input statistics, which
     # forward pre-hooks (`moments`) collected during this step's forward passes on refresh steps.
     stats = moments.take() if moments is not None and communicator.wants_moments() else None
-    return communicator.reduce(grads, stats)
+    sent = communicator.reduce(grads, stats)
+    if stats is not None:       # ... averaged over the ranks by one more all-reduce
+        sent += hooks.statistics_bytes(communicator, world_size)
+    return sent
 
 
 # -----------------------------------------------------------------------------
 # helpers
+
+def final_eval_steps(cfg):
+    """The steps whose validation losses the summary's final val loss averages: the last one,
+    and with --final_evals=N N - 1 more, spaced evenly back over the last 10 % of the steps.
+    The batches are the same each time, so the mean smooths the noise of the last few updates
+    (which one evaluation carries in full), not the sampling of the batches."""
+    gap = max(1, round(0.1 * cfg.max_iters / max(1, cfg.final_evals - 1)))
+    return sorted({max(1, cfg.max_iters - k * gap) for k in range(cfg.final_evals)})
+
 
 def learning_rate(cfg, step):
     """Linear warm-up, then cosine decay from learning_rate to min_lr at max_iters."""
@@ -335,6 +348,7 @@ def train(cfg):
     log.first_eval(first_val)
     val_loss = float("nan") if first_val is None else first_val    # resumed: not yet measured
     train_loss, t_start = float("nan"), time.time()
+    final_steps, final_vals = final_eval_steps(cfg), []     # final_vals: [(step, val loss)]
     local = delivered = None        # the last step's gradients, kept for the summary
     for step in range(start_step, cfg.max_iters):
         t0 = time.time()
@@ -365,6 +379,7 @@ def train(cfg):
                                                     worker_moments)
         else:
             wire_bytes = reduce_gradients(params, cfg, communicator, world_size, moments)
+        log.sent(wire_bytes)
         if last:
             delivered = [p.grad.clone() for p in params]
         grad_norm = optimizer_step(params, optimizers, cfg.grad_clip)
@@ -375,8 +390,10 @@ def train(cfg):
             torch.cuda.synchronize()
         dt, done = time.time() - t0, step + 1
 
-        if done % cfg.eval_interval == 0 or done == cfg.max_iters:
+        if done % cfg.eval_interval == 0 or done in final_steps:
             val_loss = evaluate(model, data, cfg, my_ranks, world_size, autocast, device)
+            if done in final_steps:
+                final_vals.append((done, val_loss))
             if cfg.comm in ("geofp8", "subspace") and done > cfg.geo_warmup:
                 log.print(f"GeoFP8 layers at step {done}:\n{summary.layer_table(communicator)}")
         if done % cfg.log_interval == 0 or done == cfg.max_iters:
@@ -390,8 +407,8 @@ def train(cfg):
     if delivered is not None:       # the last step, measured against Euclidean FP8
         log.print(summary.last_step_report(communicator, local, delivered, coords, data_parallel,
                                            simulated=bool(cfg.simulate_workers)))
-    result = log.finish(train_loss, val_loss, first_val, start_step, elapsed,
-                        runtime.parameter_checksum(params), saver.path)
+    result = log.finish(train_loss, final_vals or [(cfg.max_iters, val_loss)], first_val,
+                        start_step, elapsed, runtime.parameter_checksum(params), saver.path)
     if world_size > 1:
         dist.destroy_process_group()
     return result

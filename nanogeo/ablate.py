@@ -1,26 +1,62 @@
 """
 Convergence studies: the same training run with each gradient communication method, over a grid
-of methods x optimizers x seeds x data-parallel ranks, with confidence intervals.
+of methods x optimizers x seeds x data-parallel ranks, compared seed by seed with Student t
+intervals; and the short fp32 learning-rate sweep that tunes each optimizer before a study.
 
     python -m nanogeo.ablate --comms fp32,bf16,fp8,geofp8 --nproc 2 --out_dir out/ablate [-- TRAIN FLAGS]
+    python -m nanogeo.ablate --sweep muon_lr=1e-3,3e-3,1e-2 --optimizers muon --workers 32 \\
+        --seeds 0,1 --out_dir out/sweep -- --preset=char-study --max_iters=300
     python -m nanogeo.ablate --comms fp32,fp8-paper,subspace-paper --workers 32 --seeds 0,1,2 \\
-        --optimizers adamw,muon --out_dir out/study -- --preset=char-study --max_iters=300
+        --optimizers muon --lr_from out/sweep/sweep.json --out_dir out/study -- --preset=char-study
 
-One process per run: `torchrun --nproc_per_node=N train.py` for real ranks (--nproc), or
+Runs. One process per run: `torchrun --nproc_per_node=N train.py` for real ranks (--nproc), or
 `python train.py --simulate_workers=W` for W ranks simulated in one process (--workers; the
-same numerics, see train.py). Runs live in out_dir/COMM/OPTIMIZER/simW (or ranksN)/seedS; a run
-whose log ends with its summary and whose command (command.json) was this one is skipped, so an
-interrupted study resumes where it stopped; an unfinished run starts again from step 0. Extra
-flags after `--` go to every run.
+same numerics, see train.py). Runs live in out_dir/COMM/OPTIMIZER/simW (or ranksN)/seedS (a
+sweep's in out_dir/FLAG=VALUE/fp32/...); a run whose log ends with its summary and whose command
+(command.json) was this one is skipped, so an interrupted study resumes where it stopped; an
+unfinished run starts again from step 0. Extra flags after `--` go to every run.
 
-Writes, after every run: out_dir/results.json (one record per run: its final losses, bytes,
-time and loss curve; earlier calls' records on the same out_dir are kept) and out_dir/study.md: per optimizer and W, for each method the final
-validation loss as mean +- 95 % confidence interval over seeds (Student t), its gap to fp32
-(paired by seed: same initialisation and data), and the fraction of the reference method's
-gap that it recovers, 1 - gap / reference gap, with a 95 % bootstrap interval over seeds
-(--reference, default the first compressed Euclidean method in --comms); and, with
-matplotlib installed, out_dir/loss_OPTIMIZER_simW.png (or _ranksN): train-loss curves, mean
-over seeds with a min-max band.
+What a run's record holds (out_dir/results.json, rewritten after every run): the whole command
+(train.py and every flag), the train flags its group shares (learning rates and the flags after
+`--`), the commit it ran at (git rev-parse HEAD, and whether tracked files had changes), its
+preset, steps and the learning rates train.py resolved; its final val loss (train.py's summary:
+the mean of the last --final_evals evaluations, 3 with --preset=char-study), the bytes each rank
+sent per step averaged over all steps (every collective of the gradient communication: the
+two-stage collective's all_to_all and all_gather, or the paper's FP8 all-reduce and the MAX
+all-reduce of its scales, and the K-FAC statistics' all-reduce of the published GeoFP8; not
+the few-number all-reduces of the gain check, the finiteness flag and the geometry checksum,
+nor those every method shares), ms per step and the train-loss curve. Records are merged by
+their whole command: a call with other flags adds records beside the earlier ones, never
+mixes with them; records from before the command was stored are kept, on their own. (A run
+is not repeated for a new commit; each table's heading lists the commits of its runs.)
+
+Statistics (out_dir/study.md): per optimizer, W and set of train flags, every method's runs are
+compared with fp32's and the reference's runs of the same seeds (same initialisation, same
+data), so what a seed does to every method alike cancels:
+  * final val loss: mean over seeds +- the half-width of the 95 % Student t interval;
+  * gap to fp32 and gap to the reference (--reference, default the first compressed Euclidean
+    method in --comms): the per-seed differences, their mean +- 95 % t half-width (a paired
+    t interval);
+  * recovered fraction of the reference's gap: per seed f = 1 - gap / reference gap, then the
+    mean of f with a 95 % t interval over seeds; with >= 8 seeds a 95 % percentile bootstrap
+    of that mean instead, labelled "bootstrap" (with 3 seeds a bootstrap has 27 resamples and
+    its cut-offs are just the lowest and highest seed). No fraction is printed when the
+    reference's own gap is not established: its paired t interval includes 0 ("reference gap
+    not significant"), or some seed's reference gap is <= 0.
+A row with one seed says "one seed" where an interval would be. t intervals assume per-seed
+values spread roughly normally; with 2 or 3 seeds they are wide (t = 12.7 and 4.30), honestly.
+
+The sweep (--sweep FLAG=V1,V2,...; FLAG: learning_rate or muon_lr) runs fp32 at every value
+and writes out_dir/sweep.json and sweep.md: per optimizer and W the mean final val loss of each
+value over the seeds all values share, its paired gap to the best value, and the best (lowest
+mean; flagged when it lies at an end of the grid). --lr_from sweep.json then passes the best
+value of every flag swept for an optimizer to every method of that optimizer at that W (one
+flag at a time: each flag's best is the one its own sweep found). The schedule's floor
+--min_lr stays as set, so a learning_rate sweep moves the peak only; Muon's lr follows
+learning_rate's warm-up and cosine scaled to its own peak, so a muon_lr sweep keeps the shape.
+
+With matplotlib installed, out_dir/loss_OPTIMIZER_simW.png (or _ranksN): the study's train-loss
+curves, mean over seeds with a min-max band.
 """
 
 import argparse
@@ -31,6 +67,9 @@ import random
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
+
+from nanogeo import config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAPER_SUM = ["--fmt=e5m2", "--block=tensor", "--collective=fp8-sum"]   # the paper's collective
@@ -51,12 +90,32 @@ COMMS = {"fp32": ["--comm=fp32"], "bf16": ["--comm=bf16"], "fp8": ["--comm=fp8"]
          "subspace-paper-all": ["--comm=subspace", *PAPER_SUM, "--geo_layers=all"],
          "geofp8": ["--comm=geofp8"], "subspace": ["--comm=subspace"],
          "nvfp4": ["--comm=fp8", "--fmt=nvfp4"], "geo-nvfp4": ["--comm=geofp8", "--fmt=nvfp4"],
-         "subspace-nvfp4": ["--comm=subspace", "--fmt=nvfp4"]}
+         "subspace-nvfp4": ["--comm=subspace", "--fmt=nvfp4"],
+         # the geometry-agnostic control: a randomized Hadamard rotation (train.py --comm=hadamard)
+         "hadamard": ["--comm=hadamard"], "hadamard-paper": ["--comm=hadamard", *PAPER_SUM],
+         "hadamard-nvfp4": ["--comm=hadamard", "--fmt=nvfp4"]}
 EUCLIDEAN = ("fp8", "fp8-paper", "e5m2-tensor", "nvfp4")      # candidates for --reference
+SWEEPABLE = {"learning_rate": ("adamw", "muon"), "muon_lr": ("muon",)}  # flag: its optimizers
+LR_FIELDS = ("learning_rate", "min_lr", "muon_lr", "muon_adjust_lr")    # recorded from the config
+MIN_BOOTSTRAP_SEEDS = 8
 # Student t, two-sided 95 %, by degrees of freedom (1.96 beyond 30)
 T95 = dict(enumerate((12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
                       2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
                       2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042), 1))
+
+
+# -----------------------------------------------------------------------------
+# runs
+
+@dataclass(frozen=True)
+class Run:
+    comm: str
+    optimizer: str
+    workers: int            # simulated ranks; 0: real ranks (--nproc of them, through torchrun)
+    seed: int
+    path: str
+    flags: tuple            # the train flags its group shares: learning rates, then extra flags
+    sweep: tuple = ()       # (flag, value) of a sweep run
 
 
 def run_dir(out_dir, comm, optimizer, workers, nproc, seed):
@@ -65,42 +124,92 @@ def run_dir(out_dir, comm, optimizer, workers, nproc, seed):
     return os.path.join(out_dir, comm, optimizer, ranks, f"seed{seed}")
 
 
-def finished(path, cmd):
-    """The run's summary and loss records, if it ran with this command and its log ends with
-    a summary; else None (a run with other flags is run again)."""
-    log, ran = os.path.join(path, "log.jsonl"), os.path.join(path, "command.json")
-    if not os.path.exists(log) or (os.path.exists(ran) and json.load(open(ran)) != cmd[1:]):
-        return None
-    records = [json.loads(line) for line in open(log) if line.strip()]
-    if not records or "summary" not in records[-1]:
-        return None
-    return records[-1]["summary"], [r for r in records if "loss" in r]
-
-
-def command(run, nproc, extra):
-    comm, optimizer, workers, seed, path = run
-    flags = [f"--out_dir={path}", "--overwrite=true", f"--optimizer={optimizer}",
-             f"--seed={seed}", *COMMS[comm], *extra]
-    if workers:
-        return [sys.executable, "train.py", f"--simulate_workers={workers}", *flags]
+def command(run, nproc):
+    flags = [f"--out_dir={run.path}", "--overwrite=true", f"--optimizer={run.optimizer}",
+             f"--seed={run.seed}", *COMMS[run.comm], *run.flags]
+    if run.workers:
+        return [sys.executable, "train.py", f"--simulate_workers={run.workers}", *flags]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc_per_node={nproc}", "train.py", *flags]
 
 
-def record(run, summary, steps, nproc):
-    comm, optimizer, workers, seed, _ = run
-    return {"comm": comm, "optimizer": optimizer, "workers": workers or nproc,
-            "simulated": bool(workers), "seed": seed,
+def finished(path, cmd):
+    """The run's summary and loss records, if it ran with this command and its log ends with
+    a summary that records the resolved config; else None: a run with other flags is run
+    again, and so is one of a train.py from before the summary held its config and the mean
+    of the final evaluations (the same command may have meant other presets then)."""
+    log, ran = os.path.join(path, "log.jsonl"), os.path.join(path, "command.json")
+    if not os.path.exists(log) or (os.path.exists(ran) and json.load(open(ran)) != cmd[1:]):
+        return None
+    records = [json.loads(line) for line in open(log) if line.strip()]
+    if not records or "config" not in records[-1].get("summary", {}):
+        return None
+    return records[-1]["summary"], [r for r in records if "loss" in r]
+
+
+def git_commit():
+    """{"commit": HEAD, "dirty": whether tracked files differ from it}, or Nones outside git."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    try:
+        return {"commit": git("rev-parse", "HEAD"),
+                "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    except (OSError, subprocess.CalledProcessError):
+        return {"commit": None, "dirty": None}
+
+
+def provenance(path):
+    """The commit a finished run ran at (provenance.json; none for runs of older drivers)."""
+    file = os.path.join(path, "provenance.json")
+    return json.load(open(file)) if os.path.exists(file) else {"commit": None, "dirty": None}
+
+
+def record(run, summary, steps, nproc, cmd):
+    config = summary["config"]              # as train.py resolved it: preset, flags, defaults
+    return {"comm": run.comm, "optimizer": run.optimizer, "workers": run.workers or nproc,
+            "simulated": bool(run.workers), "seed": run.seed,
+            "command": cmd[1:], "flags": list(run.flags), "sweep": list(run.sweep) or None,
+            **provenance(run.path), "preset": config["preset"], "steps": config["max_iters"],
+            "learning_rates": {k: config[k] for k in LR_FIELDS if k in config
+                               and (run.optimizer == "muon" or not k.startswith("muon"))},
             "final_val_loss": summary["final_val_loss"],
+            "final_val_losses": summary.get("final_val_losses"),
             "final_train_loss": summary["final_train_loss"],
             "ms_per_step": summary["ms_per_step"],
-            "wire_bytes": steps[-1]["wire_bytes"] if steps else None,
-            "wire_vs_bf16": steps[-1]["wire_vs_bf16"] if steps else None,
+            "mean_wire_bytes": summary.get("mean_wire_bytes"),
+            "mean_wire_vs_bf16": summary.get("mean_wire_vs_bf16"),
             "curve": [(s["step"], s["loss"]) for s in steps]}
 
 
+def execute(run, nproc, out_dir, commit, label):
+    """Run it unless it finished with this command before; returns (its record, what happened)."""
+    cmd = command(run, nproc)
+    done = finished(run.path, cmd)
+    if done is not None:
+        return record(run, *done, nproc, cmd), "done before, skipped"
+    t0 = time.time()
+    print(f"{label}: running", flush=True)
+    log_path = os.path.join(out_dir, "runs.log")
+    os.makedirs(run.path, exist_ok=True)
+    with open(os.path.join(run.path, "command.json"), "w") as f:
+        json.dump(cmd[1:], f)
+    with open(os.path.join(run.path, "provenance.json"), "w") as f:
+        json.dump(commit, f)
+    with open(log_path, "a") as log:
+        code = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+    done = finished(run.path, cmd)
+    if code or done is None:
+        raise SystemExit(f"nanogeo.ablate: {label} failed (exit code {code}); its output is at "
+                         f"the end of {log_path}")
+    return record(run, *done, nproc, cmd), f"{time.time() - t0:.0f}s"
+
+
+# -----------------------------------------------------------------------------
+# statistics
+
 def mean_ci(values):
-    """(mean, half-width of the 95 % t interval); nan half-width for one value."""
+    """(mean, half-width of the 95 % Student t interval); nan half-width for one value."""
     n = len(values)
     mean = sum(values) / n
     if n < 2:
@@ -109,64 +218,285 @@ def mean_ci(values):
     return mean, T95.get(n - 1, 1.96) * sd / math.sqrt(n)
 
 
-def recovered(gaps, reference_gaps, draws=2000):
-    """1 - mean gap / mean reference gap, and a 95 % bootstrap interval over the paired seeds.
-    The interval is (nan, nan) when some resample has no reference gap (mean <= 0): then the
-    fraction is unbounded and the reference's gap itself is not established."""
-    def fraction(idx):
-        ref = sum(reference_gaps[i] for i in idx)
-        return 1 - sum(gaps[i] for i in idx) / ref if ref > 0 else float("nan")
-    n = len(gaps)
-    point = fraction(range(n))
-    rng = random.Random(0)
-    boot = [fraction([rng.randrange(n) for _ in range(n)]) for _ in range(draws)]
-    if n < 2 or any(math.isnan(b) for b in boot):
-        return point, float("nan"), float("nan")
-    boot.sort()
-    return point, boot[int(0.025 * draws)], boot[int(0.975 * draws) - 1]
+def reference_problem(reference_gaps):
+    """Why no fraction of the reference's gap (per seed: reference - fp32) can be given, or None:
+    one seed; a run that diverged; its paired t interval includes 0 (no gap established) or
+    lies below it; or a seed in which it did not lose to fp32 (that seed's fraction would divide
+    by a number <= 0)."""
+    if len(reference_gaps) < 2:
+        return "one seed"
+    if not all(math.isfinite(g) for g in reference_gaps):
+        return "reference gap not finite"
+    mean, half = mean_ci(reference_gaps)
+    if mean + half < 0:
+        return "reference better than fp32"
+    if mean - half <= 0:
+        return "reference gap not significant"
+    if min(reference_gaps) <= 0:
+        return "reference gap <= 0 in a seed"
+    return None
 
+
+def recovered(gaps, reference_gaps, draws=2000):
+    """The fraction of the reference's gap a method recovers, from per-seed fractions
+    f = 1 - gap / reference gap (paired by seed): (mean of f, low, high, interval), a 95 % t
+    interval - or with >= MIN_BOOTSTRAP_SEEDS seeds a 95 % percentile bootstrap of the mean
+    (interval "bootstrap"). Ask reference_problem(reference_gaps) first."""
+    fractions = [1 - g / r for g, r in zip(gaps, reference_gaps)]
+    n = len(fractions)
+    mean, half = mean_ci(fractions)
+    if n < MIN_BOOTSTRAP_SEEDS:
+        return mean, mean - half, mean + half, "t"
+    rng = random.Random(0)
+    means = sorted(sum(fractions[rng.randrange(n)] for _ in range(n)) / n for _ in range(draws))
+    return mean, means[int(0.025 * draws)], means[int(0.975 * draws) - 1], "bootstrap"
+
+
+def estimate(values, digits=4, sign=""):
+    """'mean ± half-width' (95 % t), or 'mean (one seed)'."""
+    mean, half = mean_ci(values)
+    if len(values) < 2:
+        return f"{mean:{sign}.{digits}f} (one seed)"
+    return f"{mean:{sign}.{digits}f} ± {half:.{digits}f}"
+
+
+def paired(runs, other):
+    """The seeds both dicts {seed: record} hold, and runs' val loss minus other's on each."""
+    seeds = [s for s in sorted(runs) if s in other]
+    return seeds, [runs[s]["final_val_loss"] - other[s]["final_val_loss"] for s in seeds]
+
+
+def gap_cell(runs, other, row_seeds):
+    seeds, gaps = paired(runs, other)
+    if not seeds:
+        return "—"
+    return estimate(gaps, sign="+") + (f" ({len(seeds)} paired)" if len(seeds) < row_seeds else "")
+
+
+def fraction_cell(runs, fp32, ref):
+    seeds = [s for s in sorted(runs) if s in fp32 and s in ref]
+    if not seeds:
+        return "—"
+    _, gaps = paired({s: runs[s] for s in seeds}, fp32)
+    _, ref_gaps = paired({s: ref[s] for s in seeds}, fp32)
+    problem = reference_problem(ref_gaps)
+    if problem:
+        return problem
+    mean, lo, hi, interval = recovered(gaps, ref_gaps)
+    return f"{100 * mean:.0f} % ({100 * lo:.0f} to {100 * hi:.0f} %, {interval})"
+
+
+# -----------------------------------------------------------------------------
+# tables
 
 def group(r):
-    return r["optimizer"], r["workers"], r.get("simulated", False)
+    """Runs compared with one another: same optimizer, W, kind of ranks and train flags (None:
+    a record from before the flags were stored)."""
+    flags = r.get("flags")
+    return r["optimizer"], r["workers"], r.get("simulated", False), (
+        None if flags is None else tuple(flags))
+
+
+def group_order(key):
+    optimizer, workers, simulated, flags = key
+    return optimizer, workers, simulated, flags is not None, flags or ()
+
+
+def heading(key, results):
+    optimizer, workers, simulated, flags = key
+    rows = [r for r in results if group(r) == key]
+    commits = sorted({(r.get("commit") or "?")[:10] + ("+dirty" if r.get("dirty") else "")
+                      for r in rows})
+    ranks = "simulated" if simulated else "real"
+    flag_text = ("train flags not recorded (records from an older driver)" if flags is None
+                 else "train flags: " + (" ".join(f"`{f}`" for f in flags) or "none"))
+    return [f"\n### {optimizer}, W = {workers} ({ranks} ranks)\n",
+            f"{flag_text}; commit {', '.join(commits)}\n"]
+
+
+def wire_cell(rows):
+    """Bytes per rank per step against a bf16 ring all-reduce, averaged over all steps (older
+    records: the last step's)."""
+    means = [r["mean_wire_vs_bf16"] for r in rows if r.get("mean_wire_vs_bf16") is not None]
+    if means:
+        return f"{sum(means) / len(means):.3f}"
+    last = rows[0].get("wire_vs_bf16")
+    return "-" if last is None else f"{last:.3f} (last step)"
+
+
+def row(comm, runs, fp32, ref, baseline):
+    """One method's row; runs, fp32, ref: {seed: record}. baseline: fp32 or the reference."""
+    seeds = sorted(runs)
+    return (f"| {comm} | {len(seeds)} | {estimate([runs[s]['final_val_loss'] for s in seeds])}"
+            f" | {'—' if comm == 'fp32' else gap_cell(runs, fp32, len(seeds))}"
+            f" | {'—' if baseline else gap_cell(runs, ref, len(seeds))}"
+            f" | {'—' if baseline else fraction_cell(runs, fp32, ref)}"
+            f" | {wire_cell([runs[s] for s in seeds])}"
+            f" | {sum(runs[s]['ms_per_step'] for s in seeds) / len(seeds):.0f} |")
 
 
 def table(results, reference):
-    """The markdown table: per optimizer and W, one row per method."""
+    """The markdown tables of a study: per optimizer, W and train flags, one row per method."""
     lines = []
-    groups = sorted({group(r) for r in results})
-    for optimizer, workers, simulated in groups:
-        rows = [r for r in results if group(r) == (optimizer, workers, simulated)]
+    study = [r for r in results if not r.get("sweep")]
+    for key in sorted({group(r) for r in study}, key=group_order):
         by = {}
-        for r in rows:
-            by.setdefault(r["comm"], {})[r["seed"]] = r
-        fp32 = by.get("fp32", {})
-        ref = by.get(reference, {})
-        ranks = "simulated" if simulated else "real"
-        lines += [f"\n### {optimizer}, W = {workers} ({ranks} ranks)\n",
-                  f"| method | seeds | final val loss (95 % CI) | gap to fp32 (95 % CI) | "
-                  f"recovers of {reference}'s gap (95 % bootstrap) | wire vs bf16 | ms/step |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]
-        for comm, runs in by.items():
-            seeds = sorted(runs)
-            val, val_ci = mean_ci([runs[s]["final_val_loss"] for s in seeds])
-            paired = [s for s in seeds if s in fp32]
-            gaps = [runs[s]["final_val_loss"] - fp32[s]["final_val_loss"] for s in paired]
-            gap, gap_ci = mean_ci(gaps) if gaps else (float("nan"), float("nan"))
-            with_ref = [s for s in paired if s in ref]
-            rec = "—"
-            if comm not in ("fp32", reference) and with_ref:
-                point, lo, hi = recovered(
-                    [runs[s]["final_val_loss"] - fp32[s]["final_val_loss"] for s in with_ref],
-                    [ref[s]["final_val_loss"] - fp32[s]["final_val_loss"] for s in with_ref])
-                rec = f"{100 * point:.0f} % " + (
-                    "(unbounded: no reference gap in some resample)" if math.isnan(lo)
-                    else f"({100 * lo:.0f} to {100 * hi:.0f} %)")
-            wire = runs[seeds[0]]["wire_vs_bf16"]
-            ms = sum(runs[s]["ms_per_step"] for s in seeds) / len(seeds)
-            lines.append(f"| {comm} | {len(seeds)} | {val:.4f} ± {val_ci:.4f} | "
-                         f"{gap:+.4f} ± {gap_ci:.4f} | {rec} | "
-                         f"{'-' if wire is None else f'{wire:.3f}'} | {ms:.0f} |")
+        for r in study:
+            if group(r) == key:
+                by.setdefault(r["comm"], {})[r["seed"]] = r
+        fp32, ref = by.get("fp32", {}), by.get(reference, {})
+        lines += heading(key, study)
+        lines += [f"| method | seeds | final val loss (95 % t) | gap to fp32 (paired, 95 % t) | "
+                  f"gap to {reference} (paired, 95 % t) | recovers of {reference}'s gap (95 %) | "
+                  f"wire vs bf16 | ms/step |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [row(comm, runs, fp32, ref, comm in ("fp32", reference))
+                  for comm, runs in by.items()]
+        _, ref_gaps = paired(ref, fp32)
+        problem = reference_problem(ref_gaps)
+        if problem not in (None, "one seed"):
+            lines.append(f"\n{reference}'s gap to fp32 is {estimate(ref_gaps, sign='+')}: "
+                         f"{problem}, so no fraction of it is given.")
+    legend = ("\nFinal val loss: train.py's, the mean of its last --final_evals evaluations. "
+              "Intervals: 95 % Student t over seeds; gaps are paired by seed; the recovered "
+              "fraction is the mean over seeds of 1 - gap / reference gap (a percentile "
+              f"bootstrap, so labelled, from {MIN_BOOTSTRAP_SEEDS} seeds). Wire: the bytes a rank "
+              "sends per step, averaged over all steps, in every collective of the gradient "
+              "communication (with the scales' MAX and the K-FAC statistics' all-reduces), "
+              "against a bf16 ring all-reduce.")
+    return "\n".join(lines + ([legend] if lines else [])) + "\n"
+
+
+# -----------------------------------------------------------------------------
+# the learning-rate sweep
+
+def parse_sweep(text, optimizers):
+    """--sweep FLAG=V1,V2,... -> (flag, [value texts]); a message naming the fix otherwise."""
+    flag, _, values = text.partition("=")
+    if flag not in SWEEPABLE:
+        raise ValueError(f"--sweep {text}: sweep one of {', '.join(SWEEPABLE)}, e.g. "
+                         "--sweep muon_lr=1e-3,3e-3,1e-2")
+    values = [v for v in values.split(",") if v]
+    try:
+        bad = [v for v in values if not float(v) > 0]
+    except ValueError:
+        bad = values
+    if len(values) < 2 or bad:
+        raise ValueError(f"--sweep {text}: give two or more positive numbers, e.g. "
+                         f"--sweep {flag}=1e-3,3e-3,1e-2")
+    wrong = [o for o in optimizers if o not in SWEEPABLE[flag]]
+    if wrong:
+        raise ValueError(f"--sweep {flag} applies to --optimizers "
+                         f"{','.join(SWEEPABLE[flag])}, not {wrong[0]}")
+    return flag, values
+
+
+def sweep_groups(results):
+    """{(optimizer, W, simulated, flag, the other train flags): {value: {seed: record}}}."""
+    groups = {}
+    for r in results:
+        if r.get("sweep"):
+            flag, value = r["sweep"]
+            others = tuple(f for f in r["flags"] if f != f"--{flag}={value}")
+            key = (r["optimizer"], r["workers"], r["simulated"], flag, others)
+            groups.setdefault(key, {}).setdefault(value, {})[r["seed"]] = r
+    return groups
+
+
+def sweep_summary(results):
+    """sweep.json's content: per sweep group every value's final val losses over the seeds
+    all its values share, and the best value (the lowest mean; nan counts as worst)."""
+    entries = []
+    for (optimizer, workers, simulated, flag, others), by_value in sweep_groups(results).items():
+        seeds = sorted(set.intersection(*(set(runs) for runs in by_value.values())))
+        values = sorted(by_value, key=float)
+        losses = {v: [by_value[v][s]["final_val_loss"] for s in seeds] for v in values}
+        means = {v: mean_ci(losses[v])[0] if seeds else float("nan") for v in values}
+        best = min(values, key=lambda v: (math.isnan(means[v]), means[v]))
+        entries.append({"optimizer": optimizer, "workers": workers, "simulated": simulated,
+                        "flag": flag, "train_flags": list(others), "seeds": seeds,
+                        "values": [{"value": v, "final_val_loss": losses[v], "mean": means[v]}
+                                   for v in values],
+                        "best": best, "best_at_edge": best in (values[0], values[-1])})
+    return entries
+
+
+def sweep_table(entries):
+    lines = []
+    for e in entries:
+        ranks = "simulated" if e["simulated"] else "real"
+        lines += [f"\n### {e['optimizer']}, W = {e['workers']} ({ranks} ranks): {e['flag']}\n",
+                  "train flags: " + (" ".join(f"`{f}`" for f in e["train_flags"]) or "none")
+                  + f"; seeds {', '.join(map(str, e['seeds']))}\n",
+                  f"| {e['flag']} | final val loss (95 % t) | gap to the best (paired, 95 % t) |",
+                  "| --- | --- | --- |"]
+        best = next(v["final_val_loss"] for v in e["values"] if v["value"] == e["best"])
+        for v in e["values"]:
+            gaps = [a - b for a, b in zip(v["final_val_loss"], best)]
+            mark = " (best)" if v["value"] == e["best"] else ""
+            lines.append(f"| {v['value']}{mark} | {estimate(v['final_val_loss'])} | "
+                         f"{'—' if mark or not gaps else estimate(gaps, sign='+')} |")
+        if e["best_at_edge"]:
+            lines.append(f"\nThe best value is at an end of the grid: extend it past {e['best']}.")
     return "\n".join(lines) + "\n"
+
+
+def lr_flags(path, optimizer, workers):
+    """The best value of every flag swept for this optimizer and W in sweep.json at `path`, as
+    train flags; a ValueError naming the fix when there is none or more than one. Simulated
+    and real ranks count alike (the same numerics: train.py --simulate_workers)."""
+    try:
+        entries = json.load(open(path))["sweeps"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ValueError(f"--lr_from {path}: not a sweep.json written by "
+                         "`python -m nanogeo.ablate --sweep ...`") from None
+    ranks = f"W = {workers}"
+    mine = [e for e in entries if (e["optimizer"], e["workers"]) == (optimizer, workers)]
+    if not mine:
+        raise ValueError(f"--lr_from {path} has no sweep for {optimizer} at {ranks}: run "
+                         f"--sweep with --optimizers {optimizer} at this W first, or "
+                         "leave --lr_from out")
+    flags = [e["flag"] for e in mine]
+    twice = [f for f in flags if flags.count(f) > 1]
+    if twice:
+        raise ValueError(f"--lr_from {path} holds {flags.count(twice[0])} sweeps of {twice[0]} "
+                         f"for {optimizer} at {ranks} (other train flags): keep one sweep of a "
+                         "flag per out_dir")
+    return [f"--{e['flag']}={e['best']}" for e in mine]
+
+
+# -----------------------------------------------------------------------------
+# outputs
+
+def merge(earlier, new):
+    """results.json's records: the earlier ones, except those with the command of one of this
+    call's runs (run again now), then this call's. A record without a command (from an older
+    driver) is kept as it was, never replaced."""
+    commands = {tuple(r["command"]) for r in new}
+    return [r for r in earlier if tuple(r.get("command", ())) not in commands] + new
+
+
+def write(results, out_dir, reference):
+    """results.json keeps the records of earlier invocations on the same out_dir (another grid,
+    other flags) too: a study can grow one call at a time. Returns all records."""
+    path = os.path.join(out_dir, "results.json")
+    earlier = json.load(open(path)) if os.path.exists(path) else []
+    results = merge(earlier, results)
+    replace_json(path, results)
+    if any(not r.get("sweep") for r in results):
+        with open(os.path.join(out_dir, "study.md"), "w") as f:
+            f.write(table(results, reference))
+    sweeps = sweep_summary(results)
+    if sweeps:
+        replace_json(os.path.join(out_dir, "sweep.json"), {"sweeps": sweeps})
+        with open(os.path.join(out_dir, "sweep.md"), "w") as f:
+            f.write(sweep_table(sweeps))
+    return results
+
+
+def replace_json(path, content):
+    with open(path + ".tmp", "w") as f:
+        json.dump(content, f, indent=1)
+    os.replace(path + ".tmp", path)
 
 
 def plot(results, out_dir):
@@ -177,11 +507,13 @@ def plot(results, out_dir):
         return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    for key in sorted({group(r) for r in results}):
-        optimizer, workers, simulated = key
+    study = [r for r in results if not r.get("sweep")]
+    keys = sorted({group(r) for r in study}, key=group_order)
+    for key in keys:
+        optimizer, workers, simulated, _ = key
         fig, ax = plt.subplots(figsize=(7, 4))
-        for comm in dict.fromkeys(r["comm"] for r in results):
-            curves = [r["curve"] for r in results if r["comm"] == comm and group(r) == key]
+        for comm in dict.fromkeys(r["comm"] for r in study):
+            curves = [r["curve"] for r in study if r["comm"] == comm and group(r) == key]
             if not curves:
                 continue
             steps = [s for s, _ in curves[0]]
@@ -193,34 +525,24 @@ def plot(results, out_dir):
         ax.set(xlabel="step", ylabel="train loss (rank 0)", title=f"{optimizer}, W = {workers}")
         ax.legend(fontsize=7)
         fig.tight_layout()
+        # one file per group; a second set of train flags for the same optimizer and W gets _2
+        same = [k for k in keys if k[:3] == key[:3]]
+        suffix = f"_{same.index(key) + 1}" if same.index(key) else ""
         ranks = "sim" if simulated else "ranks"
-        fig.savefig(os.path.join(out_dir, f"loss_{optimizer}_{ranks}{workers}.png"), dpi=120)
+        fig.savefig(os.path.join(out_dir, f"loss_{optimizer}_{ranks}{workers}{suffix}.png"),
+                    dpi=120)
         plt.close(fig)
 
 
-def write(results, out_dir, reference):
-    """results.json keeps the records of earlier invocations on the same out_dir (another
-    grid) too: a study can grow one call at a time. Returns all records."""
-    path = os.path.join(out_dir, "results.json")
-    key = lambda r: (r["comm"], *group(r), r["seed"])   # noqa: E731
-    new = {key(r) for r in results}
-    earlier = json.load(open(path)) if os.path.exists(path) else []
-    results = [r for r in earlier if key(r) not in new] + results
-    with open(path + ".tmp", "w") as f:
-        json.dump(results, f, indent=1)
-    os.replace(path + ".tmp", path)
-    with open(os.path.join(out_dir, "study.md"), "w") as f:
-        f.write(table(results, reference))
-    return results
+# -----------------------------------------------------------------------------
+# the command line
 
-
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
+def parse_args(argv):
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("--comms", default="fp32,bf16,fp8,geofp8",
-                        help=f"methods, from: {', '.join(COMMS)}")
+    parser.add_argument("--comms", default=None, help="methods (default fp32,bf16,fp8,geofp8), "
+                        f"from: {', '.join(COMMS)} (hadamard*: needs train.py --comm=hadamard)")
     parser.add_argument("--optimizers", default="adamw", help="adamw, muon or both")
     parser.add_argument("--seeds", default="1337", help="comma-separated seeds")
     parser.add_argument("--workers", default="0", help="simulated ranks per run, comma-separated "
@@ -229,47 +551,85 @@ def main(argv=None):
     parser.add_argument("--reference", default=None, help="the Euclidean method whose gap the "
                         "others recover (default: the first of fp8, fp8-paper, e5m2-tensor, "
                         "nvfp4 in --comms)")
+    parser.add_argument("--sweep", default=None, help="FLAG=V1,V2,...: fp32 runs at each value "
+                        f"of FLAG ({', '.join(SWEEPABLE)}); the best goes to out_dir/sweep.json")
+    parser.add_argument("--lr_from", default=None, help="a sweep.json: every method of an "
+                        "optimizer trains with the best values swept for it at that W")
     parser.add_argument("--out_dir", default="out/ablate")
     args = parser.parse_args(argv)
-    comms, optimizers = args.comms.split(","), args.optimizers.split(",")
+    return parser, args, extra
+
+
+def tuned_flags(args, optimizers, workers, flag, extra):
+    """{(optimizer, W): the learning-rate flags --lr_from gives it}; a ValueError when they,
+    the swept flag and the flags after -- set one thing twice."""
+    lrs = {(o, w): lr_flags(args.lr_from, o, w or args.nproc) if args.lr_from else []
+           for o in optimizers for w in workers}
+    from_file = {f.partition("=")[0] for flags in lrs.values() for f in flags}
+    if flag and f"--{flag}" in from_file:
+        raise ValueError(f"--lr_from sets the {flag} that --sweep sweeps: drop one of them")
+    clash = [f for f in extra if f.partition("=")[0] in from_file | {f"--{flag}"}]
+    if clash:
+        raise ValueError(f"{clash[0]} after -- sets what --sweep / --lr_from set: drop one of "
+                         "them")
+    return lrs
+
+
+def plan(parser, args, extra):
+    """Every run of this call, in order: [Run]."""
+    if args.sweep and args.comms not in (None, "fp32"):
+        parser.error("--sweep runs fp32 only: leave --comms out")
+    comms = (args.comms or ("fp32" if args.sweep else "fp32,bf16,fp8,geofp8")).split(",")
+    optimizers = args.optimizers.split(",")
     unknown = [c for c in comms if c not in COMMS] + [o for o in optimizers
                                                       if o not in ("adamw", "muon")]
     if unknown:
         parser.error(f"unknown method or optimizer {unknown[0]!r}; methods: {', '.join(COMMS)}")
+    choices = config.TRAIN_CHOICES["comm"]
+    missing = [c for c in comms if COMMS[c][0].partition("=")[2] not in choices]
+    if missing:
+        parser.error(f"method {missing[0]} needs train.py {COMMS[missing[0]][0]}, which this "
+                     "train.py does not have yet: leave it out of --comms")
     try:
         seeds = [int(s) for s in args.seeds.split(",")]
         workers = [int(w) for w in args.workers.split(",")]
     except ValueError:
         parser.error("--seeds and --workers take comma-separated integers, e.g. --seeds 0,1,2")
+    try:
+        flag, values = parse_sweep(args.sweep, optimizers) if args.sweep else (None, [None])
+        lrs = tuned_flags(args, optimizers, workers, flag, extra)
+    except ValueError as e:
+        parser.error(str(e))
+    runs = []
+    for value in values:
+        root = os.path.join(args.out_dir, f"{flag}={value}") if flag else args.out_dir
+        swept = [f"--{flag}={value}"] if flag else []
+        runs += [Run(c, o, w, s, run_dir(root, c, o, w, args.nproc, s),
+                     tuple(lrs[(o, w)] + swept + extra), (flag, value) if flag else ())
+                 for o in optimizers for w in workers for s in seeds for c in comms]
+    return comms, runs
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    parser, args, extra = parse_args(argv)
+    comms, runs = plan(parser, args, extra)
     reference = args.reference or next((c for c in comms if c in EUCLIDEAN), "fp8")
     os.makedirs(args.out_dir, exist_ok=True)
-    runs = [(c, o, w, s, run_dir(args.out_dir, c, o, w, args.nproc, s))
-            for o in optimizers for w in workers for s in seeds for c in comms]
-    results = []
+    commit = git_commit()
+    results, everything = [], []
     for k, run in enumerate(runs, 1):
-        label = f"[{k}/{len(runs)}] {run[0]} {run[1]} W={run[2] or args.nproc} seed={run[3]}"
-        cmd = command(run, args.nproc, extra)
-        done = finished(run[4], cmd)
-        if done is None:
-            t0 = time.time()
-            print(f"{label}: running", flush=True)
-            log_path = os.path.join(args.out_dir, "runs.log")
-            os.makedirs(run[4], exist_ok=True)
-            with open(os.path.join(run[4], "command.json"), "w") as f:
-                json.dump(cmd[1:], f)
-            with open(log_path, "a") as log:
-                code = subprocess.run(cmd, cwd=ROOT, stdout=log,
-                                      stderr=subprocess.STDOUT).returncode
-            done = finished(run[4], cmd)
-            if code or done is None:
-                raise SystemExit(f"nanogeo.ablate: {label} failed (exit code {code}); its output "
-                                 f"is at the end of {log_path}")
-            state = f"{time.time() - t0:.0f}s"
-        else:
-            state = "done before, skipped"
-        results.append(record(run, *done, args.nproc))
-        print(f"{label}: val {done[0]['final_val_loss']:.4f} ({state})", flush=True)
+        sweep = f" {run.sweep[0]}={run.sweep[1]}" if run.sweep else ""
+        label = (f"[{k}/{len(runs)}] {run.comm} {run.optimizer} W={run.workers or args.nproc} "
+                 f"seed={run.seed}{sweep}")
+        result, state = execute(run, args.nproc, args.out_dir, commit, label)
+        results.append(result)
+        print(f"{label}: val {result['final_val_loss']:.4f} ({state})", flush=True)
         everything = write(results, args.out_dir, reference)
+    if args.sweep:
+        print(sweep_table(sweep_summary(everything)))
+        print(f"best values: {os.path.join(args.out_dir, 'sweep.json')} (use it with --lr_from)")
+        return
     plot(everything, args.out_dir)
     print(table(everything, reference))
 

@@ -10,7 +10,8 @@ unlike the two-stage collective (which sums in fp32), the partial sums are re-ro
 times, and a sum that outgrows the format's max is clipped: the shared scale only guarantees
 that ONE rank's values fit. Decode: sum / (s W). On GPU this is NCCL's own all_reduce; on CPU
 (gloo) and in the simulator the same arithmetic is emulated hop by hop, so its error growth
-with W can be measured on one machine. Wire bytes per rank: 2 (W-1)/W N, one byte an element.
+with W can be measured on one machine. Wire bytes per rank (ring estimates): 2 (W-1)/W N, one
+byte an element, plus 2 (W-1)/W 4 T for the MAX all-reduce of the T tensors' fp32 amax.
 """
 import torch
 import torch.distributed as dist
@@ -105,8 +106,15 @@ def all_reduce_fp8_sum(tensors, fmt="e5m2", group=None, order="ring", local_scal
         compress.all_gather_flat(gathered, codes, group=group)
         summed = fp8_sum(gathered.view(world, -1), dtype, order)
     means = fp8_sum_decode(summed, tensors, scales, fmt, world)
-    sent = compress.ring_allreduce_bytes(codes.numel(), 1, world)
+    sent = wire_bytes(codes.numel(), len(tensors), world, local_scales)
     return means, sent, local, saturated_fraction(summed, tensors, fmt)
+
+
+def wire_bytes(numel, num_tensors, world, local_scales=False):
+    """Bytes one rank sends: the codes' all_reduce and, unless every rank keeps its own scales,
+    the amax MAX all-reduce before it (one fp32 per tensor). Ring estimates."""
+    scales = 0 if local_scales else compress.ring_allreduce_bytes(num_tensors, 4, world)
+    return compress.ring_allreduce_bytes(numel, 1, world) + scales
 
 
 def simulate_fp8_sum(worker_tensors, fmt="e5m2", order="ring", local_scales=False):
@@ -122,5 +130,5 @@ def simulate_fp8_sum(worker_tensors, fmt="e5m2", order="ring", local_scales=Fals
     summed = fp8_sum(torch.stack([codes for codes, _ in encoded]), dtype, order)
     means = fp8_sum_decode(summed, worker_tensors[0], encoded[0][1], fmt, world)
     local = [fp8_sum_decode(codes, ts, scales, fmt) for (codes, scales), ts in zip(encoded, worker_tensors)]
-    return (means, compress.ring_allreduce_bytes(encoded[0][0].numel(), 1, world), local,
-            saturated_fraction(summed, worker_tensors[0], fmt))
+    sent = wire_bytes(encoded[0][0].numel(), len(worker_tensors[0]), world, local_scales)
+    return means, sent, local, saturated_fraction(summed, worker_tensors[0], fmt)

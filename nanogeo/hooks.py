@@ -6,7 +6,8 @@ What GeoFP8 reads from the model and its optimizers, as torch hooks and adapters
     by forward hooks (compress.py section 3b);
   * average_moments: those statistics averaged over the ranks (token-weighted, one
     all-reduce), so that every rank computes the same factors (compress.GeoFP8Communicator
-    calls it; average_worker_moments does the same for simulated ranks);
+    calls it; average_worker_moments does the same for simulated ranks; statistics_bytes
+    counts what that all-reduce sends);
   * optimizer_views: each parameter's optimizer (AdamW or Muon) as an OptimizerView, so
     that the per-layer choice is judged by the error that optimizer sees (compress.py
     section 4b).
@@ -16,6 +17,7 @@ import functools
 
 import torch
 
+from compress import ring_allreduce_bytes
 from nanogeo.update_error import OptimizerView
 
 
@@ -127,20 +129,34 @@ def average_worker_moments(worker_moments, shapes, sides, device):
     return average_moments(worker_moments[0], shapes, sides, lambda flat: flat.copy_(total), device)
 
 
+def moment_slots(shapes, sides):
+    """The fixed list of (side, layer name, d) slots that average_moments all-reduces: a d x d
+    statistic per slot (d: the layer's input width, or output width for the output side)."""
+    return [(side, n, shape[1] if side == "input" else shape[0])
+            for side in sides for n, shape in shapes.items()]
+
+
+def statistics_bytes(communicator, world_size):
+    """Bytes one rank sends in average_moments' all-reduce for a compress.GeoFP8Communicator's
+    whitened layers (ring estimate): every slot's d x d fp32 sum and its fp32 token count. The
+    collective's own bytes leave it out; train.py adds it on the steps that average statistics."""
+    shapes = {n: communicator.shapes[n] for n in communicator.moment_layers()}
+    slots = moment_slots(shapes, communicator.whitened_sides())
+    numel = sum(d * d for _, _, d in slots) + len(slots)
+    return ring_allreduce_bytes(numel, 4, world_size) if slots else 0
+
+
 def average_moments(moments, shapes, sides, all_reduce, device):
     """The token-weighted mean over ranks of every rank's K-FAC statistics, in one all-reduce
     over a fixed list of (side, layer) slots - the same list on every rank, whatever each rank
     collected (a layer a rank did not run contributes zero tokens). Afterwards every rank holds
     the same A and G, so every rank computes the same factors. One host sync (the counts)."""
     tokens = moments.get("tokens", {})
-    slots, parts = [], []
-    for side in sides:
-        for n, shape in shapes.items():
-            d = shape[1] if side == "input" else shape[0]
-            m, count = moments.get(side, {}).get(n), tokens.get(side, {}).get(n, 0)
-            parts.append(m.reshape(-1) * count if m is not None
-                         else torch.zeros(d * d, device=device))
-            slots.append((side, n, d))
+    slots, parts = moment_slots(shapes, sides), []
+    for side, n, d in slots:
+        m, count = moments.get(side, {}).get(n), tokens.get(side, {}).get(n, 0)
+        parts.append(m.reshape(-1) * count if m is not None
+                     else torch.zeros(d * d, device=device))
     counts = torch.tensor([float(tokens.get(side, {}).get(n, 0)) for side, n, _ in slots],
                           device=device)
     flat = torch.cat(parts + [counts])

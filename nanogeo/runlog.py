@@ -1,7 +1,10 @@
 """
 What train.py prints and records: one pipe-separated line per logged step on rank 0, the same
 numbers as JSON lines in out_dir/log.jsonl (a resumed run appends to it), the optional
-downstream evaluation every --eval_every steps, and the closing summary.
+downstream evaluation every --eval_every steps, and the closing summary: the final losses (the
+validation loss averaged over the --final_evals last evaluations), the bytes each rank sent per
+step averaged over the steps this process communicated (all of them but a step skipped for a
+non-finite gradient), and the resolved configuration.
 """
 import json
 import os
@@ -44,6 +47,12 @@ class RunLog:
         self.flops_per_step = model.flops_per_token(cfg.block_size) * self.tokens_per_step
         self.peak = runtime.peak_flops(device)
         self.bf16_bytes = ring_allreduce_bytes(sum(p.numel() for p in params), 2, data_parallel)
+        self.bytes_sent, self.steps_sent = 0, 0
+
+    def sent(self, wire_bytes):
+        """Count one step's bytes (every collective of the step), for the summary's mean."""
+        self.bytes_sent += wire_bytes
+        self.steps_sent += 1
 
     def first_eval(self, val_loss):
         if val_loss is not None:
@@ -78,14 +87,23 @@ class RunLog:
         self.write({"step": done, "downstream": {
             t: {k: v for k, v in r.items() if not isinstance(v, list)} for t, r in scores.items()}})
 
-    def finish(self, train_loss, val_loss, first_val, start_step, elapsed, checksum, ckpt_path):
-        """The closing summary line and record; returns the summary (tests and tools read it)."""
+    def finish(self, train_loss, final_vals, first_val, start_step, elapsed, checksum, ckpt_path):
+        """The closing summary line and record; returns the summary (tests and tools read it).
+        final_vals: [(step, val loss)] of the evaluations the final val loss is the mean of."""
         steps_run = self.cfg.max_iters - start_step
+        val_loss = sum(v for _, v in final_vals) / len(final_vals)
+        mean_bytes = self.bytes_sent / max(1, self.steps_sent)
         summary = {"final_train_loss": train_loss, "final_val_loss": val_loss,
+                   "final_val_losses": [list(e) for e in final_vals],
                    "initial_val_loss": first_val, "steps": steps_run,
                    "tokens_seen": steps_run * self.tokens_per_step, "time_s": elapsed,
-                   "ms_per_step": 1000 * elapsed / max(1, steps_run), "param_sha256": checksum}
-        self.print(f"summary | train loss {train_loss:.4f} | val loss {val_loss:.4f}"
+                   "ms_per_step": 1000 * elapsed / max(1, steps_run), "param_sha256": checksum,
+                   "mean_wire_bytes": mean_bytes,
+                   "mean_wire_vs_bf16": (mean_bytes / self.bf16_bytes
+                                         if self.data_parallel > 1 else None),
+                   "config": asdict(self.cfg)}
+        evals = f" (mean of {len(final_vals)} evaluations)" if len(final_vals) > 1 else ""
+        self.print(f"summary | train loss {train_loss:.4f} | val loss {val_loss:.4f}{evals}"
                    + (f" (from {first_val:.4f})" if first_val is not None else "")
                    + f" | {summary['tokens_seen']:,} tokens | {elapsed:.1f}s "
                    f"({summary['ms_per_step']:.0f}ms/step) | checkpoint {ckpt_path}")

@@ -7,6 +7,7 @@ one machine (tests/test_train.py: bit-equal to a real 2-rank gloo run).
 import torch
 
 import compress
+from nanogeo import hooks
 
 
 @torch.no_grad()
@@ -15,7 +16,8 @@ def reduce_gradients(params, worker_grads, method, communicator, worker_moments=
     to the mean of their gradients (worker_grads[i]: rank i's, in params order), through exactly
     the numerics of the collective a W-rank run uses: the same sum in the wire's dtype for fp32 /
     bf16 (equal, bit for bit, to a 2-rank gloo run), the collective's simulator for the
-    compressed methods. Returns the bytes each rank would send."""
+    compressed methods. Returns the bytes each rank would send (with the whitening statistics'
+    all-reduce on the steps that average them, as train.reduce_gradients counts them)."""
     world = len(worker_grads)
     if method in ("fp32", "bf16"):
         dtype = torch.float32 if method == "fp32" else torch.bfloat16
@@ -29,6 +31,8 @@ def reduce_gradients(params, worker_grads, method, communicator, worker_moments=
         sent = compress.ring_allreduce_bytes(numel, dtype.itemsize, world) if world > 1 else 0
     else:   # worker_moments: each rank's whitening statistics, on the steps that collect them
         means, sent = communicator.reduce_workers(worker_grads, worker_moments or None)
+        if worker_moments:      # ... averaged over the ranks by one more all-reduce
+            sent += hooks.statistics_bytes(communicator, world)
     for p, mean in zip(params, means):
         p.grad = mean
     return sent

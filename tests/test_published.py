@@ -121,7 +121,8 @@ def test_fp8_sum_error_grows_with_workers():
         exact = sum(w[0] for w in workers) / world
         means, sent, _, saturated = fp8sum.simulate_fp8_sum(workers, "e5m2")
         errors.append(((means[0] - exact).norm() / exact.norm()).item())
-        assert sent == 2 * (world - 1) * 4096 // world
+        # the codes' ring all-reduce (1 byte each) + the MAX all-reduce of one fp32 amax
+        assert sent == 2 * (world - 1) * 4096 // world + 2 * (world - 1) * 4 // world
     assert errors[0] < errors[1] < errors[2]
 
 
@@ -269,6 +270,24 @@ def test_input_moments_identical_on_every_rank(tmp_path):
         assert torch.equal(r0["factors"][n], r1["factors"][n])
         assert torch.allclose(r0["moments"][n], (r0["local"][n] + r1["local"][n]) / 2, atol=1e-6)
         assert not torch.allclose(r0["local"][n], r1["local"][n])   # the ranks' data differed
+
+
+def test_statistics_bytes_count_the_buffer_average_moments_all_reduces():
+    """Both sides whitened, one layer's statistics missing on this rank: the buffer still holds
+    every slot (d x d and a count), 4 bytes each, and a ring all-reduce over W = 4 sends
+    2 (W-1)/W of it."""
+    named = [("0.weight", (64, 24)), ("0.bias", (64,)), ("2.weight", (24, 64))]
+    comm = GeoFP8Communicator(named, GeoOptions(geometry="whiten", min_numel=16, whiten_rank=4,
+                                                whiten_sides="both"))
+    moments = {"input": {"0.weight": torch.eye(24)}, "output": {"0.weight": torch.eye(64)},
+               "tokens": {"input": {"0.weight": 7}, "output": {"0.weight": 7}}}
+    buffers = []
+    shapes = {n: comm.shapes[n] for n in comm.moment_layers()}
+    hooks.average_moments(moments, shapes, comm.whitened_sides(), buffers.append, "cpu")
+    [flat] = buffers
+    assert flat.numel() == (24 * 24 + 64 * 64) * 2 + 4 and flat.element_size() == 4
+    assert hooks.statistics_bytes(comm, 4) == 2 * 3 * flat.numel() * 4 // 4
+    assert hooks.statistics_bytes(comm, 1) == 0
 
 
 def test_linear_layers_skips_tied_embedding():

@@ -1,7 +1,9 @@
 """Contracts of the measurement tools on small inputs: capture, bench, ablate, smoke."""
 import json
 import math
+import os
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -47,39 +49,186 @@ def test_bench_flops_and_overhead_shapes():
     assert result["geo_layers"] == 28 and math.isfinite(result["overhead_vs_fwd_bwd"])
 
 
-def test_ablate_statistics():
-    """Means with Student-t intervals; gaps paired by seed; the recovered fraction of the
-    reference's gap with a bootstrap interval."""
+def test_ablate_t_interval_and_paired_fraction():
+    """Hand-computed: [1, 2, 3] has mean 2, sd 1, half-width t(2) sd / sqrt(3); the recovered
+    fraction is the mean of the per-seed fractions 1 - gap / reference gap (here 0.5, 0.4, 0.6:
+    sd 0.1), not one minus the ratio of the mean gaps."""
     mean, half = ablate.mean_ci([1.0, 2.0, 3.0])
-    assert mean == 2.0 and abs(half - 4.303 * 1.0 / math.sqrt(3)) < 1e-9
-    point, lo, hi = ablate.recovered([0.05, 0.05, 0.05], [0.1, 0.1, 0.1])
-    assert point == lo == hi == 0.5
-    def run(comm, seed, val):
-        return {"comm": comm, "optimizer": "adamw", "workers": 4, "seed": seed,
-                "final_val_loss": val, "final_train_loss": val, "ms_per_step": 10.0,
-                "wire_bytes": 1, "wire_vs_bf16": 0.5, "curve": [(1, val)]}
-    results = [run("fp32", s, 2.0 + 0.01 * s) for s in range(3)]
-    results += [run("fp8", s, 2.2 + 0.01 * s) for s in range(3)]
-    results += [run("subspace", s, 2.1 + 0.01 * s) for s in range(3)]
+    assert mean == 2.0 and abs(half - 4.303 * 1.0 / math.sqrt(3)) < 1e-12
+    point, lo, hi, interval = ablate.recovered([0.05, 0.06, 0.04], [0.1, 0.1, 0.1])
+    half = 4.303 * 0.1 / math.sqrt(3)
+    assert interval == "t" and abs(point - 0.5) < 1e-12
+    assert abs(lo - (0.5 - half)) < 1e-12 and abs(hi - (0.5 + half)) < 1e-12
+    point, lo, hi, _ = ablate.recovered([0.02, 0.06], [0.04, 0.08])   # fractions 0.5, 0.25
+    half = 12.706 * (0.25 / math.sqrt(2)) / math.sqrt(2)
+    assert abs(point - 0.375) < 1e-12 and abs(hi - (0.375 + half)) < 1e-12   # ratio: 0.333
+
+
+def test_ablate_bootstrap_only_from_eight_seeds():
+    gaps, reference = [0.05, 0.07, 0.04, 0.06, 0.05, 0.08, 0.03, 0.06], [0.1] * 8
+    assert ablate.recovered(gaps[:7], reference[:7])[3] == "t"
+    point, lo, hi, interval = ablate.recovered(gaps, reference)
+    fractions = [1 - g / 0.1 for g in gaps]
+    assert interval == "bootstrap" and min(fractions) <= lo < point < hi <= max(fractions)
+    assert ablate.recovered(gaps, reference) == (point, lo, hi, interval)    # seeded
+
+
+def test_ablate_reference_gap_must_be_established():
+    assert ablate.reference_problem([0.1]) == "one seed"
+    # mean 0.0067, sd 0.0153: the t interval (-0.031, 0.045) includes 0
+    assert ablate.reference_problem([0.01, -0.01, 0.02]) == "reference gap not significant"
+    # mean 0.9 +- 2.262 * 0.316 / sqrt(10) = 0.226 excludes 0, but seed 0's gap is 0
+    assert ablate.reference_problem([0.0] + [1.0] * 9) == "reference gap <= 0 in a seed"
+    assert ablate.reference_problem([-0.1, -0.12, -0.11]) == "reference better than fp32"
+    assert ablate.reference_problem([0.1, float("nan")]) == "reference gap not finite"
+    assert ablate.reference_problem([0.1, 0.12, 0.11]) is None
+
+
+def study_run(comm, seed, val, flags=("--preset=char-study",)):
+    return {"comm": comm, "optimizer": "adamw", "workers": 4, "simulated": True, "seed": seed,
+            "command": ["train.py", f"--comm={comm}", f"--seed={seed}", *flags],
+            "flags": list(flags), "commit": "0123456789abcdef", "dirty": False,
+            "final_val_loss": val, "final_train_loss": val, "ms_per_step": 10.0,
+            "mean_wire_bytes": 1, "mean_wire_vs_bf16": 0.5, "curve": [(1, val)]}
+
+
+def test_ablate_table_rows():
+    """Paired gaps to fp32 and to the reference, the recovered fraction with its t interval;
+    a method run with one seed says so instead of printing an interval."""
+    results = [study_run("fp32", s, 2.0 + 0.01 * s) for s in range(3)]
+    results += [study_run("fp8", s, 2.2 + 0.01 * s) for s in range(3)]
+    results += [study_run("subspace", s, 2.1 + 0.01 * s) for s in range(3)]
+    results += [study_run("geofp8", 0, 2.15)]
     text = ablate.table(results, "fp8")
-    assert "| fp8 | 3 | 2.2100 ± 0.0248 | +0.2000 ± 0.0000 | — |" in text
-    assert "| subspace | 3 | 2.1100 ± 0.0248 | +0.1000 ± 0.0000 | 50 % (50 to 50 %) |" in text
+    assert "| fp32 | 3 | 2.0100 ± 0.0248 | — | — | — | 0.500 | 10 |" in text
+    assert "| fp8 | 3 | 2.2100 ± 0.0248 | +0.2000 ± 0.0000 | — | — |" in text
+    assert ("| subspace | 3 | 2.1100 ± 0.0248 | +0.1000 ± 0.0000 | -0.1000 ± 0.0000 | "
+            "50 % (50 to 50 %, t) |") in text
+    assert ("| geofp8 | 1 | 2.1500 (one seed) | +0.1500 (one seed) | -0.0500 (one seed) | "
+            "one seed |") in text
+    assert "nan" not in text and "train flags: `--preset=char-study`" in text
+
+
+def test_ablate_flags_an_unestablished_reference_gap():
+    gaps = [0.01, -0.01, 0.02]
+    results = [study_run("fp32", s, 2.0) for s in range(3)]
+    results += [study_run("fp8", s, 2.0 + g) for s, g in enumerate(gaps)]
+    results += [study_run("subspace", s, 2.0 + g / 2) for s, g in enumerate(gaps)]
+    text = ablate.table(results, "fp8")
+    [row] = [line for line in text.splitlines() if line.startswith("| subspace |")]
+    assert row.endswith("| reference gap not significant | 0.500 | 10 |") and "%" not in row
+    assert "fp8's gap to fp32 is +0.0067 ± 0.0379: reference gap not significant" in text
+
+
+def test_ablate_records_with_other_flags_never_mix():
+    """The merge key is the whole command: a call with other flags adds records beside the
+    earlier ones (its own table), a rerun of a command replaces its record, and a record of an
+    older driver (no command) is kept on its own."""
+    old = {k: v for k, v in study_run("fp32", 0, 3.0).items() if k not in ("command", "flags")}
+    short = [study_run("fp32", 0, 2.5, ("--max_iters=300",))]
+    earlier = [old, *short, study_run("fp32", 0, 2.0)]
+    rerun = study_run("fp32", 0, 1.9)
+    merged = ablate.merge(earlier, [rerun])
+    assert merged == [old, *short, rerun]
+    text = ablate.table(merged, "fp8")
+    assert text.count("### adamw, W = 4") == 3 and "train flags not recorded" in text
+    assert "| fp32 | 1 | 1.9000 (one seed) |" in text and "| fp32 | 1 | 2.5000 (one seed) |" in text
+
+
+def test_ablate_sweep_summary_and_lr_from(tmp_path):
+    """The best value: the lowest mean over the seeds every value has (a diverged value, nan,
+    is worst); at an end of the grid it is flagged. --lr_from passes it to that optimizer's
+    runs, and names the fix when the file has no sweep for an optimizer."""
+    def swept(value, seed, val):
+        flags = ["--preset=char-study", f"--muon_lr={value}"]
+        return {**study_run("fp32", seed, val, flags), "optimizer": "muon",
+                "sweep": ["muon_lr", value]}
+    results = [swept("1e-3", 0, 2.4), swept("1e-3", 1, 2.5), swept("3e-3", 0, 2.2),
+               swept("3e-3", 1, 2.3), swept("1e-2", 0, float("nan")), swept("1e-2", 1, 2.0),
+               swept("3e-3", 2, 1.0)]            # seed 2: only one value has it, not counted
+    [entry] = ablate.sweep_summary(results)
+    assert entry["seeds"] == [0, 1] and entry["best"] == "3e-3" and not entry["best_at_edge"]
+    assert entry["train_flags"] == ["--preset=char-study"]
+    assert "| 3e-3 (best) | 2.2500 ± 0.6353 | — |" in ablate.sweep_table([entry])
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps({"sweeps": [entry]}))
+    assert ablate.lr_flags(str(path), "muon", 4) == ["--muon_lr=3e-3"]
+    with pytest.raises(ValueError, match="no sweep for adamw at W = 4"):
+        ablate.lr_flags(str(path), "adamw", 4)
+    with pytest.raises(ValueError, match="no sweep for muon at W = 8"):
+        ablate.lr_flags(str(path), "muon", 8)
+    results = [swept("1e-3", 0, 2.4), swept("3e-3", 0, 2.2), swept("1e-2", 0, 2.1)]
+    assert ablate.sweep_summary(results)[0]["best_at_edge"]
+
+
+@pytest.mark.parametrize("options,extra,message", [
+    (["--sweep", "muon_lr=1e-3,1e-2"], [], "applies to --optimizers muon, not adamw"),
+    (["--sweep", "learning_rate=1e-3"], [], "two or more positive numbers"),
+    (["--sweep", "beta2=0.9,0.99"], [], "sweep one of learning_rate, muon_lr"),
+    (["--sweep", "learning_rate=1e-3,1e-2", "--comms", "fp8"], [], "fp32 only"),
+    (["--sweep", "learning_rate=1e-3,1e-2"], ["--learning_rate=1e-3"], "drop one of them"),
+    (["--lr_from", "missing.json"], [], "not a sweep.json"),
+])
+def test_ablate_sweep_errors(options, extra, message, capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        ablate.main([*options, "--out_dir", str(tmp_path), "--", *extra])
+    assert message in capsys.readouterr().err
+
+
+def test_ablate_refuses_a_method_train_py_does_not_have(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(ablate.COMMS, "int2", ["--comm=int2"])
+    with pytest.raises(SystemExit):
+        ablate.main(["--comms", "fp32,int2", "--out_dir", str(tmp_path)])
+    assert "method int2 needs train.py --comm=int2" in capsys.readouterr().err
 
 
 def test_ablate_runs_a_grid_and_resumes(tiny_corpus, tmp_path, capsys):
-    """Two methods x two seeds of simulated 2-rank runs; a second call skips all four."""
+    """Two methods x two seeds of simulated 2-rank runs; a second call skips all four. Each
+    record holds the whole command, the commit, preset, steps, learning rates and the bytes
+    per step averaged over the run."""
+    extra = [f"--data_dir={tiny_corpus}", "--max_iters=2", "--batch_size=2", "--block_size=16",
+             "--eval_iters=1", "--eval_interval=2", "--warmup_iters=1", "--final_evals=2"]
     argv = ["--comms", "fp32,fp8", "--seeds", "0,1", "--workers", "2", "--out_dir",
-            str(tmp_path), "--", f"--data_dir={tiny_corpus}", "--max_iters=2", "--batch_size=2",
-            "--block_size=16", "--eval_iters=1", "--eval_interval=2", "--warmup_iters=1"]
+            str(tmp_path), "--", *extra]
     ablate.main(argv)
     records = json.load(open(tmp_path / "results.json"))
     assert sorted((r["comm"], r["seed"]) for r in records) == [
         ("fp32", 0), ("fp32", 1), ("fp8", 0), ("fp8", 1)]
-    assert all(r["workers"] == 2 and r["curve"] for r in records)
+    for r in records:
+        assert r["workers"] == 2 and r["curve"] and r["flags"] == extra
+        assert r["command"][:2] == ["train.py", "--simulate_workers=2"]
+        assert r["command"][-len(extra):] == extra
+        assert r["commit"] is None or (len(r["commit"]) == 40 and isinstance(r["dirty"], bool))
+        assert (r["preset"], r["steps"], r["learning_rates"]) == (
+            "cpu-tiny", 2, {"learning_rate": 3e-3, "min_lr": 3e-4})
+        assert [s for s, _ in r["final_val_losses"]] == [1, 2]
+    wire = {r["comm"]: r["mean_wire_vs_bf16"] for r in records}
+    assert wire["fp32"] == 2.0 and 0.5 < wire["fp8"] < 0.6
     assert "recovers of fp8's gap" in (tmp_path / "study.md").read_text()
     capsys.readouterr()
     ablate.main(argv)
     assert capsys.readouterr().out.count("done before, skipped") == 4
+
+
+def test_ablate_sweep_then_study_with_its_best_value(tiny_corpus, tmp_path):
+    """A toy sweep (2 values, 1 seed, 2 steps) writes sweep.json; a study with --lr_from trains
+    fp32 at the best value."""
+    extra = ["--", f"--data_dir={tiny_corpus}", "--max_iters=2", "--batch_size=2",
+             "--block_size=16", "--eval_iters=1", "--eval_interval=2", "--warmup_iters=1"]
+    sweep = tmp_path / "sweep"
+    ablate.main(["--sweep", "learning_rate=1e-3,1e-2", "--seeds", "0", "--workers", "1",
+                 "--out_dir", str(sweep), *extra])
+    [entry] = json.load(open(sweep / "sweep.json"))["sweeps"]
+    assert (entry["optimizer"], entry["workers"], entry["flag"]) == ("adamw", 1, "learning_rate")
+    losses = {v["value"]: v["mean"] for v in entry["values"]}
+    assert set(losses) == {"1e-3", "1e-2"} and entry["best"] == min(losses, key=losses.get)
+    assert os.path.exists(sweep / "learning_rate=1e-2" / "fp32" / "adamw" / "sim1" / "seed0")
+    study = tmp_path / "study"
+    ablate.main(["--comms", "fp32", "--seeds", "0", "--workers", "1", "--lr_from",
+                 str(sweep / "sweep.json"), "--out_dir", str(study), *extra])
+    [r] = json.load(open(study / "results.json"))
+    assert f"--learning_rate={entry['best']}" in r["command"]
+    assert r["learning_rates"]["learning_rate"] == float(entry["best"])
 
 
 def test_vocabulary_mismatch_is_refused(tmp_path):

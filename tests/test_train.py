@@ -10,7 +10,7 @@ import torch.distributed as dist
 import train
 from conftest import ROOT, run_ranks
 from model import Llama, ModelConfig
-from nanogeo import config, kernels
+from nanogeo import config, hooks, kernels
 from train import ConfigError, parse_config
 
 
@@ -250,6 +250,42 @@ def test_simulated_workers_equal_a_two_rank_run(tiny_corpus, tmp_path, extra):
     assert [l["loss"] for l in logs[0]] == [l["loss"] for l in logs[1]]
     # bytes: rank 0's in the real run, the ranks' average in the simulation
     assert all(abs(a["wire_bytes"] / b["wire_bytes"] - 1) < 1e-3 for a, b in zip(*logs))
+
+
+def test_final_eval_steps_span_the_last_tenth():
+    steps = lambda *flags: train.final_eval_steps(parse_config(list(flags)))   # noqa: E731
+    assert steps("--max_iters=2000", "--final_evals=3") == [1800, 1900, 2000]
+    assert steps("--max_iters=300", "--final_evals=3") == [270, 285, 300]
+    assert steps("--max_iters=300") == [300]
+    assert steps("--max_iters=2", "--final_evals=3") == [1, 2]      # fewer steps than evals
+    cfg = parse_config(["--preset=char-study"])     # 4x the 4 x 4 x 64 tokens per rank it had
+    assert cfg.eval_iters * cfg.batch_size * cfg.block_size == 4 * 1024 and cfg.final_evals == 3
+
+
+def test_summary_averages_the_final_evaluations_and_every_steps_bytes(tiny_corpus, tmp_path):
+    """--final_evals=3: the final val loss is the mean of the evaluations after steps 8, 9 and
+    10. Bytes: every step's, the paper's collective with its scales' MAX all-reduce (one fp32
+    per tensor) plus, on the steps that average K-FAC statistics (communicator steps 0, 3, 6,
+    9), their all-reduce; the summary's mean is over all 10 steps."""
+    extra = [*PAPER_RECIPE, "--geo_refresh=3", "--max_iters=10", "--eval_interval=10",
+             "--log_interval=1", "--final_evals=3", "--simulate_workers=2"]
+    cfg = parse_config(tiny_args(tiny_corpus, tmp_path / "out", *extra))
+    result = train.train(cfg)
+    logs = [json.loads(l) for l in open(tmp_path / "out" / "log.jsonl") if '"loss"' in l]
+    finals = result["final_val_losses"]
+    assert [s for s, _ in finals] == [8, 9, 10]
+    assert result["final_val_loss"] == sum(v for _, v in finals) / 3
+    assert {l["step"]: l["val_loss"] for l in logs if l["step"] >= 8} == dict(finals)
+    model = Llama(ModelConfig(block_size=32))
+    params = list(model.parameters())
+    base = sum(p.numel() for p in params) + 4 * len(params)        # W = 2: (W-1)/W * 2 = 1
+    communicator, _ = train.make_communicator(cfg, model, train.make_optimizers(cfg, model))
+    stats = hooks.statistics_bytes(communicator, 2)
+    assert stats > 0
+    assert [l["wire_bytes"] - base for l in logs] == [
+        stats if l["step"] in (1, 4, 7, 10) else 0 for l in logs]
+    assert result["mean_wire_bytes"] == sum(l["wire_bytes"] for l in logs) / 10
+    assert result["config"]["final_evals"] == 3 and result["config"]["comm"] == "geofp8"
 
 
 def test_error_feedback_resume_keeps_the_mode(tiny_corpus, tmp_path):
