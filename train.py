@@ -316,10 +316,10 @@ def train(cfg):
     data_parallel = len(my_ranks) * world_size
     torch.manual_seed(cfg.seed)  # same seed on every rank: identical initial parameters
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if restarts and os.path.exists(checkpoint.ckpt_path(cfg)):
+    if restarts and checkpoint.resume_candidates(cfg.out_dir):
         cfg = dataclasses.replace(cfg, resume=True)     # torchrun --max-restarts brought us back
     # checked before anything is built: fail in a second, not after a minute
-    ckpt = checkpoint.open_checkpoint(cfg, data_parallel, device, master=rank == 0)
+    ckpt, resumed_from = checkpoint.open_checkpoint(cfg, data_parallel, device, master=rank == 0)
     log = runlog.RunLog(cfg, master=rank == 0)
 
     mcfg = model_lib.model_config(cfg.preset, block_size=cfg.block_size)
@@ -337,10 +337,13 @@ def train(cfg):
     if ckpt is not None:
         start_step = checkpoint.restore(ckpt, raw_model, optimizers, communicator, cfg, rank,
                                         world_size, device)
-        log.print(f"resumed from {checkpoint.ckpt_path(cfg)} at step {start_step}"
+        log.print(f"resumed from {resumed_from} at step {start_step}"
                   + (f" (elastic restart {restarts})" if restarts else ""))
+    # the step of the ckpt.pt in out_dir (the next save keeps it as ckpt-STEP.pt); none after a
+    # resume from a kept ckpt-STEP.pt, the damaged ckpt.pt having been moved aside
+    in_place = resumed_from == checkpoint.ckpt_path(cfg)
     saver = checkpoint.Checkpointer(cfg, mcfg, data_parallel, rank, world_size,
-                                    last_step=start_step if ckpt is not None else None)
+                                    last_step=start_step if in_place else None)
     log.start(raw_model, params, world_size, device, data_parallel)
 
     first_val = None if start_step else evaluate(model, data, cfg, my_ranks, world_size,

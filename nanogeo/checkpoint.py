@@ -6,9 +6,19 @@ out_dir/ckpt.pt holds the model, the optimizers, the step, the config, the commu
 (GeoFP8 geometry) and the RNG; with error feedback every rank also writes its own residual file
 next to it (residuals-rankRRRRR-stepSSSSSSS.pt). Writes are atomic (temp file, fsync, rename),
 so a crash never leaves a half-written checkpoint, and the K-1 previous checkpoints are kept as
-ckpt-STEP.pt.
+ckpt-STEP.pt (a second name of the old ckpt.pt, made before the new one replaces it: at no
+moment is there no ckpt.pt).
+
+A ckpt.pt that does not load (a disk that filled up, a copy cut short) is not the end of the
+run: --resume warns, naming it, keeps it as ckpt.pt.damaged and continues from the newest
+ckpt-STEP.pt that loads (a missing ckpt.pt too, with a warning). Every rank tries the same files
+in the same order and a file counts only if it loads on every rank, so all ranks resume from the
+same step. With none that loads, --resume stops with one line naming them all.
 """
+import contextlib
 import os
+import re
+import shutil
 from dataclasses import asdict
 
 import torch
@@ -21,6 +31,19 @@ def ckpt_path(cfg):
     return os.path.join(cfg.out_dir, "ckpt.pt")
 
 
+KEPT_NAME = re.compile(r"ckpt-(\d+)\.pt")      # an earlier checkpoint, kept: ckpt-0000004.pt
+
+
+def kept_name(step):
+    return f"ckpt-{step:07d}.pt"
+
+
+def kept_checkpoints(out_dir):
+    """The names of the kept earlier checkpoints in out_dir, oldest first."""
+    kept = {m.group(0): int(m.group(1)) for m in map(KEPT_NAME.fullmatch, os.listdir(out_dir)) if m}
+    return sorted(kept, key=kept.get)
+
+
 # what a checkpoint's numbers depend on: resuming with any of these changed would silently load
 # mismatched geometry, optimizer state or residuals
 RESUME_MUST_MATCH = ("preset", "optimizer", "comm", "fmt", "block", "collective", "geo_rank",
@@ -28,26 +51,117 @@ RESUME_MUST_MATCH = ("preset", "optimizer", "comm", "fmt", "block", "collective"
 
 
 def open_checkpoint(cfg, world_size, device, master):
-    """The checkpoint to resume from (None for a fresh run), after checking that it is this
-    run's. A fresh run with --overwrite first moves an existing one aside (to ckpt.pt.old), so
-    that an elastic restart before its first save cannot resume the replaced run."""
-    path = ckpt_path(cfg)
+    """(checkpoint, its path) to resume from, after checking that it is this run's; (None,
+    None) for a fresh run. A fresh run with --overwrite first moves the checkpoints there aside
+    (ckpt.pt to ckpt.pt.old, ckpt-STEP.pt to ckpt-STEP.pt.old), so that neither an elastic
+    restart before its first save nor a fallback from a damaged ckpt.pt resumes the replaced
+    run, and no save of this run removes the replaced run's files."""
+    names = on_every_rank(resume_candidates(cfg.out_dir) if master else None)
     if not cfg.resume:
-        if os.path.exists(path) and not cfg.overwrite:
+        if names and not cfg.overwrite:
             raise ConfigError(f"{cfg.out_dir} already holds another run's checkpoint; pass --resume "
                               "to continue it, --overwrite=true to replace it, or choose another "
                               "--out_dir")
-        if os.path.exists(path) and master:
-            os.replace(path, path + ".old")
+        if names and master:
+            for name in names:
+                moved = os.path.join(cfg.out_dir, name)
+                os.replace(moved, moved + ".old")
             for name in os.listdir(cfg.out_dir):
                 if name.startswith("residuals-rank"):
                     os.remove(os.path.join(cfg.out_dir, name))
         if dist.is_initialized():
             dist.barrier()          # no rank looks for a checkpoint before it is moved
-        return None
-    if not os.path.exists(path):
+        return None, None
+    path = ckpt_path(cfg)
+    if not names:
         raise ConfigError(f"--resume but {path} does not exist; drop --resume to start fresh")
-    ckpt = torch.load(path, map_location=device, weights_only=True)
+    chosen, ckpt, unreadable = first_intact([os.path.join(cfg.out_dir, n) for n in names], device)
+    if ckpt is None:
+        raise ConfigError(f"--resume but no checkpoint in {cfg.out_dir} loads: "
+                          + "; ".join(f"{p} ({why})" for p, why in unreadable)
+                          + "; restore one of them, or start a new run with --overwrite=true")
+    check_resumable(ckpt, chosen, cfg, world_size)
+    if master:      # only now: a refused resume leaves every file where it was
+        if names[0] != "ckpt.pt":
+            print(f"train.py: warning: {path} is missing; resuming from {chosen}", flush=True)
+        for bad, why in unreadable:
+            print(f"train.py: warning: {bad} does not load ({why}); kept as {keep_damaged(bad)}; "
+                  f"resuming from {chosen}", flush=True)
+    return ckpt, chosen
+
+
+def resume_candidates(out_dir):
+    """The checkpoints in out_dir in the order a resume tries them: ckpt.pt, then the kept
+    ckpt-STEP.pt newest first (names; empty if there are none)."""
+    if not os.path.isdir(out_dir):
+        return []
+    latest = ["ckpt.pt"] if os.path.exists(os.path.join(out_dir, "ckpt.pt")) else []
+    return latest + kept_checkpoints(out_dir)[::-1]
+
+
+def on_every_rank(value):
+    """Rank 0's value on every rank (a broadcast; the value itself without a process group)."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def first_intact(paths, device):
+    """(path, checkpoint, [(path, why)] of those tried before it) for the first of `paths` that
+    loads on every rank; (None, None, every path with why) if none does. Every rank tries the
+    same paths in the same order and one all-reduce per file tells them all whether it loaded
+    everywhere, so every rank returns the same path."""
+    unreadable = []
+    for path in paths:
+        ckpt, why = load_checkpoint(path, device)
+        if loads_on_every_rank(ckpt is not None, device):
+            return path, ckpt, unreadable
+        unreadable.append((path, why or "does not load on another rank"))
+    return None, None, unreadable
+
+
+def load_checkpoint(path, device):
+    """(checkpoint, None), or (None, why) for a file that does not load or is no train.py
+    checkpoint; why is one line."""
+    try:
+        ckpt = torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:      # whatever the damage: a truncated zip, a bad pickle, an I/O error
+        return None, first_sentence(e)
+    if not isinstance(ckpt, dict) or not {"model", "step", "config"} <= ckpt.keys():
+        return None, "not a train.py checkpoint"
+    return ckpt, None
+
+
+def first_sentence(error):
+    """What went wrong, short: torch's messages go on for lines about how to load anyway."""
+    return str(error).strip().split("\n")[0].split(". ")[0].rstrip(".") or type(error).__name__
+
+
+def loads_on_every_rank(loaded, device):
+    """True on every rank iff `loaded` is True on every rank (one 1-element all-reduce)."""
+    if not dist.is_initialized():
+        return loaded
+    failed = torch.tensor([0.0 if loaded else 1.0], device=device)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    return failed.item() == 0
+
+
+def keep_damaged(path):
+    """Rename a checkpoint that does not load to PATH.damaged (PATH.damaged.2, ... if an
+    earlier one is there: none is ever overwritten); returns the new name. Kept, not deleted:
+    it is the user's, and may be worth a look. Not ckpt-*.pt, so no later save removes it."""
+    kept, n = path + ".damaged", 1
+    while os.path.exists(kept):
+        n += 1
+        kept = f"{path}.damaged.{n}"
+    os.replace(path, kept)
+    return kept
+
+
+def check_resumable(ckpt, path, cfg, world_size):
+    """Refuse, naming the fix, a checkpoint whose numerics differ from this run's."""
     saved = {"optimizer": "adamw", **ckpt["config"]}
     for flag in RESUME_MUST_MATCH:
         if flag in saved and saved[flag] != getattr(cfg, flag):
@@ -61,7 +175,12 @@ def open_checkpoint(cfg, world_size, device, master):
         was = "simulated ranks (--simulate_workers)" if ckpt.get("simulated") else "real ranks"
         raise ConfigError(f"{path} keeps error-feedback residuals of {was}; resume it the "
                           "same way or start a new run")
-    return ckpt
+    if cfg.error_feedback and dist.is_initialized() and dist.get_world_size() > 1:
+        for rank in range(dist.get_world_size()):   # every rank resumes its own residual
+            if not os.path.exists(residuals_path(cfg.out_dir, rank, ckpt["step"])):
+                raise ConfigError(f"{residuals_path(cfg.out_dir, rank, ckpt['step'])} is missing: "
+                                  "with --error_feedback every rank resumes its own residual; "
+                                  "restore the file or start a new run")
 
 
 def residuals_path(out_dir, rank, step):
@@ -83,11 +202,13 @@ def save_residuals(residuals, out_dir, rank, step):
 
 
 def load_residuals(out_dir, rank, step, device):
+    """This rank's residual (check_resumable has seen that every rank's file is there)."""
     path = residuals_path(out_dir, rank, step)
-    if not os.path.exists(path):
-        raise ConfigError(f"{path} is missing: with --error_feedback every rank resumes its own "
-                          "residual; restore the file or start a new run")
-    return torch.load(path, map_location=device, weights_only=True)
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:
+        raise ConfigError(f"{path} does not load ({first_sentence(e)}); restore the file or "
+                          "start a new run") from e
 
 
 def atomic_save(obj, path):
@@ -98,6 +219,20 @@ def atomic_save(obj, path):
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def keep_copy(path, kept):
+    """Make `kept` a second name of the file `path` (a hard link: nothing is copied, and `path`
+    stays where it is until a new file replaces it); a copy on filesystems without hard links.
+    Through a temp name, so `kept` is never half there."""
+    tmp = kept + ".tmp"
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(tmp)          # left over by a crash
+    try:
+        os.link(path, tmp)
+    except OSError:
+        shutil.copyfile(path, tmp)
+    os.replace(tmp, kept)
 
 
 def optimizer_states(optimizers):
@@ -134,7 +269,7 @@ class Checkpointer:
         self.cfg, self.model_config = cfg, model_config
         self.data_parallel, self.rank, self.world_size = data_parallel, rank, world_size
         self.path = ckpt_path(cfg)
-        self.last_step = last_step          # the step of this run's latest ckpt.pt, if any
+        self.last_step = last_step          # the step of the ckpt.pt in out_dir, if there is one
 
     def save(self, step, model, optimizers, communicator):
         cfg = self.cfg
@@ -144,9 +279,9 @@ class Checkpointer:
         if self.rank != 0:
             return
         if self.last_step is not None and cfg.keep_ckpts > 1:   # keep the previous ones too
-            os.replace(self.path, os.path.join(cfg.out_dir, f"ckpt-{self.last_step:07d}.pt"))
-            old = sorted(f for f in os.listdir(cfg.out_dir) if f.startswith("ckpt-"))
-            for name in old[: max(0, len(old) - (cfg.keep_ckpts - 1))]:
+            keep_copy(self.path, os.path.join(cfg.out_dir, kept_name(self.last_step)))
+            kept = kept_checkpoints(cfg.out_dir)
+            for name in kept[: max(0, len(kept) - (cfg.keep_ckpts - 1))]:
                 os.remove(os.path.join(cfg.out_dir, name))
         atomic_save({"model": model.state_dict(), **optimizer_states(optimizers),
                      "step": step, "config": asdict(cfg), "model_config": asdict(self.model_config),

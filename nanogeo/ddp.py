@@ -205,8 +205,12 @@ class GeoFP8HookState:
         return sent
 
     def table(self):
-        """Each parameter once, as the communicator holding it now reports it."""
-        return "\n".join(summary.layer_table(c, names) for c, names in self._owned() if names)
+        """Each parameter once, as the communicator holding it now reports it (one header)."""
+        tables = [summary.layer_table(c, names) for c, names in self._owned() if names]
+        if not tables:
+            return ""
+        header = tables[0].split("\n", 1)[0]
+        return "\n".join([header] + [table.split("\n", 1)[1] for table in tables])
 
 
 def geofp8_hook(state: GeoFP8HookState,

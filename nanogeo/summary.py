@@ -22,7 +22,8 @@ import compress
 
 
 def layer_table(communicator, names=None):
-    """Per-layer table: shape, rank, coordinates in use, last measured gain, core energy."""
+    """Per-layer table: shape, rank, coordinates in use, last measured gain, core energy ("-"
+    where there is none: a gain before the first measurement, the energy of a whitened layer)."""
     lines = [f"{'tensor':40s} {'shape':>12s} {'r':>4s} {'coords':>10s} {'gain':>6s} {'energy':>6s}"]
     for n in names or communicator.names:
         shape = "x".join(map(str, communicator.shapes[n]))
@@ -35,8 +36,16 @@ def layer_table(communicator, names=None):
         if coords == "geo" and layer.sides != "both":
             coords += "/" + layer.sides
         lines.append(f"{n:40s} {shape:>12s} {layer.r:4d} {coords:>10s} "
-                     f"{layer.gain:6.2f} {float(layer.energy):6.2f}")
+                     f"{cell(layer.gain, '.2f'):>6s} {cell(layer.energy, '.2f'):>6s}")
     return "\n".join(lines)
+
+
+def cell(value, spec):
+    """`value` formatted by `spec`, or "-" where there is nothing to say: the communicator's
+    NaN means "not measured" (a gain before the first judgement; the core energy, which only
+    the subspace rotation has, before its first refresh or in a whitened layer)."""
+    value = float(value)        # the energy is a device scalar: one sync, for the table only
+    return "-" if math.isnan(value) else format(value, spec)
 
 
 def geometry_state_bytes(communicator):
@@ -104,6 +113,7 @@ def last_step_report(communicator, local, delivered, coords, world_size, simulat
         if not any(keep):
             continue
         ours, base = relative_error(delivered, exact, keep), relative_error(euclid, exact, keep)
-        lines.append(f"  {label:24s} this run {ours:.4f} | Euclidean FP8, same collective "
-                     f"{base:.4f} | ratio {ours / base if base > 0 else float('nan'):.3f}")
+        ratio = ours / base if base > 0 else float("nan")      # nan: nothing to compare
+        lines.append(f"  {label:24s} this run {cell(ours, '.4f')} | Euclidean FP8, same "
+                     f"collective {cell(base, '.4f')} | ratio {cell(ratio, '.3f')}")
     return "\n".join(lines)

@@ -342,6 +342,17 @@ def test_exemptions():
     assert "vocabulary" in summary.layer_table(comm)
 
 
+@pytest.mark.parametrize("geometry", ["subspace", "whiten"])
+def test_layer_table_says_dash_where_nothing_was_measured(geometry):
+    """Before any step nothing is measured: the gain and energy columns say "-", never nan.
+    (A whitened layer never has a core energy: tests/test_ddp.py checks its table mid-run.)"""
+    name = "layers.0.mlp.w1.weight"
+    comm = GeoFP8Communicator([(name, (128, 256))], GeoOptions(geometry=geometry))
+    header, row = summary.layer_table(comm).splitlines()
+    assert header.split()[-2:] == ["gain", "energy"] and row.split()[-2:] == ["-", "-"]
+    assert row.split()[:4] == [name, "128x256", str(comm.layers[name].r), "euclidean"]
+
+
 def test_warmup_keeps_euclidean():
     steps = planted_workers(128, 128, 2, 4)
     _, comm = run_steps(GeoOptions(geometry="subspace", geo_rank=8, warmup=10), steps)

@@ -1,4 +1,6 @@
 """The DDP hook on a model we did not write: nn.TransformerEncoder with an embedding and a head."""
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -27,6 +29,18 @@ def batch(rank, step):
     return x, torch.roll(x, -1, dims=1)
 
 
+NAN = re.compile(r"\bnan\b", re.IGNORECASE)
+
+
+def rows(table):
+    """A layer table's candidate rows (those with an r), by tensor name, as columns."""
+    header, *lines = table.splitlines()
+    assert header.startswith("tensor") and not any(line.startswith("tensor") for line in lines)
+    keys = header.split()
+    return {line.split()[0]: dict(zip(keys, line.split())) for line in lines
+            if line.split()[2] != "-"}
+
+
 def ddp_rank(rank, world_size, out, hook_options):
     dist.init_process_group("gloo")
     hook_options = dict(hook_options)
@@ -39,7 +53,7 @@ def ddp_rank(rank, world_size, out, hook_options):
     state = GeoFP8HookState(hooked, min_numel=1024, vocab_size=VOCAB, **hook_options)
     hooked.register_comm_hook(state, geofp8_hook)
     loss_fn = nn.CrossEntropyLoss()
-    errors = []
+    errors, tables = [], []
     if optimizer == "adamw":
         opt = torch.optim.AdamW(hooked.parameters(), lr=1e-3)
         state.watch([opt])      # coordinates judged by the error AdamW sees
@@ -55,8 +69,9 @@ def ddp_rank(rank, world_size, out, hook_options):
         errors.append((num / den).sqrt().item())
         opt.step()  # the hooked model trains; the plain one re-syncs to it below
         plain.module.load_state_dict(hooked.module.state_dict())
+        tables.append(state.table())
     params = torch.cat([p.detach().reshape(-1) for p in hooked.parameters()])
-    torch.save({"errors": errors, "params": params, "bytes": state.reset_bytes(),
+    torch.save({"errors": errors, "params": params, "bytes": state.reset_bytes(), "tables": tables,
                 "buckets": len(state.communicators),
                 "coords": {n: c.coords(n) for comm in state.communicators.values()
                            for n, c in [(n, comm) for n in comm.names]}}, f"{out}.{rank}")
@@ -116,6 +131,11 @@ def test_ddp_hook_published_whitening(tmp_path):
     assert max(r0["errors"]) < 0.05
     assert r0["coords"]["0.weight"] == "euclidean"       # the embedding (vocabulary dimension)
     assert "geo" in r0["coords"].values()
+    # a whitened layer has no core energy: "-", never nan; a measured gain is a number
+    assert not any(NAN.search(table) for table in r0["tables"])
+    last = rows(r0["tables"][-1])
+    assert last and all(row["energy"] == "-" for row in last.values())
+    assert any(row["coords"] == "geo" and float(row["gain"]) > 0 for row in last.values())
 
 
 def resume_rank(rank, world_size, out, hook_options):

@@ -1,13 +1,17 @@
-"""Non-finite gradients are skipped on every rank; ranks that drift apart are caught."""
+"""Non-finite gradients are skipped on every rank; ranks that drift apart are caught; a resumed
+run ends where an uninterrupted one does, also past a damaged checkpoint."""
 import json
 import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import model as model_lib
 import train
-from conftest import run_ranks
+from conftest import ROOT, run_ranks
 from test_train import tiny_args
 
 
@@ -227,3 +231,113 @@ def test_resume_refuses_other_numerics_and_overwrite_moves_the_old_run_aside(tin
     before = (out / "ckpt.pt").read_bytes()
     train.train(train.parse_config(tiny_args(tiny_corpus, out, "--max_iters=1", "--overwrite")))
     assert (out / "ckpt.pt.old").read_bytes() == before     # an elastic restart cannot find it
+
+
+def test_a_damaged_ckpt_pt_resumes_from_the_kept_one_on_every_rank(tiny_corpus, tmp_path, capfd):
+    """ckpt.pt cut in half (a full disk, a copy cut short): --resume on 2 ranks warns once,
+    naming the file, keeps it as ckpt.pt.damaged.2 (an earlier ckpt.pt.damaged stays as it
+    was) and continues from the kept ckpt-0000002.pt with the per-rank residuals of step 2:
+    bit-identical to a resume from that file directly, and to the uninterrupted run."""
+    extra = ("--max_iters=4", "--ckpt_interval=2", "--comm=subspace", "--geo_rank=4",
+             "--geo_warmup=1", "--error_feedback")
+    a, direct = tmp_path / "a", tmp_path / "direct"
+    run_ranks(crashing_rank, 2, tiny_args(tiny_corpus, a, *extra), str(tmp_path), None)
+    whole = json.load(open(tmp_path / "rank0.json"))
+    shutil.copytree(a, direct)
+    os.replace(direct / "ckpt-0000002.pt", direct / "ckpt.pt")
+    run_ranks(crashing_rank, 2, tiny_args(tiny_corpus, direct, *extra, "--resume"), str(tmp_path),
+              None)
+    from_kept = json.load(open(tmp_path / "rank0.json"))
+
+    cut = (a / "ckpt.pt").read_bytes()
+    cut = cut[: len(cut) // 2]
+    (a / "ckpt.pt").write_bytes(cut)
+    (a / "ckpt.pt.damaged").write_bytes(b"an earlier damaged checkpoint")
+    capfd.readouterr()
+    run_ranks(crashing_rank, 2, tiny_args(tiny_corpus, a, *extra, "--resume"), str(tmp_path), None)
+    out = capfd.readouterr().out
+    r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))
+    assert r0["param_sha256"] == r1["param_sha256"] == from_kept["param_sha256"]
+    assert r0["param_sha256"] == whole["param_sha256"]
+    [warning] = [line for line in out.splitlines() if "warning" in line]
+    assert warning.startswith(f"train.py: warning: {a / 'ckpt.pt'} does not load (")
+    assert warning.endswith(f"; kept as {a / 'ckpt.pt.damaged.2'}; resuming from "
+                            f"{a / 'ckpt-0000002.pt'}")
+    assert f"resumed from {a / 'ckpt-0000002.pt'} at step 2" in out
+    assert (a / "ckpt.pt.damaged.2").read_bytes() == cut
+    assert (a / "ckpt.pt.damaged").read_bytes() == b"an earlier damaged checkpoint"
+    assert torch.load(a / "ckpt.pt", weights_only=True)["step"] == 4
+
+
+def test_without_a_checkpoint_that_loads_resume_is_one_error_naming_the_files(tiny_corpus,
+                                                                              tmp_path, capsys):
+    """A missing ckpt.pt: resumed from the kept one, with a warning. ckpt.pt and the kept one
+    both cut short: one error line naming both, exit 2, every file left as it was; a fresh run
+    with --overwrite then moves both aside."""
+    out = tmp_path / "out"
+    args = tiny_args(tiny_corpus, out, "--max_iters=2", "--ckpt_interval=1")
+    train.train(train.parse_config(args))
+    os.remove(out / "ckpt.pt")
+    assert train.train(train.parse_config(args + ["--resume"]))["steps"] == 1
+    assert (f"train.py: warning: {out / 'ckpt.pt'} is missing; resuming from "
+            f"{out / 'ckpt-0000001.pt'}") in capsys.readouterr().out
+
+    names = ("ckpt.pt", "ckpt-0000001.pt")
+    for name in names:
+        (out / name).write_bytes((out / name).read_bytes()[:1000])
+    before = {name: (out / name).read_bytes() for name in os.listdir(out)}
+    result = subprocess.run([sys.executable, "train.py", *args, "--resume"], cwd=ROOT,
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and result.stderr.strip().count("\n") == 0
+    assert result.stderr.startswith(f"train.py: error: --resume but no checkpoint in {out} loads: "
+                                    f"{out / 'ckpt.pt'} (")
+    assert f"{out / 'ckpt-0000001.pt'} (" in result.stderr and "--overwrite=true" in result.stderr
+    assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
+
+    train.train(train.parse_config(tiny_args(tiny_corpus, out, "--max_iters=1", "--overwrite")))
+    for name in names:
+        assert (out / (name + ".old")).read_bytes() == before[name]
+    assert not (out / "ckpt-0000001.pt").exists()
+    assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == 1
+
+
+def first_intact_rank(rank, world_size, paths, result_dir):
+    """checkpoint.first_intact on one rank of two; rank 1 cannot read the first file (a flaky
+    mount, a stale cache), which loads on rank 0."""
+    import torch.distributed as dist
+    from nanogeo import checkpoint
+    dist.init_process_group("gloo")
+    if rank == 1:
+        load = checkpoint.load_checkpoint
+        checkpoint.load_checkpoint = lambda path, device: (
+            (None, "Input/output error") if path == paths[0] else load(path, device))
+    chosen, ckpt, unreadable = checkpoint.first_intact(paths, torch.device("cpu"))
+    with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"chosen": chosen, "step": ckpt["step"], "unreadable": unreadable}, f)
+    dist.destroy_process_group()
+
+
+def test_every_rank_resumes_from_the_same_file(tmp_path):
+    """A checkpoint counts only if it loads on every rank: rank 0, which could read the newer
+    one, resumes from the older one too."""
+    paths = [str(tmp_path / name) for name in ("ckpt.pt", "ckpt-0000003.pt")]
+    for path, step in zip(paths, (6, 3)):
+        torch.save({"model": {}, "step": step, "config": {}}, path)
+    run_ranks(first_intact_rank, 2, paths, str(tmp_path))
+    r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))
+    assert r0["chosen"] == r1["chosen"] == paths[1] and r0["step"] == r1["step"] == 3
+    assert r0["unreadable"] == [[paths[0], "does not load on another rank"]]
+    assert r1["unreadable"] == [[paths[0], "Input/output error"]]
+
+
+def test_a_kept_checkpoint_is_a_copy_where_there_are_no_hard_links(tmp_path, monkeypatch):
+    from nanogeo import checkpoint
+
+    def no_hard_links(src, dst):
+        raise OSError("hard links are not supported here")
+    monkeypatch.setattr(os, "link", no_hard_links)
+    (tmp_path / "ckpt.pt").write_bytes(b"the step-3 checkpoint")
+    checkpoint.keep_copy(str(tmp_path / "ckpt.pt"), str(tmp_path / "ckpt-0000003.pt"))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-0000003.pt", "ckpt.pt"]
+    assert (tmp_path / "ckpt-0000003.pt").read_bytes() == b"the step-3 checkpoint"
+    assert (tmp_path / "ckpt.pt").read_bytes() == b"the step-3 checkpoint"
