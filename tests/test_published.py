@@ -255,8 +255,9 @@ def moments_rank(rank, world_size, out):
     local = {n: a.clone() for n, a in own["input"].items()}
     assert own["tokens"]["input"]["0.weight"] == 40
     comm.reduce([p.grad for p in model.parameters()], own)
-    torch.save({"local": local, "moments": {n: l.moments["input"] for n, l in comm.layers.items()},
-                "factors": {n: l.factors["input"].Q for n, l in comm.layers.items()}},
+    new = comm.candidates             # the first factors: not used before they are measured
+    torch.save({"local": local, "moments": {n: l.moments["input"] for n, l in new.items()},
+                "factors": {n: l.factors["input"].Q for n, l in new.items()}},
                f"{out}.{rank}")
     dist.destroy_process_group()
 
@@ -265,6 +266,7 @@ def test_input_moments_identical_on_every_rank(tmp_path):
     out = str(tmp_path / "moments")
     run_ranks(moments_rank, 2, out)
     r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
+    assert set(r0["moments"]) == {"0.weight", "2.weight"}
     for n in r0["moments"]:
         assert torch.equal(r0["moments"][n], r1["moments"][n])
         assert torch.equal(r0["factors"][n], r1["factors"][n])
