@@ -7,16 +7,26 @@ per tensor that brings the largest block scale to the top of e4m3's range.
     wire: [tensor scale, fp32][block scale per 16 values, e4m3][two e2m1 values per byte]
 
 About 0.56 bytes a value (against 1.03 for e4m3 with block 128): a quarter of bf16's bytes.
+
+The codec works on blocks: encode_blocks / decode_blocks turn a (blocks, 16) fp32 matrix into
+block scales and codes and back, given each block's tensor scale. quantize / dequantize run them
+on one tensor; Packing runs them on a whole bucket of compress.py's two-stage collective, one
+call per stage (the pieces' tensor scales from one segmented max), and writes the same bytes,
+bit for bit, as quantizing piece by piece (tests/test_compress.py,
+test_packed_nvfp4_equals_one_call_per_piece).
 """
+import itertools
 import math
 
 import torch
 
 from compress import NVFP4_BLOCK, Quantized, as_float32, num_groups, on_device, scale_groups
+from nanogeo import packing
 
 E2M1_MAX = 6.0
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the 8 magnitudes of a 4-bit e2m1 value
 E4M3_MAX = 448.0
+CODE_BYTES = NVFP4_BLOCK // 2           # a block's 16 codes, two a byte
 
 
 def wire_nbytes(shape):
@@ -44,27 +54,45 @@ def round_to_e2m1(y, stochastic=False, generator=None):
     return (idx | torch.where(y < 0, 8, 0)).to(torch.uint8)
 
 
+def tensor_scale(tensor_amax):
+    """The fp32 scale that brings the largest block scale to e4m3's max (1 where amax is 0);
+    elementwise, so one call serves every piece of a bucket."""
+    return torch.where(tensor_amax > 0, tensor_amax / (E2M1_MAX * E4M3_MAX),
+                       torch.ones_like(tensor_amax))
+
+
+def encode_blocks(blocks, amax, scale, stochastic=False, generator=None):
+    """blocks (G, 16) fp32, their amax (G,) and their tensor scale ((G,) or (1,)) -> block
+    scales (G,) as e4m3 bytes and codes (G, 8) uint8, two a byte, low nibble first. A zero
+    (the padding of a partial block) gets code 0."""
+    block_scale = (amax / (E2M1_MAX * scale)).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    step = block_scale.float() * scale                                 # (G,) decoded block scale
+    y = torch.where(step[:, None] > 0, blocks / step[:, None], torch.zeros_like(blocks))
+    codes = round_to_e2m1(y.clamp(-E2M1_MAX, E2M1_MAX), stochastic, generator)   # (G, 16)
+    return block_scale.view(torch.uint8), codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def decode_blocks(block_scale, nibbles, scale):
+    """Inverse of encode_blocks: e4m3 bytes (G,), codes (G, 8) uint8 and the tensor scale
+    ((G,) or (1,)) -> (G, 16) fp32."""
+    codes = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=2).view(-1, NVFP4_BLOCK).long()
+    grid = on_device(E2M1_GRID, nibbles.device)
+    values = grid[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
+    return values * (block_scale.view(torch.float8_e4m3fn).float() * scale)[:, None]
+
+
 def quantize(x, stochastic=False, generator=None) -> Quantized:
     """x -> one uint8 wire buffer (the layout above)."""
     numel = x.numel()
     if numel == 0:
         return Quantized(torch.empty(0, dtype=torch.uint8, device=x.device), x.shape, "nvfp4",
                          NVFP4_BLOCK)
-    groups = scale_groups(x, NVFP4_BLOCK)                              # (G, 16) fp32
-    amax = groups.abs().amax(dim=1)                                    # (G,)
-    tensor_amax = amax.max()
-    tensor_scale = torch.where(tensor_amax > 0, tensor_amax / (E2M1_MAX * E4M3_MAX),
-                               torch.ones_like(tensor_amax)).reshape(1)
-    block_scale = (amax / (E2M1_MAX * tensor_scale)).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
-    step = block_scale.float() * tensor_scale                          # (G,) decoded block scale
-    y = torch.where(step[:, None] > 0, groups / step[:, None], torch.zeros_like(groups))
-    codes = round_to_e2m1(y.clamp(-E2M1_MAX, E2M1_MAX), stochastic, generator).reshape(-1)
-    codes = codes[:numel]
-    if numel % 2:
-        codes = torch.cat([codes, codes.new_zeros(1)])
-    packed = codes[0::2] | (codes[1::2] << 4)                           # low nibble first
-    buffer = torch.cat([tensor_scale.float().view(torch.uint8),
-                        block_scale.view(torch.uint8), packed])
+    blocks = scale_groups(x, NVFP4_BLOCK)                              # (G, 16) fp32
+    amax = blocks.abs().amax(dim=1)                                    # (G,)
+    scale = tensor_scale(amax.max()).reshape(1)
+    block_scale, nibbles = encode_blocks(blocks, amax, scale, stochastic, generator)
+    buffer = torch.cat([scale.view(torch.uint8), block_scale,
+                        nibbles.view(-1)[: (numel + 1) // 2]])         # no padding sent
     return Quantized(buffer, x.shape, "nvfp4", NVFP4_BLOCK)
 
 
@@ -74,11 +102,109 @@ def dequantize(q: Quantized) -> torch.Tensor:
     if numel == 0:
         return torch.zeros(q.shape, device=q.buffer.device)
     n_groups = num_groups(q.shape, NVFP4_BLOCK)
-    tensor_scale = as_float32(q.buffer[:4])
-    block_scale = q.buffer[4: 4 + n_groups].view(torch.float8_e4m3fn).float()
-    packed = q.buffer[4 + n_groups:]
-    codes = torch.stack([packed & 0x0F, packed >> 4], dim=1).reshape(-1)[:numel].long()
-    grid = on_device(E2M1_GRID, packed.device)
-    values = grid[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
-    step = (block_scale * tensor_scale).repeat_interleave(NVFP4_BLOCK)[:numel]
-    return (values * step).view(q.shape)
+    scale = as_float32(q.buffer[:4])
+    nibbles = q.buffer[4 + n_groups:]
+    nibbles = torch.cat([nibbles, nibbles.new_zeros(n_groups * CODE_BYTES - nibbles.numel())])
+    values = decode_blocks(q.buffer[4: 4 + n_groups], nibbles.view(-1, CODE_BYTES), scale)
+    return values.view(-1)[:numel].view(q.shape)
+
+
+class WireRun:
+    """Consecutive pieces of a bucket (compress.Piece) as they lie on the wire, each as quantize
+    writes it, [tensor scale | block scales | codes], back to back; and as one (G, 16) block
+    matrix in which piece k owns the rows first_group[k] to first_group[k + 1], its last row
+    zero-padded. encode and decode convert between the two in one codec call."""
+
+    def __init__(self, pieces):
+        sizes = [p.end - p.start for p in pieces]
+        groups = [-(-n // NVFP4_BLOCK) for n in sizes]
+        self.code_bytes = [(n + 1) // 2 for n in sizes]               # sent: no padding
+        self.first_group = [0, *itertools.accumulate(groups)]
+        self.first_byte = [0, *itertools.accumulate(wire_nbytes((n,)) for n in sizes)]
+        self.nbytes = self.first_byte[-1]
+        self.owner_on_host = torch.arange(len(sizes)).repeat_interleave(torch.tensor(groups))
+        self.owner_on = {}                                             # device -> the same
+
+    def owner(self, device):
+        """(G,) the piece each block belongs to, on `device` (copied there once)."""
+        if device not in self.owner_on:
+            self.owner_on[device] = self.owner_on_host.to(device)
+        return self.owner_on[device]
+
+    def ranges(self, offsets):
+        """Per piece: where it starts on the wire, its blocks g0 to g1, its code bytes."""
+        return zip(offsets, self.first_group, self.first_group[1:], self.code_bytes)
+
+    def encode(self, blocks, stochastic=False, generator=None):
+        """(G, 16) fp32 -> the pieces' wire bytes, back to back. Each piece's tensor scale comes
+        from the largest of its blocks' amax: one segmented max over the bucket."""
+        if not self.code_bytes:
+            return blocks.new_empty(0, dtype=torch.uint8)
+        owner = self.owner(blocks.device)
+        amax = blocks.abs().amax(dim=1)                                            # (G,)
+        piece_amax = amax.new_zeros(len(self.code_bytes)).scatter_reduce(
+            0, owner, amax, "amax", include_self=False)                            # (P,)
+        scale = tensor_scale(piece_amax)
+        block_scale, nibbles = encode_blocks(blocks, amax, scale[owner], stochastic, generator)
+        scale_bytes, nibbles, parts = scale.view(torch.uint8).view(-1, 4), nibbles.view(-1), []
+        for k, (_, g0, g1, code_bytes) in enumerate(self.ranges(self.first_byte)):
+            parts += [scale_bytes[k], block_scale[g0:g1],
+                      nibbles[g0 * CODE_BYTES: g0 * CODE_BYTES + code_bytes]]
+        return torch.cat(parts)
+
+    def decode(self, rows, offsets=None):
+        """rows (R, bytes): R copies of the pieces' wire bytes, piece k at offsets[k] of every
+        row (back to back by default) -> (R, G, 16) fp32, the padding decoded as zeros."""
+        R, G = rows.shape[0], self.first_group[-1]
+        if not self.code_bytes:
+            return rows.new_zeros(R, 0, NVFP4_BLOCK, dtype=torch.float32)
+        zeros = rows.new_zeros(R, CODE_BYTES)
+        scales, block_scales, nibbles = [], [], []
+        for at, g0, g1, code_bytes in self.ranges(self.first_byte if offsets is None else offsets):
+            codes_at = at + 4 + g1 - g0
+            scales.append(rows[:, at: at + 4])
+            block_scales.append(rows[:, at + 4: codes_at])
+            nibbles.append(rows[:, codes_at: codes_at + code_bytes])
+            if code_bytes < (g1 - g0) * CODE_BYTES:         # the last block's unsent codes
+                nibbles.append(zeros[:, : (g1 - g0) * CODE_BYTES - code_bytes])
+        scale = torch.cat(scales, dim=1).view(torch.float32)                       # (R, P)
+        values = decode_blocks(torch.cat(block_scales, dim=1).view(-1),
+                               torch.cat(nibbles, dim=1).view(-1, CODE_BYTES),
+                               scale[:, self.owner(rows.device)].reshape(-1))
+        return values.view(R, G, NVFP4_BLOCK)
+
+
+class Packing(packing.Packing):
+    """The packed form of a compress.ShardLayout for NVFP4: the stages as FP8's packed form
+    (nanogeo/packing.py) runs them - the bucket's pieces cut into blocks of 16 and stacked in
+    wire order, one codec call per stage - with the piece-by-piece path's wire: the same bytes
+    and, summed in the same order, the same means."""
+
+    def __init__(self, layout):
+        super().__init__(layout)
+        self.shards = [WireRun(pieces) for pieces in layout.pieces]               # stage 2
+        self.bucket = WireRun([p for pieces in layout.pieces for p in pieces])   # stages 1, 3
+        # stage 3 reads every piece at its shard's start plus its place in the shard
+        self.shard_start = [0, *itertools.accumulate(run.nbytes for run in self.shards)]
+        self.placement = [(j, at) for j, run in enumerate(self.shards) for at in run.first_byte[:-1]]
+
+    def piece_nbytes(self, piece):
+        """As quantize writes the piece on its own."""
+        return wire_nbytes(piece.shape)
+
+    def encode(self, flats, stochastic=False, generator=None):
+        return self.bucket.encode(self.blocks_in_wire_order(flats), stochastic, generator)
+
+    def sum_copies(self, received, shard):
+        run = self.shards[shard]
+        return packing.sum_in_rank_order(run.decode(received.view(self.world_size, run.nbytes)))
+
+    def requantize(self, total, shard, stochastic=False, generator=None):
+        return self.shards[shard].encode(total / self.world_size, stochastic, generator)
+
+    def decode(self, buffer, stride=None):
+        """Stage 3 (as packing.Packing.decode): shard j at j * stride, or back to back."""
+        starts = self.shard_start if stride is None else [j * stride for j in range(self.world_size)]
+        offsets = [starts[j] + at for j, at in self.placement]
+        values = self.bucket.decode(buffer.view(1, -1), offsets)                   # (1, G, 16)
+        return self.in_tensor_order(values.view(-1), self.first_group)
