@@ -10,9 +10,11 @@ With integer blocks every piece is cut into groups of `block` elements starting 
 start, the last one zero-padded, and each group travels as [fp32 scale | block fp8 codes]: a
 shard is a (groups, 4 + block) byte matrix, and all shards of a bucket stacked are one. So
 stage 1 is one concatenation of the pieces in wire order (with their padding), one encode and
-one concatenation of scales and codes; stage 2 decodes the W copies as one matrix; stage 3
-decodes the W shards as one matrix and concatenates the pieces' values back into tensors. Only
-views and host-side bookkeeping per piece.
+one concatenation of scales and codes; stage 2 decodes the W copies as one matrix and adds
+them in rank order (the per-piece path's order: W - 1 additions, not one .sum, whose order
+differs); stage 3 decodes the W shards as one matrix and concatenates the pieces' values back
+into tensors. Only views and host-side bookkeeping per piece. NVFP4's packed form
+(nanogeo/nvfp4.py) is this class with its own codec and wire.
 """
 import torch
 
@@ -88,7 +90,7 @@ class Packing:
         """Stage 2: the W received copies of `shard` -> their fp32 sum, (groups, block). (Every
         FP8 group carries its own scale, so the bytes decode without the shard's layout.)"""
         values = unpack_groups(received, self.block, self.fmt)
-        return values.view(self.world_size, -1, self.block).sum(dim=0)
+        return sum_in_rank_order(values.view(self.world_size, -1, self.block))
 
     def requantize(self, total, shard, stochastic=False, generator=None):
         """Stage 2: the summed shard divided by W, back to wire bytes."""

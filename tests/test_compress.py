@@ -185,8 +185,23 @@ def test_layout_covers_every_element_once():
             assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
 
 
-@pytest.mark.parametrize("world", [1, 3, 4])
-def test_packed_codec_equals_one_call_per_piece(world, monkeypatch):
+@pytest.fixture
+def one_thread():
+    """Bit-equality tests run on one thread, as the rule is for every such test."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def assert_all_equal(got, expected):
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("world", [1, 3, 4, 32])
+def test_packed_codec_equals_one_call_per_piece(world, monkeypatch, one_thread):
     """The packed path (one encode / decode call per bucket and stage) gives the same means,
     bit for bit, as quantizing piece by piece, and sends at most block - 1 padding bytes per
     piece more; it makes exactly one codec call per rank and stage."""
@@ -211,21 +226,6 @@ def test_packed_codec_equals_one_call_per_piece(world, monkeypatch):
         # W stage-1 encodes, W stage-2 decodes and encodes, 1 stage-3 decode, W local decodes
         assert calls.count("fp8_encode") == 2 * world
         assert calls.count("fp8_decode_groups") == 2 * world + 1
-
-
-@pytest.fixture
-def one_thread():
-    """Bit-equality tests run on one thread, as the rule is for every such test."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def assert_all_equal(got, expected):
-    assert len(got) == len(expected)
-    for a, b in zip(got, expected):
-        assert torch.equal(a, b)
 
 
 # odd sizes, a partial last block, one element, an empty tensor, one tensor that is zero on
