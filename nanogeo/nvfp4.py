@@ -109,69 +109,99 @@ def dequantize(q: Quantized) -> torch.Tensor:
     return values.view(-1)[:numel].view(q.shape)
 
 
-class WireRun:
-    """Consecutive pieces of a bucket (compress.Piece) as they lie on the wire, each as quantize
-    writes it, [tensor scale | block scales | codes], back to back; and as one (G, 16) block
-    matrix in which piece k owns the rows first_group[k] to first_group[k + 1], its last row
-    zero-padded. encode and decode convert between the two in one codec call."""
+def gather_segments(source, segments, total):
+    """source[..., start: start + length] for each (start, length) row of `segments` (S, 2),
+    concatenated along the last dimension (total: the lengths' sum). One gather: its index is
+    built on the device from the S segments, with no per-segment work on the host."""
+    starts, lengths = segments.unbind(1)
+    first_out = lengths.cumsum(0) - lengths                          # where each lands
+    index = (starts - first_out).repeat_interleave(lengths, output_size=total)
+    return source.index_select(-1, index + torch.arange(total, device=source.device))
 
-    def __init__(self, pieces):
-        sizes = [p.end - p.start for p in pieces]
-        groups = [-(-n // NVFP4_BLOCK) for n in sizes]
+
+class WireRun:
+    """The pieces (compress.Piece) of one or more shards as they lie on the wire - each as
+    quantize writes it, [tensor scale | block scales | codes], back to back, and the shards back
+    to back or at a stride - and as one (G, 16) block matrix in which piece k owns the rows
+    first_group[k] to first_group[k + 1], its last row zero-padded. encode and decode convert
+    between the two: one codec call and one gather each."""
+
+    def __init__(self, shards):
+        sizes = [p.end - p.start for pieces in shards for p in pieces]
+        self.groups = [-(-n // NVFP4_BLOCK) for n in sizes]
         self.code_bytes = [(n + 1) // 2 for n in sizes]               # sent: no padding
-        self.first_group = [0, *itertools.accumulate(groups)]
-        self.first_byte = [0, *itertools.accumulate(wire_nbytes((n,)) for n in sizes)]
-        self.nbytes = self.first_byte[-1]
-        self.owner_on_host = torch.arange(len(sizes)).repeat_interleave(torch.tensor(groups))
-        self.owner_on = {}                                             # device -> the same
+        self.first_group = [0, *itertools.accumulate(self.groups)]
+        piece_nbytes = [wire_nbytes((n,)) for n in sizes]
+        self.shard_nbytes, self.placement, k = [], [], 0     # placement: (shard, byte in it)
+        for j, pieces in enumerate(shards):
+            at = [0, *itertools.accumulate(piece_nbytes[k: k + len(pieces)])]
+            self.placement += [(j, a) for a in at[:-1]]
+            self.shard_nbytes.append(at[-1])
+            k += len(pieces)
+        self.nbytes = sum(self.shard_nbytes)
+        self.owner_on_host = torch.arange(len(sizes)).repeat_interleave(torch.tensor(self.groups))
+        self.on_device = {}                          # (what, device) -> tensor, made once
+
+    def cached(self, what, device, make):
+        """A tensor made once per device: by make() on the host, then copied."""
+        if (what, device) not in self.on_device:
+            self.on_device[what, device] = torch.as_tensor(make()).to(device)
+        return self.on_device[what, device]
 
     def owner(self, device):
-        """(G,) the piece each block belongs to, on `device` (copied there once)."""
-        if device not in self.owner_on:
-            self.owner_on[device] = self.owner_on_host.to(device)
-        return self.owner_on[device]
-
-    def ranges(self, offsets):
-        """Per piece: where it starts on the wire, its blocks g0 to g1, its code bytes."""
-        return zip(offsets, self.first_group, self.first_group[1:], self.code_bytes)
+        """(G,) the piece each block belongs to."""
+        return self.cached("owner", device, lambda: self.owner_on_host)
 
     def encode(self, blocks, stochastic=False, generator=None):
         """(G, 16) fp32 -> the pieces' wire bytes, back to back. Each piece's tensor scale comes
-        from the largest of its blocks' amax: one segmented max over the bucket."""
-        if not self.code_bytes:
+        from the largest of its blocks' amax: one segmented max over the run."""
+        P = len(self.groups)
+        if not P:
             return blocks.new_empty(0, dtype=torch.uint8)
         owner = self.owner(blocks.device)
         amax = blocks.abs().amax(dim=1)                                            # (G,)
-        piece_amax = amax.new_zeros(len(self.code_bytes)).scatter_reduce(
-            0, owner, amax, "amax", include_self=False)                            # (P,)
+        piece_amax = amax.new_zeros(P).scatter_reduce(0, owner, amax, "amax",
+                                                       include_self=False)         # (P,)
         scale = tensor_scale(piece_amax)
         block_scale, nibbles = encode_blocks(blocks, amax, scale[owner], stochastic, generator)
-        scale_bytes, nibbles, parts = scale.view(torch.uint8).view(-1, 4), nibbles.view(-1), []
-        for k, (_, g0, g1, code_bytes) in enumerate(self.ranges(self.first_byte)):
-            parts += [scale_bytes[k], block_scale[g0:g1],
-                      nibbles[g0 * CODE_BYTES: g0 * CODE_BYTES + code_bytes]]
-        return torch.cat(parts)
+        fields = torch.cat([scale.view(torch.uint8), block_scale, nibbles.view(-1)])
+        segments = self.cached("encode", blocks.device, self.encode_segments)
+        return gather_segments(fields, segments, self.nbytes)
 
-    def decode(self, rows, offsets=None):
-        """rows (R, bytes): R copies of the pieces' wire bytes, piece k at offsets[k] of every
-        row (back to back by default) -> (R, G, 16) fp32, the padding decoded as zeros."""
-        R, G = rows.shape[0], self.first_group[-1]
-        if not self.code_bytes:
+    def encode_segments(self):
+        """Where each piece's [tensor scale | block scales | codes] lie in the encoded fields
+        [P tensor scales, 4 bytes each | G block scales | G x 8 code bytes]."""
+        P, G = len(self.groups), self.first_group[-1]
+        return [segment for k, (g0, g, c) in enumerate(zip(self.first_group, self.groups,
+                                                            self.code_bytes))
+                for segment in ((4 * k, 4), (4 * P + g0, g), (4 * P + G + CODE_BYTES * g0, c))]
+
+    def decode(self, rows, stride=None):
+        """rows (R, bytes): R copies of the run's wire bytes, shard j at j * stride of every row
+        (back to back by default) -> (R, G, 16) fp32, the padding decoded as zeros."""
+        (R, width), P, G = rows.shape, len(self.groups), self.first_group[-1]
+        if not P:
             return rows.new_zeros(R, 0, NVFP4_BLOCK, dtype=torch.float32)
-        zeros = rows.new_zeros(R, CODE_BYTES)
-        scales, block_scales, nibbles = [], [], []
-        for at, g0, g1, code_bytes in self.ranges(self.first_byte if offsets is None else offsets):
-            codes_at = at + 4 + g1 - g0
-            scales.append(rows[:, at: at + 4])
-            block_scales.append(rows[:, at + 4: codes_at])
-            nibbles.append(rows[:, codes_at: codes_at + code_bytes])
-            if code_bytes < (g1 - g0) * CODE_BYTES:         # the last block's unsent codes
-                nibbles.append(zeros[:, : (g1 - g0) * CODE_BYTES - code_bytes])
-        scale = torch.cat(scales, dim=1).view(torch.float32)                       # (R, P)
-        values = decode_blocks(torch.cat(block_scales, dim=1).view(-1),
-                               torch.cat(nibbles, dim=1).view(-1, CODE_BYTES),
+        segments = self.cached(("decode", stride, width), rows.device,
+                               lambda: self.decode_segments(stride, width))
+        source = torch.cat([rows, rows.new_zeros(R, CODE_BYTES)], dim=1)   # zeros at `width`
+        fields = gather_segments(source, segments, 4 * P + (1 + CODE_BYTES) * G)
+        scale = fields[:, : 4 * P].reshape(-1).view(torch.float32).view(R, P)
+        values = decode_blocks(fields[:, 4 * P: 4 * P + G].reshape(-1),
+                               fields[:, 4 * P + G:].reshape(-1, CODE_BYTES),
                                scale[:, self.owner(rows.device)].reshape(-1))
         return values.view(R, G, NVFP4_BLOCK)
+
+    def decode_segments(self, stride, width):
+        """Where the fields [P tensor scales | G block scales | G x 8 code bytes] lie in a row
+        of `width` bytes, shard j at j * stride (back to back if None); a partial block's unsent
+        codes read the zeros decode appends at `width`."""
+        shard_at = [0, *itertools.accumulate(self.shard_nbytes)] if stride is None else \
+            [j * stride for j in range(len(self.shard_nbytes))]
+        at = [shard_at[j] + a for j, a in self.placement]                         # piece starts
+        return [(a, 4) for a in at] + [(a + 4, g) for a, g in zip(at, self.groups)] + [
+            segment for a, g, c in zip(at, self.groups, self.code_bytes)
+            for segment in ((a + 4 + g, c), (width, CODE_BYTES * g - c))]
 
 
 class Packing(packing.Packing):
@@ -182,11 +212,8 @@ class Packing(packing.Packing):
 
     def __init__(self, layout):
         super().__init__(layout)
-        self.shards = [WireRun(pieces) for pieces in layout.pieces]               # stage 2
-        self.bucket = WireRun([p for pieces in layout.pieces for p in pieces])   # stages 1, 3
-        # stage 3 reads every piece at its shard's start plus its place in the shard
-        self.shard_start = [0, *itertools.accumulate(run.nbytes for run in self.shards)]
-        self.placement = [(j, at) for j, run in enumerate(self.shards) for at in run.first_byte[:-1]]
+        self.bucket = WireRun(layout.pieces)                                     # stages 1, 3
+        self.shards = [WireRun([pieces]) for pieces in layout.pieces]            # stage 2
 
     def piece_nbytes(self, piece):
         """As quantize writes the piece on its own."""
@@ -204,7 +231,5 @@ class Packing(packing.Packing):
 
     def decode(self, buffer, stride=None):
         """Stage 3 (as packing.Packing.decode): shard j at j * stride, or back to back."""
-        starts = self.shard_start if stride is None else [j * stride for j in range(self.world_size)]
-        offsets = [starts[j] + at for j, at in self.placement]
-        values = self.bucket.decode(buffer.view(1, -1), offsets)                   # (1, G, 16)
+        values = self.bucket.decode(buffer.view(1, -1), stride)                   # (1, G, 16)
         return self.in_tensor_order(values.view(-1), self.first_group)

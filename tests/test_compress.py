@@ -275,7 +275,8 @@ def test_packed_nvfp4_equals_one_call_per_piece(world, monkeypatch, one_thread):
         calls = []
         for name in ("encode_blocks", "decode_blocks"):
             original = getattr(nvfp4, name)
-            monkeypatch.setattr(nvfp4, name, lambda *a, f=original, n=name: calls.append(n) or f(*a))
+            monkeypatch.setattr(nvfp4, name,
+                                lambda *a, f=original, n=name: calls.append(n) or f(*a))
         monkeypatch.setattr(compress, "shard_layout", lambda *a: packed)
         got = simulate_mean(workers, "nvfp4", stochastic=stochastic, seed=7, return_local=True)
         monkeypatch.undo()
