@@ -111,7 +111,7 @@ class Packing:
         than the largest) decode to garbage (scale 0); they are never read."""
         first_group = self.first_group if stride is None else \
             [j * (stride // (4 + self.block)) for j in range(self.world_size)]
-        return self.in_tensor_order(unpack_groups(buffer, self.block, self.fmt).view(-1),
+        return self.in_tensor_order(unpack_groups(buffer, self.block, self.fmt).reshape(-1),
                                     first_group)
 
     def in_tensor_order(self, flat, first_group):
