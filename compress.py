@@ -281,10 +281,10 @@ class ShardLayout:
     are spread by rotating which rank gets the remainder. The layout depends only on the shapes,
     so every rank computes the same one.
 
-    With FP8 and integer blocks the stages run packed (nanogeo/packing.py: the whole bucket in
-    one codec call per stage, groups sent as [fp32 scale | block codes]; the same means, bit for
-    bit, as the piece-by-piece code below, which runs for NVFP4, row and tensor scaling, and
-    with packed=False)."""
+    With integer blocks the stages run packed: the whole bucket in one codec call per stage
+    (FP8: nanogeo/packing.py, groups sent as [fp32 scale | block codes]; NVFP4: its Packing in
+    nanogeo/nvfp4.py, the same bytes as piece by piece), with the same means, bit for bit, as
+    the piece-by-piece code below, which runs for row and tensor scaling and with packed=False."""
 
     def __init__(self, shapes, fmt, block, world_size, pieces=None, packed=True):
         check_codec(fmt, block)
@@ -292,8 +292,8 @@ class ShardLayout:
         self.shapes, self.fmt, self.world_size = [tuple(s) for s in shapes], fmt, world_size
         self.block = block
         self.pieces = self._cut(block) if pieces is None else pieces
-        packable = packed and fmt not in OTHER_CODECS and isinstance(block, int)
-        self.packing = elsewhere("packing").Packing(self) if packable else None
+        packer = elsewhere(fmt if fmt in OTHER_CODECS else "packing")  # a codec's own, or FP8's
+        self.packing = packer.Packing(self) if packed and isinstance(block, int) else None
         self.nbytes = [sum(map(self.piece_nbytes, pieces)) for pieces in self.pieces]
 
     def _cut(self, block):
@@ -370,7 +370,7 @@ def sum_shard(received, layout, shard):
     order) and sum them in fp32, always in the same order: the simulator and every rank sum
     identically. Returns one flat fp32 tensor per piece of the shard."""
     if layout.packing:
-        total = layout.packing.sum_copies(received)
+        total = layout.packing.sum_copies(received, shard)
         return layout.packing.piece_values(total, layout.pieces[shard])
     total = None
     for copy in received.split(layout.nbytes[shard]):
@@ -383,8 +383,8 @@ def reduce_shard(received, layout, shard, stochastic=False, generator=None):
     """Stage 2, on the rank that owns `shard`: decode the W copies (back to back in `received`,
     in source-rank order), sum in fp32, divide by W, re-quantize. Returns the shard's bytes."""
     if layout.packing:
-        total = layout.packing.sum_copies(received)
-        return layout.packing.requantize(total, stochastic, generator)
+        total = layout.packing.sum_copies(received, shard)
+        return layout.packing.requantize(total, shard, stochastic, generator)
     parts = [quantize((v / layout.world_size).view(p.shape), layout.fmt, p.block, stochastic,
                       generator).buffer
              for v, p in zip(sum_shard(received, layout, shard), layout.pieces[shard])]

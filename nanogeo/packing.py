@@ -10,9 +10,11 @@ With integer blocks every piece is cut into groups of `block` elements starting 
 start, the last one zero-padded, and each group travels as [fp32 scale | block fp8 codes]: a
 shard is a (groups, 4 + block) byte matrix, and all shards of a bucket stacked are one. So
 stage 1 is one concatenation of the pieces in wire order (with their padding), one encode and
-one concatenation of scales and codes; stage 2 decodes the W copies as one matrix; stage 3
-decodes the W shards as one matrix and concatenates the pieces' values back into tensors. Only
-views and host-side bookkeeping per piece.
+one concatenation of scales and codes; stage 2 decodes the W copies as one matrix and adds
+them in rank order (the per-piece path's order: W - 1 additions, not one .sum, whose order
+differs); stage 3 decodes the W shards as one matrix and concatenates the pieces' values back
+into tensors. Only views and host-side bookkeeping per piece. NVFP4's packed form
+(nanogeo/nvfp4.py) is this class with its own codec and wire.
 """
 import torch
 
@@ -35,6 +37,17 @@ def unpack_groups(buffer, block, fmt):
 def fp8_decode_groups(codes, scale, dtype):      # hot path (nanogeo.kernels)
     """codes (G, L) uint8 and their scales (G,) -> (G, L) fp32."""
     return codes.view(dtype).float() / scale[:, None]
+
+
+def sum_in_rank_order(copies):
+    """(W, ...) -> their sum over the first dimension, added left to right, copy 0 + copy 1 + ...:
+    the order of the piece-by-piece path (compress.sum_shard), so the sums are equal bit for
+    bit. (torch's .sum(dim=0) adds in another order - in blocks of 16 or more rows on a CPU, a
+    tree on a GPU - and rounds differently.)"""
+    total = copies[0]
+    for copy in copies[1:]:
+        total = total + copy
+    return total
 
 
 class Packing:
@@ -61,19 +74,25 @@ class Packing:
         """Groups of [fp32 scale | block codes], the last one padded."""
         return -(-(piece.end - piece.start) // self.block) * (4 + self.block)
 
-    def encode(self, flats, stochastic=False, generator=None):
-        """Stage 1: the bucket's flat fp32 tensors -> the W shards' bytes, back to back."""
+    def blocks_in_wire_order(self, flats):
+        """The bucket's flat fp32 tensors -> (groups, block): every piece in wire order, cut
+        into groups of `block` from its start, the last one zero-padded."""
         zero, parts = compress.on_device((0.0,) * self.block, flats[0].device), []
         for t, start, end, pad in self.encode_order:
             parts += [flats[t][start:end], zero[:pad]] if pad else [flats[t][start:end]]
-        return pack_groups(torch.cat(parts).view(-1, self.block), self.fmt, stochastic, generator)
+        return torch.cat(parts).view(-1, self.block)
 
-    def sum_copies(self, received):
-        """Stage 2: the W received copies of a shard -> their fp32 sum, (groups, block)."""
+    def encode(self, flats, stochastic=False, generator=None):
+        """Stage 1: the bucket's flat fp32 tensors -> the W shards' bytes, back to back."""
+        return pack_groups(self.blocks_in_wire_order(flats), self.fmt, stochastic, generator)
+
+    def sum_copies(self, received, shard):
+        """Stage 2: the W received copies of `shard` -> their fp32 sum, (groups, block). (Every
+        FP8 group carries its own scale, so the bytes decode without the shard's layout.)"""
         values = unpack_groups(received, self.block, self.fmt)
-        return values.view(self.world_size, -1, self.block).sum(dim=0)
+        return sum_in_rank_order(values.view(self.world_size, -1, self.block))
 
-    def requantize(self, total, stochastic=False, generator=None):
+    def requantize(self, total, shard, stochastic=False, generator=None):
         """Stage 2: the summed shard divided by W, back to wire bytes."""
         return pack_groups(total / self.world_size, self.fmt, stochastic, generator)
 
@@ -90,9 +109,16 @@ class Packing:
         """Stage 3: the W shards' bytes (shard j at j * stride, or back to back) -> the bucket's
         flat fp32 values in tensor order. The padding rows of a gathered buffer (shards shorter
         than the largest) decode to garbage (scale 0); they are never read."""
-        rows_per_shard = None if stride is None else stride // (4 + self.block)
-        flat, B, parts = unpack_groups(buffer, self.block, self.fmt).reshape(-1), self.block, []
+        first_group = self.first_group if stride is None else \
+            [j * (stride // (4 + self.block)) for j in range(self.world_size)]
+        return self.in_tensor_order(unpack_groups(buffer, self.block, self.fmt).reshape(-1),
+                                    first_group)
+
+    def in_tensor_order(self, flat, first_group):
+        """Decoded groups, flat, shard j's from group first_group[j] on -> the bucket's flat
+        fp32 values in tensor order, the padding left out."""
+        B, parts = self.block, []
         for j, q, n in self.decode_order:
-            first = (j * rows_per_shard if rows_per_shard is not None else self.first_group[j]) + q
+            first = first_group[j] + q
             parts.append(flat[first * B: first * B + n])
         return torch.cat(parts)

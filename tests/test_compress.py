@@ -185,8 +185,23 @@ def test_layout_covers_every_element_once():
             assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
 
 
-@pytest.mark.parametrize("world", [1, 3, 4])
-def test_packed_codec_equals_one_call_per_piece(world, monkeypatch):
+@pytest.fixture
+def one_thread():
+    """Bit-equality tests run on one thread, as the rule is for every such test."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def assert_all_equal(got, expected):
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("world", [1, 3, 4, 32])
+def test_packed_codec_equals_one_call_per_piece(world, monkeypatch, one_thread):
     """The packed path (one encode / decode call per bucket and stage) gives the same means,
     bit for bit, as quantizing piece by piece, and sends at most block - 1 padding bytes per
     piece more; it makes exactly one codec call per rank and stage."""
@@ -211,6 +226,65 @@ def test_packed_codec_equals_one_call_per_piece(world, monkeypatch):
         # W stage-1 encodes, W stage-2 decodes and encodes, 1 stage-3 decode, W local decodes
         assert calls.count("fp8_encode") == 2 * world
         assert calls.count("fp8_decode_groups") == 2 * world + 1
+
+
+# odd sizes, a partial last block, one element, an empty tensor, one tensor that is zero on
+# every rank and one that is zero on rank 0 only
+NVFP4_SHAPES = [(33, 17), (5,), (40, 48), (1,), (7, 3, 5), (0,), (16,), (129,), (24,)]
+
+
+def nvfp4_rank_tensors(rank):
+    tensors = [t * 10.0 ** (i - 4) for i, t in enumerate(
+        torch.randn(s, generator=torch.Generator().manual_seed(200 + rank)) for s in NVFP4_SHAPES)]
+    tensors[6].zero_()
+    if rank == 0:
+        tensors[8].zero_()
+    return tensors
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 32])
+def test_packed_nvfp4_equals_one_call_per_piece(world, monkeypatch, one_thread):
+    """Packed NVFP4 (one encode / decode call per bucket and stage, each piece's tensor scale
+    from one segmented max) sends the same bytes as quantizing piece by piece, and its sums,
+    means and decoded values are the same, bit for bit: stage by stage (stage 3 also from an
+    all_gather's padded rows) and through the simulator, with nearest and stochastic rounding.
+    It makes exactly one codec call per rank and stage."""
+    workers = [nvfp4_rank_tensors(r) for r in range(world)]
+    packed = ShardLayout(NVFP4_SHAPES, "nvfp4", 128, world)
+    apart = ShardLayout(NVFP4_SHAPES, "nvfp4", 128, world, packed=False)
+    assert packed.packing is not None and apart.packing is None
+    assert packed.nbytes == apart.nbytes
+    sends = [compress.encode_shards(w, packed) for w in workers]
+    for w, send in zip(workers, sends):
+        assert torch.equal(send, compress.encode_shards(w, apart))
+        assert_all_equal(compress.decode_shards(send, packed), compress.decode_shards(send, apart))
+    stride = max(packed.nbytes) + 3                 # all_gather's rows, padded past every shard
+    gathered = torch.full((world, stride), 0xFF, dtype=torch.uint8)
+    for j in range(world):
+        received = torch.cat([send.split(packed.nbytes)[j] for send in sends])
+        assert_all_equal(compress.sum_shard(received, packed, j),   # FSDP's stage 2
+                         compress.sum_shard(received, apart, j))
+        shard = compress.reduce_shard(received, packed, j)
+        assert torch.equal(shard, compress.reduce_shard(received, apart, j))
+        gathered[j, :shard.numel()] = shard
+    assert_all_equal(compress.decode_shards(gathered.view(-1), packed, stride),
+                     compress.decode_shards(gathered.view(-1), apart, stride))
+    for stochastic in (False, True):
+        monkeypatch.setattr(compress, "shard_layout", lambda *a: apart)
+        expected = simulate_mean(workers, "nvfp4", stochastic=stochastic, seed=7, return_local=True)
+        calls = []
+        for name in ("encode_blocks", "decode_blocks"):
+            original = getattr(nvfp4, name)
+            monkeypatch.setattr(nvfp4, name,
+                                lambda *a, f=original, n=name: calls.append(n) or f(*a))
+        monkeypatch.setattr(compress, "shard_layout", lambda *a: packed)
+        got = simulate_mean(workers, "nvfp4", stochastic=stochastic, seed=7, return_local=True)
+        monkeypatch.undo()
+        assert_all_equal(got[0] + sum(got[2], []), expected[0] + sum(expected[2], []))
+        assert got[1] == expected[1]
+        # W stage-1 encodes, W stage-2 decodes and encodes, 1 stage-3 decode, W local decodes
+        assert calls.count("encode_blocks") == 2 * world
+        assert calls.count("decode_blocks") == 2 * world + 1
 
 
 # ---------------------------------------------------------------------------- transform
