@@ -3,6 +3,7 @@ import socket
 import sys
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,6 +45,17 @@ def run_ranks(fn, world_size, *args):
                 raise
             print(f"run_ranks: rank {e.error_index} died with {e.signal_name}; running "
                   f"{fn.__name__} once more", file=sys.stderr)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Every test runs on one thread, as the ranks of run_ranks do: many compare runs bit for
+    bit, and a float sum split over threads adds in another order - with a thread count that a
+    BLAS library may choose by the machine's load. So no outcome depends on threads or load."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -185,14 +185,6 @@ def test_layout_covers_every_element_once():
             assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
 
 
-@pytest.fixture
-def one_thread():
-    """Bit-equality tests run on one thread, as the rule is for every such test."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def assert_all_equal(got, expected):
     assert len(got) == len(expected)
