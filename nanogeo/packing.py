@@ -63,10 +63,26 @@ class Packing:
 
     def encode(self, flats, stochastic=False, generator=None):
         """Stage 1: the bucket's flat fp32 tensors -> the W shards' bytes, back to back."""
-        zero, parts = compress.on_device((0.0,) * self.block, flats[0].device), []
+        rows = [f.view(1, -1) for f in flats]
+        return pack_groups(self.wire_order(rows), self.fmt, stochastic, generator)
+
+    def encode_ranks(self, rank_flats):
+        """Stage 1 of R simulated ranks in one call: rank_flats[i] = rank i's flat fp32 tensors
+        -> (R, bytes), row i = encode(rank_flats[i]). Every group is quantized on its own, so
+        stacking the ranks changes no byte (nearest rounding; stochastic rounding draws from
+        each rank's own stream: compress.encode_ranks encodes those one by one)."""
+        rows = [torch.stack(column) for column in zip(*rank_flats)]     # (R, numel) per tensor
+        return pack_groups(self.wire_order(rows), self.fmt).view(len(rank_flats), -1)
+
+    def wire_order(self, rows):
+        """(R, numel) fp32 per tensor -> (R x groups, block): each row's pieces in wire order,
+        each padded with zeros to whole groups."""
+        zero, parts = compress.on_device((0.0,) * self.block, rows[0].device), []
         for t, start, end, pad in self.encode_order:
-            parts += [flats[t][start:end], zero[:pad]] if pad else [flats[t][start:end]]
-        return pack_groups(torch.cat(parts).view(-1, self.block), self.fmt, stochastic, generator)
+            parts.append(rows[t][:, start:end])
+            if pad:
+                parts.append(zero[:pad].expand(len(rows[t]), pad))
+        return torch.cat(parts, dim=1).view(-1, self.block)
 
     def sum_copies(self, received):
         """Stage 2: the W received copies of a shard -> their fp32 sum, (groups, block)."""
@@ -89,10 +105,13 @@ class Packing:
     def decode(self, buffer, stride=None):
         """Stage 3: the W shards' bytes (shard j at j * stride, or back to back) -> the bucket's
         flat fp32 values in tensor order. The padding rows of a gathered buffer (shards shorter
-        than the largest) decode to garbage (scale 0); they are never read."""
+        than the largest) decode to garbage (scale 0); they are never read. A (R, bytes) buffer
+        of R ranks' stage-1 bytes (back to back) decodes in one call to (R, values)."""
         rows_per_shard = None if stride is None else stride // (4 + self.block)
-        flat, B, parts = unpack_groups(buffer, self.block, self.fmt).reshape(-1), self.block, []
+        ranks = buffer.view(-1, buffer.shape[-1])                           # (R, bytes)
+        values = unpack_groups(ranks.view(-1), self.block, self.fmt).view(len(ranks), -1)
+        B, parts = self.block, []
         for j, q, n in self.decode_order:
             first = (j * rows_per_shard if rows_per_shard is not None else self.first_group[j]) + q
-            parts.append(flat[first * B: first * B + n])
-        return torch.cat(parts)
+            parts.append(values[:, first * B: first * B + n])
+        return torch.cat(parts, dim=1).view(buffer.shape[:-1] + (-1,))
