@@ -32,10 +32,11 @@ import torch.nn as nn
 import compress
 import model as model_lib
 
-# Tokens per batched pass: enough to amortise the per-kernel overhead, few enough that a pass's
-# activations stay near the cache (char-study, W = 32: 4096 tokens = 16 ranks a pass measured
-# about as fast as 2048 or 8192, all 1.3-1.5x the one-rank passes; tests/test_train.py).
-PASS_TOKENS = 4096
+# Tokens per batched pass: enough to pay the per-kernel overhead once for several ranks, few
+# enough that a pass's activations (and logits: tokens x vocabulary) stay small. char-study at
+# W = 32, one step's forward/backward, CPU time, median of 6: one rank a pass 548 ms; 1024
+# tokens a pass 362, 2048 366, 4096 345, 8192 397.
+PASS_TOKENS = 2048
 
 
 class BatchedRanks:
