@@ -102,7 +102,8 @@ class RMSNorm(nn.Module):
         return self.normalize(x) * self.weight
 
     def normalize(self, x):
-        # in fp32 even under bf16 autocast: the mean of squares is precision-sensitive
+        """x / rms(x) over the last dimension, in fp32 even under bf16 autocast: the mean of
+        squares is precision-sensitive."""
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return xf.type_as(x)
