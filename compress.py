@@ -490,15 +490,37 @@ def simulate_mean(worker_tensors, fmt="e4m3", block=128, stochastic=False, seed=
     device = worker_tensors[0][0].device
     layout = shard_layout(tuple(tuple(t.shape) for t in worker_tensors[0]), fmt, block, world)
     seed = seed if stochastic else None
-    sends = [encode_shards(ts, layout, stochastic, rng(seed, i, 1, device))
-             for i, ts in enumerate(worker_tensors)]
-    shards = [reduce_shard(torch.cat([send.split(layout.nbytes)[j] for send in sends]), layout,
-                           j, stochastic, rng(seed, j, 2, device)) for j in range(world)]
+    sends = encode_ranks(worker_tensors, layout, stochastic, seed)      # row i: rank i's bytes
+    received = sends.split(layout.nbytes, dim=1)    # [j]: the W copies of shard j, (W, bytes)
+    shards = [reduce_shard(received[j].reshape(-1), layout, j, stochastic, rng(seed, j, 2, device))
+              for j in range(world)]
     means = decode_shards(torch.cat(shards), layout)
     sent = 0 if world == 1 else sum(collective_bytes(layout, i) for i in range(world)) / world
     if return_local:
-        return means, sent, [decode_shards(s, layout) for s in sends]
+        return means, sent, decode_ranks(sends, layout)
     return means, sent
+
+
+def encode_ranks(worker_tensors, layout, stochastic=False, seed=None):
+    """Stage 1 of every simulated rank: (W, bytes), row i = encode_shards of rank i's tensors
+    (with rank i's rounding stream). The packed FP8 codec with nearest rounding encodes all W
+    in one call (nanogeo/packing.py: the same bytes)."""
+    flats = [[t.reshape(-1).float() for t in ts] for ts in worker_tensors]
+    if layout.packing and not stochastic and sum(layout.nbytes):
+        return layout.packing.encode_ranks(flats)
+    device = flats[0][0].device
+    return torch.stack([encode_shards(ts, layout, stochastic, rng(seed, i, 1, device))
+                        for i, ts in enumerate(flats)])
+
+
+def decode_ranks(sends, layout):
+    """decode_shards of every simulated rank's stage-1 bytes (the rows of sends): its own round
+    trip, for error feedback. Packed: one call for all of them."""
+    if not layout.packing or not sum(layout.nbytes):
+        return [decode_shards(send, layout) for send in sends]
+    sizes = [math.prod(s) for s in layout.shapes]
+    return [[t.view(s) for t, s in zip(values.split(sizes), layout.shapes)]
+            for values in layout.packing.decode_ranks(sends)]
 
 
 # =============================================================================

@@ -99,10 +99,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # normalise in fp32 even under bf16 autocast: the mean of squares is precision-sensitive
+        return self.normalize(x) * self.weight
+
+    def normalize(self, x):
+        """x / rms(x) over the last dimension, in fp32 even under bf16 autocast: the mean of
+        squares is precision-sensitive."""
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.type_as(x) * self.weight
+        return xf.type_as(x)
 
 
 def rotary_table(head_dim: int, max_len: int, theta: float):
@@ -201,6 +205,12 @@ def muon_and_adamw(model, blocks, weight_decay, learning_rate, betas, muon_lr, m
     return muon, adamw(rest, weight_decay, learning_rate, betas, fused)
 
 
+def next_token_loss(logits, targets):
+    """Mean cross-entropy of the next-token predictions (B, T, vocab) against targets (B, T),
+    in fp32 (logits may be bf16 under autocast)."""
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+
 class Llama(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -238,10 +248,7 @@ class Llama(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin)
         logits = self.lm_head(self.norm(x))                            # (B, T, vocab)
-        if targets is None:
-            return logits, None
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
-        return logits, loss
+        return logits, None if targets is None else next_token_loss(logits, targets)
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, fused=None):
         """AdamW with weight decay on matrices only: 2-D weights (linears, embeddings) decay,

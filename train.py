@@ -286,28 +286,42 @@ def evaluate(model, data, cfg, my_ranks, world_size, autocast, device):
     return (loss / (len(my_ranks) * world_size)).item()
 
 
-def forward_backward(forward, params, data, cfg, step, my_ranks, autocast, device, moments=None):
-    """Every micro-step of this step for each of my_ranks. .grad accumulates locally: nothing
-    is communicated until the last micro-step. Returns (the first rank's mean loss, each
-    simulated rank's gradients, each simulated rank's K-FAC statistics); for a real rank the
-    gradients stay in .grad and the lists are empty."""
-    loss_sum, worker_grads, worker_moments = 0.0, [], []
-    for r in my_ranks:
-        for micro in range(cfg.grad_accum):
-            x, y = get_batch(data["train"], cfg.batch_size, cfg.block_size,
-                             batch_rng(cfg.seed, r, step, micro), device)
-            with autocast:
-                _, loss = forward(x, y)
-            (loss / cfg.grad_accum).backward()
-            if r == my_ranks[0]:
-                loss_sum += loss.item()
+def rank_pass(forward, rank_batches, grad_accum, autocast=contextlib.nullcontext()):
+    """One rank's micro-steps, forward and backward. .grad accumulates locally: nothing is
+    communicated until the last micro-step. Returns the micro-steps' losses."""
+    losses = []
+    for x, y in rank_batches:
+        with autocast:
+            _, loss = forward(x, y)
+        (loss / grad_accum).backward()
+        losses.append(loss.detach())
+    return losses
+
+
+def forward_backward(forward, params, data, cfg, step, my_ranks, autocast, device, moments=None,
+                     batched=None):
+    """Every micro-step of this step for each of my_ranks. Returns (the first rank's mean loss,
+    each simulated rank's gradients, each simulated rank's K-FAC statistics); for a real rank the
+    gradients stay in .grad and the lists are empty. With `batched` (nanogeo.simulated
+    .BatchedRanks) simulated ranks go through the model together, bit-equal to one by one; a
+    step that collects K-FAC statistics (per rank) plays them one by one."""
+    batches = [[get_batch(data["train"], cfg.batch_size, cfg.block_size,
+                          batch_rng(cfg.seed, r, step, micro), device)
+                for micro in range(cfg.grad_accum)] for r in my_ranks]
+    if batched is not None and moments is None:
+        losses, worker_grads = batched.forward_backward(batches, cfg.grad_accum)
+        return sum(loss.item() for loss in losses) / cfg.grad_accum, worker_grads, []
+    rank_losses, worker_grads, worker_moments = [], [], []
+    for rank_batches in batches:
+        rank_losses.append(rank_pass(forward, rank_batches, cfg.grad_accum, autocast))
         if cfg.simulate_workers:        # take this rank's gradients; the next starts at 0
             worker_grads.append([p.grad for p in params])
             for p in params:
                 p.grad = None
             if moments is not None:
                 worker_moments.append(moments.take())
-    return loss_sum / cfg.grad_accum, worker_grads, worker_moments
+    return (sum(loss.item() for loss in rank_losses[0]) / cfg.grad_accum, worker_grads,
+            worker_moments)
 
 
 def train(cfg):
@@ -331,6 +345,10 @@ def train(cfg):
     optimizers = make_optimizers(cfg, raw_model, fused=device.type == "cuda")
     peaks = peak_lrs(optimizers)    # read before a checkpoint overwrites "lr" with its last value
     communicator, moments = make_communicator(cfg, raw_model, optimizers)
+    # simulated ranks go through the model together (nanogeo/simulated.py), on the CPU, where a
+    # sequence's numbers do not depend on its batch, and eagerly (with --compile: one by one)
+    batched = (simulated.BatchedRanks(raw_model, model_lib.next_token_loss, rank_pass)
+               if cfg.simulate_workers and device.type == "cpu" and not cfg.compile else None)
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
                 else contextlib.nullcontext())
     start_step = 0
@@ -363,7 +381,7 @@ def train(cfg):
         with moments.attached() if collect else contextlib.nullcontext():
             loss, worker_grads, worker_moments = forward_backward(
                 raw_model if collect else model, params, data, cfg, step, my_ranks, autocast,
-                device, moments if collect else None)
+                device, moments if collect else None, batched)
         grads = [g for w in worker_grads for g in w] or [p.grad for p in params]
         if not runtime.gradients_finite(grads, world_size):
             # skipped on every rank alike; geometry and error-feedback state stay untouched

@@ -13,6 +13,8 @@ that ONE rank's values fit. Decode: sum / (s W). On GPU this is NCCL's own all_r
 with W can be measured on one machine. Wire bytes per rank (ring estimates): 2 (W-1)/W N, one
 byte an element, plus 2 (W-1)/W 4 T for the MAX all-reduce of the T tensors' fp32 amax.
 """
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -54,19 +56,25 @@ def fp8_sum(codes, dtype, order="ring"):
 
 
 def fp8_sum_encode(tensors, fmt, amax):
-    """Per-tensor codes (one flat uint8 buffer) and scales s = fmax / amax (amax: (T,) fp32)."""
+    """Per-tensor codes (one flat uint8 buffer) and scales s = fmax / amax (amax: (T,) fp32).
+    The simulator's form: each tensor stacked over R ranks, (R, ...), with amax (R, T) ->
+    ((R, bytes), (R, T)); every element is scaled on its own, so stacking changes no byte."""
     dtype, fmax = compress.FP8_FORMATS[fmt]
     scales = compress.scale_from_amax(amax, fmax)
-    codes = [(t.float().reshape(-1) * s).clamp(-fmax, fmax).to(dtype).view(torch.uint8)
-             for t, s in zip(tensors, scales.unbind())]
-    return torch.cat(codes), scales
+    ranks = scales.shape[:-1]                                       # () or (R,)
+    codes = [(t.float().reshape(*ranks, -1) * s[..., None]).clamp(-fmax, fmax).to(dtype)
+             .view(torch.uint8) for t, s in zip(tensors, scales.unbind(-1))]
+    return torch.cat(codes, dim=-1), scales
 
 
 def fp8_sum_decode(codes, tensors, scales, fmt, world=1):
-    """codes / (s W) per tensor, shaped like `tensors` (W = 1: a rank's own round trip)."""
+    """codes / (s W) per tensor, shaped like `tensors` (W = 1: a rank's own round trip); or
+    fp8_sum_encode's stacked form: codes (R, bytes), tensors (R, ...), scales (R, T)."""
     dtype = compress.FP8_FORMATS[fmt][0]
-    values = codes.view(dtype).float().split([t.numel() for t in tensors])
-    return [(v / (s * world)).view(t.shape) for v, s, t in zip(values, scales.unbind(), tensors)]
+    per_rank = math.prod(scales.shape[:-1])
+    values = codes.view(dtype).float().split([t.numel() // per_rank for t in tensors], dim=-1)
+    return [(v / (s * world)[..., None]).view(t.shape)
+            for v, s, t in zip(values, scales.unbind(-1), tensors)]
 
 
 def saturated_fraction(summed, tensors, fmt):
@@ -122,13 +130,14 @@ def simulate_fp8_sum(worker_tensors, fmt="e5m2", order="ring", local_scales=Fals
     gloo emulation (NCCL adds in its own chunk order and algorithm). Returns (means
     as worker 0 decodes them, bytes per rank, per-worker local round trips, saturated)."""
     world = len(worker_tensors)
-    amaxes = [torch.stack([t.abs().amax().float() for t in ts]) for ts in worker_tensors]
-    shared = torch.stack(amaxes).amax(0)
-    encoded = [fp8_sum_encode(ts, fmt, a if local_scales else shared)
-               for ts, a in zip(worker_tensors, amaxes)]
+    stacked = [torch.stack(ts) for ts in zip(*worker_tensors)]         # (W, ...) per tensor
+    amaxes = torch.stack([t.reshape(world, -1).abs().amax(1).float() for t in stacked], 1)
+    shared = amaxes.amax(0)                                            # (T,), as the MAX gives
+    codes, scales = fp8_sum_encode(stacked, fmt, amaxes if local_scales else
+                                   shared.expand(world, -1))           # (W, bytes), (W, T)
     dtype = compress.FP8_FORMATS[fmt][0]
-    summed = fp8_sum(torch.stack([codes for codes, _ in encoded]), dtype, order)
-    means = fp8_sum_decode(summed, worker_tensors[0], encoded[0][1], fmt, world)
-    local = [fp8_sum_decode(codes, ts, scales, fmt) for (codes, scales), ts in zip(encoded, worker_tensors)]
-    sent = wire_bytes(encoded[0][0].numel(), len(worker_tensors[0]), world, local_scales)
+    summed = fp8_sum(codes, dtype, order)
+    means = fp8_sum_decode(summed, worker_tensors[0], scales[0], fmt, world)
+    local = [list(ts) for ts in zip(*fp8_sum_decode(codes, stacked, scales, fmt))]
+    sent = wire_bytes(codes.shape[1], len(worker_tensors[0]), world, local_scales)
     return means, sent, local, saturated_fraction(summed, worker_tensors[0], fmt)

@@ -227,6 +227,15 @@ class Packing(packing.Packing):
     def encode(self, flats, stochastic=False, generator=None):
         return self.bucket.encode(self.blocks_in_wire_order(flats), stochastic, generator)
 
+    def encode_ranks(self, rank_flats):
+        """Stage 1 of R simulated ranks, (R, bytes): rank by rank (each piece's tensor scale
+        is a max over that rank's piece alone)."""
+        return torch.stack([self.encode(flats) for flats in rank_flats])
+
+    def decode_ranks(self, sends):
+        """R ranks' stage-1 bytes (R, bytes) -> (R, values) in tensor order, rank by rank."""
+        return torch.stack([self.decode(send) for send in sends])
+
     def sum_copies(self, received, shard):
         run = self.shards[shard]
         return packing.sum_in_rank_order(run.decode(received.view(self.world_size, run.nbytes)))

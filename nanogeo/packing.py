@@ -77,10 +77,26 @@ class Packing:
     def blocks_in_wire_order(self, flats):
         """The bucket's flat fp32 tensors -> (groups, block): every piece in wire order, cut
         into groups of `block` from its start, the last one zero-padded."""
-        zero, parts = compress.on_device((0.0,) * self.block, flats[0].device), []
+        return self.rows_in_wire_order([f.view(1, -1) for f in flats])
+
+    def rows_in_wire_order(self, rows):
+        """(R, numel) fp32 per tensor -> (R x groups, block): each row's pieces in wire order,
+        each padded with zeros to whole groups."""
+        zero, parts = compress.on_device((0.0,) * self.block, rows[0].device), []
         for t, start, end, pad in self.encode_order:
-            parts += [flats[t][start:end], zero[:pad]] if pad else [flats[t][start:end]]
-        return torch.cat(parts).view(-1, self.block)
+            parts.append(rows[t][:, start:end])
+            if pad:
+                parts.append(zero[:pad].expand(len(rows[t]), pad))
+        return torch.cat(parts, dim=1).view(-1, self.block)
+
+    def encode_ranks(self, rank_flats):
+        """Stage 1 of R simulated ranks in one call: rank_flats[i] = rank i's flat fp32 tensors
+        -> (R, bytes), row i = encode(rank_flats[i]). Every group is quantized on its own, so
+        stacking the ranks changes no byte (nearest rounding; stochastic rounding draws from
+        each rank's own stream: compress.encode_ranks encodes those one by one)."""
+        rows = [torch.stack(column) for column in zip(*rank_flats)]     # (R, numel) per tensor
+        return pack_groups(self.rows_in_wire_order(rows), self.fmt).view(len(rank_flats), -1)
+
 
     def encode(self, flats, stochastic=False, generator=None):
         """Stage 1: the bucket's flat fp32 tensors -> the W shards' bytes, back to back."""
@@ -114,11 +130,17 @@ class Packing:
         return self.in_tensor_order(unpack_groups(buffer, self.block, self.fmt).reshape(-1),
                                     first_group)
 
+    def decode_ranks(self, sends):
+        """R simulated ranks' stage-1 bytes (R, bytes) -> (R, values) in tensor order, in one
+        codec call: each rank's own round trip, for error feedback."""
+        values = unpack_groups(sends.reshape(-1), self.block, self.fmt).view(len(sends), -1)
+        return self.in_tensor_order(values, self.first_group)
+
     def in_tensor_order(self, flat, first_group):
-        """Decoded groups, flat, shard j's from group first_group[j] on -> the bucket's flat
-        fp32 values in tensor order, the padding left out."""
+        """Decoded groups, flat (or (R, flat) for R ranks), shard j's from group first_group[j]
+        on -> the bucket's flat fp32 values in tensor order, the padding left out."""
         B, parts = self.block, []
         for j, q, n in self.decode_order:
             first = first_group[j] + q
-            parts.append(flat[first * B: first * B + n])
-        return torch.cat(parts)
+            parts.append(flat[..., first * B: first * B + n])
+        return torch.cat(parts, dim=-1)

@@ -121,7 +121,8 @@ def geo_rank(rank, world_size, out, options):
 
 def test_fsdp2_geofp8_reduce_scatter_close_to_fp32(tmp_path):
     out = str(tmp_path / "geo")
-    run_ranks(geo_rank, 2, out, {"geometry": "subspace", "geo_rank": 8, "warmup": 1, "refresh": 2})
+    run_ranks(geo_rank, 2, out, {"geometry": "subspace", "geo_rank": 8, "warmup": 1, "refresh": 2,
+                                     "sides": "both"})
     r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
     print("GeoFP8 FSDP2 relative gradient error per step:", [f"{e:.4f}" for e in r0["errors"]])
     assert max(r0["errors"]) < 0.05 and max(r1["errors"]) < 0.05

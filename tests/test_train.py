@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 
 import train
-from conftest import ROOT, run_ranks
-from model import Llama, ModelConfig
-from nanogeo import config, hooks, kernels
+from conftest import ROOT, GPT2Shaped, run_ranks
+from model import Llama, ModelConfig, next_token_loss
+from nanogeo import config, hooks, kernels, simulated
 from train import ConfigError, parse_config
 
 
@@ -241,13 +241,14 @@ def test_compile_matches_eager_and_saves_clean_keys(tiny_corpus, tmp_path):
                                    # whitening (statistics of 2 x 48-token micro-batches per
                                    # rank), FP8 sum, error feedback
                                    PAPER_RECIPE + ["--grad_accum=2", "--block_size=48"]])
-def test_simulated_workers_equal_a_two_rank_run(tiny_corpus, tmp_path, extra):
+def test_simulated_workers_equal_a_two_rank_run(tiny_corpus, tmp_path, extra, capsys):
     argv = tiny_args(tiny_corpus, tmp_path / "real", "--max_iters=8", "--eval_interval=8", *extra)
     run_ranks(train_rank, 2, argv, str(tmp_path))
     real = json.load(open(tmp_path / "rank0.json"))
     simulated = train.train(parse_config(
         tiny_args(tiny_corpus, tmp_path / "sim", "--max_iters=8", "--eval_interval=8",
                   "--simulate_workers=2", *extra)))
+    assert "one by one" not in capsys.readouterr().out    # the ranks went through in batches
     assert simulated["param_sha256"] == real["param_sha256"]
     assert simulated["final_val_loss"] == real["final_val_loss"]
     logs = [[json.loads(l) for l in open(tmp_path / d / "log.jsonl") if '"loss"' in l]
@@ -291,6 +292,72 @@ def test_summary_averages_the_final_evaluations_and_every_steps_bytes(tiny_corpu
         stats if l["step"] in (1, 4, 7, 10) else 0 for l in logs]
     assert result["mean_wire_bytes"] == sum(l["wire_bytes"] for l in logs) / 10
     assert result["config"]["final_evals"] == 3 and result["config"]["comm"] == "geofp8"
+
+
+def ranks_one_by_one(model, batches, grad_accum):
+    """Each rank's own pass (train.rank_pass): its losses and gradients."""
+    out = []
+    for rank_batches in batches:
+        losses = train.rank_pass(model, rank_batches, grad_accum)
+        out.append((losses, [p.grad for p in model.parameters()]))
+        model.zero_grad(set_to_none=True)
+    return out
+
+
+def random_batches(ranks, grad_accum, vocab, batch=2, block=16):
+    g = torch.Generator().manual_seed(7)
+    tokens = lambda: torch.randint(vocab, (batch, block), generator=g)
+    return [[(tokens(), tokens()) for _ in range(grad_accum)] for _ in range(ranks)]
+
+
+@pytest.mark.parametrize("tie, grad_accum", [(False, 1), (True, 2)])
+def test_batched_ranks_equal_each_ranks_own_pass(tie, grad_accum, one_thread, monkeypatch):
+    """Simulated ranks through the model together (nanogeo.simulated.BatchedRanks): every
+    rank's losses and gradients bit for bit those of its own pass - over uneven passes (2 + 1
+    ranks), micro-steps, and a head tied to the embedding (two uses of one weight)."""
+    monkeypatch.setattr(simulated, "PASS_TOKENS", 64)      # two ranks of 2 x 16 tokens a pass
+    model = Llama(ModelConfig(vocab_size=64, block_size=16, n_layer=2, n_embd=32, n_head=4,
+                              n_kv_head=2, tie_embeddings=tie))
+    batches = random_batches(3, grad_accum, 64)
+    batched = simulated.BatchedRanks(model, next_token_loss, train.rank_pass)
+    for _ in range(2):      # the first call checks against rank 0's own pass, the second not
+        first_losses, grads = batched.forward_backward(batches, grad_accum)
+        assert batched.agrees is True
+        own = ranks_one_by_one(model, batches, grad_accum)
+        assert all(torch.equal(a, b) for a, b in zip(first_losses, own[0][0]))
+        for rank_grads, (_, own_grads) in zip(grads, own):
+            assert all(torch.equal(a, b) for a, b in zip(rank_grads, own_grads))
+        assert all(p.grad is None for p in model.parameters())
+        with torch.no_grad():       # a step, so the second call sees other weights
+            for p in model.parameters():
+                p.add_(0.01 * torch.randn_like(p))
+
+
+class LogitsAndLoss(torch.nn.Module):
+    """A model that returns logits only, as train.py's models do: (logits, loss)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, y=None):
+        logits = self.model(x)
+        return logits, None if y is None else next_token_loss(logits, y)
+
+
+def test_batched_ranks_fall_back_where_a_batch_changes_a_rank(one_thread, capsys):
+    """A model whose batched pass cannot give each rank its own gradients - GPT-2's learned
+    positions are one embedding of (T,) shared by the whole batch, not a module of each rank's
+    rows - is noticed on the first step and played one rank at a time, still bit-exact."""
+    model = LogitsAndLoss(GPT2Shaped(vocab=64, d=32, heads=4, layers=1, positions=16))
+    batches = random_batches(3, 1, 64)
+    batched = simulated.BatchedRanks(model, next_token_loss, train.rank_pass)
+    first_losses, grads = batched.forward_backward(batches, 1)
+    assert batched.agrees is False and "one by one" in capsys.readouterr().out
+    own = ranks_one_by_one(model, batches, 1)
+    assert all(torch.equal(a, b) for a, b in zip(first_losses, own[0][0]))
+    for rank_grads, (_, own_grads) in zip(grads, own):
+        assert all(torch.equal(a, b) for a, b in zip(rank_grads, own_grads))
 
 
 def test_error_feedback_resume_keeps_the_mode(tiny_corpus, tmp_path):
