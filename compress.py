@@ -8,7 +8,9 @@ Two geometries live here side by side, behind one communicator:
     A = E[a a^T] of the layer's inputs (low-rank + diagonal), and mapped back, W = W~ F^T;
   * this project's variant, the two-sided subspace rotation (section 3), described first below;
 
-and two collectives: this project's two-stage FP8 collective (section 2) and the paper's one
+with a geometry-agnostic control beside them, the randomized Hadamard transform (section 3c:
+random signs, then Walsh-Hadamard blocks along each row; no statistics at all), and two
+collectives: this project's two-stage FP8 collective (section 2) and the paper's one
 all_reduce SUM of FP8 codes with one scale per tensor (nanogeo/fp8sum.py).
 
 The problem
@@ -74,13 +76,13 @@ Wire bytes per rank ~ 2 (W-1)/W N (1 + 4/block) versus 2 (W-1)/W N 2 for a bf16 
 ~0.516x at block 128. `simulate_mean` runs exactly the same numerics in one process.
 
 Reading order: the codec (quantize/dequantize), the two-stage collective, the rotation, the
-whitening, geometry estimation, the optimizer's view of an error, and the communicator that
-train.py calls once per step. This file is the reference. nanogeo/ holds production forms with
-the same numbers - the packed collective (one codec call per bucket and stage), torch.compile
-of the functions marked "hot path" (nanogeo/kernels.py, train.py --compile), FSDP's
-row-sharded forms - and the parts this file only names and calls (the ELSEWHERE table): the
-paper's FP8-sum collective, the error AdamW and Muon see, the averaging of the K-FAC
-statistics over the ranks, the check that every rank holds the same geometry, NVFP4,
+whitening, the Hadamard control, geometry estimation, the optimizer's view of an error, and the
+communicator that train.py calls once per step. This file is the reference. nanogeo/ holds
+production forms with the same numbers - the packed collective (one codec call per bucket and
+stage), torch.compile of the functions marked "hot path" (nanogeo/kernels.py, train.py
+--compile), FSDP's row-sharded forms - and the parts this file only names and calls (the
+ELSEWHERE table): the paper's FP8-sum collective, the error AdamW and Muon see, the averaging of
+the K-FAC statistics over the ranks, the check that every rank holds the same geometry, NVFP4,
 stochastic rounding, the ablation-only factors and bases.
 """
 
@@ -740,6 +742,101 @@ def linear_layers(model, names=None):
 
 
 # =============================================================================
+# 3c. A geometry-agnostic control: the randomized Hadamard transform
+# =============================================================================
+#
+# Is a layer's geometry worth its statistics? The control that answers it rotates without any:
+# the randomized Hadamard transform, the incoherence step of SDP4Bit's 4-bit gradient
+# all-reduce and of QuaRot-style quantisation. Each row of G (m x n) is multiplied by random
+# signs, S = diag(s) with s in {-1, +1}^n, then cut into blocks of b entries (b a power of two,
+# hadamard_block = 128), and each block is multiplied by the orthonormal Walsh-Hadamard matrix
+# H_b / sqrt(b) (Sylvester's construction: H_2k = [[H_k, H_k], [H_k, -H_k]], entries +-1):
+#
+#     encode:  H = G S B           B = diag(H_b, ..., H_b) / sqrt(b), block diagonal
+#     decode:  G = H B S           B is symmetric and orthogonal (B B = I), and S S = I
+#
+# Every output entry of a block is a sum of all b inputs with equal weights and random signs, so
+# one large entry - an outlier column of G, an outlier element - is spread evenly over its
+# block, 1/sqrt(b) of its size in each of b places, and the block's scale follows the block's
+# energy instead of its one largest entry ("incoherence"). That is what integer and 4-bit grids
+# need; FP8 already gives every small entry a relative precision of its own, and after the
+# transform each entry carries a share of the outlier's rounding error - on a synthetic outlier
+# column the e4m3 round trip gets worse, so here too the gain check decides, layer by layer.
+# What it cannot do is concentrate: the dominant directions of G are smeared like everything
+# else, where the subspace rotation (section 3) puts them on a few coordinates that travel
+# exactly.
+#
+# Why it is the control: no statistics, no refresh and no agreement between ranks beyond a
+# seed - the signs are drawn once per matrix on the CPU from the name's CRC and the run's seed,
+# so every rank draws the same ones. B S is orthogonal, so an error comes back with its norm
+# unchanged. Along the columns (hadamard_sides="right", the default) each row is transformed
+# alone: the coordinates are row-local, and under FSDP a rank decodes its own rows of the mean
+# with the same decode; hadamard_sides="both" also transforms every column (G^T the same way).
+#
+# A batched matmul (m n / b, b) @ (b, b) applies B: 2 b flops per entry and side, one GEMM on a
+# GPU, and on a CPU 3-4x faster than the log2(b) passes of the fast Walsh-Hadamard butterfly.
+# (A GPU that allows TF32 matmuls - train.py does - rounds the GEMM's inputs to 10 mantissa
+# bits, a relative 2^-11: the round trip is then exact to ~5e-4, some 50x below e4m3's rounding.)
+#
+# A dimension that is not a multiple of b: whole blocks of b first, then the remainder in
+# decreasing powers of two (2736 = 21 x 128 + 32 + 16, the paper's 300M down-projection). Every
+# coordinate is rotated and most of them in full blocks; the largest power of two dividing n
+# would give that matrix blocks of 16 throughout, and an unrotated tail would keep its outliers.
+
+HADAMARD_SIDES = ("right", "both")
+
+
+@functools.lru_cache(maxsize=None)
+def walsh_hadamard(size, device, dtype=torch.float32):
+    """The orthonormal Walsh-Hadamard matrix of a power-of-two size, H_size / sqrt(size):
+    symmetric and orthogonal, so its own inverse. Made once per size, device and dtype."""
+    H = torch.ones(1, 1, dtype=torch.float64)
+    while H.shape[0] < size:                    # Sylvester: entries stay exactly +-1
+        H = torch.cat([torch.cat([H, H], 1), torch.cat([H, -H], 1)])
+    return (H / math.sqrt(size)).to(device=device, dtype=dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def hadamard_cuts(n, block):
+    """How a row of n entries is cut into Walsh-Hadamard blocks: ((width, b), ...), each width
+    a multiple of its block size b. Whole blocks of `block` first, then the remainder in
+    decreasing powers of two: 2736, 128 -> ((2688, 128), (32, 32), (16, 16))."""
+    whole, rest = n - n % block, n % block
+    cuts = [(whole, block)] if whole else []
+    while rest:
+        b = 1 << (rest.bit_length() - 1)        # the largest power of two <= rest
+        cuts.append((b, b))
+        rest -= b
+    return tuple(cuts)
+
+
+def block_hadamard(X, block):
+    """X B for X (m, n): every block of each row times the orthonormal Walsh-Hadamard matrix of
+    its size (hadamard_cuts), one batched matmul (m, width / b, b) @ (b, b) per block size."""
+    m, n = X.shape
+    cuts = hadamard_cuts(n, block)
+    parts = X.split([width for width, _ in cuts], dim=1)
+    out = [(part.reshape(m, width // b, b) @ walsh_hadamard(b, X.device, X.dtype)).reshape(m, width)
+           for part, (width, b) in zip(parts, cuts)]
+    return out[0] if len(out) == 1 else torch.cat(out, dim=1)
+
+
+def randomized_hadamard(X, signs, block):
+    """X S B: each row of X (m, n) times the random signs (n,), then block_hadamard."""
+    return block_hadamard(X * signs, block)
+
+
+def randomized_hadamard_inverse(Y, signs, block):
+    """Y B S, the inverse of randomized_hadamard (B B = I, S S = I)."""
+    return block_hadamard(Y, block) * signs
+
+
+def random_signs(n, generator):
+    """(n,) fp32 of +-1, each sign a fair coin from `generator`."""
+    return torch.randint(0, 2, (n,), generator=generator).float() * 2 - 1
+
+
+# =============================================================================
 # 4. Geometry estimation from decoded mean gradients
 # =============================================================================
 
@@ -848,17 +945,21 @@ def error_measure(view, mean, rows=None, workers=1):
 # =============================================================================
 #
 # Coordinates, one interface: each candidate matrix has a layer object - SubspaceLayer (the
-# rotation, section 3; its dense-basis ablations: nanogeo.ablations.DenseSubspaceLayer) or
-# WhitenedLayer (the published whitening, section 3b) - with
+# rotation, section 3; its dense-basis ablations: nanogeo.ablations.DenseSubspaceLayer),
+# WhitenedLayer (the published whitening, section 3b) or HadamardLayer (the geometry-agnostic
+# control, section 3c) - with
 #     encode(g) -> h, decode(h) -> g      the change of coordinates and its inverse
 #     refresh(statistics)                 new geometry from statistics identical on every rank
-#                                         (the decoded mean / the averaged K-FAC moments)
+#                                         (the decoded mean / the averaged K-FAC moments; the
+#                                         Hadamard control draws its signs once, from a seed)
 #     ready, use_geo, gain                built yet? in use? last measured gain
+#     row_local                           decode acts on each row alone (FSDP decodes a rank's
+#                                         rows of the mean with it)
 #     tensors(), flags(), state_dict()    what the rank check, the broadcast and resume need
 # Euclidean coordinates are the identity: a tensor without a layer object, or whose layer is not
 # in use, is sent as it is.
 
-GEOMETRIES = ("whiten", "subspace", "euclidean")
+GEOMETRIES = ("whiten", "subspace", "hadamard", "euclidean")
 SELECTIONS = ("gain", "all", "list", "fragile")
 COLLECTIVES = ("two-stage", "fp8-sum")
 SUM_ORDERS = ("ring", "tree")      # fp8-sum: the order NCCL adds in (nanogeo/fp8sum.py)
@@ -868,14 +969,17 @@ JUDGES = ("optimizer", "l2")
 @dataclass
 class GeoOptions:
     # geometry: "whiten" - the published GeoFP8 (K-FAC whitening, section 3b); "subspace" - this
-    # project's two-sided rotation toward dominant subspaces (section 3); "euclidean" - plain FP8
+    # project's two-sided rotation toward dominant subspaces (section 3); "hadamard" - the
+    # randomized Hadamard transform, the geometry-agnostic control (section 3c); "euclidean" -
+    # plain FP8
     geometry: str = "whiten"
     fmt: str = "e4m3"
     block: object = 128             # int, "row" or "tensor" (nvfp4 always uses 16)
     collective: str = "two-stage"   # or "fp8-sum": the paper's per-tensor scales + FP8 all_reduce
     sum_order: str = "ring"         # fp8-sum: the order NCCL adds in ("ring" or "tree")
     scale_sync_every: int = 1       # fp8-sum: >1 reproduces the published local-scale defect
-    refresh: int = 0                # re-estimate the geometry every N steps (0: 50 whiten, 4 subspace)
+    refresh: int = 0                # re-estimate the geometry every N steps (0: 50 whiten, 4 the
+                                    # others; the Hadamard control is only re-judged)
     warmup: int = 0                 # steps sent in Euclidean coordinates before GeoFP8 starts
     # which matrices use it: "gain" (measured: the codec error must drop by enter_gain), "all",
     # "list" (the names in geo_layers, e.g. from nanogeo.profile), "fragile" (the top_k matrices
@@ -909,6 +1013,9 @@ class GeoOptions:
                                     # measures better; or fixed "both", "left", "right" (ablation)
     basis: str = "householder"      # "householder" or "random" (dense random rotation, ablation)
     scatter_core: bool = True       # give each core coordinate its own scaling block
+    # randomized Hadamard (the control)
+    hadamard_block: int = 128       # entries per Walsh-Hadamard block, a power of two
+    hadamard_sides: str = "right"   # "right": along each row (row-local), "both": columns too
     # codec extras
     error_feedback: bool = False    # keep each rank's stage-1 quantization error, add it back
     feedback_geo_only: bool = False # ... only on the geometry-aware matrices (as published)
@@ -922,7 +1029,8 @@ class GeoOptions:
                              ("collective", COLLECTIVES), ("sum_order", SUM_ORDERS),
                              ("factor", WHITEN_FACTORS), ("sides", ("both", "left", "right", "auto")),
                              ("whiten_sides", WHITEN_SIDES), ("judge", JUDGES),
-                             ("basis", ("householder", "random"))):
+                             ("basis", ("householder", "random")),
+                             ("hadamard_sides", HADAMARD_SIDES)):
             if getattr(self, key) not in allowed:
                 raise ValueError(f"{key} must be one of {', '.join(allowed)}, got {getattr(self, key)!r}")
         if self.refresh == 0:
@@ -931,6 +1039,9 @@ class GeoOptions:
                self.judge_every) < 1:
             raise ValueError("geo_rank, whiten_rank, refresh, scale_sync_every and judge_every "
                              "must be >= 1")
+        if self.hadamard_block < 2 or self.hadamard_block & (self.hadamard_block - 1):
+            raise ValueError(f"hadamard_block must be a power of two >= 2 (e.g. 128), got "
+                             f"{self.hadamard_block}")
         if self.collective == "fp8-sum" and (self.fmt == "nvfp4" or self.stochastic):
             raise ValueError("the fp8-sum collective sums e4m3/e5m2 codes with nearest rounding; "
                              "use collective='two-stage' for nvfp4 or stochastic rounding")
@@ -1013,6 +1124,11 @@ class SubspaceLayer:
     @property
     def ready(self):
         return self.left_basis is not None
+
+    @property
+    def row_local(self):
+        """Only the column side rotates: decode acts on each row alone."""
+        return self.transform[0] is None
 
     def encode(self, g, transform=None):
         transform = transform or self.transform
@@ -1110,6 +1226,11 @@ class WhitenedLayer:
         """r of its low-rank approximation: the factor's eigenpairs (whiten_rank)."""
         return self.opts.whiten_rank
 
+    @property
+    def row_local(self):
+        """Only the input side is whitened (W~ = W_g F^-T): decode acts on each row alone."""
+        return "output" not in self.factors
+
     def encode(self, g):
         """W~ = F_G^-1 W_g F_A^-T for the sides that have a factor."""
         h = self.factors["input"].whiten(g) if "input" in self.factors else g
@@ -1154,6 +1275,85 @@ class WhitenedLayer:
         self.factors = {side: load_factor(f) for side, f in s["factors"].items()}
 
 
+@dataclass
+class HadamardLayer:
+    """Randomized-Hadamard coordinates of one matrix (section 3c), the geometry-agnostic
+    control: n random signs for the columns (and m for the rows with hadamard_sides="both"),
+    drawn from the layer's seed - no statistics. The same interface as SubspaceLayer: refresh()
+    draws the signs the first time and never changes them, so a refresh step only re-judges the
+    layer (the communicator proposes it again and the next step measures it)."""
+    shape: tuple
+    seed: int                           # zlib.crc32(name) + GeoOptions.seed
+    opts: object = field(repr=False)    # the GeoOptions (hadamard_block, hadamard_sides)
+    column_signs: torch.Tensor = None   # (n,) +-1: S of H = G S B
+    row_signs: torch.Tensor = None      # (m,) +-1, with hadamard_sides="both"
+    use_geo: bool = False
+    gain: float = float("nan")
+    energy: float = float("nan")        # (subspace only)
+    transform = ()                      # (subspace only: no Householder rotation)
+    swaps = None                        # (subspace only: no core scattering)
+
+    @property
+    def ready(self):
+        return self.column_signs is not None
+
+    @property
+    def sides(self):
+        return self.opts.hadamard_sides
+
+    @property
+    def r(self):
+        """The Walsh-Hadamard block size along each row (hadamard_block, or less for a narrow
+        matrix): what the layer table shows in its r column."""
+        return hadamard_cuts(self.shape[1], self.opts.hadamard_block)[0][1]
+
+    @property
+    def row_local(self):
+        return self.row_signs is None
+
+    def encode(self, g):
+        """H = G S B, then with row signs the same along the columns (on H^T)."""
+        h = randomized_hadamard(g, self.column_signs, self.opts.hadamard_block)
+        if self.row_signs is not None:
+            h = randomized_hadamard(h.T, self.row_signs, self.opts.hadamard_block).T
+        return h
+
+    def decode(self, h):
+        """G = H B S, after undoing the columns' transform if there is one."""
+        if self.row_signs is not None:
+            h = randomized_hadamard_inverse(h.T, self.row_signs, self.opts.hadamard_block).T
+        return randomized_hadamard_inverse(h, self.column_signs, self.opts.hadamard_block)
+
+    def refresh(self, mean, rows=ALL_ROWS):
+        """Draw the signs, the first time (after that there is nothing to refresh): from a CPU
+        generator seeded with the layer's seed, so every rank draws the same. `mean` (the
+        decoded mean, as the other geometries are refreshed from) gives only the device."""
+        if self.ready:
+            return
+        generator = torch.Generator(device="cpu").manual_seed(self.seed)
+        m, n = self.shape
+        self.column_signs = random_signs(n, generator).to(mean.device)
+        if self.opts.hadamard_sides == "both":
+            self.row_signs = random_signs(m, generator).to(mean.device)
+
+    def tensors(self):
+        return [t for t in (self.column_signs, self.row_signs) if t is not None]
+
+    def flags(self):
+        return [float(self.use_geo), 0.0, self.gain]
+
+    def load_flags(self, flags):
+        self.use_geo, self.gain = bool(flags[0]), flags[2]
+
+    def state_dict(self):
+        return {"column_signs": self.column_signs, "row_signs": self.row_signs,
+                "use_geo": self.use_geo, "gain": self.gain}
+
+    def load_state_dict(self, s):
+        self.use_geo, self.gain = s["use_geo"], s["gain"]
+        self.column_signs, self.row_signs = s["column_signs"], s["row_signs"]
+
+
 class GeoFP8Communicator:
     """Gradient averaging with FP8 (Euclidean or GeoFP8) for a fixed list of named tensors.
 
@@ -1161,7 +1361,8 @@ class GeoFP8Communicator:
     hook); `reduce_workers(per_worker_grads, moments)` runs the identical numerics for W
     simulated workers in one process (the fidelity tool, tests). Both return the bytes one rank
     sends. `moments` are the whitened layers' K-FAC statistics (nanogeo.hooks.KroneckerMoments
-    .take()) on the steps where `wants_moments()` is true; the subspace rotation needs none."""
+    .take()) on the steps where `wants_moments()` is true; the subspace rotation and the
+    Hadamard control need none."""
 
     def __init__(self, named_shapes, options=None, group=None, timer=NO_TIMER, linear=None):
         self.opts = options or GeoOptions()
@@ -1197,6 +1398,9 @@ class GeoFP8Communicator:
     def _new_layer(self, name):
         if self.opts.geometry == "whiten":
             return WhitenedLayer(self.shapes[name], self.opts)
+        if self.opts.geometry == "hadamard":     # its signs: the same on every rank
+            return HadamardLayer(self.shapes[name], zlib.crc32(name.encode()) + self.opts.seed,
+                                 self.opts)
         return self._subspace_layer(name, self.shapes[name])
 
     def _subspace_layer(self, name, shape):

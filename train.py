@@ -17,6 +17,7 @@ How data parallelism works here (no DistributedDataParallel wrapper, on purpose)
        --comm=geofp8  the same collective in the whitened coordinates of each layer's K-FAC
                       input factor (the published GeoFP8; see compress.py)
        --comm=subspace  ... in coordinates rotated toward the dominant subspaces (ours)
+       --comm=hadamard  ... after a randomized Hadamard transform: the geometry-agnostic control
      --collective=fp8-sum swaps the two-stage collective for the paper's one FP8 all_reduce SUM.
   4. Every rank now holds bit-identical averaged gradients, clips them and takes the same
      optimizer step (AdamW; or with --optimizer=muon, Muon on the transformer blocks' matrices
@@ -89,13 +90,15 @@ class TrainConfig:
     keep_ckpts: int = 2               # ckpt.pt plus the K-1 previous ones (ckpt-STEP.pt)
     # gradient communication
     comm: str = "fp32"                # fp32 | bf16 | fp8 | geofp8 (published) | subspace (ours)
+                                      # | hadamard (the control)
     fmt: str = "e4m3"                 # FP8 wire format: e4m3 | e5m2 | nvfp4
     block: str = "128"                # scale granularity: elements per block, row or tensor
     collective: str = "two-stage"     # two-stage | fp8-sum (the paper's: one FP8 all_reduce SUM)
     sum_order: str = "ring"           # fp8-sum: the order the FP8 partial sums are added in
     scale_sync_every: int = 1         # fp8-sum: >1 = the published local-scale defect (ablation)
     geo_layers: str = "gain"          # gain | all | fragile:K | FILE (a list from nanogeo.profile)
-    geo_refresh: int = 0              # re-estimate the geometry every N steps (0: 50 geofp8, 4 subspace)
+    geo_refresh: int = 0              # re-estimate the geometry every N steps (0: 50 geofp8, 4 the
+                                      # others; hadamard: re-judge it)
     geo_warmup: int = 10              # steps in Euclidean coordinates before GeoFP8 starts
     geo_judge: str = "optimizer"      # a layer's coordinates by the error its optimizer sees | l2
     geo_enter_gain: float = 1.10      # a layer goes geometry-aware when its error drops this much
@@ -105,6 +108,8 @@ class TrainConfig:
     whiten_sides: str = "input"       # geofp8: input (published) | output | both
     factor_decay: float = 0.0         # geofp8: EMA of the triangular factor (published: 0.95)
     geo_rank: int = 16                # subspace: r, dominant directions per side (<= min(m,n)/2)
+    hadamard_block: int = 128         # hadamard: entries per Walsh-Hadamard block (a power of two)
+    hadamard_sides: str = "right"     # hadamard: right (along each row) | both (the columns too)
     error_feedback: bool = False      # add back each rank's own quantization error next step
     feedback_geo_only: bool = False   # ... on the geometry-aware matrices only (as published)
     stochastic_round: bool = False    # unbiased stochastic rounding instead of nearest
@@ -415,7 +420,7 @@ def train(cfg):
             val_loss = evaluate(model, data, cfg, my_ranks, world_size, autocast, device)
             if done in final_steps:
                 final_vals.append((done, val_loss))
-            if cfg.comm in ("geofp8", "subspace") and done > cfg.geo_warmup:
+            if cfg.comm in ("geofp8", "subspace", "hadamard") and done > cfg.geo_warmup:
                 log.print(f"GeoFP8 layers at step {done}:\n{summary.layer_table(communicator)}")
         if done % cfg.log_interval == 0 or done == cfg.max_iters:
             log.step(done, train_loss, val_loss, lr, grad_norm, dt, wire_bytes)

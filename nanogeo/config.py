@@ -45,10 +45,11 @@ TRAIN_PRESETS = {
                        eval_interval=500, eval_iters=20, ckpt_interval=1000),
 }
 
-TRAIN_CHOICES = {"comm": ("fp32", "bf16", "fp8", "geofp8", "subspace"),
+TRAIN_CHOICES = {"comm": ("fp32", "bf16", "fp8", "geofp8", "subspace", "hadamard"),
                  "device": ("auto", "cpu", "cuda"), "fmt": compress.FORMATS,
                  "collective": compress.COLLECTIVES, "sum_order": compress.SUM_ORDERS,
                  "whiten_factor": compress.WHITEN_FACTORS, "whiten_sides": compress.WHITEN_SIDES,
+                 "hadamard_sides": compress.HADAMARD_SIDES,
                  "geo_judge": compress.JUDGES, "preset": tuple(model_lib.PRESETS),
                  "optimizer": ("adamw", "muon"),
                  "muon_adjust_lr": ("original", "match_rms_adamw")}
@@ -150,7 +151,7 @@ def parse_geo_layers(text):
     return {"select": "list", "geo_layers": tuple(names)}
 
 
-GEOMETRY = {"fp8": "euclidean", "geofp8": "whiten", "subspace": "subspace"}
+GEOMETRY = {"fp8": "euclidean", "geofp8": "whiten", "subspace": "subspace", "hadamard": "hadamard"}
 
 
 def geo_options(cfg, vocab_size):
@@ -162,7 +163,9 @@ def geo_options(cfg, vocab_size):
             scale_sync_every=cfg.scale_sync_every, refresh=cfg.geo_refresh, warmup=cfg.geo_warmup,
             judge=cfg.geo_judge, enter_gain=cfg.geo_enter_gain, exit_gain=cfg.geo_exit_gain,
             factor=cfg.whiten_factor, whiten_rank=cfg.whiten_rank, whiten_sides=cfg.whiten_sides,
-            factor_decay=cfg.factor_decay, geo_rank=cfg.geo_rank, error_feedback=cfg.error_feedback,
+            factor_decay=cfg.factor_decay, geo_rank=cfg.geo_rank,
+            hadamard_block=cfg.hadamard_block, hadamard_sides=cfg.hadamard_sides,
+            error_feedback=cfg.error_feedback,
             feedback_geo_only=cfg.feedback_geo_only,
             stochastic=cfg.stochastic_round, seed=cfg.seed, vocab_size=vocab_size,
             **parse_geo_layers(cfg.geo_layers))

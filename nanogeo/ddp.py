@@ -7,6 +7,7 @@ GeoFP8 for any DistributedDataParallel model, as a DDP communication hook.
     model = DDP(model)
     state = GeoFP8HookState(model)                                  # published GeoFP8, or
     state = GeoFP8HookState(model, geometry="subspace", geo_rank=16)    # the subspace rotation
+    state = GeoFP8HookState(model, geometry="hadamard")     # the geometry-agnostic control
     model.register_comm_hook(state, geofp8_hook)
     state.watch(optimizers)     # judge each layer by the error its optimizer sees
 
@@ -67,8 +68,8 @@ class GeoFP8HookState:
     """What the hook keeps between calls: parameter names, one communicator per bucket layout,
     and the bytes sent (for logging). `linear`: the weight names that are candidates (default:
     every nn.Linear weight, found by module type); name weights of other matrix modules here -
-    a GPT-2 Conv1D's (in, out) weight - to give them the subspace rotation, which needs no
-    input statistics (the whitening needs nn.Linear layers)."""
+    a GPT-2 Conv1D's (in, out) weight - to give them the subspace rotation or the Hadamard
+    control, which need no input statistics (the whitening needs nn.Linear layers)."""
 
     def __init__(self, model, process_group=None, linear=None, **options):
         module = model.module if hasattr(model, "module") else model
@@ -102,7 +103,7 @@ class GeoFP8HookState:
             if other:
                 raise ValueError("nanogeo.ddp: the published whitening needs nn.Linear layers "
                                  f"(their inputs' moments), not {other[0]}; use "
-                                 "geometry='subspace' for other matrices")
+                                 "geometry='subspace' or 'hadamard' for other matrices")
             self.moments = hooks.KroneckerMoments(layers, self.collecting).attach()
             # collected by the forward, not yet used by a bucket: {name: A}, {name: tokens}
             self.pending = {"input": {}, "tokens": {}}

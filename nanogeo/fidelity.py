@@ -25,10 +25,15 @@ Methods (each with the two-stage e4m3 block-128 collective unless it says otherw
     subspace, subspace-full     this project's rotation (r = 16; per matrix both sides or the
                                 columns only, sides=auto; exact dense bases, both sides)
     nvfp4, geo-nvfp4, subspace-nvfp4    NVFP4 Euclidean / whitened / rotated
+    hadamard, hadamard-paper, hadamard-nvfp4    the geometry-agnostic control: a randomized
+                    Hadamard transform (random signs, Walsh-Hadamard blocks of 128 along each
+                    row; no statistics), on the default codec / the paper's codec and collective
+                    (as fp8-paper) / NVFP4; hadamard:select=all uses it without the gain check
 Any method takes GeoOptions overrides after colons, for ablations:
     geofp8:factor=diag   geofp8:factor=block:whiten_block=64   geofp8:whiten_rank=8
     geofp8:whiten_sides=both   geofp8:select=all   fp8-paper:sum_order=tree
     subspace:geo_rank=8   subspace:sides=left   fp8-block:error_feedback=1   fp8-block:block=32
+    hadamard:hadamard_block=32   hadamard:hadamard_sides=both   hadamard:select=all
 The whitening methods read each step's input (and output) second moments from the file. The
 candidates are the file's `linear` weights (the model's nn.Linear modules; older files: every
 matrix); a vocabulary dimension stays Euclidean, its size from --vocab_size or the file's
@@ -63,8 +68,12 @@ METHODS = {  # name -> GeoOptions fields (None: the bf16 ring all-reduce)
     "nvfp4": dict(geometry="euclidean", fmt="nvfp4"),
     "geo-nvfp4": dict(geometry="whiten", fmt="nvfp4"),
     "subspace-nvfp4": dict(geometry="subspace", fmt="nvfp4"),
+    "hadamard": dict(geometry="hadamard"),
+    "hadamard-paper": dict(geometry="hadamard", **PAPER_CODEC),
+    "hadamard-nvfp4": dict(geometry="hadamard", fmt="nvfp4"),
 }
-DEFAULT_METHODS = "bf16,fp8-tensor,fp8-row,fp8-block,fp8-paper,geofp8,geofp8-paper,subspace,nvfp4"
+DEFAULT_METHODS = ("bf16,fp8-tensor,fp8-row,fp8-block,fp8-paper,geofp8,geofp8-paper,subspace,"
+                   "hadamard,nvfp4")
 
 
 def method_options(spec, vocab_size):

@@ -39,6 +39,11 @@ and an m x r all-gather every `refresh` steps); every rank completes the same Ho
 The coordinates of each matrix are chosen as in DDP, by the codec error measured on each rank's
 own local gradient in both systems, all-reduced.
 
+The Hadamard control (geometry="hadamard", compress section 3c) fits the row shards as they
+are: along the columns it transforms each row alone, so a rank decodes its rows of the mean with
+the layer's own decode - no collective at all, and no statistics to refresh. Its rows option
+(hadamard_sides="both") mixes rows across the shards and is refused.
+
 The collective is stage 1 of compress.py's (FSDP needs no all_gather of gradients): each
 parameter's shard is quantized on its own (block scales never span two parameters, and the
 block grid is the one core scattering was planned for), exchanged in one all_to_all, decoded
@@ -152,23 +157,26 @@ def average(total, op, world):
 
 class GeoFP8ReduceScatter(FP8ReduceScatter):
     """GeoFP8 reduce-scatter for one FSDP module (its one parameter group). `options` are
-    compress.GeoOptions (train.py's flags): geometry ("subspace" or "euclidean"), fmt, block,
-    rank, refresh, warmup, stochastic..."""
+    compress.GeoOptions (train.py's flags): geometry ("subspace", "hadamard" or "euclidean"),
+    fmt, block, rank, refresh, warmup, stochastic..."""
 
     def __init__(self, module, prefix="", linear=None, **options):
         options.setdefault("geometry", "subspace")   # the method built for FSDP's row shards
-        params = fsdp_params(module)
-        if not params:
-            raise ValueError("nanogeo.fsdp: the module has no FSDP parameters; call "
-                             "fully_shard(module) before use_geofp8")
         if options.get("error_feedback") or options.get("full") or \
                 options.get("basis", "householder") != "householder":
             raise ValueError("nanogeo.fsdp: error_feedback, full and random bases are not "
                              "supported with FSDP; drop those options")
         if options.get("geometry", "subspace") == "whiten" or options.get("collective") == "fp8-sum":
-            raise ValueError("nanogeo.fsdp: FSDP2 supports geometry='subspace' or 'euclidean' "
-                             "with the two-stage collective; the published whitening runs "
-                             "under DDP (nanogeo.ddp) or train.py")
+            raise ValueError("nanogeo.fsdp: FSDP2 supports geometry='subspace', 'hadamard' or "
+                             "'euclidean' with the two-stage collective; the published whitening "
+                             "runs under DDP (nanogeo.ddp) or train.py")
+        if options.get("geometry") == "hadamard" and options.get("hadamard_sides") == "both":
+            raise ValueError("nanogeo.fsdp: hadamard_sides='both' mixes rows that live on "
+                             "different ranks; use hadamard_sides='right'")
+        params = fsdp_params(module)
+        if not params:
+            raise ValueError("nanogeo.fsdp: the module has no FSDP parameters; call "
+                             "fully_shard(module) before use_geofp8")
         if any(dim != 0 for _, _, dim in params):
             raise ValueError("nanogeo.fsdp: only FSDP's default Shard(0) placement is supported; "
                              "drop shard_placement_fn")
@@ -244,8 +252,13 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
                               f"of {block}-element scaling blocks; core scattering is off for it")
 
     def _decode(self, names, means, blocks, world):
-        """The geometry-aware matrices' rows back to original coordinates: two all-reduces for
-        all of them (the scattered core entries, then Y^T K)."""
+        """The geometry-aware matrices' rows back to original coordinates. A layer whose decode
+        acts on each row alone (row_local: the Hadamard control, a rotation of the columns only)
+        decodes this rank's rows itself; the others need two all-reduces for all of them (the
+        scattered core entries, then Y^T K)."""
+        decoded = {n: self.comm.layers[n].decode(means[n]) for n in names
+                   if self.comm.layers[n].row_local}
+        names = [n for n in names if n not in decoded]
         layers = [self.comm.layers[n] for n in names]
         H = swap_entries_rows([(means[n], l.swaps_for(l.transform), blocks[n])
                                for n, l in zip(names, layers)])
@@ -254,7 +267,7 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
             small = (l.r * l.shape[1] if l.transform[0] is not None else 0) + \
                 (2 * l.swaps[0].numel() if l.swaps_for(l.transform) is not None else 0)
             self.geometry_bytes += compress.ring_allreduce_bytes(small, 4, world)
-        return dict(zip(names, G))
+        return {**decoded, **dict(zip(names, G))}
 
     def table(self):
         return summary.layer_table(self.comm)

@@ -4,8 +4,8 @@ coordinates, measured gain and core energy; every other tensor with the reason i
 Euclidean), the memory its geometry holds, and, measured on the run's own last step, the error of
 the averaged gradient its communicator delivered, against the exact fp32 mean of the same
 gradients, next to Euclidean FP8 through the same collective (a stateless twin fed the same
-gradients). train.py prints it at the end of every run with --comm=fp8/geofp8/subspace, after
-the per-layer table.
+gradients). train.py prints it at the end of every run with --comm=fp8/geofp8/subspace/hadamard,
+after the per-layer table.
 
 The error is the relative L2 distance to the fp32 mean, over three sets of tensors: the
 matrices in geometry-aware coordinates on that step, all candidate matrices, all tensors. With
@@ -22,8 +22,9 @@ import compress
 
 
 def layer_table(communicator, names=None):
-    """Per-layer table: shape, rank, coordinates in use, last measured gain, core energy ("-"
-    where there is none: a gain before the first measurement, the energy of a whitened layer)."""
+    """Per-layer table: shape, r (the subspace rotation's and the whitening's rank, the Hadamard
+    control's block size), coordinates in use, last measured gain, core energy ("-" where there
+    is none: a gain before the first measurement, the energy of a whitened or Hadamard layer)."""
     lines = [f"{'tensor':40s} {'shape':>12s} {'r':>4s} {'coords':>10s} {'gain':>6s} {'energy':>6s}"]
     for n in names or communicator.names:
         shape = "x".join(map(str, communicator.shapes[n]))

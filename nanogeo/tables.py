@@ -19,7 +19,9 @@ next to the paper's number and as a ratio to the Euclidean row. Codecs:
 Every geometry row whitens all candidate matrices (select=all) so that each row measures the
 transform itself; the published deployment whitens a profiled subset (nanogeo.profile).
 Factors come from the file's input (and output) second moments of earlier steps, exactly as in
-training (refresh every 50 steps: the first step's factors serve the steps after it).
+training (refresh every 50 steps: the first step's factors serve the steps after it). The last
+row is the geometry-agnostic control (compress section 3c): random signs and Walsh-Hadamard
+blocks of 128 along each row, no statistics - the paper has no number for it.
 """
 
 import argparse
@@ -43,6 +45,7 @@ ROWS = [
     ("low-rank A 16", "geometry=whiten:factor=lowrank:whiten_rank=16", 1.73e-2),
     ("low-rank A 32", "geometry=whiten:factor=lowrank:whiten_rank=32", 1.72e-2),
     ("low-rank A 32, dense Cholesky", "geometry=whiten:factor=lowrank-dense:whiten_rank=32", None),
+    ("randomized Hadamard (control)", "geometry=hadamard", None),
 ]
 CODECS = {"round-trip": "fp8-paper", "fp8-sum": "fp8-paper", "two-stage": "fp8-block"}
 

@@ -186,7 +186,8 @@ def resume_rank(rank, world_size, out, hook_options):
 
 @pytest.mark.parametrize("options", [
     {"geometry": "subspace", "geo_rank": 8, "warmup": 1, "error_feedback": True},
-    {"warmup": 1, "refresh": 2, "error_feedback": True, "select": "all"}])
+    {"warmup": 1, "refresh": 2, "error_feedback": True, "select": "all"},
+    {"geometry": "hadamard", "warmup": 1, "error_feedback": True, "select": "all"}])
 def test_ddp_hook_state_resumes_bit_identically(tmp_path, options):
     """The hook's state_dict is keyed by parameter name with one step counter: every bucket's
     communicator counts the same steps, the table shows each parameter once (DDP's first-
@@ -200,4 +201,4 @@ def test_ddp_hook_state_resumes_bit_identically(tmp_path, options):
         assert r["steps"] == {6} and r["iteration"] == 6
         assert len(r["names"]) == len(set(r["names"])) == len(list(build().parameters()))
         if options.get("select") == "all":
-            assert r["geo"] > 0             # whitened layers in use across the resume
+            assert r["geo"] > 0             # geometry-aware layers in use across the resume

@@ -20,7 +20,7 @@ def workers_at(step, world=2, shape=(48, 64)):
     return [[U @ V.T + 0.1 * torch.randn(*shape, generator=g)] for _ in range(world)]
 
 
-@pytest.mark.parametrize("geometry", ["subspace", "whiten"])
+@pytest.mark.parametrize("geometry", ["subspace", "whiten", "hadamard"])
 def test_a_non_finite_step_does_not_poison_the_geometry_or_the_residuals(geometry):
     """An inf gradient on a refresh step: that step's mean is inf (the optimizer skips it), but
     the bases / factors and the error-feedback residuals stay as they were, and every later
@@ -50,17 +50,18 @@ def test_a_non_finite_step_does_not_poison_the_geometry_or_the_residuals(geometr
 def geometry_check_rank(rank, world_size, out):
     """The check that follows every refresh, on 3 ranks: a geometry estimated from different
     statistics on every rank (as a nondeterministic kernel might produce) - bases over the
-    subgroup of ranks 1 and 2 and over all ranks, whitening factors over all ranks; the same
-    bases everywhere; a geometry on rank 0 only."""
+    subgroup of ranks 1 and 2 and over all ranks, whitening factors and Hadamard signs (from
+    another seed on every rank) over all ranks; the same bases everywhere; a geometry on rank 0
+    only."""
     timeout = datetime.timedelta(seconds=60)
     dist.init_process_group("gloo", timeout=timeout)
     pair = dist.new_group([1, 2], timeout=timeout)      # every rank takes part in creating it
 
     def check(seed, group, geometry="subspace", ready=True):
         opts = compress.GeoOptions(geometry=geometry, select="all", min_numel=16, geo_rank=4,
-                                   whiten_rank=4)
+                                   whiten_rank=4, seed=seed)
         layer = compress.GeoFP8Communicator([("w", (48, 64))], opts).layers["w"]
-        if ready and geometry == "subspace":
+        if ready and geometry in ("subspace", "hadamard"):
             layer.refresh(workers_at(step=seed)[0][0])
         elif ready:
             layer.refresh({"input": anisotropic_moment(64, seed=seed)})
@@ -75,6 +76,7 @@ def geometry_check_rank(rank, world_size, out):
 
     result = {"pair": check(rank, pair) if rank in (1, 2) else None,
               "all": check(rank, None), "whiten": check(rank, None, "whiten"),
+              "hadamard": check(rank, None, "hadamard"),
               "same": check(0, None), "some": check(0, None, ready=rank == 0)}
     torch.save(result, f"{out}.{rank}")
     dist.barrier()
@@ -85,7 +87,8 @@ def test_a_geometry_that_differs_across_ranks_is_replaced_by_rank_0s(tmp_path):
     out = str(tmp_path / "geometry")
     run_ranks(geometry_check_rank, 3, out)
     ranks = [torch.load(f"{out}.{r}") for r in range(3)]
-    for case, members in (("all", ranks), ("whiten", ranks), ("pair", ranks[1:])):
+    for case, members in (("all", ranks), ("whiten", ranks), ("hadamard", ranks),
+                          ("pair", ranks[1:])):
         source_tensors, source_flags = members[0][case]["before"]     # the group's rank 0
         assert not all(torch.equal(a, b) for a, b in zip(source_tensors,
                                                          members[1][case]["before"][0]))
