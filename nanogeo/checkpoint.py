@@ -47,7 +47,8 @@ def kept_checkpoints(out_dir):
 # what a checkpoint's numbers depend on: resuming with any of these changed would silently load
 # mismatched geometry, optimizer state or residuals
 RESUME_MUST_MATCH = ("preset", "optimizer", "comm", "fmt", "block", "collective", "geo_rank",
-                     "whiten_factor", "whiten_rank", "whiten_sides", "error_feedback")
+                     "whiten_factor", "whiten_rank", "whiten_sides", "hadamard_block", "hadamard_sides",
+                     "error_feedback")
 
 
 def open_checkpoint(cfg, world_size, device, master):
