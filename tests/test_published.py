@@ -112,9 +112,9 @@ def test_fp8_sum_emulation_matches_elementwise_reference(fmt, world):
     assert torch.equal(fp8sum.fp8_sum(codes, dtype, "tree"), elementwise_sum(codes, dtype, "tree"))
 
 
-# The emulation before it was vectorised over chunks (kept here only as the reference the fast
-# one must equal bit for bit): one fp8_add per hop in fp32, and a per-element gather of the rank
-# whose code each hop adds.
+# The emulation as it was before each ring hop was built from W slices, kept here only as the
+# reference the faster one must equal bit for bit: a per-element chunk index and gather for
+# every hop, and out-of-place fp8_add, encode, decode and saturation score.
 
 def reference_fp8_add(a, b, dtype):
     fmax = fp8sum.FP8_MAX[dtype]
@@ -207,8 +207,9 @@ def test_fp8_sum_codec_equals_the_reference(fmt, one_thread):
     score every byte (NaN codes decode to NaN, compared as NaN)."""
     dtype, fmax = compress.FP8_FORMATS[fmt]
     g = torch.Generator().manual_seed(3)
+    spread = 10 ** (-8 * torch.rand(4099, generator=g))
     tensors = [torch.randn(37, 5, generator=g) * 1e-4, torch.randn(1, generator=g),
-               torch.zeros(3, 3), torch.randn(4099, generator=g) * 10 ** (-8 * torch.rand(4099, generator=g))]
+               torch.zeros(3, 3), torch.randn(4099, generator=g) * spread]
     amax = torch.stack([t.abs().amax() for t in tensors]) * torch.tensor([1.0, 1.0, 1.0, 0.5])
     codes, scales = fp8sum.fp8_sum_encode(tensors, fmt, amax)               # the last saturates
     reference_codes, reference_scales = reference_fp8_sum_encode(tensors, fmt, amax)
