@@ -26,6 +26,13 @@ DEMO   ?= --comm=geofp8 --fmt=e5m2 --block=tensor --collective=fp8-sum --geo_lay
           --factor_decay=0.95
 endif
 BIN     = $(VENV)/bin
+# glibc hands every freed buffer above its mmap threshold (at most 32 MB by default) back to the
+# kernel and gets fresh zeroed pages for the next one; the demo allocates and frees 200 MB of
+# logits and several 55 MB gradient-sized buffers per step, so a third of its CPU time went to
+# page faults. Keeping freed memory in the heap: the same numbers, steps ~1.7x faster (measured
+# on a busy 2-core machine).
+# (Other C libraries ignore these variables.)
+MALLOC ?= MALLOC_MMAP_THRESHOLD_=4294967296 MALLOC_TRIM_THRESHOLD_=4294967296
 
 .PHONY: train test install data
 
@@ -44,7 +51,7 @@ data/shakespeare/train.bin: | $(VENV)/.installed
 	$(BIN)/python prepare_data.py
 
 train: install data
-	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) train.py --out_dir=out/demo --overwrite=true \
+	$(MALLOC) $(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) train.py --out_dir=out/demo --overwrite=true \
 	    $(DEMO) $(ARGS)
 
 test: install

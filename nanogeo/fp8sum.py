@@ -25,10 +25,20 @@ FP8_MAX = {dtype: fmax for dtype, fmax in compress.FP8_FORMATS.values()}   # by 
 
 def fp8_add(a, b, dtype):
     """One hop of NCCL's FP8 sum on uint8 codes: widen to fp16, add in fp16, round back to FP8,
-    saturating at +-max (fp16 itself overflows to inf above 65504; that saturates too)."""
+    saturating at +-max (fp16 itself overflows to inf above 65504; that saturates too).
+    Elementwise, any shape. (The clamp stays in fp32: in fp16 the numbers are the same, but a
+    NaN code's sign bit can come out different - in torch it depends on the element's position.)"""
     fmax = FP8_MAX[dtype]
-    total = a.view(dtype).half() + b.view(dtype).half()
-    return total.float().clamp(-fmax, fmax).to(dtype).view(torch.uint8)
+    total = a.view(dtype).half()
+    total += b.view(dtype).half()
+    return total.float().clamp_(-fmax, fmax).to(dtype).view(torch.uint8)
+
+
+def ring_chunks(n, world):
+    """The ring's W chunks of an n-element buffer, as (start, end): element i is in chunk
+    i W // n, so chunk c is [ceil(c n / W), ceil((c + 1) n / W)) (empty ones when n < W)."""
+    bounds = [-(-c * n // world) for c in range(world + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def fp8_sum(codes, dtype, order="ring"):
@@ -38,15 +48,20 @@ def fp8_sum(codes, dtype, order="ring"):
       once around the ring (c+1, c+2, ..., c), each rank adding its own value: W - 1 roundings.
     tree: a balanced binary tree in rank order, ((x0 + x1) + (x2 + x3)) + ...: log2 W roundings
       per element - a model of the shallower orders NCCL prefers for FP8 where its topology
-      allows (not NCCL's exact tree)."""
+      allows (not NCCL's exact tree).
+    Each hop is one fp8_add over the whole buffer, every chunk at once: W - 1 of them."""
     world, n = codes.shape
     if order == "ring":
-        chunk = torch.arange(n, device=codes.device) * world // n    # (N,) chunk of each element
-        def from_rank(hop):                                          # the value added at a hop
-            return codes.gather(0, ((chunk + hop) % world)[None])[0]
-        total = from_rank(1)
+        chunks = ring_chunks(n, world)
+        def arriving(hop):      # (N,) the codes taken in at a hop (1: the start): in chunk c,
+                                # rank (c + hop) mod W's - W slices, no per-element index
+            out = torch.empty_like(codes[0])
+            for c, (start, end) in enumerate(chunks):
+                out[start:end] = codes[(c + hop) % world, start:end]
+            return out
+        total = arriving(1)
         for hop in range(2, world + 1):
-            total = fp8_add(total, from_rank(hop), dtype)
+            total = fp8_add(total, arriving(hop), dtype)
         return total
     level = list(codes.unbind(0))
     while len(level) > 1:
@@ -80,8 +95,8 @@ def fp8_sum_decode(codes, tensors, scales, fmt, world=1):
 def saturated_fraction(summed, tensors, fmt):
     """(T,) each tensor's fraction of summed codes at +-max: the published fragility score."""
     dtype, fmax = compress.FP8_FORMATS[fmt]
-    values = summed.view(dtype).float().split([t.numel() for t in tensors])
-    return torch.stack([(v.abs() >= fmax).float().mean() for v in values])
+    magnitudes = summed.view(dtype).float().abs_().split([t.numel() for t in tensors])
+    return torch.stack([(m >= fmax).float().mean() for m in magnitudes])
 
 
 def all_reduce_fp8_sum(tensors, fmt="e5m2", group=None, order="ring", local_scales=False):

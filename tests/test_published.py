@@ -112,6 +112,121 @@ def test_fp8_sum_emulation_matches_elementwise_reference(fmt, world):
     assert torch.equal(fp8sum.fp8_sum(codes, dtype, "tree"), elementwise_sum(codes, dtype, "tree"))
 
 
+# The emulation as it was before each ring hop was built from W slices, kept here only as the
+# reference the faster one must equal bit for bit: a per-element chunk index and gather for
+# every hop, and out-of-place fp8_add, encode, decode and saturation score.
+
+def reference_fp8_add(a, b, dtype):
+    fmax = fp8sum.FP8_MAX[dtype]
+    total = a.view(dtype).half() + b.view(dtype).half()
+    return total.float().clamp(-fmax, fmax).to(dtype).view(torch.uint8)
+
+
+def reference_fp8_sum(codes, dtype, order="ring"):
+    world, n = codes.shape
+    if order == "ring":
+        chunk = torch.arange(n, device=codes.device) * world // n    # (N,) chunk of each element
+        def from_rank(hop):                                          # the value added at a hop
+            return codes.gather(0, ((chunk + hop) % world)[None])[0]
+        total = from_rank(1)
+        for hop in range(2, world + 1):
+            total = reference_fp8_add(total, from_rank(hop), dtype)
+        return total
+    level = list(codes.unbind(0))
+    while len(level) > 1:
+        pairs = [reference_fp8_add(level[i], level[i + 1], dtype) for i in range(0, len(level) - 1, 2)]
+        level = pairs + level[len(pairs) * 2:]
+    return level[0]
+
+
+def reference_fp8_sum_encode(tensors, fmt, amax):
+    dtype, fmax = compress.FP8_FORMATS[fmt]
+    scales = compress.scale_from_amax(amax, fmax)
+    codes = [(t.float().reshape(-1) * s).clamp(-fmax, fmax).to(dtype).view(torch.uint8)
+             for t, s in zip(tensors, scales.unbind())]
+    return torch.cat(codes), scales
+
+
+def reference_fp8_sum_decode(codes, tensors, scales, fmt, world=1):
+    dtype = compress.FP8_FORMATS[fmt][0]
+    values = codes.view(dtype).float().split([t.numel() for t in tensors])
+    return [(v / (s * world)).view(t.shape) for v, s, t in zip(values, scales.unbind(), tensors)]
+
+
+def reference_saturated_fraction(summed, tensors, fmt):
+    dtype, fmax = compress.FP8_FORMATS[fmt]
+    values = summed.view(dtype).float().split([t.numel() for t in tensors])
+    return torch.stack([(v.abs() >= fmax).float().mean() for v in values])
+
+
+@pytest.fixture
+def one_thread():
+    """Bit-equality is asserted at a fixed thread count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp8_add_equals_the_reference_on_every_pair_of_codes(fmt, one_thread):
+    """A hop has 256 x 256 possible inputs (NaN and inf codes included): all of them."""
+    dtype = compress.FP8_FORMATS[fmt][0]
+    every = torch.arange(256, dtype=torch.uint8)
+    a, b = every.repeat_interleave(256), every.repeat(256)                  # (65536,) each
+    assert torch.equal(fp8sum.fp8_add(a, b, dtype), reference_fp8_add(a, b, dtype))
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("world", [2, 3, 4, 7, 32])
+@pytest.mark.parametrize("n", [1, 31, 4099])
+def test_fp8_sum_equals_the_hop_by_hop_reference(fmt, world, n, one_thread):
+    """The vectorised emulation (every chunk of a hop at once) against the one it replaced, in
+    ring and tree order; n < W leaves chunks empty, odd n makes them unequal. Two inputs: codes
+    of gradient-like values whose magnitudes span 4 decades, element 0 at every rank's -max
+    (its sum saturates), and arbitrary bytes (NaN and inf codes too)."""
+    dtype, fmax = compress.FP8_FORMATS[fmt]
+    g = torch.Generator().manual_seed(1000 * world + n)
+    magnitude = 10 ** (-4 * torch.rand(1, n, generator=g))                  # per element
+    values = torch.randn(world, n, generator=g) * magnitude * fmax
+    values[:, 0] = -fmax
+    gradient_like = values.clamp(-fmax, fmax).to(dtype).view(torch.uint8)
+    any_bytes = torch.randint(0, 256, (world, n), generator=g, dtype=torch.uint8)
+    for order in ("ring", "tree"):
+        summed = fp8sum.fp8_sum(gradient_like, dtype, order)
+        assert torch.equal(summed, reference_fp8_sum(gradient_like, dtype, order)), order
+        assert summed[:1].view(dtype).item() == -fmax                      # saturated
+        assert torch.equal(fp8sum.fp8_sum(any_bytes, dtype, order),
+                           reference_fp8_sum(any_bytes, dtype, order)), order
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp8_sum_codec_equals_the_reference(fmt, one_thread):
+    """Encode, decode and the saturation score against the forms they replaced, bit for bit:
+    odd sizes, an all-zero tensor (scale 1), magnitudes over 8 decades, and for decode and the
+    score every byte (NaN codes decode to NaN, compared as NaN)."""
+    dtype, fmax = compress.FP8_FORMATS[fmt]
+    g = torch.Generator().manual_seed(3)
+    spread = 10 ** (-8 * torch.rand(4099, generator=g))
+    tensors = [torch.randn(37, 5, generator=g) * 1e-4, torch.randn(1, generator=g),
+               torch.zeros(3, 3), torch.randn(4099, generator=g) * spread]
+    amax = torch.stack([t.abs().amax() for t in tensors]) * torch.tensor([1.0, 1.0, 1.0, 0.5])
+    codes, scales = fp8sum.fp8_sum_encode(tensors, fmt, amax)               # the last saturates
+    reference_codes, reference_scales = reference_fp8_sum_encode(tensors, fmt, amax)
+    assert torch.equal(codes, reference_codes) and torch.equal(scales, reference_scales)
+    summed = fp8sum.fp8_sum(torch.stack([codes, codes.flip(0)]), dtype)
+    any_bytes = torch.randint(0, 256, codes.shape, generator=g, dtype=torch.uint8)
+    for c in (codes, summed, any_bytes):
+        for world in (1, 3):
+            for a, b in zip(fp8sum.fp8_sum_decode(c, tensors, scales, fmt, world),
+                            reference_fp8_sum_decode(c, tensors, scales, fmt, world)):
+                assert torch.equal(a.isnan(), b.isnan())
+                assert torch.equal(a.masked_fill(a.isnan(), 0), b.masked_fill(b.isnan(), 0))
+        assert torch.equal(fp8sum.saturated_fraction(c, tensors, fmt),
+                           reference_saturated_fraction(c, tensors, fmt))
+    assert fp8sum.saturated_fraction(summed, tensors, fmt)[-1] > 0
+
+
 def test_fp8_sum_error_grows_with_workers():
     """Defect (b): re-rounding at every hop and saturation make the error grow with W."""
     g = torch.Generator().manual_seed(0)
