@@ -61,10 +61,13 @@ Not every matrix gains (for either geometry): only nn.Linear weights are candida
 module type; embedding tables, tied heads, norms and biases stay Euclidean, an untied head by its
 configured vocabulary size), small ones excepted, and each candidate switches to geometry-aware
 coordinates only while its codec error *as its optimizer sees it* (section 4b: AdamW's
-elementwise sensitivity, Muon's Newton-Schulz map) is measurably lower there, with hysteresis.
+elementwise update, Muon's Newton-Schulz map) is measurably lower there, with hysteresis. Do no
+harm from the first step: a new geometry is measured on the next step's gradients (which did not
+build it) before it replaces the coordinates in use (section 5, "candidates").
 select="fragile" (the paper's profiled rule) and "list" choose which may switch; the same check
-still guards them. The subspace rotation also tries the column side alone (sides="auto"):
-rotating rows spreads error onto rows whose AdamW second moments may be tiny.
+still guards them, unless both gains are 0 (the paper's fixed choice; select="all" likewise).
+The subspace rotation also tries the column side alone (sides="auto"): rotating rows spreads
+error onto rows whose AdamW second moments may be tiny.
 
 The two-stage collective (this project's default, for every geometry)
 ---------------------------------------------------------------------
@@ -1245,8 +1248,9 @@ class WhitenedLayer:
         """New factors from this step's second moments ({side: A or G}, identical on every
         rank), smoothed by the EMA of the moments (and of the factor, if factor_decay)."""
         opts = self.opts
-        self.moments, self.factors = dict(self.moments), dict(self.factors)   # new dicts: a
-        for side, moment in moments.items():                                  # copy stays apart
+        # new dicts: a candidate (a copy of this layer) must not change the layer in use
+        self.moments, self.factors = dict(self.moments), dict(self.factors)
+        for side, moment in moments.items():
             old = self.moments.get(side)
             self.moments[side] = (moment.float() if old is None
                                   else opts.moment_decay * old + (1 - opts.moment_decay) * moment)
@@ -1616,22 +1620,24 @@ class GeoFP8Communicator:
         propose new geometry where it is due. Returns True if new geometry was proposed (it
         must then be checked across ranks)."""
         judged = [n for n, layer in self.layers.items() if n in self.candidates
-                  or (self.opts.geometry == "whiten" and layer.ready)]
+                  or (layer.ready and (self.opts.geometry == "whiten" or math.isnan(layer.gain)))]
         if judged:
             self._judge(judged, worker_grads, means)
-        if self.opts.geometry == "whiten":
-            due = [n for n in self.layers if whiten_now and self._statistics(n, moments)]
-        else:
-            due = [n for n, layer in self.layers.items()
-                   if self.step % self.opts.refresh == 0 or not layer.ready]
-        for n in due:
-            self._propose(n, self._statistics(n, moments) if self.opts.geometry == "whiten"
-                          else means[n])
-        return bool(due)
+        if self.opts.geometry == "whiten":      # statistics: the layer's K-FAC moments
+            statistics = {n: self._statistics(n, moments) for n in self.layers} if whiten_now else {}
+            statistics = {n: stats for n, stats in statistics.items() if stats}
+        else:                                   # ... or its decoded mean gradient
+            statistics = {n: means[n] for n, layer in self.layers.items()
+                          if self.step % self.opts.refresh == 0 or not layer.ready}
+        for n, stats in statistics.items():
+            self._propose(n, stats)
+        return bool(statistics)
 
     def _geometry_due(self, whiten_now):
-        """Does this step touch the geometry (candidates to measure, a refresh, a re-judging)?"""
-        if self.candidates:
+        """Does this step touch the geometry (candidates to measure, a refresh, a re-judging)?
+        An opted-in layer's new geometry (in use unmeasured) is measured at the next step too."""
+        unmeasured = any(l.ready and math.isnan(l.gain) for l in self.layers.values())
+        if self.candidates or unmeasured:
             return True
         if self.opts.geometry == "whiten":
             return whiten_now or self.step % self.opts.judge_every == 0
@@ -1659,22 +1665,29 @@ class GeoFP8Communicator:
     # were measured (or Euclidean ones): from the first step and after every refresh.
 
     def _propose(self, name, statistics):
-        """A candidate for `name`: its newest geometry (in use or candidate) refreshed from
-        this step's statistics. The explicit opt-ins (select="all"; a listed layer with gains
-        0, the paper's fixed choice) take it at once: no measurement could change their choice."""
-        newest = self.candidates.get(name, self.layers[name])
-        candidate = copy.copy(newest)          # refresh() replaces, never mutates, its tensors
+        """A candidate for `name`: the layer's geometry refreshed from this step's statistics (a
+        copy: refresh() assigns new tensors, never changes the old ones; it keeps use_geo, so
+        the hysteresis applies when it is measured). The explicit opt-ins (select="all"; a
+        listed layer with gains 0, the paper's fixed choice) take it at once: no measurement
+        could change their choice."""
+        candidate = copy.copy(self.layers[name])
         candidate.gain = float("nan")          # not measured yet
         if self.opts.geometry == "whiten":
             candidate.refresh(statistics)
         else:
             candidate.refresh(statistics, self.rows.get(name, ALL_ROWS))
-        if goes_geometry_aware(candidate, self.opts, listed=name in self.chosen):
+        if self._opted_in(name):
             candidate.use_geo = True
             self.layers[name] = candidate
-            self.candidates.pop(name, None)
         else:
             self.candidates[name] = candidate
+
+    def _opted_in(self, name):
+        """Geometry-aware whatever a measurement says: select="all", or a listed layer with
+        enter_gain = exit_gain = 0."""
+        opts = self.opts
+        return opts.select == "all" or (name in self.chosen and opts.select in ("list", "fragile")
+                                        and opts.enter_gain <= 0 and opts.exit_gain <= 0)
 
     def _statistics(self, name, moments):
         """{side: A or G} of a whitened layer from this step's averaged moments."""
@@ -1768,7 +1781,7 @@ class GeoFP8Communicator:
 
     def load_state_dict(self, state):
         saved = state.get("geometry", "subspace")       # checkpoints before the whitening existed
-        if state["layers"] and saved != self.opts.geometry:
+        if (state["layers"] or state.get("candidates")) and saved != self.opts.geometry:
             raise ValueError(f"the communicator state is for geometry={saved!r}, not "
                              f"{self.opts.geometry!r}: resume with the same method")
         self.step = state["step"]
@@ -1780,8 +1793,11 @@ class GeoFP8Communicator:
             self.layers[n].load_state_dict(layer_state)
         self.candidates = {}                # (none in checkpoints from before they existed)
         for n, layer_state in state.get("candidates", {}).items():
-            self.candidates[n] = self._new_layer(n)
-            self.candidates[n].load_state_dict(layer_state)
+            if n not in self.layers:
+                raise ValueError(f"the communicator state has new geometry for {n!r}, which is "
+                                 "not a candidate matrix here: resume with the same model")
+            self.candidates[n] = copy.copy(self.layers[n])  # as _propose makes one (FSDP's
+            self.candidates[n].load_state_dict(layer_state)  # core-scattering choice included)
 
 
 def all_finite(tensors):

@@ -151,6 +151,7 @@ class GeoFP8HookState:
         rank = dist.get_rank(self.process_group) if dist.is_initialized() else 0
         return {"geometry": state["geometry"], "step": self.iteration,
                 "layers": {n: s for n, s in state["layers"].items() if n in names},
+                "candidates": {n: s for n, s in state["candidates"].items() if n in names},
                 "residuals": {rank: {n: r for n, r in state["residuals"].items() if n in names}},
                 "chosen": state["chosen"]}
 
@@ -159,15 +160,19 @@ class GeoFP8HookState:
         PowerSGD's state. Residuals are this rank's own (save one file per rank)."""
         saved = self.saved or {"layers": {}, "residuals": {}, "chosen": ()}
         layers, residuals = dict(saved["layers"]), dict(saved["residuals"])   # then what ran since
+        candidates = dict(saved.get("candidates", {}))  # new geometry awaiting its measurement
         chosen = set(self.options.geo_layers) | set(saved["chosen"])
         for comm, names in self._owned():
             state = comm.state_dict()
             layers.update((n, s) for n, s in state["layers"].items() if n in names)
+            for n in names:                     # this bucket's view of n replaces the older one
+                candidates.pop(n, None)
+            candidates.update((n, s) for n, s in state["candidates"].items() if n in names)
             for residual in state["residuals"].values():
                 residuals.update((n, r) for n, r in residual.items() if n in names)
             chosen |= set(state["chosen"])
         return {"geometry": self.options.geometry, "iteration": self.iteration, "layers": layers,
-                "residuals": residuals, "chosen": sorted(chosen)}
+                "candidates": candidates, "residuals": residuals, "chosen": sorted(chosen)}
 
     def load_state_dict(self, state):
         if state["geometry"] != self.options.geometry:

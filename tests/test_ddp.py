@@ -180,14 +180,18 @@ def resume_rank(rank, world_size, out, hook_options):
     resumed = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
     geo = sum(c.is_geo(n) for c in state.communicators.values() for n in c.names)
     torch.save({"equal": torch.equal(straight, resumed), "steps": steps, "names": names,
-                "iteration": state.iteration, "geo": geo}, f"{out}.{rank}")
+                "iteration": state.iteration, "geo": geo,
+                "pending": len(saved["hook"]["candidates"])}, f"{out}.{rank}")
     dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("options", [
     {"geometry": "subspace", "geo_rank": 8, "warmup": 1, "error_feedback": True},
     {"warmup": 1, "refresh": 2, "error_feedback": True, "select": "all"},
-    {"geometry": "hadamard", "warmup": 1, "error_feedback": True, "select": "all"}])
+    {"geometry": "hadamard", "warmup": 1, "error_feedback": True, "select": "all"},
+    # saved with new geometry awaiting its measurement (proposed at the third step)
+    {"geometry": "subspace", "geo_rank": 8, "warmup": 1, "refresh": 3},
+    {"warmup": 1, "refresh": 2, "error_feedback": True}])
 def test_ddp_hook_state_resumes_bit_identically(tmp_path, options):
     """The hook's state_dict is keyed by parameter name with one step counter: every bucket's
     communicator counts the same steps, the table shows each parameter once (DDP's first-
@@ -202,3 +206,5 @@ def test_ddp_hook_state_resumes_bit_identically(tmp_path, options):
         assert len(r["names"]) == len(set(r["names"])) == len(list(build().parameters()))
         if options.get("select") == "all":
             assert r["geo"] > 0             # geometry-aware layers in use across the resume
+        if "refresh" in options and "select" not in options:
+            assert r["pending"] > 0         # saved with candidates awaiting their measurement
