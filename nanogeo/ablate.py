@@ -89,7 +89,8 @@ COMMS = {"fp32": ["--comm=fp32"], "bf16": ["--comm=bf16"], "fp8": ["--comm=fp8"]
          # ... with every candidate rotated, no gain check (to see what the check prevents)
          "subspace-paper-all": ["--comm=subspace", *PAPER_SUM, "--geo_layers=all"],
          "geofp8": ["--comm=geofp8"], "subspace": ["--comm=subspace"],
-         "nvfp4": ["--comm=fp8", "--fmt=nvfp4"], "geo-nvfp4": ["--comm=geofp8", "--fmt=nvfp4"],
+         "nvfp4": ["--comm=fp8", "--fmt=nvfp4"],
+         "nvfp4-ef": ["--comm=fp8", "--fmt=nvfp4", "--error_feedback"], "geo-nvfp4": ["--comm=geofp8", "--fmt=nvfp4"],
          "subspace-nvfp4": ["--comm=subspace", "--fmt=nvfp4"],
          # the geometry-agnostic control: a randomized Hadamard rotation (train.py --comm=hadamard)
          "hadamard": ["--comm=hadamard"], "hadamard-paper": ["--comm=hadamard", *PAPER_SUM],
@@ -535,6 +536,127 @@ def plot(results, out_dir):
 
 
 # -----------------------------------------------------------------------------
+# the answer: which method to run, per optimizer and wire budget
+
+BUDGETS = (("FP8", 0.52), ("4-bit", 0.30))     # wire bytes vs a bf16 ring all-reduce, at most
+ANSWER_BEGIN, ANSWER_END = "<!-- answer: begin -->", "<!-- answer: end -->"
+
+
+def cost(comm):
+    """How much a method adds to plain quantisation: 0 Euclidean, 1 error feedback, 2 the
+    Hadamard rotation (no statistics), 3 a geometry (statistics, refreshes, gain checks)."""
+    flags = COMMS[comm]
+    kind = flags[0].partition("=")[2]
+    if kind in ("fp32", "bf16", "fp8"):
+        return int("--error_feedback" in flags)
+    return 2 if kind == "hadamard" else 3
+
+
+def collective(comm):
+    """The wire format and collective flags of a method (the same for its Euclidean twin)."""
+    return [f for f in COMMS[comm] if f.startswith(("--fmt", "--block", "--collective"))]
+
+
+def mean_ms(runs):
+    return sum(r["ms_per_step"] for r in runs.values()) / len(runs)
+
+
+def study_groups(results, workers):
+    """{optimizer: {comm: {seed: record}}} of the study's runs at W = workers; per optimizer
+    the set of train flags with the most runs (a study has one, from --lr_from and --)."""
+    out = {}
+    for optimizer in sorted({r["optimizer"] for r in results}):
+        rows = [r for r in results if not r.get("sweep") and r["optimizer"] == optimizer
+                and r["workers"] == workers]
+        if not rows:
+            continue
+        keys = [group(r) for r in rows]
+        main = max(set(keys), key=keys.count)
+        for r in rows:
+            if group(r) == main:
+                out.setdefault(optimizer, {}).setdefault(r["comm"], {})[r["seed"]] = r
+    return out
+
+
+def recommend(by_comm, budget):
+    """The method to run within a wire budget: among the methods at or under it with >= 2 seeds
+    paired with fp32, the best is the one with the lowest mean gap to fp32; the recommendation
+    is the cheapest method (cost()) whose paired difference to the best includes 0 at 95 %
+    (the best itself when none is). Returns (recommended, best, candidates, {method: wire vs
+    bf16}) or None."""
+    fp32 = by_comm.get("fp32", {})
+    wire = {c: sum(r["mean_wire_vs_bf16"] for r in runs.values()) / len(runs)
+            for c, runs in by_comm.items()
+            if all(r.get("mean_wire_vs_bf16") is not None for r in runs.values())}
+    fits = [c for c in by_comm if c in wire and wire[c] <= budget and c != "fp32"
+            and len(paired(by_comm[c], fp32)[0]) >= 2]
+    if not fits:
+        return None
+    best = min(fits, key=lambda c: mean_ci(paired(by_comm[c], fp32)[1])[0])
+    def same_as_best(c):
+        seeds, diff = paired(by_comm[c], by_comm[best])
+        mean, half = mean_ci(diff)
+        return c == best or (len(seeds) >= 2 and mean - half <= 0)
+    recommended = min((c for c in fits if same_as_best(c)),
+                      key=lambda c: (cost(c), mean_ci(paired(by_comm[c], fp32)[1])[0]))
+    return recommended, best, fits, wire
+
+
+def answer(results, workers=32):
+    """The README's answer table (markdown) from a study's records at W = workers."""
+    lines = [f"| optimizer | wire budget | run this | seeds | gap to fp32 (paired, 95 % t) | "
+             f"gap to bf16 (paired, 95 % t) | wire vs bf16 | ms/step vs Euclidean | "
+             f"best measured, if another |", "| --- " * 9 + "|"]
+    notes = []
+    for optimizer, by_comm in study_groups(results, workers).items():
+        fp32, bf16 = by_comm.get("fp32", {}), by_comm.get("bf16", {})
+        for name, budget in BUDGETS:
+            picked = recommend(by_comm, budget)
+            if picked is None:
+                lines.append(f"| {optimizer} | {name} (≤ {budget:.2f}× bf16) | not measured yet "
+                             "| | | | | | |")
+                continue
+            comm, best, _, wire = picked
+            runs = by_comm[comm]
+            euclid = [c for c in by_comm if cost(c) == 0 and c not in ("fp32", "bf16")
+                      and collective(c) == collective(comm)]
+            ms = mean_ms(runs)
+            ms_e = [mean_ms(by_comm[euclid[0]])] if euclid else []
+            other = "—" if best == comm else (
+                f"{best}: {estimate(paired(by_comm[best], fp32)[1], sign='+')}")
+            lines.append(f"| {optimizer} | {name} (≤ {budget:.2f}× bf16) | {comm} | {len(runs)} | "
+                         f"{estimate(paired(runs, fp32)[1], sign='+')} | "
+                         f"{gap_cell(runs, bf16, len(runs)) if bf16 else '—'} | "
+                         f"{wire[comm]:.3f} | {f'{ms / ms_e[0]:.2f}×' if ms_e else '—'} | "
+                         f"{other} |")
+            mean, half = mean_ci(paired(runs, fp32)[1])
+            if cost(comm) == 0 and mean - half <= 0:
+                notes.append(f"{optimizer}, {name}: plain {comm} is indistinguishable from fp32 "
+                             f"here (its paired gap's 95 % interval includes 0).")
+    rule = ("Run this: among the methods measured at or under the budget (>= 2 seeds), the "
+            "cheapest (Euclidean, then error feedback, then the Hadamard rotation, then a "
+            "geometry) whose paired difference to the best one's gap includes 0 at 95 %. "
+            f"W = {workers} ranks; ms/step: the study's simulated step against Euclidean on the "
+            "same collective (the whole step, on CPU).")
+    return "\n".join(lines + [""] + notes + ([""] if notes else []) + [rule]) + "\n"
+
+
+def write_answer(results_path, readme, workers=32):
+    """Replace the README's text between the answer markers with answer(results_path's
+    records); a ValueError naming the fix when the markers are missing."""
+    text = open(readme).read()
+    head, begin, rest = text.partition(ANSWER_BEGIN)
+    _, end, tail = rest.partition(ANSWER_END)
+    if not begin or not end:
+        raise ValueError(f"{readme} has no {ANSWER_BEGIN} ... {ANSWER_END} block: add one "
+                         "where the table goes")
+    table_text = answer(json.load(open(results_path)), workers)
+    with open(readme + ".tmp", "w") as f:
+        f.write(f"{head}{ANSWER_BEGIN}\n{table_text}{ANSWER_END}{tail}")
+    os.replace(readme + ".tmp", readme)
+
+
+# -----------------------------------------------------------------------------
 # the command line
 
 def parse_args(argv):
@@ -555,6 +677,11 @@ def parse_args(argv):
                         f"of FLAG ({', '.join(SWEEPABLE)}); the best goes to out_dir/sweep.json")
     parser.add_argument("--lr_from", default=None, help="a sweep.json: every method of an "
                         "optimizer trains with the best values swept for it at that W")
+    parser.add_argument("--answer", default=None, metavar="RESULTS", help="print the "
+                        "which-method-to-run table from a study's results.json (no runs); with "
+                        "--readme FILE, write it between FILE's answer markers")
+    parser.add_argument("--readme", default=None)
+    parser.add_argument("--answer_workers", type=int, default=32, help="W of --answer's table")
     parser.add_argument("--out_dir", default="out/ablate")
     args = parser.parse_args(argv)
     return parser, args, extra
@@ -613,6 +740,17 @@ def plan(parser, args, extra):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     parser, args, extra = parse_args(argv)
+    if args.answer:
+        if not os.path.exists(args.answer):
+            parser.error(f"--answer {args.answer}: no such results file (a study's "
+                         "out_dir/results.json)")
+        if args.readme:
+            try:
+                write_answer(args.answer, args.readme, args.answer_workers)
+            except ValueError as e:
+                parser.error(str(e))
+        print(answer(json.load(open(args.answer)), args.answer_workers), end="")
+        return
     comms, runs = plan(parser, args, extra)
     reference = args.reference or next((c for c in comms if c in EUCLIDEAN), "fp8")
     os.makedirs(args.out_dir, exist_ok=True)

@@ -58,21 +58,36 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="session")
-def tiny_corpus(tmp_path_factory):
-    """A small prepared dataset (a few Shakespeare-like paragraphs repeated), for fast runs."""
+TINY_TEXT = ("To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n"
+             "The slings and arrows of outrageous fortune,\nOr to take arms against a sea of troubles\n"
+             "And by opposing end them. To die, to sleep;\nNo more; and by a sleep to say we end\n"
+             "The heart-ache and the thousand natural shocks\nThat flesh is heir to.\n\n")
+
+
+def tiny_shards(tmp_path_factory, tokenizer):
+    """A few Shakespeare-like paragraphs, repeated, tokenized into train/val shards."""
     import prepare_data
-    root = tmp_path_factory.mktemp("corpus")
-    text = ("To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n"
-            "The slings and arrows of outrageous fortune,\nOr to take arms against a sea of troubles\n"
-            "And by opposing end them. To die, to sleep;\nNo more; and by a sleep to say we end\n"
-            "The heart-ache and the thousand natural shocks\nThat flesh is heir to.\n\n")
-    (root / "a.txt").write_text(text * 200)
-    (root / "b.txt").write_text(text.upper() * 100)
+    root = tmp_path_factory.mktemp(f"corpus-{tokenizer}")
+    (root / "a.txt").write_text(TINY_TEXT * 200)
+    (root / "b.txt").write_text(TINY_TEXT.upper() * 100)
     out = root / "shards"
     prepare_data.tokenize_files([str(root / "a.txt"), str(root / "b.txt")], str(out),
-                                chunk_tokens=256, val_every=10)
+                                chunk_tokens=256, val_every=10, tokenizer=tokenizer)
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus(tmp_path_factory):
+    """The small dataset of the training tests, one token per character: with
+    `--preset=char-study` (0.12M parameters; test_train.tiny_args) a step costs milliseconds,
+    where cpu-tiny's 50257-word vocabulary made it seconds."""
+    return tiny_shards(tmp_path_factory, "char")
+
+
+@pytest.fixture(scope="session")
+def bpe_corpus(tmp_path_factory):
+    """The same text in GPT-2 BPE tokens: for what needs GPT-2's vocabulary (cpu-tiny's)."""
+    return tiny_shards(tmp_path_factory, "gpt2")
 
 
 # ---------------------------------------------------------------------------- a GPT-2 shape

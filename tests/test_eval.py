@@ -103,13 +103,13 @@ def test_missing_data_names_the_extra(monkeypatch):
         ev.main(["ckpt.pt", "--tasks", "piqa"])
 
 
-def test_train_eval_every(fixtures, tiny_corpus, tmp_path, monkeypatch, capsys):
+def test_train_eval_every(fixtures, bpe_corpus, tmp_path, monkeypatch, capsys):
     import train
     from test_train import tiny_args
     root = str(fixtures)
     monkeypatch.setattr(ev, "data_root", lambda r=None: r or root)
-    argv = tiny_args(tiny_corpus, tmp_path / "out", "--max_iters=4", "--eval_every=2",
-                     "--eval_limit=2", "--eval_tasks=piqa,lambada")
+    argv = tiny_args(bpe_corpus, tmp_path / "out", "--preset=cpu-tiny", "--max_iters=4",
+                     "--eval_every=2", "--eval_limit=2", "--eval_tasks=piqa,lambada")  # GPT-2 ids
     train.train(train.parse_config(argv))
     records = [json.loads(l) for l in open(tmp_path / "out" / "log.jsonl")]
     downstream = [r for r in records if "downstream" in r]

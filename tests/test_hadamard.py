@@ -277,4 +277,4 @@ def test_train_with_hadamard_coordinates(tiny_corpus, tmp_path, capsys):
     assert result["final_val_loss"] < result["initial_val_loss"]
     layers = torch.load(out / "ckpt.pt", weights_only=True)["communicator"]["layers"]
     assert layers and all(l["use_geo"] and l["row_signs"] is None for l in layers.values())
-    assert re.search(r"layers\.0\.mlp\.w2\.weight +128x384 +64 +geo/right", capsys.readouterr().out)
+    assert re.search(r"layers\.0\.mlp\.w2\.weight +64x192 +64 +geo/right", capsys.readouterr().out)

@@ -13,7 +13,8 @@ from nanogeo import ablate, bench, capture
 
 def test_capture_writes_the_gradient_file_contract(tiny_corpus, tmp_path):
     out = tmp_path / "grads.pt"
-    capture.main([f"--out={out}", f"--data_dir={tiny_corpus}", "--workers=2", "--train_steps=2",
+    capture.main([f"--out={out}", "--preset=char-study", f"--data_dir={tiny_corpus}", "--workers=2",
+                  "--train_steps=2",
                   "--capture_steps=2", "--batch_size=2", "--block_size=16"])
     data = torch.load(out, weights_only=True)
     assert len(data["steps"]) == 2 and all(len(step) == 2 for step in data["steps"])
@@ -186,8 +187,8 @@ def test_ablate_runs_a_grid_and_resumes(tiny_corpus, tmp_path, capsys):
     """Two methods x two seeds of simulated 2-rank runs; a second call skips all four. Each
     record holds the whole command, the commit, preset, steps, learning rates and the bytes
     per step averaged over the run."""
-    extra = [f"--data_dir={tiny_corpus}", "--max_iters=2", "--batch_size=2", "--block_size=16",
-             "--eval_iters=1", "--eval_interval=2", "--warmup_iters=1", "--final_evals=2"]
+    extra = ["--preset=char-study", f"--data_dir={tiny_corpus}", "--max_iters=2", "--batch_size=2",
+             "--block_size=16", "--eval_iters=1", "--eval_interval=2", "--warmup_iters=1", "--final_evals=2"]
     argv = ["--comms", "fp32,fp8", "--seeds", "0,1", "--workers", "2", "--out_dir",
             str(tmp_path), "--", *extra]
     ablate.main(argv)
@@ -200,7 +201,7 @@ def test_ablate_runs_a_grid_and_resumes(tiny_corpus, tmp_path, capsys):
         assert r["command"][-len(extra):] == extra
         assert r["commit"] is None or (len(r["commit"]) == 40 and isinstance(r["dirty"], bool))
         assert (r["preset"], r["steps"], r["learning_rates"]) == (
-            "cpu-tiny", 2, {"learning_rate": 3e-3, "min_lr": 3e-4})
+            "char-study", 2, {"learning_rate": 3e-3, "min_lr": 3e-4})
         assert [s for s, _ in r["final_val_losses"]] == [1, 2]
     wire = {r["comm"]: r["mean_wire_vs_bf16"] for r in records}
     assert wire["fp32"] == 2.0 and 0.5 < wire["fp8"] < 0.6
@@ -213,7 +214,7 @@ def test_ablate_runs_a_grid_and_resumes(tiny_corpus, tmp_path, capsys):
 def test_ablate_sweep_then_study_with_its_best_value(tiny_corpus, tmp_path):
     """A toy sweep (2 values, 1 seed, 2 steps) writes sweep.json; a study with --lr_from trains
     fp32 at the best value."""
-    extra = ["--", f"--data_dir={tiny_corpus}", "--max_iters=2", "--batch_size=2",
+    extra = ["--", "--preset=char-study", f"--data_dir={tiny_corpus}", "--max_iters=2", "--batch_size=2",
              "--block_size=16", "--eval_iters=1", "--eval_interval=2", "--warmup_iters=1"]
     sweep = tmp_path / "sweep"
     ablate.main(["--sweep", "learning_rate=1e-3,1e-2", "--seeds", "0", "--workers", "1",
@@ -268,16 +269,16 @@ def test_smoke_test_runs_on_cpu(tmp_path):
 
 def test_capture_records_moments_and_optimizer(tiny_corpus, tmp_path):
     out = tmp_path / "grads.pt"
-    capture.main(["--out", str(out), f"--data_dir={tiny_corpus}", "--workers=2",
+    capture.main(["--out", str(out), "--preset=char-study", f"--data_dir={tiny_corpus}", "--workers=2",
                   "--train_steps=1", "--capture_steps=2", "--batch_size=2", "--block_size=16",
                   "--optimizer=muon"])
     data = torch.load(out, weights_only=True)
     a = data["inputs"][0]["layers.0.mlp.w2.weight"]
-    assert a.shape == (384, 384) and torch.allclose(a, a.T)        # the SwiGLU product's A
-    assert data["outputs"][0]["layers.0.mlp.w2.weight"].shape == (128, 128)
+    assert a.shape == (192, 192) and torch.allclose(a, a.T)        # the SwiGLU product's A
+    assert data["outputs"][0]["layers.0.mlp.w2.weight"].shape == (64, 64)
     assert "lm_head.weight" not in data["inputs"][0]                 # vocabulary: no moments
     classes = {g["class"] for g in data["optimizer"]["groups"]}
-    assert classes == {"Muon", "AdamW"} and data["vocab_size"] == 50304
+    assert classes == {"Muon", "AdamW"} and data["vocab_size"] == 128
     muon = next(g for g in data["optimizer"]["groups"] if g["class"] == "Muon")
     assert "layers.0.attn.wq.weight" in muon["params"] and "lm_head.weight" not in muon["params"]
     from nanogeo import fidelity
@@ -292,16 +293,53 @@ def test_capture_records_moments_and_optimizer(tiny_corpus, tmp_path):
 def test_profile_and_tables(tiny_corpus, tmp_path):
     from nanogeo import profile, tables
     out = tmp_path / "layers.json"
-    profile.main([f"--out={out}", f"--data_dir={tiny_corpus}", "--workers=4", "--steps=2",
+    profile.main([f"--out={out}", "--preset=char-study", f"--data_dir={tiny_corpus}", "--workers=4",
+                  "--steps=2",
                   "--batch_size=1", "--block_size=16", "--top_k=3"])
     result = json.load(open(out))
-    assert len(result["selected"]) == 3 and len(result["scores"]) == 4 * 7
+    # per block wq, wo, w1, w3, w2; wk and wv (32 x 64) are under 4096 elements
+    assert len(result["selected"]) == 3 and len(result["scores"]) == 2 * 5
     ranked = sorted(result["scores"].values(), reverse=True)
     assert [result["scores"][n] for n in result["selected"]] == ranked[:3]
     grads = tmp_path / "grads.pt"
-    capture.main([f"--out={grads}", f"--data_dir={tiny_corpus}", "--workers=2", "--train_steps=0",
+    capture.main([f"--out={grads}", "--preset=char-study", f"--data_dir={tiny_corpus}", "--workers=2",
+                  "--train_steps=0",
                   "--capture_steps=2", "--batch_size=2", "--block_size=16"])
     table = tables.tables(str(grads), "round-trip", last=1)
     rows = {r["row"]: r for r in table["rows"]}
     assert rows["Euclidean"]["all"]["vs_euclid"] == 1.0 and rows["Euclidean"]["geo_matrices"] == 0
-    assert rows["low-rank A 32"]["geo_matrices"] == 4 * 7 and table["down_matrices"] == 4
+    assert rows["low-rank A 32"]["geo_matrices"] == 2 * 7 and table["down_matrices"] == 2  # all 7
+
+
+def study_record(comm, seed, loss, wire, ms=100.0):
+    return {"comm": comm, "optimizer": "adamw", "workers": 32, "simulated": True, "seed": seed,
+            "flags": ["--learning_rate=0.003"], "final_val_loss": loss, "ms_per_step": ms,
+            "mean_wire_vs_bf16": wire}
+
+
+def test_ablate_answer_recommends_the_cheapest_method_as_good_as_the_best(tmp_path):
+    """Hand-made study: subspace's gap to fp32 (0.0183) is below fp8's (0.02), but their paired
+    difference (-0.005, +0.005, -0.005) includes 0, so plain fp8 is the FP8 answer; at 4 bits the
+    rotation is better than nvfp4 in every seed by 0.05, so it is the answer there."""
+    losses = {"fp32": (2.00, 2.10, 2.20, 2.0), "bf16": (2.01, 2.11, 2.21, 1.0),
+              "fp8": (2.02, 2.12, 2.22, 0.5), "subspace": (2.015, 2.125, 2.215, 0.5),
+              "nvfp4": (2.10, 2.20, 2.30, 0.28), "subspace-nvfp4": (2.05, 2.15, 2.25, 0.28)}
+    records = [study_record(comm, seed, values[seed], values[3],
+                            ms=130.0 if comm == "subspace-nvfp4" else 100.0)
+               for comm, values in losses.items() for seed in range(3)]
+    records.append(dict(study_record("fp8", 0, 9.0, 0.5), flags=["--learning_rate=1"]))  # other group
+    fp8_budget, four_bit = ablate.answer(records).splitlines()[2:4]
+    assert fp8_budget.startswith("| adamw | FP8 (≤ 0.52× bf16) | fp8 | 3 | +0.0200 ± 0.0000 | "
+                                 "+0.0100 ± 0.0000 | 0.500 | 1.00× | subspace: +0.0183 ± ")
+    assert four_bit.startswith("| adamw | 4-bit (≤ 0.30× bf16) | subspace-nvfp4 | 3 | "
+                               "+0.0500 ± 0.0000 | +0.0400 ± 0.0000 | 0.280 | 1.30× | — |")
+    assert "indistinguishable" not in ablate.answer(records)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{ablate.ANSWER_BEGIN}\nold\n{ablate.ANSWER_END}\nrest\n")
+    (tmp_path / "results.json").write_text(json.dumps(records))
+    ablate.write_answer(str(tmp_path / "results.json"), str(readme))
+    assert readme.read_text() == (f"intro\n{ablate.ANSWER_BEGIN}\n{ablate.answer(records)}"
+                                  f"{ablate.ANSWER_END}\nrest\n")
+    readme.write_text("no markers\n")
+    with pytest.raises(ValueError, match="answer: begin"):
+        ablate.write_answer(str(tmp_path / "results.json"), str(readme))
