@@ -1,13 +1,17 @@
-"""Every command line in the README's bash blocks runs as written, at toy sizes.
+"""Every command line in the bash blocks of the README and the docs pages runs as written, at
+toy sizes.
 
-The README is read, each block's commands are extracted (continuation lines joined, comments
-dropped) and run in order, in a scratch directory, through bash - exactly as a user would type
-them, with flags appended that shrink them (for argparse and train.py's flags the last value of
-a flag wins). `python` is this interpreter and `torchrun` is its torch.distributed.run.
+README.md is read, then every docs/*.md page in order of name; each block's commands are
+extracted (continuation lines joined, comments dropped) and run in that order, in a scratch
+directory, through bash - exactly as a user would type them, with flags appended that shrink
+them (for argparse and train.py's flags the last value of a flag wins). `python` is this
+interpreter and `torchrun` is its torch.distributed.run.
 
-A new README command without an entry in TOY fails the test: write down how to run it small, or
-why it is not run here (a handful: installs, the test suite itself, a GPU-only compile).
+A new command in the README or the docs without an entry in TOY fails the test: write down how
+to run it small, or why it is not run here (a handful: installs, the test suite itself, a
+GPU-only compile).
 """
+import glob
 import os
 import re
 import shlex
@@ -28,7 +32,7 @@ TRAIN_CHARS = TRAIN.replace("--preset=cpu-tiny", CHARS)
 CAPTURE = f"{CHARS} --train_steps=1 --capture_steps=2 --batch_size=1 --block_size=16"
 EVAL = "--limit 2 --tasks piqa --batch_size 2 --data_root tasks"
 
-# README command -> what is appended to run it small (a str), or why it is not run (Skip).
+# README or docs command -> what is appended to run it small (a str), or why it is not run (Skip).
 class Skip(str):
     pass
 
@@ -87,11 +91,19 @@ INPUTS = {"out/ablate/fp32/adamw/ranks2/seed1337/ckpt.pt": "out/ckpt.pt",
 NODES = {"--nnodes=N": "--nnodes=1", "HOST0:29500": "127.0.0.1:{port}"}
 
 
+def pages():
+    """The pages whose commands run: README.md, then docs/*.md by name."""
+    docs = sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+    return [os.path.join(ROOT, "README.md")] + docs
+
+
 def readme_commands():
-    """The README's bash-block commands in order, continuations joined, comments dropped."""
-    text = open(os.path.join(ROOT, "README.md")).read()
+    """The bash-block commands of the README and the docs pages (pages()), in order,
+    continuations joined, comments dropped."""
+    blocks = [block for page in pages()
+              for block in re.findall(r"```bash\n(.*?)```", open(page).read(), re.S)]
     commands = []
-    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+    for block in blocks:
         for line in block.replace("\\\n", " ").splitlines():
             words = shlex.split(line, comments=True)
             if words:
@@ -107,8 +119,8 @@ def test_every_readme_command_is_listed():
     listed = {normalise(c) for c in TOY}
     missing = [c for c in readme_commands() if normalise(c) not in listed]
     stale = listed - {normalise(c) for c in readme_commands()}
-    assert not missing, f"README commands without a TOY entry: {missing}"
-    assert not stale, f"TOY entries no longer in the README: {sorted(stale)}"
+    assert not missing, f"README and docs commands without a TOY entry: {missing}"
+    assert not stale, f"TOY entries no longer in the README or docs: {sorted(stale)}"
 
 
 @pytest.fixture(scope="module")
