@@ -19,10 +19,9 @@ row j over ranks.
 
 Why GeoFP8 fits FSDP's dim-0 sharding
 -------------------------------------
-Sharding by rows looks as if it forbids a rotation of the rows (the left side, P), and a
-column-side rotation alone gains nothing on our gradients (BENCHMARKS.md section 8, under
-FSDP2: right side only 1.00x, left side only 0.96x, both sides 0.59x of Euclidean FP8's error).
-But before the
+Sharding by rows looks as if it forbids a rotation of the rows (the left side, P), and the
+column side alone gives less (BENCHMARKS.md section 12, under FSDP2: right side only 0.76x of
+Euclidean FP8's error, at no decode cost). But before the
 reduce-scatter every rank holds its *whole* local gradient G (m x n), so it can encode
 H = P^T G Q exactly as DDP does. Only the decode meets the sharding:
 
