@@ -12,6 +12,7 @@ to run it small, or why it is not run here (a handful: installs, the test suite 
 GPU-only compile).
 """
 import glob
+import json
 import os
 import re
 import shlex
@@ -191,3 +192,15 @@ def test_make_train_runs_the_demo(scratch):
     assert "--comm=geofp8" in line and "--geo_layers=fragile:4" in line
     assert "GeoFP8 layers at step 4" in out and "wire" in out
     assert "Euclidean FP8, same collective" in out and out.rstrip().splitlines()[-1].startswith("summary")
+
+
+def test_readme_answer_is_the_study_table():
+    """The README's which-method-to-run table is what `nanogeo.ablate --answer` makes of the
+    committed study results (docs/study/results.json): no number in it is typed by hand."""
+    from nanogeo import ablate
+    text = open(os.path.join(ROOT, "README.md")).read()
+    block = text.split(ablate.ANSWER_BEGIN + "\n")[1].split(ablate.ANSWER_END)[0]
+    results = json.load(open(os.path.join(ROOT, "docs", "study", "results.json")))
+    assert block == ablate.answer(results), ("README's answer table is stale: run python -m "
+                                             "nanogeo.ablate --answer docs/study/results.json "
+                                             "--readme README.md")
