@@ -424,6 +424,8 @@ def train(cfg):
                 log.print(f"GeoFP8 layers at step {done}:\n{summary.layer_table(communicator)}")
         if done % cfg.log_interval == 0 or done == cfg.max_iters:
             log.step(done, train_loss, val_loss, lr, grad_norm, dt, wire_bytes)
+            if cfg.comm in ("geofp8", "subspace", "hadamard"):
+                log.geometry(done, communicator)
         if cfg.eval_every and done % cfg.eval_every == 0:
             log.downstream(done, raw_model, device)
         if cfg.ckpt_interval and done % cfg.ckpt_interval == 0 and done < cfg.max_iters:

@@ -135,17 +135,18 @@ def command(run, nproc):
 
 
 def finished(path, cmd):
-    """The run's summary and loss records, if it ran with this command and its log ends with
-    a summary that records the resolved config; else None: a run with other flags is run
-    again, and so is one of a train.py from before the summary held its config and the mean
-    of the final evaluations (the same command may have meant other presets then)."""
+    """The run's summary, loss records and geometry records, if it ran with this command and
+    its log ends with a summary that records the resolved config; else None: a run with other
+    flags is run again, and so is one of a train.py from before the summary held its config and
+    the mean of the final evaluations (the same command may have meant other presets then)."""
     log, ran = os.path.join(path, "log.jsonl"), os.path.join(path, "command.json")
     if not os.path.exists(log) or (os.path.exists(ran) and json.load(open(ran)) != cmd[1:]):
         return None
     records = [json.loads(line) for line in open(log) if line.strip()]
     if not records or "config" not in records[-1].get("summary", {}):
         return None
-    return records[-1]["summary"], [r for r in records if "loss" in r]
+    return (records[-1]["summary"], [r for r in records if "loss" in r],
+            [r for r in records if "geometry_at" in r])
 
 
 def git_commit():
@@ -166,7 +167,7 @@ def provenance(path):
     return json.load(open(file)) if os.path.exists(file) else {"commit": None, "dirty": None}
 
 
-def record(run, summary, steps, nproc, cmd):
+def record(run, summary, steps, geometry, nproc, cmd):
     config = summary["config"]              # as train.py resolved it: preset, flags, defaults
     return {"comm": run.comm, "optimizer": run.optimizer, "workers": run.workers or nproc,
             "simulated": bool(run.workers), "seed": run.seed,
@@ -180,7 +181,11 @@ def record(run, summary, steps, nproc, cmd):
             "ms_per_step": summary["ms_per_step"],
             "mean_wire_bytes": summary.get("mean_wire_bytes"),
             "mean_wire_vs_bf16": summary.get("mean_wire_vs_bf16"),
-            "curve": [(s["step"], s["loss"]) for s in steps]}
+            "curve": [(s["step"], s["loss"]) for s in steps],
+            # which candidate layers were in geometry-aware coordinates at each logged step
+            "geometry": [(g["geometry_at"], sorted(n for n, (coords, _) in g["coords"].items()
+                                                   if coords.startswith("geo")))
+                         for g in geometry] or None}
 
 
 def execute(run, nproc, out_dir, commit, label):

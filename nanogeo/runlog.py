@@ -7,6 +7,7 @@ step averaged over the steps this process communicated (all of them but a step s
 non-finite gradient), and the resolved configuration.
 """
 import json
+import math
 import os
 from dataclasses import asdict
 
@@ -48,6 +49,13 @@ class RunLog:
         self.peak = runtime.peak_flops(device)
         self.bf16_bytes = ring_allreduce_bytes(sum(p.numel() for p in params), 2, data_parallel)
         self.bytes_sent, self.steps_sent = 0, 0
+
+    def geometry(self, step, communicator):
+        """A log.jsonl record of the coordinates every candidate layer used on this step and
+        its last measured gain (null before the first): a study's gain history."""
+        self.write({"geometry_at": step, "coords": {
+            n: [communicator.coords(n), None if math.isnan(layer.gain) else layer.gain]
+            for n, layer in communicator.layers.items()}})
 
     def sent(self, wire_bytes):
         """Count one step's bytes (every collective of the step), for the summary's mean."""

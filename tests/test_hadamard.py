@@ -278,3 +278,6 @@ def test_train_with_hadamard_coordinates(tiny_corpus, tmp_path, capsys):
     layers = torch.load(out / "ckpt.pt", weights_only=True)["communicator"]["layers"]
     assert layers and all(l["use_geo"] and l["row_signs"] is None for l in layers.values())
     assert re.search(r"layers\.0\.mlp\.w2\.weight +64x192 +64 +geo/right", capsys.readouterr().out)
+    [geometry] = [json.loads(l) for l in open(out / "log.jsonl") if "geometry_at" in l]
+    assert geometry["geometry_at"] == 3 and set(geometry["coords"]) == set(layers)
+    assert all(coords == "geo" for coords, _ in geometry["coords"].values())   # forced
