@@ -149,6 +149,7 @@ def batch_rng(seed, rank, step, micro, split="train"):
 # gradient communication: the one seam
 
 ring_allreduce_bytes = compress.ring_allreduce_bytes   # 2 (W - 1) / W of the buffer per rank
+GEOMETRIES = ("geofp8", "subspace", "hadamard")         # --comm values with per-layer coordinates
 
 
 def make_communicator(cfg, model, optimizers):
@@ -397,6 +398,10 @@ def train(cfg):
                 o.zero_grad(set_to_none=True)
             continue
         last = communicator is not None and step + 1 == cfg.max_iters
+        logged = (step + 1) % cfg.log_interval == 0 or step + 1 == cfg.max_iters
+        # the coordinates this step's gradients are sent in (the reduce may change them after)
+        as_sent = ({n: communicator.coords(n) for n in communicator.layers}
+                   if logged and cfg.comm in GEOMETRIES else None)
         if last:        # kept for the end-of-run comparison with Euclidean FP8
             local = [[g.clone() for g in w] for w in worker_grads] or [g.clone() for g in grads]
             coords = [communicator.coords(n) for n in communicator.names]   # as sent
@@ -420,12 +425,12 @@ def train(cfg):
             val_loss = evaluate(model, data, cfg, my_ranks, world_size, autocast, device)
             if done in final_steps:
                 final_vals.append((done, val_loss))
-            if cfg.comm in ("geofp8", "subspace", "hadamard") and done > cfg.geo_warmup:
+            if cfg.comm in GEOMETRIES and done > cfg.geo_warmup:
                 log.print(f"GeoFP8 layers at step {done}:\n{summary.layer_table(communicator)}")
-        if done % cfg.log_interval == 0 or done == cfg.max_iters:
+        if logged:
             log.step(done, train_loss, val_loss, lr, grad_norm, dt, wire_bytes)
-            if cfg.comm in ("geofp8", "subspace", "hadamard"):
-                log.geometry(done, communicator)
+            if as_sent is not None:
+                log.geometry(done, communicator, as_sent)
         if cfg.eval_every and done % cfg.eval_every == 0:
             log.downstream(done, raw_model, device)
         if cfg.ckpt_interval and done % cfg.ckpt_interval == 0 and done < cfg.max_iters:

@@ -50,12 +50,16 @@ class RunLog:
         self.bf16_bytes = ring_allreduce_bytes(sum(p.numel() for p in params), 2, data_parallel)
         self.bytes_sent, self.steps_sent = 0, 0
 
-    def geometry(self, step, communicator):
-        """A log.jsonl record of the coordinates every candidate layer used on this step and
-        its last measured gain (null before the first): a study's gain history."""
+    def geometry(self, step, communicator, as_sent):
+        """A log.jsonl record of the coordinates every candidate layer's gradient was sent in on
+        this step (as_sent: {name: "geo" | "euclidean"}, read before the reduce) and its last
+        measured gain (null before the first, or not finite): a study's gain history."""
+        if not self.jsonl:
+            return
+        gains = {n: layer.gain for n, layer in communicator.layers.items()}
         self.write({"geometry_at": step, "coords": {
-            n: [communicator.coords(n), None if math.isnan(layer.gain) else layer.gain]
-            for n, layer in communicator.layers.items()}})
+            n: [coords, gains[n] if math.isfinite(gains[n]) else None]
+            for n, coords in as_sent.items()}})
 
     def sent(self, wire_bytes):
         """Count one step's bytes (every collective of the step), for the summary's mean."""

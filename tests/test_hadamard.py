@@ -273,11 +273,15 @@ def test_train_with_hadamard_coordinates(tiny_corpus, tmp_path, capsys):
     result = train.train(train.parse_config(tiny_args(
         tiny_corpus, out, "--max_iters=3", "--eval_interval=3", "--eval_iters=1",
         "--simulate_workers=2", "--comm=hadamard", "--geo_layers=all", "--geo_warmup=1",
-        "--hadamard_block=64")))
+        "--hadamard_block=64", "--log_interval=1")))
     assert result["final_val_loss"] < result["initial_val_loss"]
     layers = torch.load(out / "ckpt.pt", weights_only=True)["communicator"]["layers"]
     assert layers and all(l["use_geo"] and l["row_signs"] is None for l in layers.values())
     assert re.search(r"layers\.0\.mlp\.w2\.weight +64x192 +64 +geo/right", capsys.readouterr().out)
-    [geometry] = [json.loads(l) for l in open(out / "log.jsonl") if "geometry_at" in l]
-    assert geometry["geometry_at"] == 3 and set(geometry["coords"]) == set(layers)
-    assert all(coords == "geo" for coords, _ in geometry["coords"].values())   # forced
+    # the gain history: coordinates as sent - Euclidean through the warm-up step and the step
+    # the signs are drawn, then every layer (forced)
+    history = [json.loads(l) for l in open(out / "log.jsonl") if "geometry_at" in l]
+    assert [h["geometry_at"] for h in history] == [1, 2, 3]
+    assert all(set(h["coords"]) == set(layers) for h in history)
+    assert [{c for c, _ in h["coords"].values()} for h in history] == [
+        {"euclidean"}, {"euclidean"}, {"geo"}]
