@@ -60,6 +60,7 @@ curves, mean over seeds with a min-max band.
 """
 
 import argparse
+import fcntl
 import json
 import math
 import os
@@ -483,26 +484,30 @@ def merge(earlier, new):
 
 def write(results, out_dir, reference):
     """results.json keeps the records of earlier invocations on the same out_dir (another grid,
-    other flags) too: a study can grow one call at a time. Returns all records."""
+    other flags, another process running now) too: a study can grow one call at a time, and
+    two calls may run at once (the read-merge-write is locked). Returns all records."""
     path = os.path.join(out_dir, "results.json")
-    earlier = json.load(open(path)) if os.path.exists(path) else []
-    results = merge(earlier, results)
-    replace_json(path, results)
-    if any(not r.get("sweep") for r in results):
-        with open(os.path.join(out_dir, "study.md"), "w") as f:
-            f.write(table(results, reference))
-    sweeps = sweep_summary(results)
-    if sweeps:
-        replace_json(os.path.join(out_dir, "sweep.json"), {"sweeps": sweeps})
-        with open(os.path.join(out_dir, "sweep.md"), "w") as f:
-            f.write(sweep_table(sweeps))
-    return results
+    with open(os.path.join(out_dir, "results.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        earlier = json.load(open(path)) if os.path.exists(path) else []
+        results = merge(earlier, results)
+        replace_json(path, results)
+        if any(not r.get("sweep") for r in results):
+            with open(os.path.join(out_dir, "study.md"), "w") as f:
+                f.write(table(results, reference))
+        sweeps = sweep_summary(results)
+        if sweeps:
+            replace_json(os.path.join(out_dir, "sweep.json"), {"sweeps": sweeps})
+            with open(os.path.join(out_dir, "sweep.md"), "w") as f:
+                f.write(sweep_table(sweeps))
+    return results          # the lock is released when its file closes
 
 
 def replace_json(path, content):
-    with open(path + ".tmp", "w") as f:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
         json.dump(content, f, indent=1)
-    os.replace(path + ".tmp", path)
+    os.replace(tmp, path)
 
 
 def plot(results, out_dir):
@@ -568,7 +573,8 @@ def mean_ms(runs):
 
 def study_groups(results, workers):
     """{optimizer: {comm: {seed: record}}} of the study's runs at W = workers; per optimizer
-    the set of train flags with the most runs (a study has one, from --lr_from and --)."""
+    the set of train flags with the most runs (a study has one, from --lr_from and --; a tie
+    goes to the first in group_order, so the table never depends on hashing)."""
     out = {}
     for optimizer in sorted({r["optimizer"] for r in results}):
         rows = [r for r in results if not r.get("sweep") and r["optimizer"] == optimizer
@@ -576,73 +582,101 @@ def study_groups(results, workers):
         if not rows:
             continue
         keys = [group(r) for r in rows]
-        main = max(set(keys), key=keys.count)
+        main = min(set(keys), key=lambda k: (-keys.count(k), group_order(k)))
         for r in rows:
             if group(r) == main:
                 out.setdefault(optimizer, {}).setdefault(r["comm"], {})[r["seed"]] = r
     return out
 
 
+def includes_zero(values):
+    mean, half = mean_ci(values)
+    return abs(mean) <= half
+
+
+def wire_of(runs):
+    """A method's bytes vs bf16, averaged over its runs; None for records without them."""
+    means = [r.get("mean_wire_vs_bf16") for r in runs.values()]
+    return None if None in means else sum(means) / len(means)
+
+
 def recommend(by_comm, budget):
     """The method to run within a wire budget: among the methods at or under it with >= 2 seeds
-    paired with fp32, the best is the one with the lowest mean gap to fp32; the recommendation
-    is the cheapest method (cost()) whose paired difference to the best includes 0 at 95 %
-    (the best itself when none is). Returns (recommended, best, candidates, {method: wire vs
-    bf16}) or None."""
+    paired with fp32 and every run finite, the best is the one with the lowest mean gap to
+    fp32; the recommendation is the cheapest method (cost()) whose paired difference to the
+    best includes 0 at 95 % (the best itself when none does). Returns (recommended, best)
+    or None."""
     fp32 = by_comm.get("fp32", {})
-    wire = {c: sum(r["mean_wire_vs_bf16"] for r in runs.values()) / len(runs)
-            for c, runs in by_comm.items()
-            if all(r.get("mean_wire_vs_bf16") is not None for r in runs.values())}
-    fits = [c for c in by_comm if c in wire and wire[c] <= budget and c != "fp32"
-            and len(paired(by_comm[c], fp32)[0]) >= 2]
+    gaps = {c: paired(runs, fp32)[1] for c, runs in by_comm.items() if c != "fp32"}
+    fits = [c for c, g in gaps.items() if len(g) >= 2 and all(map(math.isfinite, g))
+            and wire_of(by_comm[c]) is not None and wire_of(by_comm[c]) <= budget]
     if not fits:
         return None
-    best = min(fits, key=lambda c: mean_ci(paired(by_comm[c], fp32)[1])[0])
-    def same_as_best(c):
+    best = min(fits, key=lambda c: (mean_ci(gaps[c])[0], c))
+
+    def as_good_as_best(c):
         seeds, diff = paired(by_comm[c], by_comm[best])
-        mean, half = mean_ci(diff)
-        return c == best or (len(seeds) >= 2 and mean - half <= 0)
-    recommended = min((c for c in fits if same_as_best(c)),
-                      key=lambda c: (cost(c), mean_ci(paired(by_comm[c], fp32)[1])[0]))
-    return recommended, best, fits, wire
+        return c == best or (len(seeds) >= 2 and includes_zero(diff))
+    recommended = min((c for c in fits if as_good_as_best(c)),
+                      key=lambda c: (cost(c), mean_ci(gaps[c])[0], c))
+    return recommended, best
+
+
+def answer_row(optimizer, name, budget, by_comm):
+    """One row of the answer table, and its note (or None)."""
+    label = f"| {optimizer} | {name} (≤ {budget:.2f}× bf16) |"
+    picked = recommend(by_comm, budget)
+    if picked is None:
+        return label + " nothing measured fits (>= 2 finite seeds paired with fp32) | | | | | | |", None
+    comm, best = picked
+    fp32, bf16, runs = by_comm.get("fp32", {}), by_comm.get("bf16", {}), by_comm[comm]
+    seeds, gaps = paired(runs, fp32)
+    euclid = [c for c in by_comm if cost(c) == 0 and c not in ("fp32", "bf16")
+              and collective(c) == collective(comm)]
+    speed = f"{mean_ms(runs) / mean_ms(by_comm[euclid[0]]):.2f}×" if euclid else "—"
+    other = "—" if best == comm else f"{best}: {estimate(paired(by_comm[best], fp32)[1], sign='+')}"
+    row = (f"{label} {comm} | {len(seeds)} | {estimate(gaps, sign='+')} | "
+           f"{gap_cell(runs, bf16, len(seeds)) if bf16 else '—'} | {wire_of(runs):.3f} | "
+           f"{speed} | {other} |")
+    note = None
+    if cost(comm) == 0 and includes_zero(gaps):
+        note = (f"{optimizer}, {name}: plain {comm} is indistinguishable from fp32 here (its "
+                f"paired gap's 95 % interval includes 0).")
+    return row, note
 
 
 def answer(results, workers=32):
-    """The README's answer table (markdown) from a study's records at W = workers."""
+    """The README's answer table (markdown) from a study's records at W = workers; a
+    ValueError when the records hold no study run at that W."""
+    groups = study_groups(results, workers)
+    if not groups:
+        raise ValueError(f"no study run at W = {workers} in these results: pass the W the "
+                         "study ran at (--answer_workers)")
     lines = [f"| optimizer | wire budget | run this | seeds | gap to fp32 (paired, 95 % t) | "
              f"gap to bf16 (paired, 95 % t) | wire vs bf16 | ms/step vs Euclidean | "
              f"best measured, if another |", "| --- " * 9 + "|"]
     notes = []
-    for optimizer, by_comm in study_groups(results, workers).items():
-        fp32, bf16 = by_comm.get("fp32", {}), by_comm.get("bf16", {})
+    for optimizer, by_comm in groups.items():
         for name, budget in BUDGETS:
-            picked = recommend(by_comm, budget)
-            if picked is None:
-                lines.append(f"| {optimizer} | {name} (≤ {budget:.2f}× bf16) | not measured yet "
-                             "| | | | | | |")
-                continue
-            comm, best, _, wire = picked
-            runs = by_comm[comm]
-            euclid = [c for c in by_comm if cost(c) == 0 and c not in ("fp32", "bf16")
-                      and collective(c) == collective(comm)]
-            ms = mean_ms(runs)
-            ms_e = [mean_ms(by_comm[euclid[0]])] if euclid else []
-            other = "—" if best == comm else (
-                f"{best}: {estimate(paired(by_comm[best], fp32)[1], sign='+')}")
-            lines.append(f"| {optimizer} | {name} (≤ {budget:.2f}× bf16) | {comm} | {len(runs)} | "
-                         f"{estimate(paired(runs, fp32)[1], sign='+')} | "
-                         f"{gap_cell(runs, bf16, len(runs)) if bf16 else '—'} | "
-                         f"{wire[comm]:.3f} | {f'{ms / ms_e[0]:.2f}×' if ms_e else '—'} | "
-                         f"{other} |")
-            mean, half = mean_ci(paired(runs, fp32)[1])
-            if cost(comm) == 0 and mean - half <= 0:
-                notes.append(f"{optimizer}, {name}: plain {comm} is indistinguishable from fp32 "
-                             f"here (its paired gap's 95 % interval includes 0).")
-    rule = ("Run this: among the methods measured at or under the budget (>= 2 seeds), the "
-            "cheapest (Euclidean, then error feedback, then the Hadamard rotation, then a "
-            "geometry) whose paired difference to the best one's gap includes 0 at 95 %. "
-            f"W = {workers} ranks; ms/step: the study's simulated step against Euclidean on the "
-            "same collective (the whole step, on CPU).")
+            row, note = answer_row(optimizer, name, budget, by_comm)
+            lines.append(row)
+            notes += [note] if note else []
+        over = [f"{c} ({wire_of(runs):.3f}×)" for c, runs in by_comm.items()
+                if wire_of(runs) is not None and BUDGETS[0][1] < wire_of(runs) < 1]
+        if over:
+            notes.append(f"{optimizer}: over the FP8 budget, so in no row: {', '.join(over)} "
+                         "(the whitening's K-FAC statistics are sent too).")
+    unfinished = sorted({r["comm"] for runs in groups.values() for seed_runs in runs.values()
+                         for r in seed_runs.values() if not math.isfinite(r["final_val_loss"])})
+    if unfinished:
+        notes.append(f"Not finite in some run, so in no row: {', '.join(unfinished)}.")
+    rule = ("Run this: among the methods measured at or under the budget (>= 2 seeds paired "
+            "with fp32), the cheapest (Euclidean, then error feedback, then the Hadamard "
+            "rotation, then a geometry) whose paired difference to the best one's gap includes 0 "
+            "at 95 % - with few seeds that is weak evidence of equality, so the best measured "
+            f"method is shown beside it. W = {workers} ranks; seeds: those paired with fp32; "
+            "ms/step: the study's simulated step against Euclidean on the same collective (the "
+            "whole step, on a shared CPU: a rough guide, not a GPU timing).")
     return "\n".join(lines + [""] + notes + ([""] if notes else []) + [rule]) + "\n"
 
 
@@ -745,16 +779,18 @@ def plan(parser, args, extra):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     parser, args, extra = parse_args(argv)
+    if args.readme and not args.answer:
+        parser.error("--readme writes the table of --answer RESULTS: give both")
     if args.answer:
         if not os.path.exists(args.answer):
             parser.error(f"--answer {args.answer}: no such results file (a study's "
                          "out_dir/results.json)")
-        if args.readme:
-            try:
+        try:
+            if args.readme:
                 write_answer(args.answer, args.readme, args.answer_workers)
-            except ValueError as e:
-                parser.error(str(e))
-        print(answer(json.load(open(args.answer)), args.answer_workers), end="")
+            print(answer(json.load(open(args.answer)), args.answer_workers), end="")
+        except ValueError as e:
+            parser.error(str(e))
         return
     comms, runs = plan(parser, args, extra)
     reference = args.reference or next((c for c in comms if c in EUCLIDEAN), "fp8")

@@ -343,3 +343,33 @@ def test_ablate_answer_recommends_the_cheapest_method_as_good_as_the_best(tmp_pa
     readme.write_text("no markers\n")
     with pytest.raises(ValueError, match="answer: begin"):
         ablate.write_answer(str(tmp_path / "results.json"), str(readme))
+
+
+def test_ablate_answer_edge_cases(tmp_path, capsys):
+    """A diverged method is never recommended; "indistinguishable from fp32" only when the
+    interval includes 0 (not when fp8 is significantly *better*); a method over the FP8 budget
+    is named; a wrong W and --readme without --answer are one-line errors."""
+    fp32 = [study_record("fp32", s, 2.0 + s / 10, 2.0) for s in range(3)]
+    better = [study_record("fp8", s, 1.97 + s / 10 + (0.001, -0.001, 0.0)[s], 0.5) for s in range(3)]
+    diverged = [study_record("subspace", s, float("nan"), 0.5) for s in range(3)]
+    heavy = [study_record("geofp8", s, 2.0 + s / 10, 0.537) for s in range(3)]
+    text = ablate.answer(fp32 + better + diverged + heavy)
+    row = text.splitlines()[2]
+    assert row.startswith("| adamw | FP8 (≤ 0.52× bf16) | fp8 | 3 | -0.0300 ± ")
+    assert "indistinguishable" not in text
+    assert "over the FP8 budget, so in no row: geofp8 (0.537×)" in text
+    assert "Not finite in some run, so in no row: subspace." in text
+    assert "nothing measured fits" in text.splitlines()[3]       # 4-bit: no run
+    same = [study_record("fp8", s, 2.0 + s / 10 + (0.001, -0.001, 0.0)[s], 0.5) for s in range(3)]
+    assert "plain fp8 is indistinguishable from fp32" in ablate.answer(fp32 + same)
+    with pytest.raises(ValueError, match="--answer_workers"):
+        ablate.answer(fp32, workers=64)
+    (tmp_path / "r.json").write_text(json.dumps(fp32 + same))
+    for argv, message in ((["--readme", "README.md"], "give both"),
+                          (["--answer", str(tmp_path / "r.json"), "--answer_workers", "8"],
+                           "--answer_workers")):
+        with pytest.raises(SystemExit) as e:
+            ablate.main(argv)
+        assert e.value.code == 2 and message in capsys.readouterr().err
+    ablate.main(["--answer", str(tmp_path / "r.json")])
+    assert capsys.readouterr().out == ablate.answer(fp32 + same)
