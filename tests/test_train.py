@@ -92,8 +92,10 @@ def test_cli_error_is_one_line_and_nonzero(tmp_path):
 
 
 def tiny_args(corpus, out_dir, *extra):
-    """train.py's flags for a small run of the char-study model on the tiny_corpus fixture."""
-    return ["--preset=char-study", "--final_evals=1", f"--data_dir={corpus}",
+    """train.py's flags for a small run of the char-study model on the tiny_corpus fixture
+    (learning rates fixed here, not by the preset's tuned ones)."""
+    return ["--preset=char-study", "--final_evals=1", "--learning_rate=3e-3", "--min_lr=3e-4",
+            f"--data_dir={corpus}",
             f"--out_dir={out_dir}", "--max_iters=30", "--batch_size=4",
             "--block_size=32", "--eval_iters=2", "--eval_interval=30", "--warmup_iters=5",
             "--log_interval=10", *extra]
@@ -127,7 +129,7 @@ def test_two_process_training_learns_and_stays_identical(tiny_corpus, tmp_path):
 
 def test_two_process_muon_training_learns_and_stays_identical(tiny_corpus, tmp_path):
     """--optimizer=muon: Muon on the block matrices, AdamW on the rest, both on one schedule."""
-    argv = tiny_args(tiny_corpus, tmp_path / "out", "--optimizer=muon")
+    argv = tiny_args(tiny_corpus, tmp_path / "out", "--optimizer=muon", "--muon_lr=5e-4")
     run_ranks(train_rank, 2, argv, str(tmp_path))
     r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))
     assert r0["final_val_loss"] < r0["initial_val_loss"] - 1.0
@@ -230,7 +232,8 @@ def test_two_process_compressed_training_stays_identical(tiny_corpus, tmp_path, 
 def test_compile_matches_eager_and_saves_clean_keys(tiny_corpus, tmp_path):
     """--compile (torch.compile, dynamic=False, of the model and of GeoFP8's codec and
     transform) trains like eager and checkpoints carry no `_orig_mod.` prefixes."""
-    geo = ["--max_iters=3", "--comm=geofp8", "--geo_warmup=0", "--geo_refresh=1"]
+    geo = ["--max_iters=3", "--comm=geofp8", "--geo_warmup=0", "--geo_refresh=1",
+           "--geo_layers=all"]     # forced: the compiled transform carries the sent gradients
     eager = train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "eager", *geo)))
     compiled = train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "compiled", *geo,
                                                   "--compile")))
