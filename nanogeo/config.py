@@ -26,9 +26,14 @@ TRAIN_PRESETS = {
                      warmup_iters=20),
     # many simulated ranks on one CPU: train.py --preset=char-study --simulate_workers=32
     # (the final val loss: the mean of 3 evaluations on 16 x 4 x 64 = 4096 tokens per rank)
+    # Muon's peak from the fp32 sweep at W = 32, 300 steps (BENCHMARKS.md section 14: 3e-2 best
+    # of 5e-4 ... 1e-1). AdamW's sweep found a plateau 1e-2 ... 3e-2; learning_rate stays 3e-3
+    # here because it is also the peak of Muon's AdamW groups (embeddings, gains), which its
+    # sweep ran at - a study passes AdamW's best explicitly (nanogeo.ablate --lr_from)
     "char-study": dict(data_dir="data/shakespeare_char", batch_size=4, block_size=64,
-                       learning_rate=3e-3, min_lr=3e-4, max_iters=2000, warmup_iters=100,
-                       eval_interval=250, eval_iters=16, final_evals=3, log_interval=50),
+                       learning_rate=3e-3, min_lr=3e-4, muon_lr=3e-2, max_iters=2000,
+                       warmup_iters=100, eval_interval=250, eval_iters=16, final_evals=3,
+                       log_interval=50),
     "llama-300m": dict(batch_size=4, block_size=2048, grad_accum=2, learning_rate=1.5e-3,
                        min_lr=1.5e-4, max_iters=20000, warmup_iters=1000, eval_interval=500,
                        eval_iters=20, ckpt_interval=1000),

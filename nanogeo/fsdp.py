@@ -20,10 +20,10 @@ row j over ranks.
 Why GeoFP8 fits FSDP's dim-0 sharding
 -------------------------------------
 Sharding by rows looks as if it forbids a rotation of the rows (the left side, P), and the
-column side alone gives less (BENCHMARKS.md section 12, under FSDP2: right side only 0.76x of
-Euclidean FP8's error, at no decode cost). But before the
-reduce-scatter every rank holds its *whole* local gradient G (m x n), so it can encode
-H = P^T G Q exactly as DDP does. Only the decode meets the sharding:
+column side alone gives less (BENCHMARKS.md section 12, under FSDP2: the right side alone
+0.76x Euclidean FP8's error at no decode cost, both sides 0.58x). But before the reduce-scatter
+every rank holds its *whole* local gradient G (m x n), so it can encode H = P^T G Q exactly as
+DDP does. Only the decode meets the sharding:
 
     rank j receives the averaged rows H_j of H and needs G_j = (P H Q^T)_j
     right side, row by row:     K_j = H_j Q^T                                  (local)

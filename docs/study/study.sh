@@ -9,12 +9,16 @@
 # 2. Every method of an optimizer then trains at that optimizer's best learning rate
 #    (--lr_from), W = 32 simulated ranks, 300 steps, seeds paired across methods.
 # The arms that decide the table come first; OPTIMIZER=adamw or muon runs one optimizer's
-# arms (two such processes in parallel use both cores of a 2-core machine).
+# sweep and arms (two such processes in parallel use both cores of a 2-core machine; they may
+# share out/study: its results.json is locked).
 set -e
 OPTIMIZERS=${OPTIMIZER:-adamw,muon}
 SWEEP="--workers 32 --seeds 0,1 --out_dir out/sweep -- --preset=char-study --max_iters=300 --eval_interval=300 --log_interval=25"
-python -m nanogeo.ablate --sweep learning_rate=1e-3,2e-3,3e-3,6e-3,1e-2,2e-2,3e-2 --optimizers adamw $SWEEP
-python -m nanogeo.ablate --sweep muon_lr=5e-4,1e-3,3e-3,1e-2,3e-2,6e-2,1e-1 --optimizers muon $SWEEP
+# each process sweeps only its own optimizers (two processes never run the same run)
+case ",$OPTIMIZERS," in *,adamw,*)
+python -m nanogeo.ablate --sweep learning_rate=1e-3,2e-3,3e-3,6e-3,1e-2,2e-2,3e-2 --optimizers adamw $SWEEP ;; esac
+case ",$OPTIMIZERS," in *,muon,*)
+python -m nanogeo.ablate --sweep muon_lr=5e-4,1e-3,3e-3,1e-2,3e-2,6e-2,1e-1 --optimizers muon $SWEEP ;; esac
 
 STUDY="--workers 32 --lr_from out/sweep/sweep.json --out_dir out/study --optimizers $OPTIMIZERS -- --preset=char-study --max_iters=300 --eval_interval=300 --log_interval=25"
 # the references, Euclidean FP8 on the project's collective, Euclidean NVFP4 (3 seeds)
