@@ -548,7 +548,17 @@ def plot(results, out_dir):
 # -----------------------------------------------------------------------------
 # the answer: which method to run, per optimizer and wire budget
 
-BUDGETS = (("FP8", 0.52), ("4-bit", 0.30))     # wire bytes vs a bf16 ring all-reduce, at most
+# the wire formats a user chooses between, and the bytes (vs a bf16 ring all-reduce) the study's
+# goals allow each: FP8 = e4m3/e5m2 codes, 4-bit = NVFP4
+BUDGETS = (("FP8", 0.52), ("4-bit", 0.30))
+
+
+def wire_format(comm):
+    """"FP8", "4-bit", or None (fp32, bf16): the budget row a method belongs to."""
+    flags = COMMS[comm]
+    if flags[0] in ("--comm=fp32", "--comm=bf16"):
+        return None
+    return "4-bit" if "--fmt=nvfp4" in flags else "FP8"
 ANSWER_BEGIN, ANSWER_END = "<!-- answer: begin -->", "<!-- answer: end -->"
 
 
@@ -600,16 +610,16 @@ def wire_of(runs):
     return None if None in means else sum(means) / len(means)
 
 
-def recommend(by_comm, budget):
-    """The method to run within a wire budget: among the methods at or under it with >= 2 seeds
-    paired with fp32 and every run finite, the best is the one with the lowest mean gap to
-    fp32; the recommendation is the cheapest method (cost()) whose paired difference to the
-    best includes 0 at 95 % (the best itself when none does). Returns (recommended, best)
+def recommend(by_comm, name):
+    """The method to run with a wire format (name: "FP8" or "4-bit"): among its methods with
+    >= 2 seeds paired with fp32 and every run finite, the best is the one with the lowest mean
+    gap to fp32; the recommendation is the cheapest method (cost()) whose paired difference to
+    the best includes 0 at 95 % (the best itself when none does). Returns (recommended, best)
     or None."""
     fp32 = by_comm.get("fp32", {})
     gaps = {c: paired(runs, fp32)[1] for c, runs in by_comm.items() if c != "fp32"}
     fits = [c for c, g in gaps.items() if len(g) >= 2 and all(map(math.isfinite, g))
-            and wire_of(by_comm[c]) is not None and wire_of(by_comm[c]) <= budget]
+            and wire_format(c) == name and wire_of(by_comm[c]) is not None]
     if not fits:
         return None
     best = min(fits, key=lambda c: (mean_ci(gaps[c])[0], c))
@@ -623,11 +633,11 @@ def recommend(by_comm, budget):
 
 
 def answer_row(optimizer, name, budget, by_comm):
-    """One row of the answer table, and its note (or None)."""
-    label = f"| {optimizer} | {name} (≤ {budget:.2f}× bf16) |"
-    picked = recommend(by_comm, budget)
+    """One row of the answer table (a wire format's recommendation), and its notes."""
+    label = f"| {optimizer} | {name} |"
+    picked = recommend(by_comm, name)
     if picked is None:
-        return label + " nothing measured fits (>= 2 finite seeds paired with fp32) | | | | | | |", None
+        return label + " nothing measured yet (>= 2 finite seeds paired with fp32) | | | | | | |", []
     comm, best = picked
     fp32, bf16, runs = by_comm.get("fp32", {}), by_comm.get("bf16", {}), by_comm[comm]
     seeds, gaps = paired(runs, fp32)
@@ -638,11 +648,14 @@ def answer_row(optimizer, name, budget, by_comm):
     row = (f"{label} {comm} | {len(seeds)} | {estimate(gaps, sign='+')} | "
            f"{gap_cell(runs, bf16, len(seeds)) if bf16 else '—'} | {wire_of(runs):.3f} | "
            f"{speed} | {other} |")
-    note = None
+    notes = []
     if cost(comm) == 0 and includes_zero(gaps):
-        note = (f"{optimizer}, {name}: plain {comm} is indistinguishable from fp32 here (its "
-                f"paired gap's 95 % interval includes 0).")
-    return row, note
+        notes.append(f"{optimizer}, {name}: plain {comm} is indistinguishable from fp32 here "
+                     "(its paired gap's 95 % interval includes 0).")
+    if wire_of(runs) > budget:
+        notes.append(f"{optimizer}, {name}: {comm} sends {wire_of(runs):.3f}× bf16's bytes here, "
+                     f"above the {budget:.2f}× the goal allows.")
+    return row, notes
 
 
 def answer(results, workers=32):
@@ -652,25 +665,20 @@ def answer(results, workers=32):
     if not groups:
         raise ValueError(f"no study run at W = {workers} in these results: pass the W the "
                          "study ran at (--answer_workers)")
-    lines = [f"| optimizer | wire budget | run this | seeds | gap to fp32 (paired, 95 % t) | "
+    lines = [f"| optimizer | wire format | run this | seeds | gap to fp32 (paired, 95 % t) | "
              f"gap to bf16 (paired, 95 % t) | wire vs bf16 | ms/step vs Euclidean | "
              f"best measured, if another |", "| --- " * 9 + "|"]
     notes = []
     for optimizer, by_comm in groups.items():
         for name, budget in BUDGETS:
-            row, note = answer_row(optimizer, name, budget, by_comm)
+            row, row_notes = answer_row(optimizer, name, budget, by_comm)
             lines.append(row)
-            notes += [note] if note else []
-        over = [f"{c} ({wire_of(runs):.3f}×)" for c, runs in by_comm.items()
-                if wire_of(runs) is not None and BUDGETS[0][1] < wire_of(runs) < 1]
-        if over:
-            notes.append(f"{optimizer}: over the FP8 budget, so in no row: {', '.join(over)} "
-                         "(the whitening's K-FAC statistics are sent too).")
+            notes += row_notes
     unfinished = sorted({r["comm"] for runs in groups.values() for seed_runs in runs.values()
                          for r in seed_runs.values() if not math.isfinite(r["final_val_loss"])})
     if unfinished:
         notes.append(f"Not finite in some run, so in no row: {', '.join(unfinished)}.")
-    rule = ("Run this: among the methods measured at or under the budget (>= 2 seeds paired "
+    rule = ("Run this: among the methods measured with that wire format (>= 2 seeds paired "
             "with fp32), the cheapest (Euclidean, then error feedback, then the Hadamard "
             "rotation, then a geometry) whose paired difference to the best one's gap includes 0 "
             "at 95 % - with few seeds that is weak evidence of equality, so the best measured "
