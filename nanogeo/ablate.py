@@ -728,6 +728,8 @@ def parse_args(argv):
                         "which-method-to-run table from a study's results.json (no runs); with "
                         "--readme FILE, write it between FILE's answer markers")
     parser.add_argument("--readme", default=None)
+    parser.add_argument("--table", default=None, metavar="RESULTS", help="print study.md's "
+                        "tables of a results.json again (no runs), e.g. with another --reference")
     parser.add_argument("--answer_workers", type=int, default=32, help="W of --answer's table")
     parser.add_argument("--out_dir", default="out/ablate")
     args = parser.parse_args(argv)
@@ -787,6 +789,12 @@ def plan(parser, args, extra):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     parser, args, extra = parse_args(argv)
+    if args.table:
+        try:
+            print(table(json.load(open(args.table)), args.reference or "fp8"), end="")
+        except (OSError, ValueError) as e:
+            parser.error(f"--table {args.table}: {e}")
+        return
     if args.readme and not args.answer:
         parser.error("--readme writes the table of --answer RESULTS: give both")
     if args.answer:

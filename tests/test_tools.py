@@ -374,3 +374,5 @@ def test_ablate_answer_edge_cases(tmp_path, capsys):
         assert e.value.code == 2 and message in capsys.readouterr().err
     ablate.main(["--answer", str(tmp_path / "r.json")])
     assert capsys.readouterr().out == ablate.answer(fp32 + same)
+    ablate.main(["--table", str(tmp_path / "r.json"), "--reference", "fp8"])
+    assert capsys.readouterr().out == ablate.table(fp32 + same, "fp8")
