@@ -396,6 +396,9 @@ def train(cfg):
                 moments.take()      # this step's statistics go with it
             for o in optimizers:
                 o.zero_grad(set_to_none=True)
+            if step + 1 in final_steps:     # the final val loss measures the model as it is
+                final_vals.append((step + 1, evaluate(model, data, cfg, my_ranks, world_size,
+                                                      autocast, device)))
             continue
         last = communicator is not None and step + 1 == cfg.max_iters
         logged = (step + 1) % cfg.log_interval == 0 or step + 1 == cfg.max_iters

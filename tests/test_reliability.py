@@ -76,6 +76,17 @@ def test_nan_gradient_is_skipped_on_every_rank(tiny_corpus, tmp_path, capfd):
     assert ckpt["communicator"]["step"] == 5  # the skipped step never reached the geometry
 
 
+def test_a_skipped_last_step_is_still_evaluated(tiny_corpus, tmp_path):
+    """The final val loss is measured even when the last step is skipped (before: the step-0
+    evaluation was reported as the final one - a diverged run looked untrained, not diverged)."""
+    argv = tiny_args(tiny_corpus, tmp_path / "out", "--max_iters=3", "--eval_interval=3",
+                     "--log_interval=1")
+    run_ranks(tampered_rank, 2, argv, str(tmp_path), poison_third_backward)
+    r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))
+    [(step, loss)] = r0["final_val_losses"]
+    assert step == 3 and loss == r1["final_val_losses"][0][1] and loss < r0["initial_val_loss"]
+
+
 def test_rank_divergence_is_caught(tiny_corpus, tmp_path):
     argv = tiny_args(tiny_corpus, tmp_path / "out", "--max_iters=6", "--check_every=2")
     run_ranks(tampered_rank, 2, argv, str(tmp_path), perturb_after_second_step)
