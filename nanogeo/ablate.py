@@ -613,7 +613,7 @@ def wire_of(runs):
 def recommend(by_comm, name):
     """The method to run with a wire format (name: "FP8" or "4-bit"): among its methods with
     >= 2 seeds paired with fp32 and every run finite, the best is the one with the lowest mean
-    gap to fp32; the recommendation is the cheapest method (cost()) whose paired difference to
+    gap to fp32 (on the seeds it shares with the format's plain method); the recommendation is the cheapest method (cost()) whose paired difference to
     the best includes 0 at 95 % (the best itself when none does). Returns (recommended, best)
     or None."""
     fp32 = by_comm.get("fp32", {})
@@ -622,7 +622,16 @@ def recommend(by_comm, name):
             and wire_format(c) == name and wire_of(by_comm[c]) is not None]
     if not fits:
         return None
-    best = min(fits, key=lambda c: (mean_ci(gaps[c])[0], c))
+    # methods with other seeds are compared on the seeds they share: by their mean paired
+    # difference to the format's plain method with the most seeds (0 for itself)
+    plain = max((c for c in fits if cost(c) == 0), key=lambda c: (len(by_comm[c]), c),
+                default=None)
+
+    def score(c):
+        if plain is None:
+            return mean_ci(gaps[c])[0]
+        return 0.0 if c == plain else mean_ci(paired(by_comm[c], by_comm[plain])[1])[0]
+    best = min(fits, key=lambda c: (score(c), cost(c), c))
 
     def as_good_as_best(c):
         seeds, diff = paired(by_comm[c], by_comm[best])

@@ -363,6 +363,11 @@ def test_ablate_answer_edge_cases(tmp_path, capsys):
     assert "nothing measured yet" in text.splitlines()[3]       # 4-bit: no run
     same = [study_record("fp8", s, 2.0 + s / 10 + (0.001, -0.001, 0.0)[s], 0.5) for s in range(3)]
     assert "plain fp8 is indistinguishable from fp32" in ablate.answer(fp32 + same)
+    # a method run on fewer seeds is compared on the seeds it shares: equal to nvfp4 on seeds 0
+    # and 1, it is not "better" because nvfp4's seed 2 was its worst
+    nvfp4 = [study_record("nvfp4", s, 2.0 + s / 10 + (0.01, 0.012, 0.03)[s], 0.29) for s in range(3)]
+    twin = [dict(r, comm="hadamard-nvfp4") for r in nvfp4[:2]]
+    assert ablate.answer(fp32 + nvfp4 + twin).splitlines()[3].endswith(" | — |")
     with pytest.raises(ValueError, match="--answer_workers"):
         ablate.answer(fp32, workers=64)
     (tmp_path / "r.json").write_text(json.dumps(fp32 + same))
