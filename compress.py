@@ -11,7 +11,7 @@ Two geometries live here side by side, behind one communicator:
 with a geometry-agnostic control beside them, the randomized Hadamard transform (section 3c:
 random signs, then Walsh-Hadamard blocks along each row; no statistics at all), and two
 collectives: this project's two-stage FP8 collective (section 2) and the paper's one
-all_reduce SUM of FP8 codes with one scale per tensor (nanogeo/fp8sum.py).
+all_reduce SUM of FP8 codes with one scale per tensor (nanogeo/wire/fp8sum.py).
 
 The problem
 -----------
@@ -53,9 +53,9 @@ structure (an outlier column) stays local where block scales handle it.
 Where the bases come from: every rank holds the same decoded mean gradient after each step. A
 warm-started subspace iteration on it (optionally an EMA of its covariance), followed by a
 Rayleigh-Ritz rotation, refreshes U and V every `refresh` steps. The local gradient of a rank is
-never used, so every rank computes the same bases (checked: nanogeo/agreement.py). Under FSDP a rank
+never used, so every rank computes the same bases (checked: nanogeo/dist/agreement.py). Under FSDP a rank
 holds only a block of rows of the mean; the same iteration runs with its partial products
-summed over ranks, and the decode needs one small r x n sum (nanogeo/fsdp.py).
+summed over ranks, and the decode needs one small r x n sum (nanogeo/dist/fsdp.py).
 
 Not every matrix gains (for either geometry): only nn.Linear weights are candidates (found by
 module type; embedding tables, tied heads, norms and biases stay Euclidean, an untied head by its
@@ -82,7 +82,7 @@ Reading order: the codec (quantize/dequantize), the two-stage collective, the ro
 whitening, the Hadamard control, geometry estimation, the optimizer's view of an error, and the
 communicator that train.py calls once per step. This file is the reference. nanogeo/ holds
 production forms with the same numbers - the packed collective (one codec call per bucket and
-stage), torch.compile of the functions marked "hot path" (nanogeo/kernels.py, train.py
+stage), torch.compile of the functions marked "hot path" (nanogeo/wire/kernels.py, train.py
 --compile), FSDP's row-sharded forms - and the parts this file only names and calls (the
 ELSEWHERE table): the paper's FP8-sum collective, the error AdamW and Muon see, the averaging of
 the K-FAC statistics over the ranks, the check that every rank holds the same geometry, NVFP4,
@@ -114,14 +114,14 @@ NVFP4_BLOCK = 16        # NVFP4 always scales blocks of 16 values; `block` does 
 # Parts that live in nanogeo/, imported on first use by elsewhere(part) (nanogeo imports this
 # file; this file imports nanogeo only through this table):
 ELSEWHERE = {
-    "nvfp4": "nanogeo.nvfp4",                # NVFP4: quantize, dequantize, wire_nbytes
-    "rounding": "nanogeo.rounding",          # stochastic rounding
-    "packing": "nanogeo.packing",            # the two-stage collective, one call per bucket
-    "fp8-sum": "nanogeo.fp8sum",             # the paper's collective: NCCL sums FP8 codes
-    "update-error": "nanogeo.update_error",  # the error AdamW and Muon see (section 4b)
-    "moments": "nanogeo.hooks",              # K-FAC statistics, averaged over the ranks
-    "agreement": "nanogeo.agreement",        # every rank holds the same geometry
-    "ablations": "nanogeo.ablations",        # dense whitening factors and bases
+    "nvfp4": "nanogeo.wire.nvfp4",                # NVFP4: quantize, dequantize, wire_nbytes
+    "rounding": "nanogeo.wire.rounding",          # stochastic rounding
+    "packing": "nanogeo.wire.packing",            # the two-stage collective, one call per bucket
+    "fp8-sum": "nanogeo.wire.fp8sum",             # the paper's collective: NCCL sums FP8 codes
+    "update-error": "nanogeo.dist.update_error",  # the error AdamW and Muon see (section 4b)
+    "moments": "nanogeo.dist.hooks",              # K-FAC statistics, averaged over the ranks
+    "agreement": "nanogeo.dist.agreement",        # every rank holds the same geometry
+    "ablations": "nanogeo.dist.dense",        # dense whitening factors and bases
 }
 OTHER_CODECS = ("nvfp4",)     # 4-bit e2m1 values, e4m3 scales per 16 values
 FP32_MAX = torch.finfo(torch.float32).max
@@ -194,7 +194,7 @@ def quantize(x, fmt="e4m3", block=128, stochastic=False, generator=None) -> Quan
 
     e4m3 / e5m2: each group (block of `block` flattened elements, a row, or the whole tensor)
     gets scale s = fmax / amax; values are cast as torch casts x * s, saturated at +-fmax.
-    Wire: [s per group, fp32][one fp8 byte per element]. nvfp4: see nanogeo/nvfp4.py.
+    Wire: [s per group, fp32][one fp8 byte per element]. nvfp4: see nanogeo/wire/nvfp4.py.
     """
     check_codec(fmt, block)
     if fmt in OTHER_CODECS:
@@ -224,7 +224,7 @@ def fp8_scale(groups, fmax):
     return scale, (groups * scale[:, None]).clamp(-fmax, fmax)
 
 
-def fp8_encode(groups, fmax, dtype):      # hot path (nanogeo.kernels)
+def fp8_encode(groups, fmax, dtype):      # hot path (nanogeo.wire.kernels)
     """(G, L) fp32 -> scales (G,) fp32 and codes (G, L) uint8, round to nearest even."""
     scale, y = fp8_scale(groups, fmax)
     return scale, y.to(dtype).view(torch.uint8)
@@ -287,8 +287,8 @@ class ShardLayout:
     so every rank computes the same one.
 
     With integer blocks the stages run packed: the whole bucket in one codec call per stage
-    (FP8: nanogeo/packing.py, groups sent as [fp32 scale | block codes]; NVFP4: its Packing in
-    nanogeo/nvfp4.py, the same bytes as piece by piece), with the same means, bit for bit, as
+    (FP8: nanogeo/wire/packing.py, groups sent as [fp32 scale | block codes]; NVFP4: its Packing in
+    nanogeo/wire/nvfp4.py, the same bytes as piece by piece), with the same means, bit for bit, as
     the piece-by-piece code below, which runs for row and tensor scaling and with packed=False."""
 
     def __init__(self, shapes, fmt, block, world_size, pieces=None, packed=True):
@@ -341,7 +341,7 @@ def shard_layout(shapes, fmt, block, world_size):
 def encode_groups(groups, fmt, stochastic=False, generator=None):
     """(G, L) fp32 -> scales (G,) fp32 and codes (G, L) uint8, for e4m3 / e5m2."""
     dtype, fmax = FP8_FORMATS[fmt]
-    if stochastic:                      # unbiased rounding: nanogeo/rounding.py
+    if stochastic:                      # unbiased rounding: nanogeo/wire/rounding.py
         scale, y = fp8_scale(groups, fmax)
         return scale, elsewhere("rounding").stochastic_fp8(y, dtype, generator).view(torch.uint8)
     return fp8_encode(groups, fmax, dtype)
@@ -437,12 +437,12 @@ def ring_allreduce_bytes(numel, bytes_per_element, world_size):
     """Bytes each rank sends in a ring all-reduce: reduce-scatter + all-gather, each moving
     (W - 1) / W of the buffer: the bf16 baseline (2 bytes an element) that the two-stage
     collective's bytes are compared with, and the paper's FP8-sum collective (1 byte; plus its
-    scales' MAX all-reduce, nanogeo.fp8sum.wire_bytes)."""
+    scales' MAX all-reduce, nanogeo.wire.fp8sum.wire_bytes)."""
     return int(2 * (world_size - 1) * numel * bytes_per_element // world_size)
 
 
 class NoTimer:
-    """Times nothing: the default stage timer (nanogeo.bench.StageTimer measures each stage;
+    """Times nothing: the default stage timer (nanogeo.tools.bench.StageTimer measures each stage;
     a plain class, so states pickle)."""
     @staticmethod
     def stage(name):
@@ -509,7 +509,7 @@ def simulate_mean(worker_tensors, fmt="e4m3", block=128, stochastic=False, seed=
 def encode_ranks(worker_tensors, layout, stochastic=False, seed=None):
     """Stage 1 of every simulated rank: (W, bytes), row i = encode_shards of rank i's tensors
     (with rank i's rounding stream). The packed FP8 codec with nearest rounding encodes all W
-    in one call (nanogeo/packing.py: the same bytes)."""
+    in one call (nanogeo/wire/packing.py: the same bytes)."""
     flats = [[t.reshape(-1).float() for t in ts] for ts in worker_tensors]
     if layout.packing and not stochastic and sum(layout.nbytes):
         return layout.packing.encode_ranks(flats)
@@ -568,14 +568,14 @@ class HouseholderBasis:
         return self.apply(torch.eye(m, r, device=self.Y.device, dtype=self.Y.dtype))
 
 
-def reflect(X, Y, T):      # hot path (nanogeo.kernels)
+def reflect(X, Y, T):      # hot path (nanogeo.wire.kernels)
     """(I - Y T Y^T) X: three thin matrix products, never the m x m matrix."""
     return X - Y @ (T @ (Y.T @ X))
 
 
 def encode_geo(G, left, right):
     """H = P^T G Q. `left`/`right`: HouseholderBasis (or any basis with its apply_t / apply: the
-    dense ablation bases of nanogeo/ablations.py), or None: that side stays as it is."""
+    dense ablation bases of nanogeo/dist/dense.py), or None: that side stays as it is."""
     H = left.apply_t(G) if left is not None else G
     return right.apply_t(H.T).T if right is not None else H        # G Q = (Q^T G^T)^T
 
@@ -653,7 +653,7 @@ class Whitening:
     """One side's low-rank factor F (F F^T = A^ + damping I) in the form it is applied in:
     sqrt_d (d,) = D^1/2, Q (d, r) and the r multipliers up = (1 + S^2)^1/2 - 1,
     down = (1 + S^2)^-1/2 - 1 of the formula above. (The dense kinds of WHITEN_FACTORS, for
-    ablations and the published artifact's dense Cholesky form: nanogeo/ablations.py.)"""
+    ablations and the published artifact's dense Cholesky form: nanogeo/dist/dense.py.)"""
     kind: str
     size: int                   # d
     sqrt_d: torch.Tensor = None
@@ -699,7 +699,7 @@ def whitening_factor(A, kind="lowrank", rank=32, block=64, damping=1e-3, floor=1
     """The factor of a second moment A (d x d) that GeoFP8 whitens with, F F^T = A^ + damping I.
 
     lowrank: A^ = U L U^T + diag(max(diag(A - U L U^T), floor)) with the top-`rank` eigenpairs,
-      applied in O(d r) per row. The other kinds (nanogeo/ablations.py): lowrank-dense, the same
+      applied in O(d r) per row. The other kinds (nanogeo/dist/dense.py): lowrank-dense, the same
       A^ with a dense Cholesky factor (what the published artifact does); full: A itself;
       diag: A's diagonal; block: A's diagonal blocks of `block` x `block`.
     Computed in float64 (the eigen- and Cholesky decompositions of a nearly singular A need it),
@@ -850,7 +850,7 @@ def orthonormal(A):
 class AllRows:
     """Where the rows of a gradient G (m x n) live while its geometry is estimated: here all of
     them on every rank (DDP, train.py), so every method is the identity. Under FSDP each rank
-    holds a block of rows; nanogeo.fsdp.RowBlocks has the same methods, with the collectives
+    holds a block of rows; nanogeo.dist.fsdp.RowBlocks has the same methods, with the collectives
     that sum partial products (G^T U = sum_j G_j^T U_j) and gather row blocks."""
     sharded = False
 
@@ -882,7 +882,7 @@ def update_subspaces(G, U, V, left_energy, right_energy, decay=0.0, iters=1, row
     represented by the previous bases and their energies e (r numbers per side): memory stays
     O(r (m + n)). A Rayleigh-Ritz step then rotates U and V so that U^T G V is diagonal, with
     the largest entry first: in coordinates every dominant row of H has one large entry.
-    G may be this rank's block of rows only (nanogeo.fsdp.RowBlocks); U and V are always whole.
+    G may be this rank's block of rows only (nanogeo.dist.fsdp.RowBlocks); U and V are always whole.
     Returns (U, V, left_energy, right_energy)."""
     for _ in range(iters):
         A = (1 - decay) * (G @ rows.sum(G.T @ rows.mine(U)))          # rows of G G^T U
@@ -929,11 +929,11 @@ def initial_subspaces(G, r, seed, iters=4, rows=ALL_ROWS):
 # optimizer's own state (identical on every rank under DDP): AdamW's elementwise update, exactly
 # (early on, and on quiet elements, an error as large as the gradient flips the update's sign:
 # a derivative cannot see that), and Muon's Newton-Schulz map to first order, in
-# nanogeo/update_error.py.
+# nanogeo/dist/update_error.py.
 
 def error_measure(view, mean, rows=None, workers=1):
     """delta -> the squared size of a gradient error delta (m, n) as the next update sees it:
-    through the optimizer in `view` (nanogeo.update_error.UpdateError, at the decoded mean
+    through the optimizer in `view` (nanogeo.dist.update_error.UpdateError, at the decoded mean
     `mean`, with one worker's error scaled to its share of the mean of `workers`), or in plain
     L2 without one (judge="l2", or no watch()). Under FSDP (rows) only this rank's rows are
     measured; the caller sums over the ranks."""
@@ -948,7 +948,7 @@ def error_measure(view, mean, rows=None, workers=1):
 # =============================================================================
 #
 # Coordinates, one interface: each candidate matrix has a layer object - SubspaceLayer (the
-# rotation, section 3; its dense-basis ablations: nanogeo.ablations.DenseSubspaceLayer),
+# rotation, section 3; its dense-basis ablations: nanogeo.dist.dense.DenseSubspaceLayer),
 # WhitenedLayer (the published whitening, section 3b) or HadamardLayer (the geometry-agnostic
 # control, section 3c) - with
 #     encode(g) -> h, decode(h) -> g      the change of coordinates and its inverse
@@ -965,7 +965,7 @@ def error_measure(view, mean, rows=None, workers=1):
 GEOMETRIES = ("whiten", "subspace", "hadamard", "euclidean")
 SELECTIONS = ("gain", "all", "list", "fragile")
 COLLECTIVES = ("two-stage", "fp8-sum")
-SUM_ORDERS = ("ring", "tree")      # fp8-sum: the order NCCL adds in (nanogeo/fp8sum.py)
+SUM_ORDERS = ("ring", "tree")      # fp8-sum: the order NCCL adds in (nanogeo/wire/fp8sum.py)
 JUDGES = ("optimizer", "l2")
 
 
@@ -985,7 +985,7 @@ class GeoOptions:
                                     # others; the Hadamard control is only re-judged)
     warmup: int = 0                 # steps sent in Euclidean coordinates before GeoFP8 starts
     # which matrices use it: "gain" (measured: the codec error must drop by enter_gain), "all",
-    # "list" (the names in geo_layers, e.g. from nanogeo.profile), "fragile" (the top_k matrices
+    # "list" (the names in geo_layers, e.g. from nanogeo.tools.profile), "fragile" (the top_k matrices
     # by fraction of saturated FP8 sums over the warmup steps; needs collective="fp8-sum")
     select: str = "gain"
     geo_layers: tuple = ()
@@ -1148,7 +1148,7 @@ class SubspaceLayer:
         return self.swaps if transform[0] is not None and transform[1] is not None else None
 
     def bases(self):
-        """(P, Q), whole (nanogeo/ablations.py replaces them by dense bases for ablations)."""
+        """(P, Q), whole (nanogeo/dist/dense.py replaces them by dense bases for ablations)."""
         return self.left_basis, self.right_basis
 
     def rotation(self, sides=None):
@@ -1364,14 +1364,14 @@ class GeoFP8Communicator:
     `reduce(grads, moments)` averages across the process group in place (train.py, the DDP
     hook); `reduce_workers(per_worker_grads, moments)` runs the identical numerics for W
     simulated workers in one process (the fidelity tool, tests). Both return the bytes one rank
-    sends. `moments` are the whitened layers' K-FAC statistics (nanogeo.hooks.KroneckerMoments
+    sends. `moments` are the whitened layers' K-FAC statistics (nanogeo.dist.hooks.KroneckerMoments
     .take()) on the steps where `wants_moments()` is true; the subspace rotation and the
     Hadamard control need none."""
 
     def __init__(self, named_shapes, options=None, group=None, timer=NO_TIMER, linear=None):
         self.opts = options or GeoOptions()
         self.group = group
-        self.timer = timer          # nanogeo.bench.StageTimer: where the time goes (benchmarks)
+        self.timer = timer          # nanogeo.tools.bench.StageTimer: where the time goes (benchmarks)
         self.names = [n for n, _ in named_shapes]
         self.shapes = {n: tuple(s) for n, s in named_shapes}
         self.rounding_stream = zlib.crc32("\0".join(self.names).encode())  # its own random draws
@@ -1388,8 +1388,8 @@ class GeoFP8Communicator:
         unknown = set(self.opts.geo_layers) - set(self.names) if self.opts.select == "list" else ()
         if unknown:
             raise ValueError(f"geo_layers names {len(unknown)} tensors this model does not have, "
-                             f"e.g. {sorted(unknown)[0]!r}: profile this model (nanogeo.profile)")
-        self.views = {}         # name -> nanogeo.update_error.OptimizerView (watch()); none: L2
+                             f"e.g. {sorted(unknown)[0]!r}: profile this model (nanogeo.tools.profile)")
+        self.views = {}         # name -> nanogeo.dist.update_error.OptimizerView (watch()); none: L2
         self.chosen = set(self.opts.geo_layers) if self.opts.select == "list" else set()
         self.step = 0
         self.residuals = {}     # worker index -> {name: fp32 residual}, with error feedback
@@ -1448,7 +1448,7 @@ class GeoFP8Communicator:
 
     def watch(self, views):
         """Judge each layer by the error its optimizer sees: views =
-        nanogeo.hooks.optimizer_views(optimizers, model) (section 4b). Without them a layer's
+        nanogeo.dist.hooks.optimizer_views(optimizers, model) (section 4b). Without them a layer's
         coordinates are chosen by plain L2 error."""
         self.views = dict(views)
         return self
@@ -1504,7 +1504,7 @@ class GeoFP8Communicator:
 
     def _count_saturation(self, saturated):
         """Add up the fragility profile: during the warmup for select="fragile", always in
-        Euclidean mode (nanogeo.profile). Stays on the device: no host sync."""
+        Euclidean mode (nanogeo.tools.profile). Stays on the device: no host sync."""
         profiling = self.opts.select == "fragile" and self.step < self.opts.warmup
         if profiling or self.opts.geometry == "euclidean":
             self.saturation = saturated if self.saturation is None else self.saturation + saturated
@@ -1593,7 +1593,7 @@ class GeoFP8Communicator:
     def advance(self, means, worker_grads, across_ranks=False, rows=None, moments=None):
         """Count a finished step; on refresh steps update the geometry. `means` maps names to
         decoded mean gradients - under FSDP only this rank's block of rows, described by
-        rows[name] (nanogeo.fsdp.RowBlocks; whole tensors otherwise). `worker_grads`: the
+        rows[name] (nanogeo.dist.fsdp.RowBlocks; whole tensors otherwise). `worker_grads`: the
         gradients this process sent (one list per simulated worker). across_ranks: the step
         ran over the process group (so the gain measurements are summed over it and the
         geometry checked across it), not in one process."""

@@ -25,7 +25,7 @@ How data parallelism works here (no DistributedDataParallel wrapper, on purpose)
      again.
 
 Configuration: one dataclass, `TrainConfig`; every field is a flag `--name=value`. `--preset`
-picks a model size and sensible defaults for it (nanogeo/config.py TRAIN_PRESETS); explicit
+picks a model size and sensible defaults for it (nanogeo/run/config.py TRAIN_PRESETS); explicit
 flags win. Unknown flags are an error.
 One log line per step, pipe-separated; the same numbers go to out_dir/log.jsonl.
 """
@@ -44,9 +44,11 @@ import torch.distributed as dist
 
 import compress
 import model as model_lib
-from nanogeo import checkpoint, config, hooks, kernels, runlog, runtime, simulated, summary
-from nanogeo.config import ConfigError
-from nanogeo.runtime import RankMismatch
+from nanogeo.run import checkpoint, config, runlog, runtime, summary
+from nanogeo.dist import hooks, simulated
+from nanogeo.wire import kernels
+from nanogeo.run.config import ConfigError
+from nanogeo.run.runtime import RankMismatch
 from prepare_data import ShardError, load_splits
 
 
@@ -80,7 +82,7 @@ class TrainConfig:
     eval_interval: int = 100          # validation loss every N steps (and at the end)
     eval_iters: int = 10              # validation batches per rank
     final_evals: int = 1              # final val loss: mean of N evals over the last 10 % of steps
-    eval_every: int = 0               # downstream zero-shot eval (nanogeo.eval) every N steps
+    eval_every: int = 0               # downstream zero-shot eval (nanogeo.run.eval) every N steps
     eval_limit: int = 200             # ... on the first N documents of each task
     eval_tasks: str = "hellaswag,piqa,arc_easy"
     log_interval: int = 1
@@ -96,7 +98,7 @@ class TrainConfig:
     collective: str = "two-stage"     # two-stage | fp8-sum (the paper's: one FP8 all_reduce SUM)
     sum_order: str = "ring"           # fp8-sum: the order the FP8 partial sums are added in
     scale_sync_every: int = 1         # fp8-sum: >1 = the published local-scale defect (ablation)
-    geo_layers: str = "gain"          # gain | all | fragile:K | FILE (a list from nanogeo.profile)
+    geo_layers: str = "gain"          # gain | all | fragile:K | FILE (a list from nanogeo.tools.profile)
     geo_refresh: int = 0              # re-estimate the geometry every N steps (0: 50 geofp8, 4 the
                                       # others; hadamard: re-judge it)
     geo_warmup: int = 10              # steps in Euclidean coordinates before GeoFP8 starts
@@ -122,7 +124,7 @@ class TrainConfig:
 
 
 def parse_config(argv):
-    """train.py's flags -> TrainConfig (nanogeo/config.py: --key=value or --key value; each
+    """train.py's flags -> TrainConfig (nanogeo/run/config.py: --key=value or --key value; each
     --preset's defaults for the loop are config.TRAIN_PRESETS, its model model.PRESETS)."""
     return config.parse_config(argv, TrainConfig, config.TRAIN_PRESETS, config.TRAIN_CHOICES,
                                __doc__)
@@ -308,7 +310,7 @@ def forward_backward(forward, params, data, cfg, step, my_ranks, autocast, devic
                      batched=None):
     """Every micro-step of this step for each of my_ranks. Returns (the first rank's mean loss,
     each simulated rank's gradients, each simulated rank's K-FAC statistics); for a real rank the
-    gradients stay in .grad and the lists are empty. With `batched` (nanogeo.simulated
+    gradients stay in .grad and the lists are empty. With `batched` (nanogeo.dist.simulated
     .BatchedRanks) simulated ranks go through the model together, bit-equal to one by one; a
     step that collects K-FAC statistics (per rank) plays them one by one."""
     batches = [[get_batch(data["train"], cfg.batch_size, cfg.block_size,
@@ -351,7 +353,7 @@ def train(cfg):
     optimizers = make_optimizers(cfg, raw_model, fused=device.type == "cuda")
     peaks = peak_lrs(optimizers)    # read before a checkpoint overwrites "lr" with its last value
     communicator, moments = make_communicator(cfg, raw_model, optimizers)
-    # simulated ranks go through the model together (nanogeo/simulated.py), on the CPU, where a
+    # simulated ranks go through the model together (nanogeo/dist/simulated.py), on the CPU, where a
     # sequence's numbers do not depend on its batch, and eagerly (with --compile: one by one)
     batched = (simulated.BatchedRanks(raw_model, model_lib.next_token_loss, rank_pass)
                if cfg.simulate_workers and device.type == "cpu" and not cfg.compile else None)

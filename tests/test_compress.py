@@ -10,7 +10,9 @@ from compress import (GeoFP8Communicator, GeoOptions, HouseholderBasis, ShardLay
                       all_reduce_mean, decode_geo, dequantize, encode_geo, quantize,
                       simulate_mean, wire_nbytes)
 from conftest import run_ranks
-from nanogeo import ablations, kernels, nvfp4, packing, summary
+from nanogeo.dist import dense
+from nanogeo.wire import kernels, nvfp4, packing
+from nanogeo.run import summary
 
 GRANULARITIES = [128, 32, "row", "tensor"]
 
@@ -321,9 +323,9 @@ def test_never_forms_an_m_by_m_matrix():
 def test_low_rank_matches_full_mode_at_full_rank():
     torch.manual_seed(0)
     G = torch.randn(48, 48) * torch.logspace(0, -2, 48)
-    U, V = ablations.exact_bases(G)
+    U, V = dense.exact_bases(G)
     lr_left, lr_right = HouseholderBasis.complete(U), HouseholderBasis.complete(V)
-    full_left, full_right = ablations.DenseBasis(U), ablations.DenseBasis(V)
+    full_left, full_right = dense.DenseBasis(U), dense.DenseBasis(V)
     H_full, H_lr = encode_geo(G, full_left, full_right), encode_geo(G, lr_left, lr_right)
     assert torch.allclose(H_full.abs(), H_lr.abs(), atol=1e-5)  # equal up to column signs
     via_full = decode_geo(dequantize(quantize(H_full)), full_left, full_right)
@@ -515,7 +517,7 @@ def test_state_dict_round_trip(options):
 
 def sharded_rank(rank, world_size, out):
     """Each rank holds a block of rows (FSDP's layout); results must match the whole-matrix ones."""
-    from nanogeo import fsdp
+    from nanogeo.dist import fsdp
     dist.init_process_group("gloo")
     m, n, r = 37, 24, 4                                 # 37 rows: uneven, padded blocks
     g = torch.Generator().manual_seed(0)
@@ -562,7 +564,7 @@ def test_geometry_on_row_blocks_matches_whole_matrix(tmp_path):
 
 
 def test_hot_path_list_matches_the_marked_functions():
-    """nanogeo.kernels.HOT_PATH names exactly the functions marked "# hot path" in their
+    """nanogeo.wire.kernels.HOT_PATH names exactly the functions marked "# hot path" in their
     modules, and compile_hot_path swaps each of them (and puts the plain one back)."""
     import importlib
     import inspect

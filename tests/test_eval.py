@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from model import Llama, ModelConfig
-from nanogeo import eval as ev
+from nanogeo.run import eval as ev
 from prepare_data import get_tokenizer
 
 

@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 import compress
 from conftest import run_ranks
-from nanogeo import agreement, kernels, update_error
+from nanogeo.dist import agreement, update_error
+from nanogeo.wire import kernels
 from test_published import anisotropic_moment
 
 

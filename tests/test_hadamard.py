@@ -15,7 +15,7 @@ import torch.distributed as dist
 import compress
 from compress import GeoFP8Communicator, GeoOptions, HadamardLayer
 from conftest import ROOT, run_ranks
-from nanogeo import config, summary
+from nanogeo.run import config, summary
 
 
 def hadamard_layer(shape, block=128, sides="right", seed=3):
@@ -172,7 +172,7 @@ def two_ranks(rank, world_size, out_path):
     Hadamard coordinates (forced) in FSDP2's reduce-scatter of a small language model, three
     steps against an fp32 twin (test_fsdp's models and helpers). One process group for both:
     each start of two processes costs seconds."""
-    from nanogeo.fsdp import use_geofp8
+    from nanogeo.dist.fsdp import use_geofp8
     from test_fsdp import VOCAB, language_model, relative_error, twins
     dist.init_process_group("gloo")
     steps = flush_prone(world_size, 4)
@@ -240,7 +240,7 @@ def test_two_ranks_agree_and_fsdp2_decodes_rows_locally(tmp_path):
 
 def test_fsdp2_refuses_the_rows_option():
     """hadamard_sides="both" mixes rows that FSDP keeps on different ranks."""
-    from nanogeo.fsdp import GeoFP8ReduceScatter
+    from nanogeo.dist.fsdp import GeoFP8ReduceScatter
     with pytest.raises(ValueError, match="hadamard_sides='right'"):
         GeoFP8ReduceScatter(torch.nn.Linear(4, 4), geometry="hadamard", hadamard_sides="both")
 
@@ -250,7 +250,7 @@ def test_fidelity_cli_runs_the_hadamard_methods(tmp_path):
     path, report = str(tmp_path / "grads.pt"), str(tmp_path / "report.json")
     write_gradient_file(path, steps=3)
     methods = "fp8-block,hadamard,hadamard-paper,hadamard-nvfp4,hadamard:select=all"
-    result = subprocess.run([sys.executable, "-m", "nanogeo.fidelity", path, "--methods", methods,
+    result = subprocess.run([sys.executable, "-m", "nanogeo.tools.fidelity", path, "--methods", methods,
                              "--json", report], cwd=ROOT, capture_output=True, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr

@@ -1,5 +1,5 @@
 """The error the optimizer sees (compress section 4b) and GeoFP8's do-no-harm rule, on a model
-this project did not design (nanogeo.bytegpt: GPT-2 style, byte vocabulary 256 < MLP width 768)."""
+this project did not design (nanogeo.tools.bytegpt: GPT-2 style, byte vocabulary 256 < MLP width 768)."""
 
 import copy
 
@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import compress
-from nanogeo import bytegpt, capture, fidelity, update_error, variants
+from nanogeo.tools import bytegpt, capture, fidelity, variants
+from nanogeo.dist import update_error
 
 
 def torch_update(optimizer_class, hyper, state, grad):
@@ -96,7 +97,7 @@ def test_geofp8_does_no_harm_on_a_model_we_did_not_design(tmp_path):
                 + 1e-9, (method, n)
     harmful = report["subspace:judge=l2"]["total"]["update_err"]["adamw"]
     assert harmful > 10 * euclid["total"]["update_err"]["adamw"]
-    # why (nanogeo.variants): rotating the rows spreads error onto the quiet ones; rotating the
+    # why (nanogeo.tools.variants): rotating the rows spreads error onto the quiet ones; rotating the
     # columns only, or only the r x r core, spreads less
     ratios = variants.compare(path)
     assert ratios["both"] > 10 and ratios["right"] < ratios["core"] < ratios["both"]

@@ -3,8 +3,8 @@ from dataclasses import replace
 
 import pytest
 
-from nanogeo import perfmodel
-from nanogeo.perfmodel import Cluster
+from nanogeo.tools import perfmodel
+from nanogeo.tools.perfmodel import Cluster
 
 
 def test_ring_allreduce_known_answers():

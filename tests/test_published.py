@@ -6,7 +6,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import compress
-from nanogeo import fp8sum, hooks
+from nanogeo.wire import fp8sum
+from nanogeo.dist import hooks
 from compress import GeoFP8Communicator, GeoOptions
 from conftest import run_ranks
 

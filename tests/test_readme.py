@@ -49,38 +49,38 @@ TOY = {
     "python prepare_data.py corpus/ more/*.jsonl --out_dir data/mine": "",
     "python prepare_data.py --tokenizer char": "",
     "torchrun --standalone --nproc_per_node=2 train.py": TRAIN,
-    "python -m nanogeo.capture --out grads.pt --workers=4 --train_steps=150 --capture_steps=4":
+    "python -m nanogeo.tools.capture --out grads.pt --workers=4 --train_steps=150 --capture_steps=4":
         CAPTURE,
-    "python -m nanogeo.capture --out grads_muon.pt --optimizer=muon --workers=4 --train_steps=150":
+    "python -m nanogeo.tools.capture --out grads_muon.pt --optimizer=muon --workers=4 --train_steps=150":
         CAPTURE,
-    "python -m nanogeo.capture --model=bytegpt --out grads_bytegpt.pt --workers=4 --train_steps=150":
+    "python -m nanogeo.tools.capture --model=bytegpt --out grads_bytegpt.pt --workers=4 --train_steps=150":
         CAPTURE,
-    "python -m nanogeo.fidelity grads.pt --methods bf16,fp8-block,fp8-paper,geofp8,geofp8-paper,"
+    "python -m nanogeo.tools.fidelity grads.pt --methods bf16,fp8-block,fp8-paper,geofp8,geofp8-paper,"
     "subspace --last 3 --json report.json": "--last 1",
-    "python -m nanogeo.fidelity grads.pt --methods fp8-block,geofp8:factor=diag,subspace:geo_rank=8,"
+    "python -m nanogeo.tools.fidelity grads.pt --methods fp8-block,geofp8:factor=diag,subspace:geo_rank=8,"
     "subspace:sides=left": "",
-    "python -m nanogeo.tables grads.pt --last 3": "--last 1",
-    "python -m nanogeo.variants grads.pt": "",
-    "python -m nanogeo.profile --workers=8 --steps=100 --top_k=4 --out layers.json":
+    "python -m nanogeo.tools.tables grads.pt --last 3": "--last 1",
+    "python -m nanogeo.tools.variants grads.pt": "",
+    "python -m nanogeo.tools.profile --workers=8 --steps=100 --top_k=4 --out layers.json":
         f"{CHARS} --steps=2 --batch_size=1 --block_size=16",
-    "torchrun --standalone --nproc_per_node=2 -m nanogeo.bench collective --sizes 1,4,16":
+    "torchrun --standalone --nproc_per_node=2 -m nanogeo.tools.bench collective --sizes 1,4,16":
         "--sizes 0.01 --iters 1",
-    "python -m nanogeo.bench overhead": "--steps 1 --refresh 4",
-    "python -m nanogeo.bench flops --preset llama-600m --tokens 8192 --geo_rank 32": "",
-    "torchrun --standalone --nproc_per_node=2 -m nanogeo.bench fsdp --checkpoint "
+    "python -m nanogeo.tools.bench overhead": "--steps 1 --refresh 4",
+    "python -m nanogeo.tools.bench flops --preset llama-600m --tokens 8192 --geo_rank 32": "",
+    "torchrun --standalone --nproc_per_node=2 -m nanogeo.tools.bench fsdp --checkpoint "
     "out/ablate/fp32/adamw/ranks2/seed1337/ckpt.pt --steps 12": "--steps 2 --last 1",
-    "python -m nanogeo.smoke --out smoke.json":
+    "python -m nanogeo.tools.smoke --out smoke.json":
         "--preset=cpu-tiny --numel=5000 --iters=1 --batch_size=2 --block_size=16",
     "torchrun --nnodes=N --nproc_per_node=4 --rdzv-backend=c10d --rdzv-endpoint=HOST0:29500 "
     "--rdzv-id=myrun train.py --preset=llama-600m --comm=geofp8 --out_dir=/shared/runs/geo":
         TRAIN_CHARS + " --out_dir=runs/geo",     # on one node: N=1, HOST0=127.0.0.1 (NODES)
-    "torchrun --standalone --nproc_per_node=4 -m nanogeo.bench collective --sizes 16,64 --compile":
+    "torchrun --standalone --nproc_per_node=4 -m nanogeo.tools.bench collective --sizes 16,64 --compile":
         Skip("the compiled codec on 4 ranks takes minutes on 2 CPU cores; the same mode runs "
              "uncompiled above and the compiled codec in test_smoke_test_runs_on_cpu"),
     "torchrun --standalone --nproc_per_node=4 train.py --preset=llama-300m --max_iters=50 "
     "--comm=geofp8 --geo_warmup=10 --eval_interval=25 --compile": TRAIN_CHARS + " --out_dir=runs/smoke",
-    "python -m nanogeo.eval out/demo/ckpt.pt --limit 200": EVAL,
-    "python -m nanogeo.eval --compare runs/fp32/ckpt.pt runs/geofp8/ckpt.pt --limit 1000 "
+    "python -m nanogeo.run.eval out/demo/ckpt.pt --limit 200": EVAL,
+    "python -m nanogeo.run.eval --compare runs/fp32/ckpt.pt runs/geofp8/ckpt.pt --limit 1000 "
     "--json cmp.json": EVAL,
 }
 
@@ -195,12 +195,12 @@ def test_make_train_runs_the_demo(scratch):
 
 
 def test_readme_answer_is_the_study_table():
-    """The README's which-method-to-run table is what `nanogeo.ablate --answer` makes of the
+    """The README's which-method-to-run table is what `nanogeo.tools.study --answer` makes of the
     committed study results (docs/study/results.json): no number in it is typed by hand."""
-    from nanogeo import ablate
+    from nanogeo.tools import study
     text = open(os.path.join(ROOT, "README.md")).read()
-    block = text.split(ablate.ANSWER_BEGIN + "\n")[1].split(ablate.ANSWER_END)[0]
+    block = text.split(study.ANSWER_BEGIN + "\n")[1].split(study.ANSWER_END)[0]
     results = json.load(open(os.path.join(ROOT, "docs", "study", "results.json")))
-    assert block == ablate.answer(results), ("README's answer table is stale: run python -m "
-                                             "nanogeo.ablate --answer docs/study/results.json "
+    assert block == study.answer(results), ("README's answer table is stale: run python -m "
+                                             "nanogeo.tools.study --answer docs/study/results.json "
                                              "--readme README.md")

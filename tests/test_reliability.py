@@ -323,7 +323,7 @@ def first_intact_rank(rank, world_size, paths, result_dir):
     """checkpoint.first_intact on one rank of two; rank 1 cannot read the first file (a flaky
     mount, a stale cache), which loads on rank 0."""
     import torch.distributed as dist
-    from nanogeo import checkpoint
+    from nanogeo.run import checkpoint
     dist.init_process_group("gloo")
     if rank == 1:
         load = checkpoint.load_checkpoint
@@ -349,7 +349,7 @@ def test_every_rank_resumes_from_the_same_file(tmp_path):
 
 
 def test_a_kept_checkpoint_is_a_copy_where_there_are_no_hard_links(tmp_path, monkeypatch):
-    from nanogeo import checkpoint
+    from nanogeo.run import checkpoint
 
     def no_hard_links(src, dst):
         raise OSError("hard links are not supported here")

@@ -1,4 +1,4 @@
-"""Contracts of the measurement tools on small inputs: capture, bench, ablate, smoke."""
+"""Contracts of the measurement tools on small inputs: capture, bench, the study driver, smoke."""
 import json
 import math
 import os
@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import run_ranks
-from nanogeo import ablate, bench, capture
+from nanogeo.tools import bench, capture, study
 
 
 def test_capture_writes_the_gradient_file_contract(tiny_corpus, tmp_path):
@@ -50,39 +50,39 @@ def test_bench_flops_and_overhead_shapes():
     assert result["geo_layers"] == 28 and math.isfinite(result["overhead_vs_fwd_bwd"])
 
 
-def test_ablate_t_interval_and_paired_fraction():
+def test_study_t_interval_and_paired_fraction():
     """Hand-computed: [1, 2, 3] has mean 2, sd 1, half-width t(2) sd / sqrt(3); the recovered
     fraction is the mean of the per-seed fractions 1 - gap / reference gap (here 0.5, 0.4, 0.6:
     sd 0.1), not one minus the ratio of the mean gaps."""
-    mean, half = ablate.mean_ci([1.0, 2.0, 3.0])
+    mean, half = study.mean_ci([1.0, 2.0, 3.0])
     assert mean == 2.0 and abs(half - 4.303 * 1.0 / math.sqrt(3)) < 1e-12
-    point, lo, hi, interval = ablate.recovered([0.05, 0.06, 0.04], [0.1, 0.1, 0.1])
+    point, lo, hi, interval = study.recovered([0.05, 0.06, 0.04], [0.1, 0.1, 0.1])
     half = 4.303 * 0.1 / math.sqrt(3)
     assert interval == "t" and abs(point - 0.5) < 1e-12
     assert abs(lo - (0.5 - half)) < 1e-12 and abs(hi - (0.5 + half)) < 1e-12
-    point, lo, hi, _ = ablate.recovered([0.02, 0.06], [0.04, 0.08])   # fractions 0.5, 0.25
+    point, lo, hi, _ = study.recovered([0.02, 0.06], [0.04, 0.08])   # fractions 0.5, 0.25
     half = 12.706 * (0.25 / math.sqrt(2)) / math.sqrt(2)
     assert abs(point - 0.375) < 1e-12 and abs(hi - (0.375 + half)) < 1e-12   # ratio: 0.333
 
 
-def test_ablate_bootstrap_only_from_eight_seeds():
+def test_study_bootstrap_only_from_eight_seeds():
     gaps, reference = [0.05, 0.07, 0.04, 0.06, 0.05, 0.08, 0.03, 0.06], [0.1] * 8
-    assert ablate.recovered(gaps[:7], reference[:7])[3] == "t"
-    point, lo, hi, interval = ablate.recovered(gaps, reference)
+    assert study.recovered(gaps[:7], reference[:7])[3] == "t"
+    point, lo, hi, interval = study.recovered(gaps, reference)
     fractions = [1 - g / 0.1 for g in gaps]
     assert interval == "bootstrap" and min(fractions) <= lo < point < hi <= max(fractions)
-    assert ablate.recovered(gaps, reference) == (point, lo, hi, interval)    # seeded
+    assert study.recovered(gaps, reference) == (point, lo, hi, interval)    # seeded
 
 
-def test_ablate_reference_gap_must_be_established():
-    assert ablate.reference_problem([0.1]) == "one seed"
+def test_study_reference_gap_must_be_established():
+    assert study.reference_problem([0.1]) == "one seed"
     # mean 0.0067, sd 0.0153: the t interval (-0.031, 0.045) includes 0
-    assert ablate.reference_problem([0.01, -0.01, 0.02]) == "reference gap not significant"
+    assert study.reference_problem([0.01, -0.01, 0.02]) == "reference gap not significant"
     # mean 0.9 +- 2.262 * 0.316 / sqrt(10) = 0.226 excludes 0, but seed 0's gap is 0
-    assert ablate.reference_problem([0.0] + [1.0] * 9) == "reference gap <= 0 in a seed"
-    assert ablate.reference_problem([-0.1, -0.12, -0.11]) == "reference better than fp32"
-    assert ablate.reference_problem([0.1, float("nan")]) == "reference gap not finite"
-    assert ablate.reference_problem([0.1, 0.12, 0.11]) is None
+    assert study.reference_problem([0.0] + [1.0] * 9) == "reference gap <= 0 in a seed"
+    assert study.reference_problem([-0.1, -0.12, -0.11]) == "reference better than fp32"
+    assert study.reference_problem([0.1, float("nan")]) == "reference gap not finite"
+    assert study.reference_problem([0.1, 0.12, 0.11]) is None
 
 
 def study_run(comm, seed, val, flags=("--preset=char-study",)):
@@ -93,14 +93,14 @@ def study_run(comm, seed, val, flags=("--preset=char-study",)):
             "mean_wire_bytes": 1, "mean_wire_vs_bf16": 0.5, "curve": [(1, val)]}
 
 
-def test_ablate_table_rows():
+def test_study_table_rows():
     """Paired gaps to fp32 and to the reference, the recovered fraction with its t interval;
     a method run with one seed says so instead of printing an interval."""
     results = [study_run("fp32", s, 2.0 + 0.01 * s) for s in range(3)]
     results += [study_run("fp8", s, 2.2 + 0.01 * s) for s in range(3)]
     results += [study_run("subspace", s, 2.1 + 0.01 * s) for s in range(3)]
     results += [study_run("geofp8", 0, 2.15)]
-    text = ablate.table(results, "fp8")
+    text = study.table(results, "fp8")
     assert "| fp32 | 3 | 2.0100 ± 0.0248 | — | — | — | 0.500 | 10 |" in text
     assert "| fp8 | 3 | 2.2100 ± 0.0248 | +0.2000 ± 0.0000 | — | — |" in text
     assert ("| subspace | 3 | 2.1100 ± 0.0248 | +0.1000 ± 0.0000 | -0.1000 ± 0.0000 | "
@@ -110,18 +110,18 @@ def test_ablate_table_rows():
     assert "nan" not in text and "train flags: `--preset=char-study`" in text
 
 
-def test_ablate_flags_an_unestablished_reference_gap():
+def test_study_flags_an_unestablished_reference_gap():
     gaps = [0.01, -0.01, 0.02]
     results = [study_run("fp32", s, 2.0) for s in range(3)]
     results += [study_run("fp8", s, 2.0 + g) for s, g in enumerate(gaps)]
     results += [study_run("subspace", s, 2.0 + g / 2) for s, g in enumerate(gaps)]
-    text = ablate.table(results, "fp8")
+    text = study.table(results, "fp8")
     [row] = [line for line in text.splitlines() if line.startswith("| subspace |")]
     assert row.endswith("| reference gap not significant | 0.500 | 10 |") and "%" not in row
     assert "fp8's gap to fp32 is +0.0067 ± 0.0379: reference gap not significant" in text
 
 
-def test_ablate_records_with_other_flags_never_mix():
+def test_study_records_with_other_flags_never_mix():
     """The merge key is the whole command: a call with other flags adds records beside the
     earlier ones (its own table), a rerun of a command replaces its record, and a record of an
     older driver (no command) is kept on its own."""
@@ -129,14 +129,14 @@ def test_ablate_records_with_other_flags_never_mix():
     short = [study_run("fp32", 0, 2.5, ("--max_iters=300",))]
     earlier = [old, *short, study_run("fp32", 0, 2.0)]
     rerun = study_run("fp32", 0, 1.9)
-    merged = ablate.merge(earlier, [rerun])
+    merged = study.merge(earlier, [rerun])
     assert merged == [old, *short, rerun]
-    text = ablate.table(merged, "fp8")
+    text = study.table(merged, "fp8")
     assert text.count("### adamw, W = 4") == 3 and "train flags not recorded" in text
     assert "| fp32 | 1 | 1.9000 (one seed) |" in text and "| fp32 | 1 | 2.5000 (one seed) |" in text
 
 
-def test_ablate_sweep_summary_and_lr_from(tmp_path):
+def test_study_sweep_summary_and_lr_from(tmp_path):
     """The best value: the lowest mean over the seeds every value has (a diverged value, nan,
     is worst); at an end of the grid it is flagged. --lr_from passes it to that optimizer's
     runs, and names the fix when the file has no sweep for an optimizer."""
@@ -147,19 +147,19 @@ def test_ablate_sweep_summary_and_lr_from(tmp_path):
     results = [swept("1e-3", 0, 2.4), swept("1e-3", 1, 2.5), swept("3e-3", 0, 2.2),
                swept("3e-3", 1, 2.3), swept("1e-2", 0, float("nan")), swept("1e-2", 1, 2.0),
                swept("3e-3", 2, 1.0)]            # seed 2: only one value has it, not counted
-    [entry] = ablate.sweep_summary(results)
+    [entry] = study.sweep_summary(results)
     assert entry["seeds"] == [0, 1] and entry["best"] == "3e-3" and not entry["best_at_edge"]
     assert entry["train_flags"] == ["--preset=char-study"]
-    assert "| 3e-3 (best) | 2.2500 ± 0.6353 | — |" in ablate.sweep_table([entry])
+    assert "| 3e-3 (best) | 2.2500 ± 0.6353 | — |" in study.sweep_table([entry])
     path = tmp_path / "sweep.json"
     path.write_text(json.dumps({"sweeps": [entry]}))
-    assert ablate.lr_flags(str(path), "muon", 4) == ["--muon_lr=3e-3"]
+    assert study.lr_flags(str(path), "muon", 4) == ["--muon_lr=3e-3"]
     with pytest.raises(ValueError, match="no sweep for adamw at W = 4"):
-        ablate.lr_flags(str(path), "adamw", 4)
+        study.lr_flags(str(path), "adamw", 4)
     with pytest.raises(ValueError, match="no sweep for muon at W = 8"):
-        ablate.lr_flags(str(path), "muon", 8)
+        study.lr_flags(str(path), "muon", 8)
     results = [swept("1e-3", 0, 2.4), swept("3e-3", 0, 2.2), swept("1e-2", 0, 2.1)]
-    assert ablate.sweep_summary(results)[0]["best_at_edge"]
+    assert study.sweep_summary(results)[0]["best_at_edge"]
 
 
 @pytest.mark.parametrize("options,extra,message", [
@@ -170,20 +170,20 @@ def test_ablate_sweep_summary_and_lr_from(tmp_path):
     (["--sweep", "learning_rate=1e-3,1e-2"], ["--learning_rate=1e-3"], "drop one of them"),
     (["--lr_from", "missing.json"], [], "not a sweep.json"),
 ])
-def test_ablate_sweep_errors(options, extra, message, capsys, tmp_path):
+def test_study_sweep_errors(options, extra, message, capsys, tmp_path):
     with pytest.raises(SystemExit):
-        ablate.main([*options, "--out_dir", str(tmp_path), "--", *extra])
+        study.main([*options, "--out_dir", str(tmp_path), "--", *extra])
     assert message in capsys.readouterr().err
 
 
-def test_ablate_refuses_a_method_train_py_does_not_have(monkeypatch, capsys, tmp_path):
-    monkeypatch.setitem(ablate.COMMS, "int2", ["--comm=int2"])
+def test_study_refuses_a_method_train_py_does_not_have(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(study.COMMS, "int2", ["--comm=int2"])
     with pytest.raises(SystemExit):
-        ablate.main(["--comms", "fp32,int2", "--out_dir", str(tmp_path)])
+        study.main(["--comms", "fp32,int2", "--out_dir", str(tmp_path)])
     assert "method int2 needs train.py --comm=int2" in capsys.readouterr().err
 
 
-def test_ablate_runs_a_grid_and_resumes(tiny_corpus, tmp_path, capsys):
+def test_study_runs_a_grid_and_resumes(tiny_corpus, tmp_path, capsys):
     """Two methods x two seeds of simulated 2-rank runs; a second call skips all four. Each
     record holds the whole command, the commit, preset, steps, learning rates and the bytes
     per step averaged over the run."""
@@ -191,7 +191,7 @@ def test_ablate_runs_a_grid_and_resumes(tiny_corpus, tmp_path, capsys):
              "--block_size=16", "--eval_iters=1", "--eval_interval=2", "--warmup_iters=1", "--final_evals=2"]
     argv = ["--comms", "fp32,fp8", "--seeds", "0,1", "--workers", "2", "--out_dir",
             str(tmp_path), "--", *extra]
-    ablate.main(argv)
+    study.main(argv)
     records = json.load(open(tmp_path / "results.json"))
     assert sorted((r["comm"], r["seed"]) for r in records) == [
         ("fp32", 0), ("fp32", 1), ("fp8", 0), ("fp8", 1)]
@@ -207,27 +207,27 @@ def test_ablate_runs_a_grid_and_resumes(tiny_corpus, tmp_path, capsys):
     assert wire["fp32"] == 2.0 and 0.5 < wire["fp8"] < 0.6
     assert "recovers of fp8's gap" in (tmp_path / "study.md").read_text()
     capsys.readouterr()
-    ablate.main(argv)
+    study.main(argv)
     assert capsys.readouterr().out.count("done before, skipped") == 4
 
 
-def test_ablate_sweep_then_study_with_its_best_value(tiny_corpus, tmp_path):
+def test_study_sweep_then_study_with_its_best_value(tiny_corpus, tmp_path):
     """A toy sweep (2 values, 1 seed, 2 steps) writes sweep.json; a study with --lr_from trains
     fp32 at the best value."""
     extra = ["--", "--preset=char-study", f"--data_dir={tiny_corpus}", "--max_iters=2", "--batch_size=2",
              "--block_size=16", "--eval_iters=1", "--eval_interval=2", "--warmup_iters=1"]
     sweep = tmp_path / "sweep"
-    ablate.main(["--sweep", "learning_rate=1e-3,1e-2", "--seeds", "0", "--workers", "1",
-                 "--out_dir", str(sweep), *extra])
+    study.main(["--sweep", "learning_rate=1e-3,1e-2", "--seeds", "0", "--workers", "1",
+                "--out_dir", str(sweep), *extra])
     [entry] = json.load(open(sweep / "sweep.json"))["sweeps"]
     assert (entry["optimizer"], entry["workers"], entry["flag"]) == ("adamw", 1, "learning_rate")
     losses = {v["value"]: v["mean"] for v in entry["values"]}
     assert set(losses) == {"1e-3", "1e-2"} and entry["best"] == min(losses, key=losses.get)
     assert os.path.exists(sweep / "learning_rate=1e-2" / "fp32" / "adamw" / "sim1" / "seed0")
-    study = tmp_path / "study"
-    ablate.main(["--comms", "fp32", "--seeds", "0", "--workers", "1", "--lr_from",
-                 str(sweep / "sweep.json"), "--out_dir", str(study), *extra])
-    [r] = json.load(open(study / "results.json"))
+    out = tmp_path / "study"
+    study.main(["--comms", "fp32", "--seeds", "0", "--workers", "1", "--lr_from",
+                str(sweep / "sweep.json"), "--out_dir", str(out), *extra])
+    [r] = json.load(open(out / "results.json"))
     assert f"--learning_rate={entry['best']}" in r["command"]
     assert r["learning_rates"]["learning_rate"] == float(entry["best"])
 
@@ -248,7 +248,7 @@ def test_vocabulary_mismatch_is_refused(tmp_path):
 
 
 def smoke_rank(rank, world_size, out):
-    from nanogeo import smoke
+    from nanogeo.tools import smoke
     smoke.main(["--preset=cpu-tiny", "--numel=5000", "--iters=1", "--batch_size=2",
                 "--block_size=16", f"--out={out}"])
 
@@ -281,7 +281,7 @@ def test_capture_records_moments_and_optimizer(tiny_corpus, tmp_path):
     assert classes == {"Muon", "AdamW"} and data["vocab_size"] == 128
     muon = next(g for g in data["optimizer"]["groups"] if g["class"] == "Muon")
     assert "layers.0.attn.wq.weight" in muon["params"] and "lm_head.weight" not in muon["params"]
-    from nanogeo import fidelity
+    from nanogeo.tools import fidelity
     report = fidelity.evaluate(str(out), ["fp8-block", "geofp8:select=all"], last=1)
     for method in report.values():      # real optimizer steps: FP8 moves them, but not wholly
         assert set(method["total"]["update_err"]) == {"muon", "adamw"}
@@ -291,7 +291,7 @@ def test_capture_records_moments_and_optimizer(tiny_corpus, tmp_path):
 
 
 def test_profile_and_tables(tiny_corpus, tmp_path):
-    from nanogeo import profile, tables
+    from nanogeo.tools import profile, tables
     out = tmp_path / "layers.json"
     profile.main([f"--out={out}", "--preset=char-study", f"--data_dir={tiny_corpus}", "--workers=4",
                   "--steps=2",
@@ -317,7 +317,7 @@ def study_record(comm, seed, loss, wire, ms=100.0):
             "mean_wire_vs_bf16": wire}
 
 
-def test_ablate_answer_recommends_the_cheapest_method_as_good_as_the_best(tmp_path):
+def test_study_answer_recommends_the_cheapest_method_as_good_as_the_best(tmp_path):
     """Hand-made study: subspace's gap to fp32 (0.0183) is below fp8's (0.02), but their paired
     difference (-0.005, +0.005, -0.005) includes 0, so plain fp8 is the FP8 answer; at 4 bits the
     rotation is better than nvfp4 in every seed by 0.05, so it is the answer there."""
@@ -328,24 +328,24 @@ def test_ablate_answer_recommends_the_cheapest_method_as_good_as_the_best(tmp_pa
                             ms=130.0 if comm == "subspace-nvfp4" else 100.0)
                for comm, values in losses.items() for seed in range(3)]
     records.append(dict(study_record("fp8", 0, 9.0, 0.5), flags=["--learning_rate=1"]))  # other group
-    fp8_budget, four_bit = ablate.answer(records).splitlines()[2:4]
+    fp8_budget, four_bit = study.answer(records).splitlines()[2:4]
     assert fp8_budget.startswith("| adamw | FP8 | fp8 | 3 | +0.0200 ± 0.0000 | "
                                  "+0.0100 ± 0.0000 | 0.500 | 1.00× | subspace: +0.0183 ± ")
     assert four_bit.startswith("| adamw | 4-bit | subspace-nvfp4 | 3 | "
                                "+0.0500 ± 0.0000 | +0.0400 ± 0.0000 | 0.280 | 1.30× | — |")
-    assert "indistinguishable" not in ablate.answer(records)
+    assert "indistinguishable" not in study.answer(records)
     readme = tmp_path / "README.md"
-    readme.write_text(f"intro\n{ablate.ANSWER_BEGIN}\nold\n{ablate.ANSWER_END}\nrest\n")
+    readme.write_text(f"intro\n{study.ANSWER_BEGIN}\nold\n{study.ANSWER_END}\nrest\n")
     (tmp_path / "results.json").write_text(json.dumps(records))
-    ablate.write_answer(str(tmp_path / "results.json"), str(readme))
-    assert readme.read_text() == (f"intro\n{ablate.ANSWER_BEGIN}\n{ablate.answer(records)}"
-                                  f"{ablate.ANSWER_END}\nrest\n")
+    study.write_answer(str(tmp_path / "results.json"), str(readme))
+    assert readme.read_text() == (f"intro\n{study.ANSWER_BEGIN}\n{study.answer(records)}"
+                                  f"{study.ANSWER_END}\nrest\n")
     readme.write_text("no markers\n")
     with pytest.raises(ValueError, match="answer: begin"):
-        ablate.write_answer(str(tmp_path / "results.json"), str(readme))
+        study.write_answer(str(tmp_path / "results.json"), str(readme))
 
 
-def test_ablate_answer_edge_cases(tmp_path, capsys):
+def test_study_answer_edge_cases(tmp_path, capsys):
     """A diverged method is never recommended; "indistinguishable from fp32" only when the
     interval includes 0 (not when fp8 is significantly *better*); a recommendation that sends
     more than its format's goal allows says so; a wrong W and --readme without --answer are
@@ -354,7 +354,7 @@ def test_ablate_answer_edge_cases(tmp_path, capsys):
     better = [study_record("fp8", s, 1.97 + s / 10 + (0.001, -0.001, 0.0)[s], 0.543) for s in range(3)]
     diverged = [study_record("subspace", s, float("nan"), 0.5) for s in range(3)]
     heavy = [study_record("geofp8", s, 2.0 + s / 10, 0.537) for s in range(3)]
-    text = ablate.answer(fp32 + better + diverged + heavy)
+    text = study.answer(fp32 + better + diverged + heavy)
     row = text.splitlines()[2]
     assert row.startswith("| adamw | FP8 | fp8 | 3 | -0.0300 ± ")
     assert "indistinguishable" not in text
@@ -362,22 +362,22 @@ def test_ablate_answer_edge_cases(tmp_path, capsys):
     assert "Not finite in some run, so in no row: subspace." in text
     assert "nothing measured yet" in text.splitlines()[3]       # 4-bit: no run
     same = [study_record("fp8", s, 2.0 + s / 10 + (0.001, -0.001, 0.0)[s], 0.5) for s in range(3)]
-    assert "plain fp8 is indistinguishable from fp32" in ablate.answer(fp32 + same)
+    assert "plain fp8 is indistinguishable from fp32" in study.answer(fp32 + same)
     # a method run on fewer seeds is compared on the seeds it shares: equal to nvfp4 on seeds 0
     # and 1, it is not "better" because nvfp4's seed 2 was its worst
     nvfp4 = [study_record("nvfp4", s, 2.0 + s / 10 + (0.01, 0.012, 0.03)[s], 0.29) for s in range(3)]
     twin = [dict(r, comm="hadamard-nvfp4") for r in nvfp4[:2]]
-    assert ablate.answer(fp32 + nvfp4 + twin).splitlines()[3].endswith(" | — |")
+    assert study.answer(fp32 + nvfp4 + twin).splitlines()[3].endswith(" | — |")
     with pytest.raises(ValueError, match="--answer_workers"):
-        ablate.answer(fp32, workers=64)
+        study.answer(fp32, workers=64)
     (tmp_path / "r.json").write_text(json.dumps(fp32 + same))
     for argv, message in ((["--readme", "README.md"], "give both"),
                           (["--answer", str(tmp_path / "r.json"), "--answer_workers", "8"],
                            "--answer_workers")):
         with pytest.raises(SystemExit) as e:
-            ablate.main(argv)
+            study.main(argv)
         assert e.value.code == 2 and message in capsys.readouterr().err
-    ablate.main(["--answer", str(tmp_path / "r.json")])
-    assert capsys.readouterr().out == ablate.answer(fp32 + same)
-    ablate.main(["--table", str(tmp_path / "r.json"), "--reference", "fp8"])
-    assert capsys.readouterr().out == ablate.table(fp32 + same, "fp8")
+    study.main(["--answer", str(tmp_path / "r.json")])
+    assert capsys.readouterr().out == study.answer(fp32 + same)
+    study.main(["--table", str(tmp_path / "r.json"), "--reference", "fp8"])
+    assert capsys.readouterr().out == study.table(fp32 + same, "fp8")

@@ -11,7 +11,9 @@ import torch.distributed as dist
 import train
 from conftest import ROOT, GPT2Shaped, run_ranks
 from model import Llama, ModelConfig, model_config, next_token_loss
-from nanogeo import config, hooks, kernels, simulated
+from nanogeo.run import config
+from nanogeo.dist import hooks, simulated
+from nanogeo.wire import kernels
 from train import ConfigError, parse_config
 
 
@@ -33,7 +35,7 @@ def test_geo_layers_flag(tmp_path):
     assert paper.select == "fragile" and paper.top_k == 4 and paper.refresh == 50
     with pytest.raises(ConfigError, match="fragile:K"):
         geo("--geo_layers=fragile:x")
-    with pytest.raises(ConfigError, match="nanogeo.profile"):
+    with pytest.raises(ConfigError, match="nanogeo.tools.profile"):
         geo(f"--geo_layers={tmp_path}/missing.json")
     with pytest.raises(ConfigError, match="fp8-sum"):        # the profile needs that collective
         geo("--geo_layers=fragile:4")
@@ -322,7 +324,7 @@ def random_batches(ranks, grad_accum, vocab, batch=2, block=16):
 
 @pytest.mark.parametrize("tie, grad_accum", [(False, 1), (True, 2)])
 def test_batched_ranks_equal_each_ranks_own_pass(tie, grad_accum, one_thread, monkeypatch):
-    """Simulated ranks through the model together (nanogeo.simulated.BatchedRanks): every
+    """Simulated ranks through the model together (nanogeo.dist.simulated.BatchedRanks): every
     rank's losses and gradients bit for bit those of its own pass - over uneven passes (2 + 1
     ranks), micro-steps, and a head tied to the embedding (two uses of one weight)."""
     monkeypatch.setattr(simulated, "PASS_TOKENS", 64)      # two ranks of 2 x 16 tokens a pass

@@ -3,7 +3,7 @@
 # is run (resumable: a finished run is skipped, so run this again to continue it). From the
 # repository root, after `python prepare_data.py --tokenizer char`. Results: out/study/results.json
 # (copied to docs/study/results.json with the plots, then
-# `python -m nanogeo.ablate --answer docs/study/results.json --readme README.md`).
+# `python -m nanogeo.tools.study --answer docs/study/results.json --readme README.md`).
 #
 # 1. Each optimizer tuned with fp32 first: 300-step sweeps over 2 seeds (out/sweep/sweep.md).
 # 2. Every method of an optimizer then trains at that optimizer's best learning rate
@@ -16,18 +16,18 @@ OPTIMIZERS=${OPTIMIZER:-adamw,muon}
 SWEEP="--workers 32 --seeds 0,1 --out_dir out/sweep -- --preset=char-study --max_iters=300 --eval_interval=300 --log_interval=25"
 # each process sweeps only its own optimizers (two processes never run the same run)
 case ",$OPTIMIZERS," in *,adamw,*)
-python -m nanogeo.ablate --sweep learning_rate=1e-3,2e-3,3e-3,6e-3,1e-2,2e-2,3e-2 --optimizers adamw $SWEEP ;; esac
+python -m nanogeo.tools.study --sweep learning_rate=1e-3,2e-3,3e-3,6e-3,1e-2,2e-2,3e-2 --optimizers adamw $SWEEP ;; esac
 case ",$OPTIMIZERS," in *,muon,*)
-python -m nanogeo.ablate --sweep muon_lr=5e-4,1e-3,3e-3,1e-2,3e-2,6e-2,1e-1 --optimizers muon $SWEEP ;; esac
+python -m nanogeo.tools.study --sweep muon_lr=5e-4,1e-3,3e-3,1e-2,3e-2,6e-2,1e-1 --optimizers muon $SWEEP ;; esac
 
 STUDY="--workers 32 --lr_from out/sweep/sweep.json --out_dir out/study --optimizers $OPTIMIZERS -- --preset=char-study --max_iters=300 --eval_interval=300 --log_interval=25"
 # the references, Euclidean FP8 on the project's collective, Euclidean NVFP4 (3 seeds)
-python -m nanogeo.ablate --comms fp32,bf16,fp8,nvfp4 --seeds 0,1,2 $STUDY
+python -m nanogeo.tools.study --comms fp32,bf16,fp8,nvfp4 --seeds 0,1,2 $STUDY
 # 4-bit: where the communication error is largest
-python -m nanogeo.ablate --comms nvfp4,hadamard-nvfp4,subspace-nvfp4,geo-nvfp4,nvfp4-ef --seeds 0,1,2 $STUDY
+python -m nanogeo.tools.study --comms nvfp4,hadamard-nvfp4,subspace-nvfp4,geo-nvfp4,nvfp4-ef --seeds 0,1,2 $STUDY
 # FP8 on the project's collective (two-stage e4m3, block 128)
-python -m nanogeo.ablate --comms fp8,fp8-ef,geofp8,subspace,hadamard --seeds 0,1,2 $STUDY
+python -m nanogeo.tools.study --comms fp8,fp8-ef,geofp8,subspace,hadamard --seeds 0,1,2 $STUDY
 # FP8 on the paper's collective (per-tensor e5m2, FP8 sum)
-python -m nanogeo.ablate --comms fp8-paper,fp8-paper-ef,geofp8-paper,subspace-paper,hadamard-paper --seeds 0,1,2 $STUDY
+python -m nanogeo.tools.study --comms fp8-paper,fp8-paper-ef,geofp8-paper,subspace-paper,hadamard-paper --seeds 0,1,2 $STUDY
 # 6 seeds for the rows of the answer table
-python -m nanogeo.ablate --comms fp32,bf16,fp8,nvfp4,hadamard-nvfp4,subspace-nvfp4 --seeds 0,1,2,3,4,5 $STUDY
+python -m nanogeo.tools.study --comms fp32,bf16,fp8,nvfp4,hadamard-nvfp4,subspace-nvfp4 --seeds 0,1,2,3,4,5 $STUDY

@@ -1,9 +1,9 @@
 """
 Zero-shot downstream evaluation of a checkpoint, offline.
 
-    python -m nanogeo.eval out/demo/ckpt.pt --limit 200
-    python -m nanogeo.eval CKPT --tasks hellaswag,piqa --batch_size 32 --json scores.json
-    python -m nanogeo.eval --compare runs/fp32/ckpt.pt runs/geofp8/ckpt.pt --limit 500
+    python -m nanogeo.run.eval out/demo/ckpt.pt --limit 200
+    python -m nanogeo.run.eval CKPT --tasks hellaswag,piqa --batch_size 32 --json scores.json
+    python -m nanogeo.run.eval --compare runs/fp32/ckpt.pt runs/geofp8/ckpt.pt --limit 500
 
 Multiple choice (hellaswag, piqa, arc_easy, arc_challenge, winogrande, openbookqa, sciq): each
 choice is a (context, continuation) pair; the model's log-likelihood of the continuation given
@@ -259,7 +259,7 @@ def main(argv=None):
                          args.data_root)
             print_scores(output, args.checkpoint)
     except EvalError as e:
-        sys.exit(f"nanogeo.eval: error: {e}")
+        sys.exit(f"nanogeo.run.eval: error: {e}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(output, f)

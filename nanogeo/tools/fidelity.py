@@ -1,10 +1,10 @@
 """
 How faithfully does each method deliver the mean gradient?
 
-    python -m nanogeo.fidelity grads.pt [--methods bf16,fp8-block,geofp8] [--json OUT] [--last K]
+    python -m nanogeo.tools.fidelity grads.pt [--methods bf16,fp8-block,geofp8] [--json OUT] [--last K]
                                         [--per_step]
 
-Reads a gradient file (nanogeo.capture writes one), runs every method's full pipeline over the
+Reads a gradient file (nanogeo.tools.capture writes one), runs every method's full pipeline over the
 steps in order - geometry is estimated only from earlier decoded means, exactly as in training,
 with no training-time warm-up: a geometry built from step s is measured on step s + 1 and can be
 used from step s + 2 on - and reports for the last K steps (averaged): per tensor and in total,
@@ -51,7 +51,7 @@ import sys
 import torch
 
 import compress
-from nanogeo import hooks, update_error
+from nanogeo.dist import hooks, update_error
 
 PAPER_CODEC = dict(fmt="e5m2", block="tensor", collective="fp8-sum")
 METHODS = {  # name -> GeoOptions fields (None: the bf16 ring all-reduce)
@@ -144,7 +144,7 @@ def run_method(spec, steps, names, vocab_size, moments=None, linear=None, views=
     comm = compress.GeoFP8Communicator(list(zip(names, shapes)), options, linear=linear)
     if comm.moment_layers() and moments is None:
         raise ValueError(f"{spec} whitens with each layer's input second moments, but the file "
-                         "has no 'inputs'; capture one with `python -m nanogeo.capture`")
+                         "has no 'inputs'; capture one with `python -m nanogeo.tools.capture`")
     world = len(steps[0])
     if options.collective == "fp8-sum":   # one byte per element in a ring all-reduce
         per_tensor = [compress.ring_allreduce_bytes(math.prod(s), 1, world) for s in shapes]
@@ -257,8 +257,8 @@ def update_floor(record, states, updates, exact, names, classes, grad_clip, size
 
 
 def load_gradient_file(path):
-    """A gradient file (nanogeo.capture), or an error that says how to write one."""
-    fix = f"write one with `python -m nanogeo.capture --out {path}`"
+    """A gradient file (nanogeo.tools.capture), or an error that says how to write one."""
+    fix = f"write one with `python -m nanogeo.tools.capture --out {path}`"
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} does not exist; {fix}")
     try:
@@ -431,7 +431,7 @@ def main(argv=None):
         report = evaluate(args.path, args.methods.split(","), args.last, args.vocab_size,
                           args.round_trip)
     except (ValueError, FileNotFoundError, KeyError) as e:
-        sys.exit(f"nanogeo.fidelity: error: {e}")
+        sys.exit(f"nanogeo.tools.fidelity: error: {e}")
     print_report(report)
     if args.per_step:
         print_steps(report)

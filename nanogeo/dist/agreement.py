@@ -4,7 +4,7 @@ Every rank must hold the same geometry (and train.py's ranks the same parameters
 Each rank computes its bases or whitening factors from the same bytes (the decoded mean, the
 all-reduced K-FAC statistics), so they agree bit for bit - unless a kernel is nondeterministic
 or a node misbehaves. After each refresh compress.GeoFP8Communicator checks it with one tiny
-all-reduce (verify_geometry); nanogeo.runtime.check_ranks_agree checks the parameters with the
+all-reduce (verify_geometry); nanogeo.run.runtime.check_ranks_agree checks the parameters with the
 same same_on_every_rank. Every decision below is read from the all-reduced values, which are
 identical on every rank, so every rank takes the same branch and enters the same collectives.
 """
@@ -60,7 +60,7 @@ def verify_geometry(layers, group, step, device):
     if not bool(agree[:-1].all()):
         raise RuntimeError(f"GeoFP8: the ranks built geometries for different layers by step "
                            f"{step}; restart from the last checkpoint")
-    print(f"nanogeo.agreement: warning: GeoFP8 geometry differs across ranks at step {step}; "
+    print(f"nanogeo.dist.agreement: warning: GeoFP8 geometry differs across ranks at step {step}; "
           "using rank 0's", flush=True)
     broadcast_from_first(layers, group, device)
     return True

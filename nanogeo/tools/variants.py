@@ -1,7 +1,7 @@
 """
 Which rotation suits AdamW? Round-trip error of alternative encodings, as the optimizer sees it.
 
-    python -m nanogeo.variants grads.pt [--geo_rank 16]
+    python -m nanogeo.tools.variants grads.pt [--geo_rank 16]
 
 For every step of a gradient file after the first, with the subspace rotation's bases estimated
 from the earlier decoded means (as in training), each worker's gradient of each candidate matrix
@@ -24,7 +24,8 @@ import math
 import sys
 
 import compress
-from nanogeo import fidelity, update_error
+from nanogeo.tools import fidelity
+from nanogeo.dist import update_error
 
 
 def encodings(layer, round_trip):
@@ -46,7 +47,7 @@ def compare(path, geo_rank=16):
     data = fidelity.load_gradient_file(path)
     steps, record = data["steps"], data.get("optimizer")
     if record is None:
-        raise ValueError(f"{path} records no optimizer; capture it with nanogeo.capture --keep=all")
+        raise ValueError(f"{path} records no optimizer; capture it with nanogeo.tools.capture --keep=all")
     if len(steps) < 2:
         raise ValueError(f"{path} holds {len(steps)} step; the bases come from earlier steps, so "
                          "capture at least 2 (--capture_steps=2 or more)")
@@ -82,7 +83,7 @@ def main(argv=None):
     try:
         ratios = compare(args.path, args.geo_rank)
     except (ValueError, FileNotFoundError, KeyError) as e:
-        sys.exit(f"nanogeo.variants: error: {e}")
+        sys.exit(f"nanogeo.tools.variants: error: {e}")
     print("optimizer-visible round-trip error vs Euclidean FP8: "
           + ", ".join(f"{k} {v:.3f}x" for k, v in ratios.items()))
     return ratios

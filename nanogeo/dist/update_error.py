@@ -3,7 +3,7 @@ The error the optimizer sees: what a gradient error does to the next update, fro
 optimizer's own state - AdamW's elementwise update (exactly), Muon's Newton-Schulz map (to first
 order).
 compress.GeoFP8Communicator judges each layer's coordinates by it (why: compress.py section
-4b, "The error the optimizer sees"); nanogeo.fidelity and nanogeo.variants report with it.
+4b, "The error the optimizer sees"); nanogeo.tools.fidelity and nanogeo.tools.variants report with it.
 """
 import functools
 from dataclasses import dataclass

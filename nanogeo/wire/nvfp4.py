@@ -21,7 +21,7 @@ import math
 import torch
 
 from compress import NVFP4_BLOCK, Quantized, as_float32, num_groups, on_device, scale_groups
-from nanogeo import packing
+from nanogeo.wire import packing
 
 E2M1_MAX = 6.0
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the 8 magnitudes of a 4-bit e2m1 value
@@ -211,7 +211,7 @@ class WireRun:
 
 class Packing(packing.Packing):
     """The packed form of a compress.ShardLayout for NVFP4: the stages as FP8's packed form
-    (nanogeo/packing.py) runs them - the bucket's pieces cut into blocks of 16 and stacked in
+    (nanogeo/wire/packing.py) runs them - the bucket's pieces cut into blocks of 16 and stacked in
     wire order, one codec call per stage - with the piece-by-piece path's wire: the same bytes
     and, summed in the same order, the same means."""
 

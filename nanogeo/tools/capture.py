@@ -1,10 +1,10 @@
 """
 Capture real gradients of W data-parallel workers into a gradient file.
 
-    python -m nanogeo.capture --out grads.pt --workers=4 --train_steps=200 --capture_steps=4
-    python -m nanogeo.capture --out grads_muon.pt --optimizer=muon --workers=4 --train_steps=200
-    python -m nanogeo.capture --model=bytegpt --out grads_bytegpt.pt     # a GPT-2-style model
-    python -m nanogeo.capture --model=bytegpt --quiet_rows=0.25 ...      # with planted quiet rows
+    python -m nanogeo.tools.capture --out grads.pt --workers=4 --train_steps=200 --capture_steps=4
+    python -m nanogeo.tools.capture --out grads_muon.pt --optimizer=muon --workers=4 --train_steps=200
+    python -m nanogeo.tools.capture --model=bytegpt --out grads_bytegpt.pt     # a GPT-2-style model
+    python -m nanogeo.tools.capture --model=bytegpt --quiet_rows=0.25 ...      # with planted quiet rows
 
 Trains a preset in one process for --train_steps with the exact fp32 mean of W workers'
 gradients (each worker its own micro-batch, as in data parallelism), or starts from a train.py
@@ -36,13 +36,15 @@ import compress
 import model as model_lib
 import train
 from prepare_data import ShardError, load_splits
-from nanogeo import bytegpt, checkpoint, config, hooks
+from nanogeo.tools import bytegpt
+from nanogeo.run import checkpoint, config
+from nanogeo.dist import hooks
 
 
 @dataclass
 class CaptureConfig:
     out: str = "grads.pt"
-    model: str = "llama"              # llama (model.py, --preset) | bytegpt (nanogeo.bytegpt:
+    model: str = "llama"              # llama (model.py, --preset) | bytegpt (nanogeo.tools.bytegpt:
                                       # GPT-2 style, bytes of the Python standard library)
     preset: str = "cpu-tiny"
     data_dir: str = "data/shakespeare"
@@ -206,7 +208,7 @@ def main(argv=None):
                                            "keep": ("all", "linear")}, doc=__doc__)
         capture(cfg)
     except (config.ConfigError, ShardError) as e:
-        sys.exit(f"nanogeo.capture: error: {e}")
+        sys.exit(f"nanogeo.tools.capture: error: {e}")
 
 
 if __name__ == "__main__":

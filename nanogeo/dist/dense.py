@@ -10,7 +10,7 @@ Ablation-only coordinates of compress.py, imported by it on first use (compress.
     dense m x m and n x n matrices.
 
 They exist to measure what the low-rank approximations and the Householder completion cost or
-gain (BENCHMARKS.md sections 11-12, nanogeo.tables); training uses compress.py's own forms.
+gain (BENCHMARKS.md sections 11-12, nanogeo.tools.tables); training uses compress.py's own forms.
 """
 from dataclasses import dataclass, field
 

@@ -1,9 +1,9 @@
 """
 The GeoFP8 paper's Tables I and II, reproduced on a gradient file of this project's model.
 
-    python -m nanogeo.tables grads.pt --last 3                       # Table I: one round trip
-    python -m nanogeo.tables grads.pt --last 3 --codec two-stage     # through the collectives
-    python -m nanogeo.tables grads_w32.pt --last 2 --codec fp8-sum --workers 8   # W = 8 of 32
+    python -m nanogeo.tools.tables grads.pt --last 3                       # Table I: one round trip
+    python -m nanogeo.tools.tables grads.pt --last 3 --codec two-stage     # through the collectives
+    python -m nanogeo.tools.tables grads_w32.pt --last 2 --codec fp8-sum --workers 8   # W = 8 of 32
 
 Every row sends the same captured gradients with a different geometry and reports, for the MLP
 down-projections (--group, the weights whose name ends so) and for all matrices (every 2-D
@@ -17,7 +17,7 @@ next to the paper's number and as a ratio to the Euclidean row. Codecs:
     two-stage    this project's collective: e4m3, block-128 scales, fp32 sums
 
 Every geometry row whitens all candidate matrices (select=all) so that each row measures the
-transform itself; the published deployment whitens a profiled subset (nanogeo.profile).
+transform itself; the published deployment whitens a profiled subset (nanogeo.tools.profile).
 Factors come from the file's input (and output) second moments of earlier steps, exactly as in
 training (refresh every 50 steps: the first step's factors serve the steps after it). The last
 row is the geometry-agnostic control (compress section 3c): random signs and Walsh-Hadamard
@@ -29,7 +29,7 @@ import json
 import math
 import sys
 
-from nanogeo import fidelity
+from nanogeo.tools import fidelity
 
 # (label, geometry options, the paper's one-round-trip relative L2 error)
 ROWS = [
@@ -125,7 +125,7 @@ def main(argv=None):
         result = tables(args.path, args.codec, args.last, args.group, args.vocab_size,
                         args.workers)
     except (ValueError, FileNotFoundError, KeyError) as e:
-        sys.exit(f"nanogeo.tables: error: {e}")
+        sys.exit(f"nanogeo.tools.tables: error: {e}")
     print_tables(result)
     if args.json:
         with open(args.json, "w") as f:

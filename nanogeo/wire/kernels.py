@@ -1,5 +1,5 @@
 """
-torch.compile for compress.py's hot path (train.py --compile, nanogeo.bench --compile).
+torch.compile for compress.py's hot path (train.py --compile, nanogeo.tools.bench --compile).
 
 The FP8 codec is a chain of small elementwise kernels (abs, amax, divide, clamp, cast) and the
 Householder reflection three thin matrix products; inductor fuses each chain. compress.py
@@ -17,7 +17,7 @@ import torch
 
 HOT_PATH = {   # module -> its hot-path functions
     "compress": ("fp8_encode", "fp8_decode", "reflect"),
-    "nanogeo.packing": ("fp8_decode_groups",),
+    "nanogeo.wire.packing": ("fp8_decode_groups",),
 }
 CASTS_FLOAT8 = {"fp8_encode", "fp8_decode", "fp8_decode_groups"}
 EAGER = {}                  # (module, name) -> the plain function, while compiled
@@ -33,7 +33,7 @@ def compile_hot_path(enabled=True):
     if not enabled:
         return
     if state["float8_eager"]:
-        print("nanogeo.kernels: this GPU (below sm_89) has no float8 casts in Triton: the FP8 codec "
+        print("nanogeo.wire.kernels: this GPU (below sm_89) has no float8 casts in Triton: the FP8 codec "
               "runs eagerly, the transforms compiled", flush=True)
     import torch._dynamo as dynamo   # imported only when compiling (about a second)
     # one compile per distinct shape: allow for the dozens of a real model's pieces

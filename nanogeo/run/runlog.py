@@ -13,7 +13,7 @@ from dataclasses import asdict
 
 import torch.distributed as dist
 
-from nanogeo import runtime
+from nanogeo.run import runtime
 from compress import ring_allreduce_bytes
 
 
@@ -88,9 +88,9 @@ class RunLog:
         self.write(record)
 
     def downstream(self, done, model, device):
-        """Zero-shot scores (nanogeo.eval). Every rank scores its share of the requests (no rank
+        """Zero-shot scores (nanogeo.run.eval). Every rank scores its share of the requests (no rank
         waits on another's evaluation in a collective, which a long one would time out)."""
-        from nanogeo import eval as downstream
+        from nanogeo.run import eval as downstream
         cfg = self.cfg
         scores = downstream.evaluate_model(model, cfg.eval_tasks.split(","), cfg.eval_limit,
                                            cfg.batch_size, device, quiet=True)

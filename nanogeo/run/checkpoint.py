@@ -24,7 +24,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from nanogeo.config import ConfigError
+from nanogeo.run.config import ConfigError
 
 
 def ckpt_path(cfg):

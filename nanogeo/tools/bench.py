@@ -1,12 +1,12 @@
 """
 Benchmarks of the collective and of GeoFP8's compute cost. Not tests: numbers for BENCHMARKS.md.
 
-    torchrun --standalone --nproc_per_node=2 -m nanogeo.bench collective [--sizes 1,4,16] [--iters 5] [--compile]
-    python -m nanogeo.bench overhead [--steps 10]
-    python -m nanogeo.bench flops [--preset llama-600m --tokens 8192 --geo_rank 16 --refresh 1,4]
-    torchrun --standalone --nproc_per_node=2 -m nanogeo.bench fsdp [--checkpoint out/ablate/fp32/adamw/ranks2/seed1337/ckpt.pt]
-    python -m nanogeo.bench codec [--preset llama-600m --world 8 --iters 5]
-    torchrun --standalone --nproc_per_node=2 -m nanogeo.bench accumulation [--seeds 0,1,2 --steps 30]
+    torchrun --standalone --nproc_per_node=2 -m nanogeo.tools.bench collective [--sizes 1,4,16] [--iters 5] [--compile]
+    python -m nanogeo.tools.bench overhead [--steps 10]
+    python -m nanogeo.tools.bench flops [--preset llama-600m --tokens 8192 --geo_rank 16 --refresh 1,4]
+    torchrun --standalone --nproc_per_node=2 -m nanogeo.tools.bench fsdp [--checkpoint out/ablate/fp32/adamw/ranks2/seed1337/ckpt.pt]
+    python -m nanogeo.tools.bench codec [--preset llama-600m --world 8 --iters 5]
+    torchrun --standalone --nproc_per_node=2 -m nanogeo.tools.bench accumulation [--seeds 0,1,2 --steps 30]
 
 collective: each method on one bucket of N million fp32 gradient elements, shaped as square-ish
   matrices (so GeoFP8 has something to rotate), timed with a per-stage breakdown (rotate =
@@ -17,12 +17,12 @@ overhead: GeoFP8's extra compute per step (encode, decode, basis refresh) over E
 flops: the same overhead, analytically, at a preset's shapes: 16 m n r flops per rotated matrix
   per step (encode + decode, both sides) plus the refresh, versus ~6 T N training flops.
 fsdp: the cpu-tiny Llama under FSDP2 (every block and the root fully_shard-ed) with fp32, Euclidean
-  FP8 and GeoFP8 reduce-scatter (nanogeo.fsdp), from a checkpoint, on real batches: the gradient
+  FP8 and GeoFP8 reduce-scatter (nanogeo.dist.fsdp), from a checkpoint, on real batches: the gradient
   error of each against fp32 over the last --last of --steps steps (transformer matrices and all
   tensors), bytes sent, and the backward time (which includes the reduce-scatters).
 accumulation: gradient accumulation through the DDP hook, with and without DDP's no_sync() on
   the first micro-step, on a plateau-escape task (a fixed permutation chain over 64 tokens that
-  restarts with probability 1/8) with a byte-level GPT-2 (nanogeo.bytegpt, hidden 128, 2 layers),
+  restarts with probability 1/8) with a byte-level GPT-2 (nanogeo.tools.bytegpt, hidden 128, 2 layers),
   AdamW lr 2e-3, 2 micro-steps per step: final loss per seed and the largest step-to-step rise.
 codec: the two-stage collective's codec work on one rank, per DDP bucket (25 MB, the preset's
   parameters in reverse order), packed (one encode / decode call per bucket and stage) against
@@ -48,7 +48,8 @@ import torch.distributed as dist
 import compress
 import model as model_lib
 import train
-from nanogeo import kernels, perfmodel, smoke
+from nanogeo.wire import kernels
+from nanogeo.tools import perfmodel, smoke
 from prepare_data import load_splits
 
 
@@ -200,7 +201,7 @@ def fsdp_fidelity(checkpoint, steps, last, geo_rank, sides="auto", data_dir="dat
     Sequences of block_size tokens, or of the checkpoint's context length if shorter."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from nanogeo.fsdp import use_geofp8
+    from nanogeo.dist.fsdp import use_geofp8
     me, world = dist.get_rank(), dist.get_world_size()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mesh = init_device_mesh(device, (world,))
@@ -399,8 +400,8 @@ def accumulation_runs(seeds, steps, methods=("fp32", "fp8", "subspace")):
     """Final loss and largest loss rise of each (method, no_sync?, seed) on the chain task."""
     from contextlib import nullcontext
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from nanogeo.bytegpt import ByteGPT, ByteGPTConfig
-    from nanogeo.ddp import GeoFP8HookState, geofp8_hook
+    from nanogeo.tools.bytegpt import ByteGPT, ByteGPTConfig
+    from nanogeo.dist.ddp import GeoFP8HookState, geofp8_hook
     rank = dist.get_rank()
     rows = []
     for seed in seeds:

@@ -14,7 +14,7 @@ one concatenation of scales and codes; stage 2 decodes the W copies as one matri
 them in rank order (the per-piece path's order: W - 1 additions, not one .sum, whose order
 differs); stage 3 decodes the W shards as one matrix and concatenates the pieces' values back
 into tensors. Only views and host-side bookkeeping per piece. NVFP4's packed form
-(nanogeo/nvfp4.py) is this class with its own codec and wire.
+(nanogeo/wire/nvfp4.py) is this class with its own codec and wire.
 """
 import torch
 
@@ -34,7 +34,7 @@ def unpack_groups(buffer, block, fmt):
     return fp8_decode_groups(rows[:, 4:], scale, compress.FP8_FORMATS[fmt][0])
 
 
-def fp8_decode_groups(codes, scale, dtype):      # hot path (nanogeo.kernels)
+def fp8_decode_groups(codes, scale, dtype):      # hot path (nanogeo.wire.kernels)
     """codes (G, L) uint8 and their scales (G,) -> (G, L) fp32."""
     return codes.view(dtype).float() / scale[:, None]
 

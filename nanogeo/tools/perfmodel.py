@@ -2,9 +2,9 @@
 An analytic step-time model: what does each gradient-communication method cost end to end, and
 which machine parameters reproduce the paper's reported timings?
 
-    python -m nanogeo.perfmodel paper                       # calibrate to the paper's cluster
-    python -m nanogeo.perfmodel                             # llama-600m, 4 GPUs per node, scan
-    python -m nanogeo.perfmodel --preset llama-300m --nodes 1,2,4,8,16 --inter_gbps 25
+    python -m nanogeo.tools.perfmodel paper                       # calibrate to the paper's cluster
+    python -m nanogeo.tools.perfmodel                             # llama-600m, 4 GPUs per node, scan
+    python -m nanogeo.tools.perfmodel --preset llama-300m --nodes 1,2,4,8,16 --inter_gbps 25
 
 The step
 --------
@@ -289,7 +289,7 @@ def subspace_flops(w: Workload, iters=1):
 
 
 def geo_flops(preset, geo_rank, refresh=4, iters=1):
-    """(subspace rotation flops per step, meta model) at a preset's shapes (nanogeo.bench)."""
+    """(subspace rotation flops per step, meta model) at a preset's shapes (nanogeo.tools.bench)."""
     with torch.device("meta"):
         net = model_lib.Llama(model_lib.model_config(preset))
     return subspace_flops(workload(preset, geo_rank=geo_rank, geo_refresh=refresh), iters), net

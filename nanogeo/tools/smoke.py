@@ -1,11 +1,11 @@
 """
 A single-process GPU smoke test: does the NCCL/CUDA path work, and how fast are its parts?
 
-    python -m nanogeo.smoke --out smoke.json                       # on one GPU (GH200, H100, ...)
-    python -m nanogeo.smoke --preset cpu-tiny --numel 1e6 --iters 3  # the same checks on a CPU
+    python -m nanogeo.tools.smoke --out smoke.json                       # on one GPU (GH200, H100, ...)
+    python -m nanogeo.tools.smoke --preset cpu-tiny --numel 1e6 --iters 3  # the same checks on a CPU
 
 One process, so no network is measured (two processes cannot share one GPU's NCCL; the wire
-is measured by `torchrun ... -m nanogeo.bench collective` on a real node). What it checks:
+is measured by `torchrun ... -m nanogeo.tools.bench collective` on a real node). What it checks:
 
   env        device, torch, CUDA and NCCL versions
   nccl       a 1-rank NCCL process group runs the collective's calls on uint8 buffers
@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 import compress
 import model as model_lib
-from nanogeo import kernels
+from nanogeo.wire import kernels
 
 
 def timed(fn, iters):
@@ -128,7 +128,7 @@ def check_transform(device, net, iters, geo_rank=16):
 def check_ddp(device):
     """The hook on the GPU side stream against plain DDP on one rank: equal within FP8 error."""
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from nanogeo.ddp import GeoFP8HookState, geofp8_hook
+    from nanogeo.dist.ddp import GeoFP8HookState, geofp8_hook
     torch.manual_seed(0)
     layer = torch.nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.0, batch_first=True)
     nets = []

@@ -1,7 +1,7 @@
 """
 The published GeoFP8's layer selection: which matrices are "numerically fragile"?
 
-    python -m nanogeo.profile --workers=8 --steps=100 --top_k=4 --out layers.json
+    python -m nanogeo.tools.profile --workers=8 --steps=100 --top_k=4 --out layers.json
     torchrun --standalone --nproc_per_node=2 train.py --comm=geofp8 --geo_layers=layers.json
 
 The paper profiles a Euclidean FP8 run: every matrix is sent with one e5m2 scale shared by all
@@ -11,8 +11,8 @@ averaged over the first N steps; the highest-scoring matrices get the whitening 
 others stay Euclidean. (At 600M parameters the paper's top 13 were all MLP down-projections.)
 
 This tool trains --preset in one process as --workers data-parallel workers (the model steps with
-their exact mean, nanogeo.capture's loop), sends every step's gradients through the paper's
-collective as simulated (nanogeo.fp8sum.simulate_fp8_sum: fp16 adds, saturating re-rounds per
+their exact mean, nanogeo.tools.capture's loop), sends every step's gradients through the paper's
+collective as simulated (nanogeo.wire.fp8sum.simulate_fp8_sum: fp16 adds, saturating re-rounds per
 hop, in ring or tree order), prints the ranking and writes the selection:
 
     --top_k K        the K highest scores (the paper's rule)
@@ -34,8 +34,9 @@ from dataclasses import dataclass
 import compress
 import model as model_lib
 from prepare_data import ShardError
-from nanogeo.capture import CaptureConfig, simulated_training
-from nanogeo import config, hooks
+from nanogeo.tools.capture import CaptureConfig, simulated_training
+from nanogeo.run import config
+from nanogeo.dist import hooks
 
 
 @dataclass
@@ -101,7 +102,7 @@ def main(argv=None):
             raise config.ConfigError("choose the selection: --top_k=K or --threshold=T")
         scores, ranked, selected = profile(cfg)
     except (config.ConfigError, ShardError) as e:
-        sys.exit(f"nanogeo.profile: error: {e}")
+        sys.exit(f"nanogeo.tools.profile: error: {e}")
     label = "saturated fraction" if cfg.by == "fragility" else "measured gain"
     print(f"{'rank':>4s}  {'matrix':40s} {label:>18s}  selected")
     for k, n in enumerate(ranked):

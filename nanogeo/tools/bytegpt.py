@@ -1,7 +1,7 @@
 """
 A model this project did not design, for checking that GeoFP8's decisions do not fit only ours.
 
-    python -m nanogeo.capture --model=bytegpt --out grads_bytegpt.pt --workers=4 --train_steps=150
+    python -m nanogeo.tools.capture --model=bytegpt --out grads_bytegpt.pt --workers=4 --train_steps=150
 
 A byte-level GPT-2 (Radford et al. 2019) in miniature, written the way GPT-2 is, not the way
 model.py's Llama is: LayerNorm with biases, a fused query/key/value projection (one 192 x 576
@@ -11,9 +11,9 @@ of the kind "the largest dimension is the vocabulary" can be right on it. Its co
 standard library's own source files (read from this interpreter's installation, so it works
 offline): a few MB of code and docstrings.
 
-nanogeo.capture trains it with the same simulated data parallelism and optimizers (AdamW, or
+nanogeo.tools.capture trains it with the same simulated data parallelism and optimizers (AdamW, or
 Muon on the blocks' matrices) as our model, and writes the same gradient file, which
-nanogeo.fidelity and nanogeo.tables read.
+nanogeo.tools.fidelity and nanogeo.tools.tables read.
 """
 
 import math

@@ -3,10 +3,10 @@ Convergence studies: the same training run with each gradient communication meth
 of methods x optimizers x seeds x data-parallel ranks, compared seed by seed with Student t
 intervals; and the short fp32 learning-rate sweep that tunes each optimizer before a study.
 
-    python -m nanogeo.ablate --comms fp32,bf16,fp8,geofp8 --nproc 2 --out_dir out/ablate [-- TRAIN FLAGS]
-    python -m nanogeo.ablate --sweep muon_lr=1e-3,3e-3,1e-2 --optimizers muon --workers 32 \\
+    python -m nanogeo.tools.study --comms fp32,bf16,fp8,geofp8 --nproc 2 --out_dir out/ablate [-- TRAIN FLAGS]
+    python -m nanogeo.tools.study --sweep muon_lr=1e-3,3e-3,1e-2 --optimizers muon --workers 32 \\
         --seeds 0,1 --out_dir out/sweep -- --preset=char-study --max_iters=300
-    python -m nanogeo.ablate --comms fp32,fp8-paper,subspace-paper --workers 32 --seeds 0,1,2 \\
+    python -m nanogeo.tools.study --comms fp32,fp8-paper,subspace-paper --workers 32 --seeds 0,1,2 \\
         --optimizers muon --lr_from out/sweep/sweep.json --out_dir out/study -- --preset=char-study
 
 Runs. One process per run: `torchrun --nproc_per_node=N train.py` for real ranks (--nproc), or
@@ -70,9 +70,9 @@ import sys
 import time
 from dataclasses import dataclass
 
-from nanogeo import config
+from nanogeo.run import config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAPER_SUM = ["--fmt=e5m2", "--block=tensor", "--collective=fp8-sum"]   # the paper's collective
 COMMS = {"fp32": ["--comm=fp32"], "bf16": ["--comm=bf16"], "fp8": ["--comm=fp8"],
          "fp8-ef": ["--comm=fp8", "--error_feedback"],
@@ -207,7 +207,7 @@ def execute(run, nproc, out_dir, commit, label):
         code = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
     done = finished(run.path, cmd)
     if code or done is None:
-        raise SystemExit(f"nanogeo.ablate: {label} failed (exit code {code}); its output is at "
+        raise SystemExit(f"nanogeo.tools.study: {label} failed (exit code {code}); its output is at "
                          f"the end of {log_path}")
     return record(run, *done, nproc, cmd), f"{time.time() - t0:.0f}s"
 
@@ -455,7 +455,7 @@ def lr_flags(path, optimizer, workers):
         entries = json.load(open(path))["sweeps"]
     except (OSError, ValueError, KeyError, TypeError):
         raise ValueError(f"--lr_from {path}: not a sweep.json written by "
-                         "`python -m nanogeo.ablate --sweep ...`") from None
+                         "`python -m nanogeo.tools.study --sweep ...`") from None
     ranks = f"W = {workers}"
     mine = [e for e in entries if (e["optimizer"], e["workers"]) == (optimizer, workers)]
     if not mine:

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 import compress
-from nanogeo import agreement
-from nanogeo.config import ConfigError
+from nanogeo.dist import agreement
+from nanogeo.run.config import ConfigError
 
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12,
@@ -53,7 +53,7 @@ class RankMismatch(RuntimeError):
 
 def check_ranks_agree(params, step, device):
     """All ranks must hold bitwise-identical parameters: one all-reduce of a checksum checks it
-    (nanogeo.agreement.same_on_every_rank)."""
+    (nanogeo.dist.agreement.same_on_every_rank)."""
     checksum = torch.zeros((), dtype=torch.float64, device=device)
     for i, p in enumerate(params):
         checksum += p.detach().double().sum() * (1 + (i % 7) / 7)
