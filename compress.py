@@ -80,19 +80,23 @@ Wire bytes per rank ~ 2 (W-1)/W N (1 + 4/block) versus 2 (W-1)/W N 2 for a bf16 
 
 Reading order: the codec (quantize/dequantize), the two-stage collective, the rotation, the
 whitening, the Hadamard control, geometry estimation, the optimizer's view of an error, and the
-communicator that train.py calls once per step. This file is the reference. nanogeo/ holds
-production forms with the same numbers - the packed collective (one codec call per bucket and
-stage), torch.compile of the functions marked "hot path" (nanogeo/wire/kernels.py, train.py
---compile), FSDP's row-sharded forms - and the parts this file only names and calls (the
-ELSEWHERE table): the paper's FP8-sum collective, the error AdamW and Muon see, the averaging of
-the K-FAC statistics over the ranks, the check that every rank holds the same geometry, NVFP4,
-stochastic rounding, the ablation-only factors and bases.
+communicator that train.py calls once per step. This file is the reference and imports nothing
+from nanogeo/; nanogeo/ builds on it, passing its own forms in where training at scale needs them:
+
+    nanogeo/wire/collective.py    the codec and collective as training runs them: NVFP4
+                                  (wire/nvfp4.py), the packed stages (wire/packing.py, one codec
+                                  call per bucket; compiled: wire/kernels.py), rounding streams
+    nanogeo/wire/fp8sum.py        the paper's collective: one FP8 all_reduce SUM
+    nanogeo/dist/communicator.py  ProductionCommunicator(Communicator): the paper's collective
+                                  and profiled selection, K-FAC statistics averaged over ranks,
+                                  finiteness and rank agreement, dense ablations, checkpoints
+    nanogeo/dist/update_error.py  the error AdamW and Muon see (section 4b)
+    nanogeo/dist/ddp.py, fsdp.py  the DDP comm hook and FSDP2's reduce-scatter (row blocks)
 """
 
 import contextlib
 import copy
 import functools
-import importlib
 import math
 import zlib
 from dataclasses import dataclass, field
@@ -109,21 +113,9 @@ FP8_FORMATS = {  # name -> (torch dtype, largest finite value)
     "e4m3": (torch.float8_e4m3fn, 448.0),
     "e5m2": (torch.float8_e5m2, 57344.0),
 }
-FORMATS = ("e4m3", "e5m2", "nvfp4")
+FORMATS = ("e4m3", "e5m2", "nvfp4")   # nvfp4: 4-bit values, its codec is nanogeo.wire.nvfp4
 NVFP4_BLOCK = 16        # NVFP4 always scales blocks of 16 values; `block` does not apply to it
-# Parts that live in nanogeo/, imported on first use by elsewhere(part) (nanogeo imports this
-# file; this file imports nanogeo only through this table):
-ELSEWHERE = {
-    "nvfp4": "nanogeo.wire.nvfp4",                # NVFP4: quantize, dequantize, wire_nbytes
-    "rounding": "nanogeo.wire.rounding",          # stochastic rounding
-    "packing": "nanogeo.wire.packing",            # the two-stage collective, one call per bucket
-    "fp8-sum": "nanogeo.wire.fp8sum",             # the paper's collective: NCCL sums FP8 codes
-    "update-error": "nanogeo.dist.update_error",  # the error AdamW and Muon see (section 4b)
-    "moments": "nanogeo.dist.hooks",              # K-FAC statistics, averaged over the ranks
-    "agreement": "nanogeo.dist.agreement",        # every rank holds the same geometry
-    "ablations": "nanogeo.dist.dense",        # dense whitening factors and bases
-}
-OTHER_CODECS = ("nvfp4",)     # 4-bit e2m1 values, e4m3 scales per 16 values
+FP8_MAX_CODE = {torch.float8_e4m3fn: 0x7E, torch.float8_e5m2: 0x7B}  # largest finite magnitude
 FP32_MAX = torch.finfo(torch.float32).max
 
 
@@ -156,6 +148,14 @@ def check_codec(fmt, block):
         raise ValueError(f"block must be a positive int, 'row' or 'tensor', got {block!r}")
 
 
+def check_fp8(fmt, block):
+    """This file's codec is FP8; NVFP4 is nanogeo.wire.collective.quantize's."""
+    check_codec(fmt, block)
+    if fmt not in FP8_FORMATS:
+        raise ValueError(f"compress.py codes e4m3 and e5m2; {fmt} is nanogeo.wire's codec "
+                         "(nanogeo.wire.collective.quantize and .all_reduce_mean)")
+
+
 def scale_groups(x, block):
     """View x as (groups, group_len) fp32: one scale per group. Integer blocks pad the flattened
     tensor with zeros to a whole number of blocks (the padding is never sent)."""
@@ -184,33 +184,23 @@ def wire_nbytes(shape, fmt, block):
     numel = math.prod(shape)
     if numel == 0:
         return 0
-    if fmt in OTHER_CODECS:
-        return elsewhere(fmt).wire_nbytes(shape)
     return 4 * num_groups(shape, block) + numel  # fp32 scale per group + one byte per value
 
 
 def quantize(x, fmt="e4m3", block=128, stochastic=False, generator=None) -> Quantized:
     """Quantize x into one uint8 wire buffer.
 
-    e4m3 / e5m2: each group (block of `block` flattened elements, a row, or the whole tensor)
-    gets scale s = fmax / amax; values are cast as torch casts x * s, saturated at +-fmax.
-    Wire: [s per group, fp32][one fp8 byte per element]. nvfp4: see nanogeo/wire/nvfp4.py.
+    Each group (block of `block` flattened elements, a row, or the whole tensor) gets scale
+    s = fmax / amax; values are cast as torch casts x * s (or stochastically), saturated at
+    +-fmax. Wire: [s per group, fp32][one fp8 byte per element].
     """
-    check_codec(fmt, block)
-    if fmt in OTHER_CODECS:
-        return elsewhere(fmt).quantize(x, stochastic, generator)
+    check_fp8(fmt, block)
     numel = x.numel()
     if numel == 0:
         return Quantized(torch.empty(0, dtype=torch.uint8, device=x.device), x.shape, fmt, block)
     scale, codes = encode_groups(scale_groups(x, block), fmt, stochastic, generator)
     buffer = torch.cat([scale.view(torch.uint8), codes.reshape(-1)[:numel]])
     return Quantized(buffer, x.shape, fmt, block)
-
-
-@functools.lru_cache(maxsize=None)
-def elsewhere(part):
-    """The nanogeo module of a part in ELSEWHERE."""
-    return importlib.import_module(ELSEWHERE[part])
 
 
 def scale_from_amax(amax, fmax):
@@ -224,13 +214,13 @@ def fp8_scale(groups, fmax):
     return scale, (groups * scale[:, None]).clamp(-fmax, fmax)
 
 
-def fp8_encode(groups, fmax, dtype):      # hot path (nanogeo.wire.kernels)
+def fp8_encode(groups, fmax, dtype):      # hot path (compiled: nanogeo.wire.kernels)
     """(G, L) fp32 -> scales (G,) fp32 and codes (G, L) uint8, round to nearest even."""
     scale, y = fp8_scale(groups, fmax)
     return scale, y.to(dtype).view(torch.uint8)
 
 
-def fp8_decode(codes, scale, group_len, dtype):      # hot path
+def fp8_decode(codes, scale, group_len, dtype):
     """codes (numel,) uint8 and scales (G,) -> (numel,) fp32. The last group may be partial:
     pad it, divide (G, L) by (G, 1), drop the padding. (The same as dividing by the scales
     repeated per element, which torch 2.13's inductor miscompiles on CPU for a partial group.)"""
@@ -247,8 +237,6 @@ def as_float32(raw):
 
 def dequantize(q: Quantized) -> torch.Tensor:
     """fp32 tensor of q's shape."""
-    if q.fmt in OTHER_CODECS:
-        return elsewhere(q.fmt).dequantize(q)
     numel = math.prod(q.shape)
     if numel == 0:
         return torch.zeros(q.shape, device=q.buffer.device)
@@ -286,19 +274,17 @@ class ShardLayout:
     are spread by rotating which rank gets the remainder. The layout depends only on the shapes,
     so every rank computes the same one.
 
-    With integer blocks the stages run packed: the whole bucket in one codec call per stage
-    (FP8: nanogeo/wire/packing.py, groups sent as [fp32 scale | block codes]; NVFP4: its Packing in
-    nanogeo/wire/nvfp4.py, the same bytes as piece by piece), with the same means, bit for bit, as
-    the piece-by-piece code below, which runs for row and tensor scaling and with packed=False."""
+    The stages below run piece by piece. `packing` (nanogeo.wire passes its Packing class in)
+    runs each stage on the whole bucket in one codec call instead, with the same bytes and
+    means, bit for bit; it applies to integer blocks."""
 
-    def __init__(self, shapes, fmt, block, world_size, pieces=None, packed=True):
+    def __init__(self, shapes, fmt, block, world_size, pieces=None, packing=None):
         check_codec(fmt, block)
         block = NVFP4_BLOCK if fmt == "nvfp4" else block
         self.shapes, self.fmt, self.world_size = [tuple(s) for s in shapes], fmt, world_size
         self.block = block
         self.pieces = self._cut(block) if pieces is None else pieces
-        packer = elsewhere(fmt if fmt in OTHER_CODECS else "packing")  # a codec's own, or FP8's
-        self.packing = packer.Packing(self) if packed and isinstance(block, int) else None
+        self.packing = packing(self) if packing and isinstance(block, int) else None
         self.nbytes = [sum(map(self.piece_nbytes, pieces)) for pieces in self.pieces]
 
     def _cut(self, block):
@@ -324,11 +310,18 @@ class ShardLayout:
                 pieces[j].append(Piece(t, start, end, piece_shape, piece_block))
         return pieces
 
+    # one piece through the codec (FP8 here; nanogeo.wire's NVFP4 layout overrides these three)
     def piece_nbytes(self, p):
         """Wire bytes of one piece."""
         if self.packing:
             return self.packing.piece_nbytes(p)
         return wire_nbytes(p.shape, self.fmt, p.block)
+
+    def quantize_piece(self, values, p, stochastic=False, generator=None):
+        return quantize(values.view(p.shape), self.fmt, p.block, stochastic, generator)
+
+    def dequantize_piece(self, buffer, p):
+        return dequantize(Quantized(buffer, p.shape, self.fmt, p.block))
 
 
 @functools.lru_cache(maxsize=64)
@@ -341,10 +334,29 @@ def shard_layout(shapes, fmt, block, world_size):
 def encode_groups(groups, fmt, stochastic=False, generator=None):
     """(G, L) fp32 -> scales (G,) fp32 and codes (G, L) uint8, for e4m3 / e5m2."""
     dtype, fmax = FP8_FORMATS[fmt]
-    if stochastic:                      # unbiased rounding: nanogeo/wire/rounding.py
+    if stochastic:
         scale, y = fp8_scale(groups, fmax)
-        return scale, elsewhere("rounding").stochastic_fp8(y, dtype, generator).view(torch.uint8)
+        return scale, stochastic_fp8(y, dtype, generator).view(torch.uint8)
     return fp8_encode(groups, fmax, dtype)
+
+
+def stochastic_fp8(y, dtype, generator=None):
+    """Cast y (within the format's range) to FP8 stochastically: to one of its two neighbours,
+    with probability proportional to closeness, so E[decode] = y (unbiased; more variance than
+    rounding to nearest). The stream: `generator` (nanogeo.wire.rng gives every rank and stage
+    its own, and the simulator the same ones)."""
+    nearest = y.to(dtype)
+    # the other neighbour: one step from `nearest` on the far side of y, found by stepping the
+    # 7-bit magnitude code (fp8 magnitudes are ordered like their codes)
+    near_val = nearest.float()
+    mag = (nearest.view(torch.uint8) & 0x7F).int()
+    overshoot = near_val.abs() > y.abs()
+    other_mag = torch.where(overshoot, mag - 1, (mag + 1).clamp(max=FP8_MAX_CODE[dtype])).clamp(min=0)
+    other = (other_mag | torch.where(y < 0, 0x80, 0)).to(torch.uint8).view(dtype)
+    gap = (other.float() - near_val).abs()
+    p_other = torch.where(gap > 0, (y - near_val).abs() / gap, torch.zeros_like(y))
+    draw = torch.rand(y.shape, generator=generator, device=y.device)
+    return torch.where(draw < p_other, other, nearest.view(torch.uint8).view(dtype))
 
 
 def encode_shards(tensors, layout, stochastic=False, generator=None):
@@ -355,17 +367,17 @@ def encode_shards(tensors, layout, stochastic=False, generator=None):
         return flats[0].new_empty(0, dtype=torch.uint8)
     if layout.packing:
         return layout.packing.encode(flats, stochastic, generator)
-    return torch.cat([quantize(flats[p.tensor][p.start:p.end].view(p.shape), layout.fmt,
-                               p.block, stochastic, generator).buffer
+    return torch.cat([layout.quantize_piece(flats[p.tensor][p.start:p.end], p, stochastic,
+                                            generator).buffer
                       for pieces in layout.pieces for p in pieces])
 
 
-def decode_pieces(buffer, pieces, fmt):
+def decode_pieces(buffer, pieces, layout):
     """The fp32 values of each piece packed in one buffer, in order (one call per piece)."""
     out, offset = [], 0
     for p in pieces:
-        nbytes = wire_nbytes(p.shape, fmt, p.block)
-        out.append(dequantize(Quantized(buffer[offset: offset + nbytes], p.shape, fmt, p.block)))
+        nbytes = layout.piece_nbytes(p)
+        out.append(layout.dequantize_piece(buffer[offset: offset + nbytes], p))
         offset += nbytes
     return out
 
@@ -379,7 +391,7 @@ def sum_shard(received, layout, shard):
         return layout.packing.piece_values(total, layout.pieces[shard])
     total = None
     for copy in received.split(layout.nbytes[shard]):
-        values = [v.reshape(-1) for v in decode_pieces(copy, layout.pieces[shard], layout.fmt)]
+        values = [v.reshape(-1) for v in decode_pieces(copy, layout.pieces[shard], layout)]
         total = values if total is None else [a + b for a, b in zip(total, values)]
     return total
 
@@ -390,8 +402,7 @@ def reduce_shard(received, layout, shard, stochastic=False, generator=None):
     if layout.packing:
         total = layout.packing.sum_copies(received, shard)
         return layout.packing.requantize(total, shard, stochastic, generator)
-    parts = [quantize((v / layout.world_size).view(p.shape), layout.fmt, p.block, stochastic,
-                      generator).buffer
+    parts = [layout.quantize_piece(v / layout.world_size, p, stochastic, generator).buffer
              for v, p in zip(sum_shard(received, layout, shard), layout.pieces[shard])]
     return torch.cat(parts) if parts else received.new_empty(0)
 
@@ -411,19 +422,10 @@ def decode_shards(buffer, layout, stride=None):
         for j, pieces in enumerate(layout.pieces):
             offset = j * stride if stride is not None else offset
             shard = buffer[offset: offset + layout.nbytes[j]]
-            for p, values in zip(pieces, decode_pieces(shard, pieces, layout.fmt)):
+            for p, values in zip(pieces, decode_pieces(shard, pieces, layout)):
                 flat[starts[p.tensor] + p.start: starts[p.tensor] + p.end] = values.reshape(-1)
             offset += layout.nbytes[j]
     return [t.view(s) for t, s in zip(flat.split(sizes), layout.shapes)]
-
-
-def rng(seed, rank, stage, device):
-    """The stochastic-rounding stream of one rank and stage; the simulator uses the same ones."""
-    if seed is None:
-        return None
-    generator = torch.Generator(device=device)
-    generator.manual_seed((seed * 1_000_003 + rank * 101 + stage) % (2 ** 63))
-    return generator
 
 
 def collective_bytes(layout, rank):
@@ -452,23 +454,33 @@ class NoTimer:
 NO_TIMER = NoTimer()
 
 
-def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, stochastic=False, seed=None,
-                    return_local=False, timer=NO_TIMER):
+def world_size(group=None):
+    """Ranks in the group (1 without torch.distributed)."""
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def nearest(rank, stage):
+    """No random stream: every stage rounds to nearest (streams= of the collectives)."""
+    return None
+
+
+def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, return_local=False,
+                    layout=None, streams=nearest, timer=NO_TIMER):
     """The mean of `tensors` over the process group, through the two-stage FP8 collective.
 
     Returns (means, bytes_sent) - or (means, bytes_sent, local) with return_local, where local
     is this rank's own stage-1 reconstruction (for error feedback). Bit-identical on all ranks.
+    nanogeo.wire passes its forms in: `layout` (packed stages, NVFP4), `streams(rank, stage)`
+    (a torch.Generator: stochastic rounding from that stream) and `timer` (bench's stages).
     """
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
-    me = dist.get_rank(group) if dist.is_initialized() else 0
-    device = tensors[0].device
-    layout = shard_layout(tuple(tuple(t.shape) for t in tensors), fmt, block, world)
-    seed = seed if stochastic else None
+    world, me = world_size(group), (dist.get_rank(group) if dist.is_initialized() else 0)
+    layout = layout or shard_layout(tuple(tuple(t.shape) for t in tensors), fmt, block, world)
+    stochastic = streams is not nearest
     with timer.stage("quantize"):
-        send = encode_shards(tensors, layout, stochastic, rng(seed, me, 1, device))
+        send = encode_shards(tensors, layout, stochastic, streams(me, 1))
     local = decode_shards(send, layout) if return_local else None
     if world == 1:
-        shard = reduce_shard(send, layout, 0, stochastic, rng(seed, me, 2, device))
+        shard = reduce_shard(send, layout, 0, stochastic, streams(me, 2))
         means, sent = decode_shards(shard, layout), 0
     else:
         own = layout.nbytes[me]
@@ -478,7 +490,7 @@ def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, stochastic=False
         with timer.stage("all_to_all"):
             dist.all_to_all_single(recv, send, [own] * world, layout.nbytes, group=group)
         with timer.stage("reduce"):
-            mine[:own] = reduce_shard(recv, layout, me, stochastic, rng(seed, me, 2, device))
+            mine[:own] = reduce_shard(recv, layout, me, stochastic, streams(me, 2))
         with timer.stage("all_gather"):         # row j of `gathered`: rank j's averaged shard
             all_gather_flat(gathered.view(-1), mine, group=group)
         with timer.stage("decode"):
@@ -487,17 +499,17 @@ def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, stochastic=False
     return (means, sent, local) if return_local else (means, sent)
 
 
-def simulate_mean(worker_tensors, fmt="e4m3", block=128, stochastic=False, seed=None,
-                  return_local=False):
+def simulate_mean(worker_tensors, fmt="e4m3", block=128, return_local=False, layout=None,
+                  streams=nearest):
     """Exactly the numerics of all_reduce_mean, in one process: worker_tensors[i] is rank i's
     list of tensors. Returns (means, bytes sent per rank on average[, per-worker local])."""
     world = len(worker_tensors)
-    device = worker_tensors[0][0].device
-    layout = shard_layout(tuple(tuple(t.shape) for t in worker_tensors[0]), fmt, block, world)
-    seed = seed if stochastic else None
-    sends = encode_ranks(worker_tensors, layout, stochastic, seed)      # row i: rank i's bytes
+    shapes = tuple(tuple(t.shape) for t in worker_tensors[0])
+    layout = layout or shard_layout(shapes, fmt, block, world)
+    stochastic = streams is not nearest
+    sends = encode_ranks(worker_tensors, layout, streams)      # row i: rank i's bytes
     received = sends.split(layout.nbytes, dim=1)    # [j]: the W copies of shard j, (W, bytes)
-    shards = [reduce_shard(received[j].reshape(-1), layout, j, stochastic, rng(seed, j, 2, device))
+    shards = [reduce_shard(received[j].reshape(-1), layout, j, stochastic, streams(j, 2))
               for j in range(world)]
     means = decode_shards(torch.cat(shards), layout)
     sent = 0 if world == 1 else sum(collective_bytes(layout, i) for i in range(world)) / world
@@ -506,15 +518,15 @@ def simulate_mean(worker_tensors, fmt="e4m3", block=128, stochastic=False, seed=
     return means, sent
 
 
-def encode_ranks(worker_tensors, layout, stochastic=False, seed=None):
+def encode_ranks(worker_tensors, layout, streams=nearest):
     """Stage 1 of every simulated rank: (W, bytes), row i = encode_shards of rank i's tensors
-    (with rank i's rounding stream). The packed FP8 codec with nearest rounding encodes all W
-    in one call (nanogeo/wire/packing.py: the same bytes)."""
+    (with rank i's rounding stream). A packed layout with nearest rounding encodes all W in one
+    call (the same bytes)."""
     flats = [[t.reshape(-1).float() for t in ts] for ts in worker_tensors]
+    stochastic = streams is not nearest
     if layout.packing and not stochastic and sum(layout.nbytes):
         return layout.packing.encode_ranks(flats)
-    device = flats[0][0].device
-    return torch.stack([encode_shards(ts, layout, stochastic, rng(seed, i, 1, device))
+    return torch.stack([encode_shards(ts, layout, stochastic, streams(i, 1))
                         for i, ts in enumerate(flats)])
 
 
@@ -568,7 +580,7 @@ class HouseholderBasis:
         return self.apply(torch.eye(m, r, device=self.Y.device, dtype=self.Y.dtype))
 
 
-def reflect(X, Y, T):      # hot path (nanogeo.wire.kernels)
+def reflect(X, Y, T):
     """(I - Y T Y^T) X: three thin matrix products, never the m x m matrix."""
     return X - Y @ (T @ (Y.T @ X))
 
@@ -644,7 +656,6 @@ def swap_entries(H, swaps):
 # Any two factors of A^ differ by an orthogonal matrix (F = L O), so the metric - and the norm
 # of every whitened row - is the same as with the Cholesky factor L; the quantization grid is not.
 
-WHITEN_FACTORS = ("lowrank", "lowrank-dense", "full", "diag", "block")
 WHITEN_SIDES = ("input", "output", "both")
 
 
@@ -652,8 +663,8 @@ WHITEN_SIDES = ("input", "output", "both")
 class Whitening:
     """One side's low-rank factor F (F F^T = A^ + damping I) in the form it is applied in:
     sqrt_d (d,) = D^1/2, Q (d, r) and the r multipliers up = (1 + S^2)^1/2 - 1,
-    down = (1 + S^2)^-1/2 - 1 of the formula above. (The dense kinds of WHITEN_FACTORS, for
-    ablations and the published artifact's dense Cholesky form: nanogeo/dist/dense.py.)"""
+    down = (1 + S^2)^-1/2 - 1 of the formula above. (Dense factors, for ablations and the
+    published artifact's dense Cholesky form: nanogeo/dist/dense.py.)"""
     kind: str
     size: int                   # d
     sqrt_d: torch.Tensor = None
@@ -680,11 +691,6 @@ class Whitening:
     def tensors(self):
         return {"sqrt_d": self.sqrt_d, "Q": self.Q, "up": self.up, "down": self.down}
 
-    def blended(self, old, decay):
-        """The published factor EMA (factor_decay) does not apply: the low-rank form is not
-        closed under blending, so it is smoothed through its second moment (the EMA of A) only."""
-        return self
-
 
 def top_eigenpairs(A, rank, floor):
     """A^ = U diag(lam) U^T + diag(rest): the top-`rank` eigenpairs of A (d x d, symmetric;
@@ -695,36 +701,21 @@ def top_eigenpairs(A, rank, floor):
     return U, lam, rest
 
 
-def whitening_factor(A, kind="lowrank", rank=32, block=64, damping=1e-3, floor=1e-3):
-    """The factor of a second moment A (d x d) that GeoFP8 whitens with, F F^T = A^ + damping I.
-
-    lowrank: A^ = U L U^T + diag(max(diag(A - U L U^T), floor)) with the top-`rank` eigenpairs,
-      applied in O(d r) per row. The other kinds (nanogeo/dist/dense.py): lowrank-dense, the same
-      A^ with a dense Cholesky factor (what the published artifact does); full: A itself;
-      diag: A's diagonal; block: A's diagonal blocks of `block` x `block`.
-    Computed in float64 (the eigen- and Cholesky decompositions of a nearly singular A need it),
-    returned in A's dtype."""
-    if kind not in WHITEN_FACTORS:
-        raise ValueError(f"unknown whitening factor {kind!r}; choose one of {', '.join(WHITEN_FACTORS)}")
+def whitening_factor(A, rank=32, damping=1e-3, floor=1e-3):
+    """The factor of a second moment A (d x d) that GeoFP8 whitens with, F F^T = A^ + damping I:
+    A^ = U L U^T + diag(max(diag(A - U L U^T), floor)) with the top-`rank` eigenpairs, applied
+    in O(d r) per row. Computed in float64 (the eigen-decomposition of a nearly singular A needs
+    it), returned in A's dtype. (Dense kinds - full, diag, block, and this A^ with a Cholesky
+    factor as the published artifact applies it: nanogeo/dist/dense.py.)"""
     dtype = A.dtype
     A = (A.double() + A.double().T) / 2
-    if kind != "lowrank":
-        return elsewhere("ablations").whitening_factor(A, kind, min(rank, A.shape[0]), block,
-                                                       damping, floor, dtype)
     U, lam, rest = top_eigenpairs(A, min(rank, A.shape[0]), floor)
     D = rest + damping
     K = U * lam.sqrt() / D.sqrt()[:, None]                             # D^-1/2 U L^1/2
     Q, S, _ = torch.linalg.svd(K, full_matrices=False)
-    return Whitening(kind, A.shape[0], sqrt_d=D.sqrt().to(dtype), Q=Q.to(dtype),
+    return Whitening("lowrank", A.shape[0], sqrt_d=D.sqrt().to(dtype), Q=Q.to(dtype),
                      up=((1 + S.pow(2)).sqrt() - 1).to(dtype),
                      down=((1 + S.pow(2)).rsqrt() - 1).to(dtype))
-
-
-def load_factor(state):
-    """A factor from its {"kind", "size", tensors...} (WhitenedLayer's state_dict)."""
-    if state["kind"] == "lowrank":
-        return Whitening(**state)
-    return elsewhere("ablations").DenseFactor(**state)
 
 
 def linear_layers(model, names=None):
@@ -933,12 +924,12 @@ def initial_subspaces(G, r, seed, iters=4, rows=ALL_ROWS):
 
 def error_measure(view, mean, rows=None, workers=1):
     """delta -> the squared size of a gradient error delta (m, n) as the next update sees it:
-    through the optimizer in `view` (nanogeo.dist.update_error.UpdateError, at the decoded mean
-    `mean`, with one worker's error scaled to its share of the mean of `workers`), or in plain
-    L2 without one (judge="l2", or no watch()). Under FSDP (rows) only this rank's rows are
-    measured; the caller sums over the ranks."""
+    through the optimizer's `view` of the layer (nanogeo.dist.update_error.OptimizerView, its
+    .error(): at the decoded mean `mean`, one worker's error scaled to its share of the mean of
+    `workers`), or in plain L2 without one (judge="l2", or no watch()). Under FSDP (rows) only
+    this rank's rows are measured; the caller sums over the ranks."""
     if view is not None:
-        return elsewhere("update-error").UpdateError(view, mean, rows, workers)
+        return view.error(mean, rows, workers)
     mine = (ALL_ROWS if rows is None else rows).mine
     return lambda delta: mine(delta).pow(2).sum()
 
@@ -962,109 +953,77 @@ def error_measure(view, mean, rows=None, workers=1):
 # Euclidean coordinates are the identity: a tensor without a layer object, or whose layer is not
 # in use, is sent as it is.
 
-GEOMETRIES = ("whiten", "subspace", "hadamard", "euclidean")
-SELECTIONS = ("gain", "all", "list", "fragile")
-COLLECTIVES = ("two-stage", "fp8-sum")
-SUM_ORDERS = ("ring", "tree")      # fp8-sum: the order NCCL adds in (nanogeo/wire/fp8sum.py)
+GEOMETRIES = ("geofp8", "subspace", "hadamard", "euclidean")
+SELECTIONS = ("gain", "all", "list")
 JUDGES = ("optimizer", "l2")
 
 
 @dataclass
 class GeoOptions:
-    # geometry: "whiten" - the published GeoFP8 (K-FAC whitening, section 3b); "subspace" - this
-    # project's two-sided rotation toward dominant subspaces (section 3); "hadamard" - the
+    """The method's settings (nanogeo.dist.communicator.Options adds the production ones: the
+    paper's collective, the profiled selection, stochastic rounding, dense ablations)."""
+    # geometry: "geofp8" - the published whitening by K-FAC factors (section 3b); "subspace" -
+    # this project's two-sided rotation toward dominant subspaces (section 3); "hadamard" - the
     # randomized Hadamard transform, the geometry-agnostic control (section 3c); "euclidean" -
     # plain FP8
-    geometry: str = "whiten"
+    geometry: str = "geofp8"
     fmt: str = "e4m3"
     block: object = 128             # int, "row" or "tensor" (nvfp4 always uses 16)
-    collective: str = "two-stage"   # or "fp8-sum": the paper's per-tensor scales + FP8 all_reduce
-    sum_order: str = "ring"         # fp8-sum: the order NCCL adds in ("ring" or "tree")
-    scale_sync_every: int = 1       # fp8-sum: >1 reproduces the published local-scale defect
-    refresh: int = 0                # re-estimate the geometry every N steps (0: 50 whiten, 4 the
+    refresh: int = 0                # re-estimate the geometry every N steps (0: 50 geofp8, 4 the
                                     # others; the Hadamard control is only re-judged)
     warmup: int = 0                 # steps sent in Euclidean coordinates before GeoFP8 starts
     # which matrices use it: "gain" (measured: the codec error must drop by enter_gain), "all",
-    # "list" (the names in geo_layers, e.g. from nanogeo.tools.profile), "fragile" (the top_k matrices
-    # by fraction of saturated FP8 sums over the warmup steps; needs collective="fp8-sum")
+    # "list" (the names in geo_layers, e.g. from nanogeo.tools.profile)
     select: str = "gain"
     geo_layers: tuple = ()
-    top_k: int = 0
     judge: str = "optimizer"        # gains in the error the layer's optimizer sees (section 4b;
                                     # needs watch()) or in plain "l2" (ablation)
-    judge_every: int = 4            # whiten: also re-measure the gains every N steps between
+    judge_every: int = 4            # geofp8: also re-measure the gains every N steps between
                                     # refreshes (the subspace rotation measures at each refresh)
     enter_gain: float = 1.10        # switch a layer to geo when Euclid error / geo error >= this
     exit_gain: float = 1.00         # ... and back to Euclidean when it falls below this
     min_numel: int = 4096           # smaller matrices are not worth a transform
     vocab_size: int = 0             # matrices with a dimension of this size stay Euclidean
     # whitening (published GeoFP8)
-    factor: str = "lowrank"         # lowrank | lowrank-dense | full | diag | block (section 3b)
     whiten_rank: int = 32           # r of the low-rank factor
-    whiten_block: int = 64          # block size of factor="block"
     whiten_sides: str = "input"     # "input" (published), "output", "both"
     damping: float = 1e-3
     moment_decay: float = 0.95      # EMA of the second moments across refreshes
-    factor_decay: float = 0.0       # EMA of the triangular factor itself (published: 0.95)
     # subspace rotation
     geo_rank: int = 16              # r, per side, capped at min(m, n) // 2
     decay: float = 0.0              # EMA of the covariance; 0 = bases from the latest mean only
     iters: int = 1                  # subspace iterations per refresh
-    full: bool = False              # exact dense eigenbases (reference / ablation)
     sides: str = "auto"             # per matrix both sides or the right (column) side only -
                                     # which keeps every row's scale - whichever the gain check
                                     # measures better; or fixed "both", "left", "right" (ablation)
-    basis: str = "householder"      # "householder" or "random" (dense random rotation, ablation)
     scatter_core: bool = True       # give each core coordinate its own scaling block
     # randomized Hadamard (the control)
     hadamard_block: int = 128       # entries per Walsh-Hadamard block, a power of two
     hadamard_sides: str = "right"   # "right": along each row (row-local), "both": columns too
-    # codec extras
+    # error feedback
     error_feedback: bool = False    # keep each rank's stage-1 quantization error, add it back
     feedback_geo_only: bool = False # ... only on the geometry-aware matrices (as published)
-    stale_residual: bool = False    # ablation: keep the residual in the old coordinates (defect c)
-    stochastic: bool = False        # stochastic rounding (two-stage collective only)
     seed: int = 0
+
+    def choices(self):
+        """{field: allowed values} of the string fields (a subclass adds its own)."""
+        return {"geometry": GEOMETRIES, "select": SELECTIONS, "judge": JUDGES,
+                "sides": ("both", "left", "right", "auto"), "whiten_sides": WHITEN_SIDES,
+                "hadamard_sides": HADAMARD_SIDES}
 
     def __post_init__(self):
         check_codec(self.fmt, self.block)
-        for key, allowed in (("geometry", GEOMETRIES), ("select", SELECTIONS),
-                             ("collective", COLLECTIVES), ("sum_order", SUM_ORDERS),
-                             ("factor", WHITEN_FACTORS), ("sides", ("both", "left", "right", "auto")),
-                             ("whiten_sides", WHITEN_SIDES), ("judge", JUDGES),
-                             ("basis", ("householder", "random")),
-                             ("hadamard_sides", HADAMARD_SIDES)):
+        for key, allowed in self.choices().items():
             if getattr(self, key) not in allowed:
                 raise ValueError(f"{key} must be one of {', '.join(allowed)}, got {getattr(self, key)!r}")
         if self.refresh == 0:
-            self.refresh = 50 if self.geometry == "whiten" else 4
-        if min(self.geo_rank, self.refresh, self.whiten_rank, self.scale_sync_every,
-               self.judge_every) < 1:
-            raise ValueError("geo_rank, whiten_rank, refresh, scale_sync_every and judge_every "
-                             "must be >= 1")
+            self.refresh = 50 if self.geometry == "geofp8" else 4
+        if min(self.geo_rank, self.refresh, self.whiten_rank, self.judge_every) < 1:
+            raise ValueError("geo_rank, whiten_rank, refresh and judge_every must be >= 1")
         if self.hadamard_block < 2 or self.hadamard_block & (self.hadamard_block - 1):
             raise ValueError(f"hadamard_block must be a power of two >= 2 (e.g. 128), got "
                              f"{self.hadamard_block}")
-        if self.collective == "fp8-sum" and (self.fmt == "nvfp4" or self.stochastic):
-            raise ValueError("the fp8-sum collective sums e4m3/e5m2 codes with nearest rounding; "
-                             "use collective='two-stage' for nvfp4 or stochastic rounding")
-        if self.full and self.basis != "householder":
-            raise ValueError("full=True (exact bases) and basis='random' are two different "
-                             "ablations; choose one")
-        if self.sides == "auto" and self.dense_bases:
-            self.sides = "both"     # the choice is between Householder rotations; dense: both
-        if self.collective == "fp8-sum":
-            self.block = "tensor"   # its one scale per tensor; the gain check measures that codec
-        if self.select == "fragile" and (self.collective != "fp8-sum" or self.top_k < 1
-                                         or self.warmup < 1):
-            raise ValueError("select='fragile' profiles saturated FP8 sums during the warmup: it "
-                             "needs collective='fp8-sum', warmup >= 1 and top_k >= 1")
         self.geo_layers = tuple(self.geo_layers)
-
-    @property
-    def dense_bases(self):
-        """The subspace rotation with dense bases (ablations: full=True or basis="random")."""
-        return self.full or self.basis != "householder"
 
 
 def exemption(name, shape, opts, linear=None):
@@ -1254,9 +1213,11 @@ class WhitenedLayer:
             old = self.moments.get(side)
             self.moments[side] = (moment.float() if old is None
                                   else opts.moment_decay * old + (1 - opts.moment_decay) * moment)
-            factor = whitening_factor(self.moments[side], opts.factor, opts.whiten_rank,
-                                      opts.whiten_block, opts.damping)
-            self.factors[side] = factor.blended(self.factors.get(side), opts.factor_decay)
+            self.factors[side] = self.factor_of(side, self.moments[side])
+
+    def factor_of(self, side, moment):
+        """The factor of one side's smoothed moment (nanogeo.dist.dense: the dense kinds)."""
+        return whitening_factor(moment, self.opts.whiten_rank, self.opts.damping)
 
     def tensors(self):
         return ([m for m in self.moments.values()]
@@ -1276,7 +1237,7 @@ class WhitenedLayer:
     def load_state_dict(self, s):
         self.use_geo, self.gain = s["use_geo"], s["gain"]
         self.moments = dict(s["moments"])
-        self.factors = {side: load_factor(f) for side, f in s["factors"].items()}
+        self.factors = {side: Whitening(**f) for side, f in s["factors"].items()}
 
 
 @dataclass
@@ -1358,23 +1319,24 @@ class HadamardLayer:
         self.column_signs, self.row_signs = s["column_signs"], s["row_signs"]
 
 
-class GeoFP8Communicator:
-    """Gradient averaging with FP8 (Euclidean or GeoFP8) for a fixed list of named tensors.
+class Communicator:
+    """Gradient averaging through the two-stage collective for a fixed list of named tensors,
+    each matrix in Euclidean or geometry-aware coordinates, chosen by its measured gain.
 
     `reduce(grads, moments)` averages across the process group in place (train.py, the DDP
     hook); `reduce_workers(per_worker_grads, moments)` runs the identical numerics for W
     simulated workers in one process (the fidelity tool, tests). Both return the bytes one rank
-    sends. `moments` are the whitened layers' K-FAC statistics (nanogeo.dist.hooks.KroneckerMoments
-    .take()) on the steps where `wants_moments()` is true; the subspace rotation and the
-    Hadamard control need none."""
+    sends. `moments` are the whitened layers' K-FAC statistics (nanogeo.dist.hooks) on the
+    steps where `wants_moments()` is true, already averaged over the ranks; the subspace
+    rotation and the Hadamard control need none. nanogeo.dist.communicator.ProductionCommunicator
+    adds what training at scale needs around it."""
 
-    def __init__(self, named_shapes, options=None, group=None, timer=NO_TIMER, linear=None):
+    def __init__(self, named_shapes, options=None, group=None, linear=None, timer=NO_TIMER):
         self.opts = options or GeoOptions()
         self.group = group
-        self.timer = timer          # nanogeo.tools.bench.StageTimer: where the time goes (benchmarks)
+        self.timer = timer          # nanogeo.tools.bench.StageTimer: where the time goes
         self.names = [n for n, _ in named_shapes]
         self.shapes = {n: tuple(s) for n, s in named_shapes}
-        self.rounding_stream = zlib.crc32("\0".join(self.names).encode())  # its own random draws
         self.index = {n: i for i, n in enumerate(self.names)}
         self.reasons = {}
         self.layers = {}        # name -> the coordinates in use (measured, or Euclidean)
@@ -1389,33 +1351,24 @@ class GeoFP8Communicator:
         if unknown:
             raise ValueError(f"geo_layers names {len(unknown)} tensors this model does not have, "
                              f"e.g. {sorted(unknown)[0]!r}: profile this model (nanogeo.tools.profile)")
-        self.views = {}         # name -> nanogeo.dist.update_error.OptimizerView (watch()); none: L2
+        self.views = {}         # name -> the optimizer's view of it (watch()); none: plain L2
         self.chosen = set(self.opts.geo_layers) if self.opts.select == "list" else set()
         self.step = 0
         self.residuals = {}     # worker index -> {name: fp32 residual}, with error feedback
-        self.skipped = 0        # geometry updates skipped for a non-finite mean
-        self.saturation = None  # fp8-sum: running sum of each tensor's saturated fraction
-        self.saturation_steps = 0
         self.across_ranks = False   # the latest step ran over the process group (set by
         self.rows = {}              # reduce / reduce_workers / advance), and its FSDP row blocks
 
     def _new_layer(self, name):
-        if self.opts.geometry == "whiten":
-            return WhitenedLayer(self.shapes[name], self.opts)
-        if self.opts.geometry == "hadamard":     # its signs: the same on every rank
-            return HadamardLayer(self.shapes[name], zlib.crc32(name.encode()) + self.opts.seed,
-                                 self.opts)
-        return self._subspace_layer(name, self.shapes[name])
-
-    def _subspace_layer(self, name, shape):
-        opts = self.opts
-        kind = elsewhere("ablations").DenseSubspaceLayer if opts.dense_bases else SubspaceLayer
-        r = min(shape) if opts.full else min(opts.geo_rank, min(shape) // 2)
-        layer = kind(shape, r, seed=zlib.crc32(name.encode()), opts=opts,
-                     sides="both" if opts.sides == "auto" else opts.sides)
-        if opts.scatter_core and not opts.dense_bases:
-            block = NVFP4_BLOCK if opts.fmt == "nvfp4" else opts.block
-            layer.swaps = core_swaps(shape, r, block)
+        shape, opts = self.shapes[name], self.opts
+        if opts.geometry == "geofp8":
+            return WhitenedLayer(shape, opts)
+        if opts.geometry == "hadamard":     # its signs: the same on every rank
+            return HadamardLayer(shape, zlib.crc32(name.encode()) + opts.seed, opts)
+        r = min(opts.geo_rank, min(shape) // 2)
+        layer = SubspaceLayer(shape, r, seed=zlib.crc32(name.encode()), opts=opts,
+                              sides="both" if opts.sides == "auto" else opts.sides)
+        if opts.scatter_core:
+            layer.swaps = core_swaps(shape, r, NVFP4_BLOCK if opts.fmt == "nvfp4" else opts.block)
         return layer
 
     # -- coordinates ---------------------------------------------------------------------------
@@ -1436,11 +1389,11 @@ class GeoFP8Communicator:
     def wants_moments(self):
         """True on the steps whose K-FAC statistics the next reduce() refreshes the factors from
         (the published method collects them on refresh steps only)."""
-        return self.opts.geometry == "whiten" and bool(self.layers) and self.step % self.opts.refresh == 0
+        return self.opts.geometry == "geofp8" and bool(self.layers) and self.step % self.opts.refresh == 0
 
     def moment_layers(self):
         """Names of the weights whose layers' statistics the whitening needs."""
-        return list(self.layers) if self.opts.geometry == "whiten" else []
+        return list(self.layers) if self.opts.geometry == "geofp8" else []
 
     def whitened_sides(self):
         sides = self.opts.whiten_sides
@@ -1448,74 +1401,12 @@ class GeoFP8Communicator:
 
     def watch(self, views):
         """Judge each layer by the error its optimizer sees: views =
-        nanogeo.dist.hooks.optimizer_views(optimizers, model) (section 4b). Without them a layer's
-        coordinates are chosen by plain L2 error."""
+        nanogeo.dist.hooks.optimizer_views(optimizers, model) (section 4b). Without them a
+        layer's coordinates are chosen by plain L2 error."""
         self.views = dict(views)
         return self
 
     # -- one step --------------------------------------------------------------------------------
-
-    def _has_feedback(self, name):
-        return self.opts.error_feedback and (not self.opts.feedback_geo_only or self.is_geo(name))
-
-    def _prepare(self, grads, worker):
-        """(gradients as sent, in original coordinates; the same in the coordinates in use)."""
-        residual = self.residuals.get(worker, {})
-        sent, coords = [], []
-        for n, g in zip(self.names, grads):
-            g, r = g.float(), residual.get(n) if self._has_feedback(n) else None
-            if r is not None and not self.opts.stale_residual:
-                g = g + r                   # the residual, in original coordinates
-            c = self.to_coords(n, g)
-            if r is not None and self.opts.stale_residual:
-                c = c + r                   # defect (c): coordinates it was measured in
-            sent.append(g)
-            coords.append(c)
-        return sent, coords
-
-    def _keep_residual(self, worker, coords, local, finite):
-        """Error feedback: the part of this worker's gradient that the codec lost, mapped back
-        to original coordinates - so a refresh of the geometry re-expresses it in the new ones
-        at the next encode (the published method keeps it in the old coordinates: defect c).
-        A step whose mean is not finite (an fp16 GradScaler overflow; the optimizer skips it)
-        keeps the old residual: chosen on the device (`finite`, a bool tensor), no host sync."""
-        old = self.residuals.get(worker, {})
-        new = {}
-        for n, c, l in zip(self.names, coords, local):
-            if self._has_feedback(n):
-                r = (c - l) if self.opts.stale_residual else self.from_coords(n, c - l)
-                new[n] = torch.where(finite, r, old.get(n, torch.zeros_like(r)))
-        self.residuals[worker] = new
-
-    def rounding_seed(self):
-        """This step's stochastic-rounding seed, different for every tensor list (every DDP
-        bucket, every FSDP module): buckets of the same layout must not round alike."""
-        return (self.opts.seed * 7919 + self.step) * 2_147_483_659 + self.rounding_stream
-
-    def _sum_over_ranks(self, t):
-        """In place: the sum of t over the process group when the step in progress ran across
-        it; a step of one process (or of simulated workers, summed already) leaves t as it is."""
-        if self.across_ranks:
-            dist.all_reduce(t, group=self.group)
-        return t
-
-    def _local_scales(self):
-        return self.opts.scale_sync_every > 1 and self.step % self.opts.scale_sync_every != 0
-
-    def _count_saturation(self, saturated):
-        """Add up the fragility profile: during the warmup for select="fragile", always in
-        Euclidean mode (nanogeo.tools.profile). Stays on the device: no host sync."""
-        profiling = self.opts.select == "fragile" and self.step < self.opts.warmup
-        if profiling or self.opts.geometry == "euclidean":
-            self.saturation = saturated if self.saturation is None else self.saturation + saturated
-            self.saturation_steps += 1
-
-    def fragility(self):
-        """{name: mean fraction of saturated FP8 sums} over the steps so far (fp8-sum only)."""
-        if self.saturation is None:
-            return {}
-        scores = (self.saturation / self.saturation_steps).tolist()
-        return dict(zip(self.names, scores))
 
     def reduce(self, grads, moments=None):
         """Average grads (a list matching the names) across the group, in place. Returns bytes sent."""
@@ -1527,9 +1418,7 @@ class GeoFP8Communicator:
         return sent
 
     def reduce_workers(self, worker_grads, moments=None):
-        """The same numerics for W simulated workers. moments: already averaged over all of
-        them, or a list of each worker's (averaged here as reduce() averages over ranks).
-        Returns (means, bytes sent per rank)."""
+        """The same numerics for W simulated workers. Returns (means, bytes sent per rank)."""
         self.across_ranks = False
         return self._step(dict(enumerate(worker_grads)), self._simulate, moments)
 
@@ -1542,38 +1431,49 @@ class GeoFP8Communicator:
         coords = {w: c for w, (_, c) in prepared.items()}
         mean_coords, sent, local = collective(list(coords.values()))
         if self.opts.error_feedback:
-            finite = all_finite(mean_coords)
-            for (w, c), l in zip(coords.items(), local):
-                self._keep_residual(w, c, l, finite)
+            self._keep_residuals(coords, local, mean_coords)
         with self.timer.stage("rotate"):
             means = [self.from_coords(n, h) for n, h in zip(self.names, mean_coords)]
-        if isinstance(moments, list) or (moments is not None and self.across_ranks):
-            moments = self._average_moments(moments, mean_coords[0].device)
+        moments = self._average_moments(moments, mean_coords[0].device)
         self.advance(dict(zip(self.names, means)), [g for g, _ in prepared.values()],
                      self.across_ranks, moments=moments)
         return means, sent
 
+    def _has_feedback(self, name):
+        return self.opts.error_feedback and (not self.opts.feedback_geo_only or self.is_geo(name))
+
+    def _prepare(self, grads, worker):
+        """(gradients as sent, in original coordinates; the same in the coordinates in use)."""
+        residual = self.residuals.get(worker, {})
+        sent, coords = [], []
+        for n, g in zip(self.names, grads):
+            g = g.float()
+            if self._has_feedback(n) and n in residual:
+                g = g + residual[n]         # the residual, in original coordinates
+            sent.append(g)
+            coords.append(self.to_coords(n, g))
+        return sent, coords
+
+    def _keep_residuals(self, coords, local, mean_coords):
+        """Error feedback: the part of each worker's gradient that the codec lost (coords: {worker:
+        its tensors in coordinates}, local: their own round trips), mapped back to original
+        coordinates - so a refresh of the geometry re-expresses it in the new ones at the next
+        encode (the published method keeps it in the old coordinates: defect c)."""
+        for (worker, sent), returned in zip(coords.items(), local):
+            self.residuals[worker] = {n: self.from_coords(n, c - l)
+                                      for n, c, l in zip(self.names, sent, returned)
+                                      if self._has_feedback(n)}
+
     def _average_moments(self, moments, device):
-        """The K-FAC statistics of every rank (this rank's, summed over the group; or a list of
-        each simulated worker's) -> their token-weighted mean, the same on every rank."""
-        shapes = {n: self.shapes[n] for n in self.moment_layers()}
-        averaging = elsewhere("moments")
-        if isinstance(moments, list):
-            return averaging.average_worker_moments(moments, shapes, self.whitened_sides(), device)
-        return averaging.average_moments(moments, shapes, self.whitened_sides(),
-                                         self._sum_over_ranks, device)
+        """The K-FAC statistics as the geometry is refreshed from: averaged over the ranks by the
+        caller here (nanogeo's communicator averages them itself)."""
+        return moments
 
     def _exchange(self, coords):
         """The collective over the process group, for this rank's tensors (coords: [them]).
         Returns (means in coordinates, bytes sent, [its local round trip] or None)."""
         (mine,), opts = coords, self.opts
-        if opts.collective == "fp8-sum":
-            means, sent, local, saturated = elsewhere("fp8-sum").all_reduce_fp8_sum(
-                mine, opts.fmt, self.group, opts.sum_order, self._local_scales())
-            self._count_saturation(saturated)
-            return means, sent, [local]
         means, sent, *local = all_reduce_mean(mine, opts.fmt, opts.block, self.group,
-                                              opts.stochastic, self.rounding_seed(),
                                               return_local=opts.error_feedback, timer=self.timer)
         return means, sent, local or None       # no extra decode without error feedback
 
@@ -1581,49 +1481,49 @@ class GeoFP8Communicator:
         """The collective's simulator for every worker's tensors (coords[i]: worker i's).
         Returns (means in coordinates, bytes per rank, each worker's local round trip or None)."""
         opts = self.opts
-        if opts.collective == "fp8-sum":
-            means, sent, local, saturated = elsewhere("fp8-sum").simulate_fp8_sum(
-                coords, opts.fmt, opts.sum_order, self._local_scales())
-            self._count_saturation(saturated)
-            return means, sent, local
-        means, sent, *local = simulate_mean(coords, opts.fmt, opts.block, opts.stochastic,
-                                            self.rounding_seed(), return_local=opts.error_feedback)
+        means, sent, *local = simulate_mean(coords, opts.fmt, opts.block,
+                                            return_local=opts.error_feedback)
         return means, sent, local[0] if local else None
+
+    def _sum_over_ranks(self, t):
+        """In place: the sum of t over the process group when the step in progress ran across
+        it; a step of one process (or of simulated workers, summed already) leaves t as it is."""
+        if self.across_ranks:
+            dist.all_reduce(t, group=self.group)
+        return t
+
+    # -- the geometry, on refresh steps ----------------------------------------------------------
 
     def advance(self, means, worker_grads, across_ranks=False, rows=None, moments=None):
         """Count a finished step; on refresh steps update the geometry. `means` maps names to
         decoded mean gradients - under FSDP only this rank's block of rows, described by
         rows[name] (nanogeo.dist.fsdp.RowBlocks; whole tensors otherwise). `worker_grads`: the
         gradients this process sent (one list per simulated worker). across_ranks: the step
-        ran over the process group (so the gain measurements are summed over it and the
-        geometry checked across it), not in one process."""
+        ran over the process group (so the gain measurements are summed over it)."""
         whiten_now = self.step % self.opts.refresh == 0 and moments is not None  # of this step
         self.across_ranks, self.rows = across_ranks, rows or {}
         self.step += 1
-        if not self.layers:
-            return
-        if self._geometry_due(whiten_now):
-            if self._finite(means, moments):
-                with self.timer.stage("geometry"):
-                    refreshed = self._update_geometry(means, worker_grads, moments, whiten_now)
-                if across_ranks and refreshed:   # every rank must hold the same geometry
-                    device = next(iter(means.values())).device
-                    newest = [self.candidates.get(n, l) for n, l in self.layers.items()]
-                    elsewhere("agreement").verify_geometry(newest, self.group, self.step, device)
-            else:
-                self.skipped += 1   # a non-finite mean (or statistic) must not reach the bases
-        if self.opts.select == "fragile" and self.step == self.opts.warmup:
-            self._select_fragile()
+        if self.layers and self._geometry_due(whiten_now):
+            self._update_geometry(means, worker_grads, moments, whiten_now)
+
+    def _geometry_due(self, whiten_now):
+        """Does this step touch the geometry (candidates to measure, a refresh, a re-judging)?
+        An opted-in layer's new geometry (in use unmeasured) is measured at the next step too."""
+        unmeasured = any(l.ready and math.isnan(l.gain) for l in self.layers.values())
+        if self.candidates or unmeasured:
+            return True
+        if self.opts.geometry == "geofp8":
+            return whiten_now or self.step % self.opts.judge_every == 0
+        return self.step % self.opts.refresh == 0 or any(not l.ready for l in self.layers.values())
 
     def _update_geometry(self, means, worker_grads, moments, whiten_now):
         """Measure the candidates (and, for the whitening, re-judge the factors in use), then
-        propose new geometry where it is due. Returns True if new geometry was proposed (it
-        must then be checked across ranks)."""
+        propose new geometry where it is due. Returns True if new geometry was proposed."""
         judged = [n for n, layer in self.layers.items() if n in self.candidates
-                  or (layer.ready and (self.opts.geometry == "whiten" or math.isnan(layer.gain)))]
+                  or (layer.ready and (self.opts.geometry == "geofp8" or math.isnan(layer.gain)))]
         if judged:
             self._judge(judged, worker_grads, means)
-        if self.opts.geometry == "whiten":      # statistics: the layer's K-FAC moments
+        if self.opts.geometry == "geofp8":      # statistics: the layer's K-FAC moments
             statistics = {n: self._statistics(n, moments) for n in self.layers} if whiten_now else {}
             statistics = {n: stats for n, stats in statistics.items() if stats}
         else:                                   # ... or its decoded mean gradient
@@ -1633,26 +1533,10 @@ class GeoFP8Communicator:
             self._propose(n, stats)
         return bool(statistics)
 
-    def _geometry_due(self, whiten_now):
-        """Does this step touch the geometry (candidates to measure, a refresh, a re-judging)?
-        An opted-in layer's new geometry (in use unmeasured) is measured at the next step too."""
-        unmeasured = any(l.ready and math.isnan(l.gain) for l in self.layers.values())
-        if self.candidates or unmeasured:
-            return True
-        if self.opts.geometry == "whiten":
-            return whiten_now or self.step % self.opts.judge_every == 0
-        return self.step % self.opts.refresh == 0 or any(not l.ready for l in self.layers.values())
-
-    def _finite(self, means, moments):
-        """Are this step's means (and statistics) finite? One host sync, on geometry steps only.
-        The ranks decide together through one small all-reduce: under FSDP (rows) each holds
-        its own rows, and under DDP a rank whose copy went bad alone must not skip the geometry
-        steps (and their collectives) that the others run."""
-        tensors = list(means.values())
-        for side in ("input", "output"):
-            tensors += list((moments or {}).get(side, {}).values())
-        bad = self._sum_over_ranks((~all_finite(tensors)).double())
-        return bad.item() == 0
+    def _statistics(self, name, moments):
+        """{side: A or G} of a whitened layer from this step's averaged moments."""
+        return {side: moments[side][name] for side in self.whitened_sides()
+                if name in moments.get(side, {})}
 
     # -- do no harm: new geometry is a candidate until measured ---------------------------------
     #
@@ -1667,12 +1551,11 @@ class GeoFP8Communicator:
     def _propose(self, name, statistics):
         """A candidate for `name`: the layer's geometry refreshed from this step's statistics (a
         copy: refresh() assigns new tensors, never changes the old ones; it keeps use_geo, so
-        the hysteresis applies when it is measured). The explicit opt-ins (select="all"; a
-        listed layer with gains 0, the paper's fixed choice) take it at once: no measurement
-        could change their choice."""
+        the hysteresis applies when it is measured). The explicit opt-ins take it at once: no
+        measurement could change their choice."""
         candidate = copy.copy(self.layers[name])
         candidate.gain = float("nan")          # not measured yet
-        if self.opts.geometry == "whiten":
+        if self.opts.geometry == "geofp8":
             candidate.refresh(statistics)
         else:
             candidate.refresh(statistics, self.rows.get(name, ALL_ROWS))
@@ -1684,15 +1567,10 @@ class GeoFP8Communicator:
 
     def _opted_in(self, name):
         """Geometry-aware whatever a measurement says: select="all", or a listed layer with
-        enter_gain = exit_gain = 0."""
+        enter_gain = exit_gain = 0 (the paper's fixed choice)."""
         opts = self.opts
-        return opts.select == "all" or (name in self.chosen and opts.select in ("list", "fragile")
+        return opts.select == "all" or (name in self.chosen and opts.select != "gain"
                                         and opts.enter_gain <= 0 and opts.exit_gain <= 0)
-
-    def _statistics(self, name, moments):
-        """{side: A or G} of a whitened layer from this step's averaged moments."""
-        return {side: moments[side][name] for side in self.whitened_sides()
-                if name in moments.get(side, {})}
 
     def _judge(self, names, worker_grads, means):
         """Measure each layer's candidate (or, without one, the geometry in use) on this step's
@@ -1702,8 +1580,6 @@ class GeoFP8Communicator:
         for n in names:
             self.layers[n] = layers[n]
             self.candidates.pop(n, None)
-
-    # -- selection ---------------------------------------------------------------------------------
 
     def _round_trip(self, x):
         return dequantize(quantize(x, self.opts.fmt, self.opts.block))
@@ -1715,7 +1591,7 @@ class GeoFP8Communicator:
         decision."""
         errors = []
         variants = self._variants()
-        world = dist.get_world_size(self.group) if self.across_ranks else 1
+        world = world_size(self.group) if self.across_ranks else 1
         for n, layer in layers.items():
             view = self.views.get(n) if self.opts.judge == "optimizer" else None
             seen = error_measure(view, means[n], self.rows.get(n), world * len(worker_grads))
@@ -1745,9 +1621,9 @@ class GeoFP8Communicator:
 
     def _decide(self, layers, errors):
         """Hysteresis on the measured gain: enter geo at enter_gain, leave below exit_gain. With
-        select="list" or "fragile" only the chosen layers may enter, and they leave too when
-        their geometry-aware error exceeds Euclidean's (enter_gain = exit_gain = 0: never).
-        With sides="auto" each layer takes the better of its measured rotations."""
+        a list of layers only the chosen may enter, and they leave too when their
+        geometry-aware error exceeds Euclidean's (enter_gain = exit_gain = 0: never). With
+        sides="auto" each layer takes the better of its measured rotations."""
         variants = self._variants()
         for (n, layer), (euclid, *geos) in zip(layers.items(), errors.tolist()):
             best = min(range(len(geos)), key=lambda k: geos[k])
@@ -1759,47 +1635,3 @@ class GeoFP8Communicator:
 
     def _choose(self, name, layer):
         layer.use_geo = goes_geometry_aware(layer, self.opts, listed=name in self.chosen)
-
-    def _select_fragile(self):
-        """The published selection: the top_k matrices by mean fraction of saturated FP8 sums
-        over the profiled (warmup) steps may go geometry-aware, if their gain allows."""
-        scores = self.fragility()
-        ranked = sorted(self.layers, key=lambda n: -scores.get(n, 0.0))
-        self.chosen = set(ranked[:self.opts.top_k])
-        for n in ranked:
-            self._choose(n, self.layers[n])
-
-    # -- reporting and checkpoints -------------------------------------------------------------
-
-    def state_dict(self):
-        layers = {n: l.state_dict() for n, l in self.layers.items() if l.ready}
-        candidates = {n: l.state_dict() for n, l in self.candidates.items()}
-        residuals = {w: dict(r) for w, r in self.residuals.items()}
-        return {"geometry": self.opts.geometry, "step": self.step, "layers": layers,
-                "candidates": candidates, "residuals": residuals, "chosen": sorted(self.chosen),
-                "saturation": self.saturation, "saturation_steps": self.saturation_steps}
-
-    def load_state_dict(self, state):
-        saved = state.get("geometry", "subspace")       # checkpoints before the whitening existed
-        if (state["layers"] or state.get("candidates")) and saved != self.opts.geometry:
-            raise ValueError(f"the communicator state is for geometry={saved!r}, not "
-                             f"{self.opts.geometry!r}: resume with the same method")
-        self.step = state["step"]
-        self.residuals = {w: dict(r) for w, r in state.get("residuals", {}).items()}
-        self.saturation = state.get("saturation")
-        self.saturation_steps = state.get("saturation_steps", 0)
-        self.chosen = set(state.get("chosen", self.chosen))
-        for n, layer_state in state["layers"].items():
-            self.layers[n].load_state_dict(layer_state)
-        self.candidates = {}                # (none in checkpoints from before they existed)
-        for n, layer_state in state.get("candidates", {}).items():
-            if n not in self.layers:
-                raise ValueError(f"the communicator state has new geometry for {n!r}, which is "
-                                 "not a candidate matrix here: resume with the same model")
-            self.candidates[n] = copy.copy(self.layers[n])  # as _propose makes one (FSDP's
-            self.candidates[n].load_state_dict(layer_state)  # core-scattering choice included)
-
-
-def all_finite(tensors):
-    """A bool tensor on the device: every element of every tensor finite (no host sync)."""
-    return torch.stack([torch.isfinite(t).all() for t in tensors]).all()

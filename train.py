@@ -32,13 +32,11 @@ One log line per step, pipe-separated; the same numbers go to out_dir/log.jsonl.
 
 import contextlib
 import dataclasses
-import math
 import os
 import sys
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -49,7 +47,11 @@ from nanogeo.dist import hooks, simulated
 from nanogeo.wire import kernels
 from nanogeo.run.config import ConfigError
 from nanogeo.run.runtime import RankMismatch
+# the pieces of a step the tools share (nanogeo/run/steps.py): batches, optimizers, the schedule
+from nanogeo.run.steps import (batch_rng, get_batch, make_optimizers, peak_lrs,
+                               set_learning_rates, warmup_cosine)
 from prepare_data import ShardError, load_splits
+from nanogeo.dist.communicator import ProductionCommunicator
 
 
 # -----------------------------------------------------------------------------
@@ -131,23 +133,6 @@ def parse_config(argv):
 
 
 # -----------------------------------------------------------------------------
-# data
-
-def get_batch(tokens, batch_size, block_size, rng, device):
-    """batch_size random windows of block_size + 1 tokens: inputs x and next-token targets y."""
-    starts = rng.integers(0, len(tokens) - block_size - 1, size=batch_size)
-    window = np.stack([tokens[s: s + block_size + 1] for s in starts]).astype(np.int64)
-    window = torch.from_numpy(window).to(device)
-    return window[:, :-1], window[:, 1:]                                     # (B, T) each
-
-
-def batch_rng(seed, rank, step, micro, split="train"):
-    """The random stream for one micro-batch, a pure function of where we are in training, so a
-    resumed run reads exactly the batches the uninterrupted run would have read."""
-    return np.random.default_rng([seed, rank, step, micro, split == "val"])
-
-
-# -----------------------------------------------------------------------------
 # gradient communication: the one seam
 
 ring_allreduce_bytes = compress.ring_allreduce_bytes   # 2 (W - 1) / W of the buffer per rank
@@ -163,7 +148,7 @@ def make_communicator(cfg, model, optimizers):
         return None, None
     named = [(n, p.shape) for n, p in model.named_parameters() if p.requires_grad]
     options = config.geo_options(cfg, model.config.vocab_size)
-    communicator = compress.GeoFP8Communicator(named, options,
+    communicator = ProductionCommunicator(named, options,
                                                linear=set(compress.linear_layers(model)))
     communicator.watch(hooks.optimizer_views(optimizers, model))
     moments = None
@@ -217,35 +202,9 @@ def final_eval_steps(cfg):
 
 
 def learning_rate(cfg, step):
-    """Linear warm-up, then cosine decay from learning_rate to min_lr at max_iters."""
-    if step < cfg.warmup_iters:
-        return cfg.learning_rate * (step + 1) / cfg.warmup_iters
-    progress = min(1.0, (step - cfg.warmup_iters) / max(1, cfg.max_iters - cfg.warmup_iters))
-    return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (cfg.learning_rate - cfg.min_lr)
-
-
-def make_optimizers(cfg, model, fused=False):
-    """[AdamW], or [Muon, AdamW] with --optimizer=muon (Muon on the transformer blocks'
-    matrices, AdamW on the rest), stepped together. AdamW is always the last one."""
-    betas = (cfg.beta1, cfg.beta2)
-    if cfg.optimizer == "muon":
-        return list(model.configure_muon(cfg.weight_decay, cfg.learning_rate, betas, cfg.muon_lr,
-                                         cfg.muon_momentum, cfg.muon_ns_steps,
-                                         cfg.muon_adjust_lr, fused=fused))
-    return [model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, betas, fused=fused)]
-
-
-def peak_lrs(optimizers):
-    """Each param group's peak learning rate, as the optimizers were built."""
-    return [[group["lr"] for group in o.param_groups] for o in optimizers]
-
-
-def set_learning_rates(optimizers, peaks, lr, base_lr):
-    """One warm-up and cosine for every group, scaled to the group's own peak (lr / base_lr is
-    the schedule's factor; peak / base_lr is exactly 1.0 for AdamW's groups)."""
-    for o, group_peaks in zip(optimizers, peaks):
-        for group, peak in zip(o.param_groups, group_peaks):
-            group["lr"] = lr * (peak / base_lr)
+    """Linear warm-up, then cosine decay from learning_rate to min_lr at max_iters (the schedule
+    itself is nanogeo/run/steps.py's warmup_cosine, which the tools share)."""
+    return warmup_cosine(step, cfg.learning_rate, cfg.min_lr, cfg.warmup_iters, cfg.max_iters)
 
 
 # -----------------------------------------------------------------------------
@@ -273,25 +232,95 @@ def data_parallel_ranks(cfg, rank, world_size):
     return list(range(cfg.simulate_workers)) if cfg.simulate_workers else [rank]
 
 
+@dataclass
+class Run:
+    """Everything `setup` builds before the first step, in one place for the loop."""
+    cfg: TrainConfig            # the flags (resume=True after an elastic restart)
+    rank: int
+    world_size: int             # processes
+    data_parallel: int          # data-parallel ranks: processes, or simulated ranks
+    my_ranks: list              # the data-parallel ranks this process computes
+    device: torch.device
+    data: dict                  # {"train", "val"}: token arrays
+    raw_model: torch.nn.Module
+    model: torch.nn.Module      # raw_model, or its torch.compile
+    params: list                # the parameters the gradients are averaged for
+    optimizers: list
+    peaks: list                 # each param group's peak lr (peak_lrs)
+    communicator: object        # None for fp32 and bf16 (see make_communicator)
+    moments: object             # the published GeoFP8's K-FAC statistics, or None
+    batched: object             # simulated ranks through the model together, or None
+    autocast: object            # bf16 autocast on a GPU, nothing on the CPU
+    log: runlog.RunLog
+    saver: checkpoint.Checkpointer
+    start_step: int             # 0, or the step of the checkpoint resumed from
+
+
+def setup(cfg):
+    """Ranks, the checkpoint to resume from, data, model, optimizers, communicator, the log."""
+    rank, world_size, _, device = runtime.setup_distributed(cfg)
+    my_ranks = data_parallel_ranks(cfg, rank, world_size)
+    data_parallel = len(my_ranks) * world_size
+    torch.manual_seed(cfg.seed)  # same seed on every rank: identical initial parameters
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restarts and checkpoint.resume_candidates(cfg.out_dir):
+        cfg = dataclasses.replace(cfg, resume=True)     # torchrun --max-restarts brought us back
+    # checked before anything is built: fail in a second, not after a minute
+    ckpt, resumed_from = checkpoint.open_checkpoint(cfg, data_parallel, device, master=rank == 0)
+    log = runlog.RunLog(cfg, master=rank == 0)
+
+    mcfg = model_lib.model_config(cfg.preset, block_size=cfg.block_size)
+    data = load_splits(cfg.data_dir, cfg.block_size, mcfg.vocab_size)
+    raw_model = model_lib.Llama(mcfg).to(device)
+    model = torch.compile(raw_model, dynamic=False) if cfg.compile else raw_model
+    kernels.compile_hot_path(cfg.compile)      # the codec and transform kernels too
+    params = [p for p in raw_model.parameters() if p.requires_grad]
+    optimizers = make_optimizers(cfg, raw_model, fused=device.type == "cuda")
+    peaks = peak_lrs(optimizers)    # read before a checkpoint overwrites "lr" with its last value
+    communicator, moments = make_communicator(cfg, raw_model, optimizers)
+    # simulated ranks go through the model together (nanogeo/dist/simulated.py), on the CPU, where a
+    # sequence's numbers do not depend on its batch, and eagerly (with --compile: one by one)
+    batched = (simulated.BatchedRanks(raw_model, model_lib.next_token_loss, rank_pass)
+               if cfg.simulate_workers and device.type == "cpu" and not cfg.compile else None)
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+                else contextlib.nullcontext())
+    start_step = 0
+    if ckpt is not None:
+        start_step = checkpoint.restore(ckpt, raw_model, optimizers, communicator, cfg, rank,
+                                        world_size, device)
+        log.print(f"resumed from {resumed_from} at step {start_step}"
+                  + (f" (elastic restart {restarts})" if restarts else ""))
+    # the step of the ckpt.pt in out_dir (the next save keeps it as ckpt-STEP.pt); none after a
+    # resume from a kept ckpt-STEP.pt, the damaged ckpt.pt having been moved aside
+    in_place = resumed_from == checkpoint.ckpt_path(cfg)
+    saver = checkpoint.Checkpointer(cfg, mcfg, data_parallel, rank, world_size,
+                                    last_step=start_step if in_place else None)
+    log.start(raw_model, params, world_size, device, data_parallel)
+    return Run(cfg, rank, world_size, data_parallel, my_ranks, device, data, raw_model, model,
+               params, optimizers, peaks, communicator, moments, batched, autocast, log, saver,
+               start_step)
+
+
 @torch.no_grad()
-def evaluate(model, data, cfg, my_ranks, world_size, autocast, device):
+def evaluate(run):
     """Mean validation loss over every data-parallel rank's fixed validation batches (the same
     windows at every evaluation), identical on all ranks."""
-    model.eval()
+    cfg = run.cfg
+    run.model.eval()
     per_rank = []
-    for r in my_ranks:
+    for r in run.my_ranks:
         losses = []
         for k in range(cfg.eval_iters):
-            x, y = get_batch(data["val"], cfg.batch_size, cfg.block_size,
-                             batch_rng(cfg.seed, r, 0, k, "val"), device)
-            with autocast:
-                losses.append(model(x, y)[1].float())
+            x, y = get_batch(run.data["val"], cfg.batch_size, cfg.block_size,
+                             batch_rng(cfg.seed, r, 0, k, "val"), run.device)
+            with run.autocast:
+                losses.append(run.model(x, y)[1].float())
         per_rank.append(torch.stack(losses).mean())
     loss = torch.stack(per_rank).sum()
-    if world_size > 1:
+    if run.world_size > 1:
         dist.all_reduce(loss, op=dist.ReduceOp.SUM)
-    model.train()
-    return (loss / (len(my_ranks) * world_size)).item()
+    run.model.train()
+    return (loss / (len(run.my_ranks) * run.world_size)).item()
 
 
 def rank_pass(forward, rank_batches, grad_accum, autocast=contextlib.nullcontext()):
@@ -332,122 +361,100 @@ def forward_backward(forward, params, data, cfg, step, my_ranks, autocast, devic
             worker_moments)
 
 
+def take_step(run, step, logged, last_step=None):
+    """One optimizer step: forward and backward on every micro-batch, the gradients averaged
+    across ranks (the communication), clipped and applied. Returns (this rank's loss, the
+    gradient norm, the bytes this rank sent, the coordinates each layer's gradient was sent in:
+    on `logged` steps with a geometry, else None); None if some rank's gradient was not finite,
+    the step then skipped on every rank alike. With `last_step` (summary.LastStep) the
+    gradients are kept for the end-of-run comparison."""
+    cfg, communicator, moments, params = run.cfg, run.communicator, run.moments, run.params
+    # on the published GeoFP8's refresh steps, hooks collect the whitened layers' input
+    # statistics; those forwards run eagerly, so a compiled graph never contains the hooks
+    collect = moments is not None and communicator.wants_moments()
+    with moments.attached() if collect else contextlib.nullcontext():
+        loss, worker_grads, worker_moments = forward_backward(
+            run.raw_model if collect else run.model, params, run.data, cfg, step, run.my_ranks,
+            run.autocast, run.device, moments if collect else None, run.batched)
+    grads = [g for w in worker_grads for g in w] or [p.grad for p in params]
+    if not runtime.gradients_finite(grads, run.world_size):
+        # skipped on every rank alike; geometry and error-feedback state stay untouched
+        run.log.print(f"step {step + 1}: warning: non-finite gradient on some rank; step skipped")
+        if collect:
+            moments.take()      # this step's statistics go with it
+        for o in run.optimizers:
+            o.zero_grad(set_to_none=True)
+        return None
+    # the coordinates this step's gradients are sent in (the reduce may change them after)
+    as_sent = ({n: communicator.coords(n) for n in communicator.layers}
+               if logged and cfg.comm in GEOMETRIES else None)
+    if last_step is not None:
+        last_step.keep_sent(worker_grads, grads)
+    if cfg.simulate_workers:
+        wire_bytes = simulated.reduce_gradients(params, worker_grads, cfg.comm, communicator,
+                                                worker_moments)
+    else:
+        wire_bytes = reduce_gradients(params, cfg, communicator, run.world_size, moments)
+    run.log.sent(wire_bytes)
+    if last_step is not None:
+        last_step.keep_delivered(params)
+    grad_norm = optimizer_step(params, run.optimizers, cfg.grad_clip)
+    if cfg.check_every and run.world_size > 1 and (step + 1) % cfg.check_every == 0:
+        runtime.check_ranks_agree(params, step + 1, run.device)
+    return loss, grad_norm, wire_bytes, as_sent
+
+
 def train(cfg):
-    rank, world_size, _, device = runtime.setup_distributed(cfg)
-    my_ranks = data_parallel_ranks(cfg, rank, world_size)
-    data_parallel = len(my_ranks) * world_size
-    torch.manual_seed(cfg.seed)  # same seed on every rank: identical initial parameters
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if restarts and checkpoint.resume_candidates(cfg.out_dir):
-        cfg = dataclasses.replace(cfg, resume=True)     # torchrun --max-restarts brought us back
-    # checked before anything is built: fail in a second, not after a minute
-    ckpt, resumed_from = checkpoint.open_checkpoint(cfg, data_parallel, device, master=rank == 0)
-    log = runlog.RunLog(cfg, master=rank == 0)
-
-    mcfg = model_lib.model_config(cfg.preset, block_size=cfg.block_size)
-    data = load_splits(cfg.data_dir, cfg.block_size, mcfg.vocab_size)
-    raw_model = model_lib.Llama(mcfg).to(device)
-    model = torch.compile(raw_model, dynamic=False) if cfg.compile else raw_model
-    kernels.compile_hot_path(cfg.compile)      # the codec and transform kernels too
-    params = [p for p in raw_model.parameters() if p.requires_grad]
-    optimizers = make_optimizers(cfg, raw_model, fused=device.type == "cuda")
-    peaks = peak_lrs(optimizers)    # read before a checkpoint overwrites "lr" with its last value
-    communicator, moments = make_communicator(cfg, raw_model, optimizers)
-    # simulated ranks go through the model together (nanogeo/dist/simulated.py), on the CPU, where a
-    # sequence's numbers do not depend on its batch, and eagerly (with --compile: one by one)
-    batched = (simulated.BatchedRanks(raw_model, model_lib.next_token_loss, rank_pass)
-               if cfg.simulate_workers and device.type == "cpu" and not cfg.compile else None)
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
-                else contextlib.nullcontext())
-    start_step = 0
-    if ckpt is not None:
-        start_step = checkpoint.restore(ckpt, raw_model, optimizers, communicator, cfg, rank,
-                                        world_size, device)
-        log.print(f"resumed from {resumed_from} at step {start_step}"
-                  + (f" (elastic restart {restarts})" if restarts else ""))
-    # the step of the ckpt.pt in out_dir (the next save keeps it as ckpt-STEP.pt); none after a
-    # resume from a kept ckpt-STEP.pt, the damaged ckpt.pt having been moved aside
-    in_place = resumed_from == checkpoint.ckpt_path(cfg)
-    saver = checkpoint.Checkpointer(cfg, mcfg, data_parallel, rank, world_size,
-                                    last_step=start_step if in_place else None)
-    log.start(raw_model, params, world_size, device, data_parallel)
-
-    first_val = None if start_step else evaluate(model, data, cfg, my_ranks, world_size,
-                                                 autocast, device)
+    """Train as the flags say; returns the run's summary (nanogeo/run/runlog.py, RunLog.finish).
+    setup, then per step: the learning rate, take_step, evaluation, logging, checkpoints."""
+    run = setup(cfg)
+    cfg, log = run.cfg, run.log
+    first_val = None if run.start_step else evaluate(run)
     log.first_eval(first_val)
     val_loss = float("nan") if first_val is None else first_val    # resumed: not yet measured
     train_loss, t_start = float("nan"), time.time()
     final_steps, final_vals = final_eval_steps(cfg), []     # final_vals: [(step, val loss)]
-    local = delivered = None        # the last step's gradients, kept for the summary
-    for step in range(start_step, cfg.max_iters):
-        t0 = time.time()
+    # the last step, kept to measure it against Euclidean FP8 at the end (compressed runs only)
+    last_step = (summary.LastStep(run.communicator, run.data_parallel, bool(cfg.simulate_workers))
+                 if run.communicator is not None else None)
+    for step in range(run.start_step, cfg.max_iters):
+        t0, done = time.time(), step + 1
         lr = learning_rate(cfg, step)
-        set_learning_rates(optimizers, peaks, lr, cfg.learning_rate)
-        # on the published GeoFP8's refresh steps, hooks collect the whitened layers' input
-        # statistics; those forwards run eagerly, so a compiled graph never contains the hooks
-        collect = moments is not None and communicator.wants_moments()
-        with moments.attached() if collect else contextlib.nullcontext():
-            loss, worker_grads, worker_moments = forward_backward(
-                raw_model if collect else model, params, data, cfg, step, my_ranks, autocast,
-                device, moments if collect else None, batched)
-        grads = [g for w in worker_grads for g in w] or [p.grad for p in params]
-        if not runtime.gradients_finite(grads, world_size):
-            # skipped on every rank alike; geometry and error-feedback state stay untouched
-            log.print(f"step {step + 1}: warning: non-finite gradient on some rank; step skipped")
-            if collect:
-                moments.take()      # this step's statistics go with it
-            for o in optimizers:
-                o.zero_grad(set_to_none=True)
-            if step + 1 in final_steps:     # the final val loss measures the model as it is
-                final_vals.append((step + 1, evaluate(model, data, cfg, my_ranks, world_size,
-                                                      autocast, device)))
+        set_learning_rates(run.optimizers, run.peaks, lr, cfg.learning_rate)
+        logged = done % cfg.log_interval == 0 or done == cfg.max_iters
+        taken = take_step(run, step, logged, last_step if done == cfg.max_iters else None)
+        if taken is None:       # skipped: the final val loss still measures the model as it is
+            if done in final_steps:
+                final_vals.append((done, evaluate(run)))
             continue
-        last = communicator is not None and step + 1 == cfg.max_iters
-        logged = (step + 1) % cfg.log_interval == 0 or step + 1 == cfg.max_iters
-        # the coordinates this step's gradients are sent in (the reduce may change them after)
-        as_sent = ({n: communicator.coords(n) for n in communicator.layers}
-                   if logged and cfg.comm in GEOMETRIES else None)
-        if last:        # kept for the end-of-run comparison with Euclidean FP8
-            local = [[g.clone() for g in w] for w in worker_grads] or [g.clone() for g in grads]
-            coords = [communicator.coords(n) for n in communicator.names]   # as sent
-        if cfg.simulate_workers:
-            wire_bytes = simulated.reduce_gradients(params, worker_grads, cfg.comm, communicator,
-                                                    worker_moments)
-        else:
-            wire_bytes = reduce_gradients(params, cfg, communicator, world_size, moments)
-        log.sent(wire_bytes)
-        if last:
-            delivered = [p.grad.clone() for p in params]
-        grad_norm = optimizer_step(params, optimizers, cfg.grad_clip)
-        if cfg.check_every and world_size > 1 and (step + 1) % cfg.check_every == 0:
-            runtime.check_ranks_agree(params, step + 1, device)
-        train_loss = loss       # this rank's loss; ranks differ by their data
-        if device.type == "cuda":
+        train_loss, grad_norm, wire_bytes, as_sent = taken   # this rank's loss; ranks differ
+        if run.device.type == "cuda":
             torch.cuda.synchronize()
-        dt, done = time.time() - t0, step + 1
+        dt = time.time() - t0
 
         if done % cfg.eval_interval == 0 or done in final_steps:
-            val_loss = evaluate(model, data, cfg, my_ranks, world_size, autocast, device)
+            val_loss = evaluate(run)
             if done in final_steps:
                 final_vals.append((done, val_loss))
             if cfg.comm in GEOMETRIES and done > cfg.geo_warmup:
-                log.print(f"GeoFP8 layers at step {done}:\n{summary.layer_table(communicator)}")
+                log.print(f"GeoFP8 layers at step {done}:\n"
+                          f"{summary.layer_table(run.communicator)}")
         if logged:
             log.step(done, train_loss, val_loss, lr, grad_norm, dt, wire_bytes)
             if as_sent is not None:
-                log.geometry(done, communicator, as_sent)
+                log.geometry(done, run.communicator, as_sent)
         if cfg.eval_every and done % cfg.eval_every == 0:
-            log.downstream(done, raw_model, device)
+            log.downstream(done, run.raw_model, run.device)
         if cfg.ckpt_interval and done % cfg.ckpt_interval == 0 and done < cfg.max_iters:
-            saver.save(done, raw_model, optimizers, communicator)
-    saver.save(cfg.max_iters, raw_model, optimizers, communicator)
+            run.saver.save(done, run.raw_model, run.optimizers, run.communicator)
+    run.saver.save(cfg.max_iters, run.raw_model, run.optimizers, run.communicator)
     elapsed = time.time() - t_start     # the training, without the comparison below
-    if delivered is not None:       # the last step, measured against Euclidean FP8
-        log.print(summary.last_step_report(communicator, local, delivered, coords, data_parallel,
-                                           simulated=bool(cfg.simulate_workers)))
+    if last_step is not None and last_step.taken():     # the last step against Euclidean FP8
+        log.print(last_step.report())
     result = log.finish(train_loss, final_vals or [(cfg.max_iters, val_loss)], first_val,
-                        start_step, elapsed, runtime.parameter_checksum(params), saver.path)
-    if world_size > 1:
+                        run.start_step, elapsed, runtime.parameter_checksum(run.params),
+                        run.saver.path)
+    if run.world_size > 1:
         dist.destroy_process_group()
     return result
 

@@ -6,13 +6,14 @@ import torch
 import torch.distributed as dist
 
 import compress
-from compress import (GeoFP8Communicator, GeoOptions, HouseholderBasis, ShardLayout,
-                      all_reduce_mean, decode_geo, dequantize, encode_geo, quantize,
-                      simulate_mean, wire_nbytes)
+from compress import HouseholderBasis, decode_geo, encode_geo
 from conftest import run_ranks
 from nanogeo.dist import dense
-from nanogeo.wire import kernels, nvfp4, packing
+from nanogeo.dist.communicator import Options, ProductionCommunicator
 from nanogeo.run import summary
+from nanogeo.wire import collective, kernels, nvfp4, packing
+from nanogeo.wire.collective import (all_reduce_mean, dequantize, quantize, simulate_mean,
+                                     wire_nbytes)
 
 GRANULARITIES = [128, 32, "row", "tensor"]
 
@@ -172,14 +173,14 @@ def test_wire_bytes_ratio_to_bf16():
     """Two-stage FP8 with fp32 scales per 128 elements: ~0.516x a bf16 ring all-reduce."""
     n = 4 * 1024 * 1024
     for world, fmt, bound in ((4, "e4m3", 0.52), (4, "nvfp4", 0.30), (2, "e4m3", 0.52)):
-        layout = ShardLayout([(n,)], fmt, 128, world)
+        layout = collective.layout([(n,)], fmt, 128, world)
         per_rank = compress.collective_bytes(layout, 0)
         assert per_rank / (2 * (world - 1) / world * n * 2) <= bound
 
 
 def test_layout_covers_every_element_once():
     for fmt, block in CASES:
-        layout = ShardLayout(SHAPES, fmt, block, 3)
+        layout = collective.layout(SHAPES, fmt, block, 3)
         for t, shape in enumerate(SHAPES):
             ranges = sorted((p.start, p.end) for pieces in layout.pieces for p in pieces
                             if p.tensor == t)
@@ -203,15 +204,15 @@ def test_packed_codec_equals_one_call_per_piece(world, monkeypatch, one_thread):
     workers = [rank_tensors(r)[:world + 3] for r in range(world)]
     shapes = tuple(tuple(t.shape) for t in workers[0])
     for fmt, block in (("e4m3", 128), ("e5m2", 32)):
-        packed = ShardLayout(shapes, fmt, block, world)
-        apart = ShardLayout(shapes, fmt, block, world, packed=False)
-        monkeypatch.setattr(compress, "shard_layout", lambda *a: apart)
+        packed = collective.layout(shapes, fmt, block, world)
+        apart = collective.layout(shapes, fmt, block, world, packed=False)
+        monkeypatch.setattr(collective, "shard_layout", lambda *a: apart)
         expected = simulate_mean(workers, fmt, block, return_local=True)
         calls = []
-        for module, name in ((compress, "fp8_encode"), (packing, "fp8_decode_groups")):
-            original = getattr(module, name)
-            monkeypatch.setattr(module, name, lambda *a, f=original, n=name: calls.append(n) or f(*a))
-        monkeypatch.setattr(compress, "shard_layout", lambda *a: packed)
+        for name, original in kernels.EAGER.items():     # the packed stages call these
+            monkeypatch.setitem(kernels.KERNELS, name,
+                                lambda *a, f=original, n=name: calls.append(n) or f(*a))
+        monkeypatch.setattr(collective, "shard_layout", lambda *a: packed)
         got = simulate_mean(workers, fmt, block, return_local=True)
         monkeypatch.undo()
         for a, b in zip(expected[0] + sum(expected[2], []), got[0] + sum(got[2], [])):
@@ -246,8 +247,8 @@ def test_packed_nvfp4_equals_one_call_per_piece(world, monkeypatch, one_thread):
     all_gather's padded rows) and through the simulator, with nearest and stochastic rounding.
     It makes exactly one codec call per rank and stage."""
     workers = [nvfp4_rank_tensors(r) for r in range(world)]
-    packed = ShardLayout(NVFP4_SHAPES, "nvfp4", 128, world)
-    apart = ShardLayout(NVFP4_SHAPES, "nvfp4", 128, world, packed=False)
+    packed = collective.layout(NVFP4_SHAPES, "nvfp4", 128, world)
+    apart = collective.layout(NVFP4_SHAPES, "nvfp4", 128, world, packed=False)
     assert packed.packing is not None and apart.packing is None
     assert packed.nbytes == apart.nbytes
     sends = [compress.encode_shards(w, packed) for w in workers]
@@ -266,14 +267,14 @@ def test_packed_nvfp4_equals_one_call_per_piece(world, monkeypatch, one_thread):
     assert_all_equal(compress.decode_shards(gathered.view(-1), packed, stride),
                      compress.decode_shards(gathered.view(-1), apart, stride))
     for stochastic in (False, True):
-        monkeypatch.setattr(compress, "shard_layout", lambda *a: apart)
+        monkeypatch.setattr(collective, "shard_layout", lambda *a: apart)
         expected = simulate_mean(workers, "nvfp4", stochastic=stochastic, seed=7, return_local=True)
         calls = []
         for name in ("encode_blocks", "decode_blocks"):
             original = getattr(nvfp4, name)
             monkeypatch.setattr(nvfp4, name,
                                 lambda *a, f=original, n=name: calls.append(n) or f(*a))
-        monkeypatch.setattr(compress, "shard_layout", lambda *a: packed)
+        monkeypatch.setattr(collective, "shard_layout", lambda *a: packed)
         got = simulate_mean(workers, "nvfp4", stochastic=stochastic, seed=7, return_local=True)
         monkeypatch.undo()
         assert_all_equal(got[0] + sum(got[2], []), expected[0] + sum(expected[2], []))
@@ -365,7 +366,7 @@ def planted_workers(m, n, world, steps, rank=8, strength=0.9, seed=0):
 
 
 def run_steps(options, steps, name="layers.0.mlp.w1.weight"):
-    comm = GeoFP8Communicator([(name, steps[0][0].shape)], options)
+    comm = ProductionCommunicator([(name, steps[0][0].shape)], options)
     errors = []
     for workers in steps:
         means, _ = comm.reduce_workers([[w] for w in workers])
@@ -376,8 +377,8 @@ def run_steps(options, steps, name="layers.0.mlp.w1.weight"):
 
 def test_geofp8_beats_euclidean_on_planted_anisotropy():
     steps = planted_workers(256, 384, 4, 5)
-    euclid, _ = run_steps(GeoOptions(geometry="euclidean"), steps)
-    geo, comm = run_steps(GeoOptions(geometry="subspace", geo_rank=16), steps)
+    euclid, _ = run_steps(Options(geometry="euclidean"), steps)
+    geo, comm = run_steps(Options(geometry="subspace", geo_rank=16), steps)
     assert comm.coords("layers.0.mlp.w1.weight") == "geo"
     # step 0 builds the bases, step 1 measures them out of sample (still Euclidean), then they
     # are used: do no harm from the first step
@@ -388,18 +389,18 @@ def test_geofp8_beats_euclidean_on_planted_anisotropy():
 def test_geofp8_not_worse_on_isotropic_input():
     g = torch.Generator().manual_seed(0)
     steps = [[torch.randn(256, 384, generator=g) for _ in range(4)] for _ in range(5)]
-    euclid, _ = run_steps(GeoOptions(geometry="euclidean"), steps)
-    geo, comm = run_steps(GeoOptions(geometry="subspace", geo_rank=16), steps)
+    euclid, _ = run_steps(Options(geometry="euclidean"), steps)
+    geo, comm = run_steps(Options(geometry="subspace", geo_rank=16), steps)
     assert sum(geo[1:]) <= 1.02 * sum(euclid[1:])
     assert comm.coords("layers.0.mlp.w1.weight") == "euclidean"  # measured: no gain, not used
 
 
 def test_exemptions():
-    opts = GeoOptions(geometry="subspace", vocab_size=1000, min_numel=4096)
+    opts = Options(geometry="subspace", vocab_size=1000, min_numel=4096)
     shapes = [("tok_embeddings.weight", (1000, 64)), ("lm_head.weight", (1000, 64)),
               ("proj", (64, 1000)), ("norm.weight", (64,)), ("tiny.weight", (16, 16)),
               ("layers.0.w1.weight", (256, 128))]
-    comm = GeoFP8Communicator(shapes, opts)
+    comm = ProductionCommunicator(shapes, opts)
     assert list(comm.layers) == ["layers.0.w1.weight"]
     assert comm.reasons == {"tok_embeddings.weight": "vocabulary", "lm_head.weight": "vocabulary",
                             "proj": "vocabulary", "norm.weight": "not 2-D", "tiny.weight": "small"}
@@ -412,12 +413,12 @@ def test_exemptions():
     assert "vocabulary" in summary.layer_table(comm)
 
 
-@pytest.mark.parametrize("geometry", ["subspace", "whiten"])
+@pytest.mark.parametrize("geometry", ["subspace", "geofp8"])
 def test_layer_table_says_dash_where_nothing_was_measured(geometry):
     """Before any step nothing is measured: the gain and energy columns say "-", never nan.
     (A whitened layer never has a core energy: tests/test_ddp.py checks its table mid-run.)"""
     name = "layers.0.mlp.w1.weight"
-    comm = GeoFP8Communicator([(name, (128, 256))], GeoOptions(geometry=geometry))
+    comm = ProductionCommunicator([(name, (128, 256))], Options(geometry=geometry))
     header, row = summary.layer_table(comm).splitlines()
     assert header.split()[-2:] == ["gain", "energy"] and row.split()[-2:] == ["-", "-"]
     assert row.split()[:4] == [name, "128x256", str(comm.layers[name].r), "euclidean"]
@@ -425,7 +426,7 @@ def test_layer_table_says_dash_where_nothing_was_measured(geometry):
 
 def test_warmup_keeps_euclidean():
     steps = planted_workers(128, 128, 2, 4)
-    _, comm = run_steps(GeoOptions(geometry="subspace", geo_rank=8, warmup=10), steps)
+    _, comm = run_steps(Options(geometry="subspace", geo_rank=8, warmup=10), steps)
     assert comm.coords("layers.0.mlp.w1.weight") == "euclidean"
     assert comm.layers["layers.0.mlp.w1.weight"].left_basis is not None  # estimated in warm-up
 
@@ -438,7 +439,7 @@ def test_error_feedback_bounds_accumulated_error():
     workers = [[x.clone()], [x.clone()]]
     sums = {}
     for ef in (False, True):
-        comm = GeoFP8Communicator([("v", (512,))], GeoOptions(geometry="euclidean", error_feedback=ef))
+        comm = ProductionCommunicator([("v", (512,))], Options(geometry="euclidean", error_feedback=ef))
         total = torch.zeros(512)
         for _ in range(20):
             total += comm.reduce_workers(workers)[0][0]
@@ -448,7 +449,7 @@ def test_error_feedback_bounds_accumulated_error():
 
 def test_geometry_state_is_small():
     shapes = [(f"layers.{i}.w", (1024, 4096)) for i in range(2)]
-    comm = GeoFP8Communicator(shapes, GeoOptions(geometry="subspace", geo_rank=32))
+    comm = ProductionCommunicator(shapes, Options(geometry="subspace", geo_rank=32))
     comm.reduce_workers([[torch.randn(1024, 4096) for _ in shapes] for _ in range(2)])
     params = sum(math.prod(s) for _, s in shapes) * 4
     assert summary.geometry_state_bytes(comm) <= 0.05 * params
@@ -459,17 +460,17 @@ def test_geometry_state_counts_the_dense_bases_of_ablations(ablation):
     """The dense ablation bases are m x m and n x n: the state counts them (and full=True and
     basis="random" together are refused: two different ablations)."""
     m, n = 64, 96
-    comm = GeoFP8Communicator([("w", (m, n))], GeoOptions(geometry="subspace", **ablation))
+    comm = ProductionCommunicator([("w", (m, n))], Options(geometry="subspace", **ablation))
     comm.reduce_workers([[torch.randn(m, n)] for _ in range(2)])
     assert summary.geometry_state_bytes(comm) >= 4 * (m * m + n * n)
     with pytest.raises(ValueError, match="choose one"):
-        GeoOptions(geometry="subspace", full=True, basis="random")
+        Options(geometry="subspace", full=True, basis="random")
 
 
 def communicator_rank(rank, world_size, out_path, options):
     dist.init_process_group("gloo")
     steps = planted_workers(96, 128, world_size, 4)
-    comm = GeoFP8Communicator([("a.weight", (96, 128)), ("b", (7,))], options)
+    comm = ProductionCommunicator([("a.weight", (96, 128)), ("b", (7,))], options)
     outputs = []
     for workers in steps:
         grads = [workers[rank].clone(), torch.full((7,), float(rank))]
@@ -479,14 +480,14 @@ def communicator_rank(rank, world_size, out_path, options):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("options", [GeoOptions(geometry="subspace", geo_rank=8, min_numel=1024),
-                                     GeoOptions(geometry="subspace", geo_rank=8, min_numel=1024, error_feedback=True,
+@pytest.mark.parametrize("options", [Options(geometry="subspace", geo_rank=8, min_numel=1024),
+                                     Options(geometry="subspace", geo_rank=8, min_numel=1024, error_feedback=True,
                                                 stochastic=True, fmt="nvfp4")])
 def test_distributed_communicator_matches_simulator(options, tmp_path):
     out = str(tmp_path / "comm")
     run_ranks(communicator_rank, 2, out, options)
     ranks = [torch.load(f"{out}.{r}") for r in range(2)]
-    sim = GeoFP8Communicator([("a.weight", (96, 128)), ("b", (7,))], options)
+    sim = ProductionCommunicator([("a.weight", (96, 128)), ("b", (7,))], options)
     for step, workers in enumerate(planted_workers(96, 128, 2, 4)):
         means, sent = sim.reduce_workers([[workers[r], torch.full((7,), float(r))]
                                           for r in range(2)])
@@ -499,14 +500,14 @@ def test_distributed_communicator_matches_simulator(options, tmp_path):
 
 
 @pytest.mark.parametrize("options", [
-    GeoOptions(geometry="subspace", geo_rank=8, error_feedback=True),
-    GeoOptions(geometry="subspace", full=True, select="all"),          # dense exact bases
-    GeoOptions(geometry="subspace", basis="random", select="all")])   # dense random rotation
+    Options(geometry="subspace", geo_rank=8, error_feedback=True),
+    Options(geometry="subspace", full=True, select="all"),          # dense exact bases
+    Options(geometry="subspace", basis="random", select="all")])   # dense random rotation
 def test_state_dict_round_trip(options):
     steps = planted_workers(128, 96, 2, 3)
     _, comm = run_steps(options, steps)
     state = comm.state_dict()
-    other = GeoFP8Communicator([("layers.0.mlp.w1.weight", (128, 96))], options)
+    other = ProductionCommunicator([("layers.0.mlp.w1.weight", (128, 96))], options)
     other.load_state_dict(state)
     nxt = planted_workers(128, 96, 2, 1, seed=3)[0]
     a, _ = comm.reduce_workers([[w] for w in nxt])
@@ -563,28 +564,23 @@ def test_geometry_on_row_blocks_matches_whole_matrix(tmp_path):
         assert torch.equal(w, s)                            # every rank: the same bases
 
 
-def test_hot_path_list_matches_the_marked_functions():
-    """nanogeo.wire.kernels.HOT_PATH names exactly the functions marked "# hot path" in their
-    modules, and compile_hot_path swaps each of them (and puts the plain one back)."""
-    import importlib
-    import inspect
-    for module_name, names in kernels.HOT_PATH.items():
-        module = importlib.import_module(module_name)
-        marked = {line.split("(")[0][4:] for line in inspect.getsource(module).splitlines()
-                  if line.startswith("def ") and "# hot path" in line}
-        assert marked == set(names), module_name
-        plain = {n: getattr(module, n) for n in names}
-        kernels.compile_hot_path(True)
-        try:
-            assert all(getattr(module, n) is not plain[n] for n in names)
-        finally:
-            kernels.compile_hot_path(False)
-        assert all(getattr(module, n) is plain[n] for n in names)
+def test_compiling_changes_only_the_kernel_table():
+    """compile_hot_path(True) puts compiled kernels in nanogeo.wire.kernels.KERNELS, which the
+    packed stages call; no other module's functions change, and False puts the plain ones back."""
+    fp8_encode, reflect = compress.fp8_encode, compress.reflect
+    kernels.compile_hot_path(True)
+    try:
+        assert kernels.compiled() and set(kernels.KERNELS) == set(kernels.EAGER)
+        assert all(kernels.KERNELS[n] is not f for n, f in kernels.EAGER.items())
+        assert compress.fp8_encode is fp8_encode and compress.reflect is reflect
+    finally:
+        kernels.compile_hot_path(False)
+    assert not kernels.compiled() and kernels.KERNELS == kernels.EAGER
 
 
 def test_compiled_hot_path_equals_eager():
-    """compile_hot_path(): torch.compile(dynamic=False) of the codec and the Householder
-    transform gives the same bytes and values as eager, including partial last blocks."""
+    """compile_hot_path(): torch.compile(dynamic=False) of the packed codec gives the same bytes
+    and values as eager, including partial last blocks."""
     gen = torch.Generator().manual_seed(0)
     tensors = [torch.randn(48, 40, generator=gen), torch.randn(1000, generator=gen) * 1e-3,
                torch.zeros(130)]

@@ -13,13 +13,14 @@ import torch
 import torch.distributed as dist
 
 import compress
-from compress import GeoFP8Communicator, GeoOptions, HadamardLayer
+from compress import HadamardLayer
 from conftest import ROOT, run_ranks
 from nanogeo.run import config, summary
+from nanogeo.dist.communicator import Options, ProductionCommunicator
 
 
 def hadamard_layer(shape, block=128, sides="right", seed=3):
-    layer = HadamardLayer(shape, seed, GeoOptions(geometry="hadamard", hadamard_block=block,
+    layer = HadamardLayer(shape, seed, Options(geometry="hadamard", hadamard_block=block,
                                                   hadamard_sides=sides))
     layer.refresh(torch.zeros(shape))           # the mean gives only the device
     return layer
@@ -111,7 +112,7 @@ def outlier_column(world, steps, seed=1):
 def run(options, steps, name="layers.0.mlp.w1.weight"):
     """Each step's relative error of the mean, the coordinates it was sent in, and whether a
     candidate awaits its measurement after it."""
-    comm = GeoFP8Communicator([(name, steps[0][0].shape)], options)
+    comm = ProductionCommunicator([(name, steps[0][0].shape)], options)
     errors, coords, proposed = [], [], []
     for workers in steps:
         coords.append(comm.coords(name))
@@ -127,8 +128,8 @@ def test_enters_only_after_a_measurement():
     (still sent in Euclidean coordinates, bit for bit), and used from step 2 where they measured
     better; a refresh step proposes them again to be re-judged."""
     steps = flush_prone(world=2, steps=6)
-    euclid, _, _, _ = run(GeoOptions(geometry="euclidean", fmt="nvfp4"), steps)
-    errors, coords, comm, proposed = run(GeoOptions(geometry="hadamard", fmt="nvfp4"), steps)
+    euclid, _, _, _ = run(Options(geometry="euclidean", fmt="nvfp4"), steps)
+    errors, coords, comm, proposed = run(Options(geometry="hadamard", fmt="nvfp4"), steps)
     assert coords == ["euclidean", "euclidean", "geo", "geo", "geo", "geo"]
     assert errors[:2] == euclid[:2]
     assert sum(errors[2:]) < 0.9 * sum(euclid[2:])
@@ -137,17 +138,17 @@ def test_enters_only_after_a_measurement():
     # where it measures worse it is never used (an outlier column under e4m3 block scales:
     # floating point already keeps the other entries' relative precision), unless forced
     outlier = outlier_column(world=2, steps=4)
-    _, coords, comm, _ = run(GeoOptions(geometry="hadamard"), outlier)
+    _, coords, comm, _ = run(Options(geometry="hadamard"), outlier)
     assert coords == ["euclidean"] * 4 and comm.layers["layers.0.mlp.w1.weight"].gain < 1
-    _, coords, _, _ = run(GeoOptions(geometry="hadamard", select="all"), outlier)
+    _, coords, _, _ = run(Options(geometry="hadamard", select="all"), outlier)
     assert coords == ["euclidean", "geo", "geo", "geo"]          # forced: at once, no measurement
 
 
 def test_state_dict_table_and_options():
     steps = flush_prone(world=2, steps=3)
-    options = GeoOptions(geometry="hadamard", fmt="nvfp4", hadamard_sides="both")
+    options = Options(geometry="hadamard", fmt="nvfp4", hadamard_sides="both")
     _, _, comm, _ = run(options, steps)
-    other = GeoFP8Communicator([("layers.0.mlp.w1.weight", (128, 256))], options)
+    other = ProductionCommunicator([("layers.0.mlp.w1.weight", (128, 256))], options)
     other.load_state_dict(comm.state_dict())
     nxt = flush_prone(world=2, steps=1, seed=5)[0]
     a, _ = comm.reduce_workers([[w] for w in nxt])
@@ -159,7 +160,7 @@ def test_state_dict_table_and_options():
     assert summary.geometry_state_bytes(comm) == 4 * (128 + 256)
     for bad in (dict(hadamard_block=100), dict(hadamard_block=1), dict(hadamard_sides="left")):
         with pytest.raises(ValueError, match="hadamard_"):
-            GeoOptions(geometry="hadamard", **bad)
+            Options(geometry="hadamard", **bad)
     import train
     opts = config.geo_options(train.parse_config(
         ["--comm=hadamard", "--hadamard_block=64", "--hadamard_sides=both"]), 50304)
@@ -179,8 +180,8 @@ def two_ranks(rank, world_size, out_path):
     G = torch.randn(128, 256, generator=torch.Generator().manual_seed(9))
     saved = {}
     for select in ("gain", "all"):
-        comm = GeoFP8Communicator([("a.weight", (128, 256)), ("b", (7,))],
-                                  GeoOptions(geometry="hadamard", fmt="nvfp4", select=select,
+        comm = ProductionCommunicator([("a.weight", (128, 256)), ("b", (7,))],
+                                  Options(geometry="hadamard", fmt="nvfp4", select=select,
                                              hadamard_sides="both", seed=11))
         means = []
         for workers in steps:
@@ -220,8 +221,8 @@ def test_two_ranks_agree_and_fsdp2_decodes_rows_locally(tmp_path):
         assert all(torch.equal(x, y) for x, y in zip(a["signs"], b["signs"]))
         assert len(a["signs"]) == 2                                    # columns and rows
         assert torch.equal(a["encoded"], b["encoded"])                 # bit-identical
-        sim = GeoFP8Communicator([("a.weight", (128, 256)), ("b", (7,))],
-                                 GeoOptions(geometry="hadamard", fmt="nvfp4", select=select,
+        sim = ProductionCommunicator([("a.weight", (128, 256)), ("b", (7,))],
+                                 Options(geometry="hadamard", fmt="nvfp4", select=select,
                                             hadamard_sides="both", seed=11))
         for step, workers in enumerate(flush_prone(2, 4)):
             coords = sim.coords("a.weight")

@@ -9,6 +9,7 @@ import torch
 import compress
 from nanogeo.tools import bytegpt, capture, fidelity, variants
 from nanogeo.dist import update_error
+from nanogeo.dist.communicator import Options, ProductionCommunicator
 
 
 def torch_update(optimizer_class, hyper, state, grad):
@@ -133,9 +134,9 @@ def test_roles_come_from_module_types_not_names_or_shapes():
     """On bytegpt the position table, the tied token table/head and the biases stay Euclidean
     whatever their names; the MLP matrices (768 wide, larger than the vocabulary) are candidates."""
     net = bytegpt.ByteGPT(bytegpt.ByteGPTConfig(block_size=32, n_layer=1))
-    opts = compress.GeoOptions(geometry="subspace", vocab_size=net.config.vocab_size, min_numel=16)
+    opts = Options(geometry="subspace", vocab_size=net.config.vocab_size, min_numel=16)
     named = [(n, p.shape) for n, p in net.named_parameters()]
-    comm = compress.GeoFP8Communicator(named, opts, linear=set(compress.linear_layers(net)))
+    comm = ProductionCommunicator(named, opts, linear=set(compress.linear_layers(net)))
     assert set(comm.layers) == {"h.0.attn.c_attn.weight", "h.0.attn.c_proj.weight",
                                 "h.0.mlp.c_fc.weight", "h.0.mlp.c_proj.weight"}
     assert comm.reasons["wpe.weight"] == comm.reasons["wte.weight"] == "not a linear layer"
@@ -146,9 +147,9 @@ def test_sides_right_rotates_the_columns_only():
     decoded mean is G up to the codec's error."""
     g = torch.Generator().manual_seed(0)
     U, V = torch.randn(64, 4, generator=g), torch.randn(96, 4, generator=g)
-    opts = compress.GeoOptions(geometry="subspace", sides="right", select="all", min_numel=16,
+    opts = Options(geometry="subspace", sides="right", select="all", min_numel=16,
                                geo_rank=4)
-    comm = compress.GeoFP8Communicator([("w", (64, 96))], opts)
+    comm = ProductionCommunicator([("w", (64, 96))], opts)
     for _ in range(3):
         workers = [[U @ V.T + 0.1 * torch.randn(64, 96, generator=g)] for _ in range(2)]
         means, _ = comm.reduce_workers(workers)
@@ -185,9 +186,9 @@ def test_auto_sides_keep_quiet_rows_quiet_under_adamw(judge):
     state = {"step": torch.tensor(100.0), "exp_avg": torch.zeros(64, 96), "exp_avg_sq": v}
     view = update_error.OptimizerView("adamw", lambda: {"betas": (0.9, 0.95), "eps": 1e-8},
                                   lambda: state)
-    opts = compress.GeoOptions(geometry="subspace", sides="auto", min_numel=16, geo_rank=4,
+    opts = Options(geometry="subspace", sides="auto", min_numel=16, geo_rank=4,
                                refresh=1, judge=judge)
-    comm = compress.GeoFP8Communicator([("w", (64, 96))], opts).watch({"w": view})
+    comm = ProductionCommunicator([("w", (64, 96))], opts).watch({"w": view})
     used, chosen = [], set()
     for workers in steps:
         used.append(comm.layers["w"].sides if comm.is_geo("w") else None)

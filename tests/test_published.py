@@ -8,8 +8,9 @@ import torch.nn as nn
 import compress
 from nanogeo.wire import fp8sum
 from nanogeo.dist import hooks
-from compress import GeoFP8Communicator, GeoOptions
 from conftest import run_ranks
+from nanogeo.dist.communicator import Options, ProductionCommunicator
+from nanogeo.dist import dense
 
 
 def anisotropic_moment(d, seed=0, tokens=4096):
@@ -20,23 +21,23 @@ def anisotropic_moment(d, seed=0, tokens=4096):
     return a.T @ a / tokens
 
 
-@pytest.mark.parametrize("kind", compress.WHITEN_FACTORS)
+@pytest.mark.parametrize("kind", dense.WHITEN_FACTORS)
 def test_whitening_round_trip_is_exact_and_matches_its_dense_factor(kind):
     A = anisotropic_moment(100)
     W = torch.randn(37, 100, dtype=torch.float64)
-    F = compress.whitening_factor(A.double(), kind, rank=8, block=32)
-    dense = F.dense()
+    F = dense.whitening_factor(A.double(), kind, rank=8, block=32)
+    matrix = F.dense()
     assert torch.allclose(F.unwhiten(F.whiten(W)), W, atol=1e-10)
-    assert torch.allclose(F.whiten(W), W @ torch.linalg.inv(dense).T, atol=1e-8)
-    assert torch.allclose(F.unwhiten(W), W @ dense.T, atol=1e-10)
+    assert torch.allclose(F.whiten(W), W @ torch.linalg.inv(matrix).T, atol=1e-8)
+    assert torch.allclose(F.unwhiten(W), W @ matrix.T, atol=1e-10)
 
 
 def test_low_rank_factor_agrees_with_dense_cholesky_reference():
     """Both factor the same A^ = U L U^T + D + damping: F F^T agrees, and whitened rows differ by
     an orthogonal map only (same Gram matrix, same norms)."""
     A = anisotropic_moment(96).double()
-    low = compress.whitening_factor(A, "lowrank", rank=16)
-    ref = compress.whitening_factor(A, "lowrank-dense", rank=16)
+    low = compress.whitening_factor(A, rank=16)
+    ref = dense.whitening_factor(A, "lowrank-dense", rank=16)
     assert low.Q.shape == (96, 16)          # O(d r) numbers, no d x d matrix
     assert all(t.numel() <= 96 * 16 for t in low.tensors().values())
     assert torch.allclose(low.dense() @ low.dense().T, ref.L @ ref.L.T, atol=1e-10)
@@ -44,7 +45,7 @@ def test_low_rank_factor_agrees_with_dense_cholesky_reference():
     a, b = low.whiten(W), ref.whiten(W)
     assert torch.allclose(a @ a.T, b @ b.T, atol=1e-8)
     # at full rank the approximation is A itself, plus the residual's floor and the damping
-    full_rank = compress.whitening_factor(A, "lowrank", rank=96, damping=1e-3, floor=1e-3)
+    full_rank = compress.whitening_factor(A, rank=96, damping=1e-3, floor=1e-3)
     F = full_rank.dense()
     assert torch.allclose(F @ F.T, A + 2e-3 * torch.eye(96, dtype=A.dtype), atol=1e-10)
 
@@ -59,7 +60,7 @@ def test_whitening_protects_the_small_input_directions():
     g = torch.Generator().manual_seed(2)
     inputs = torch.randn(512, 128, generator=g) @ torch.linalg.cholesky(A).T
     grad = torch.randn(64, 512, generator=g) @ inputs / 512
-    F = compress.whitening_factor(A, "lowrank", rank=32)
+    F = compress.whitening_factor(A, rank=32)
     quant = lambda x: compress.dequantize(compress.quantize(x, "e5m2", "tensor"))
     euclid = quant(grad) - grad
     geo = F.unwhiten(quant(F.whiten(grad))) - grad
@@ -278,9 +279,9 @@ def test_fragility_selection_finds_the_planted_fragile_layer():
     """A matrix whose workers' gradients agree in sign and size saturates the FP8 sum; one with
     independent noise does not. select='fragile' must pick the first."""
     names = [("calm.weight", (64, 96)), ("fragile.weight", (64, 96)), ("other.weight", (96, 64))]
-    opts = GeoOptions(geometry="whiten", fmt="e5m2", block="tensor", collective="fp8-sum",
+    opts = Options(geometry="geofp8", fmt="e5m2", block="tensor", collective="fp8-sum",
                       select="fragile", top_k=1, warmup=3, min_numel=16)
-    comm = GeoFP8Communicator(names, opts)
+    comm = ProductionCommunicator(names, opts)
     g = torch.Generator().manual_seed(0)
     shared = torch.rand(64, 96, generator=g) + 0.5
     for _ in range(3):
@@ -305,9 +306,9 @@ def test_error_feedback_is_re_expressed_when_the_factors_refresh():
     the new coordinates. Keeping it in the coordinates it was measured in (the published
     defect c, opt-in as stale_residual) breaks the identity."""
     def run(stale):
-        opts = GeoOptions(geometry="whiten", select="all", refresh=2, error_feedback=True,
+        opts = Options(geometry="geofp8", select="all", refresh=2, error_feedback=True,
                           fmt="e5m2", block="tensor", stale_residual=stale, min_numel=16)
-        comm = GeoFP8Communicator([("w.weight", (32, 48))], opts)
+        comm = ProductionCommunicator([("w.weight", (32, 48))], opts)
         g = torch.Generator().manual_seed(0)
         total_sent, total_grad = torch.zeros(32, 48), torch.zeros(32, 48)
         for step in range(7):
@@ -326,7 +327,7 @@ def test_error_feedback_is_re_expressed_when_the_factors_refresh():
 
 
 def test_state_dict_round_trip_whitening_and_fp8_sum():
-    opts = GeoOptions(geometry="whiten", fmt="e5m2", collective="fp8-sum", select="fragile",
+    opts = Options(geometry="geofp8", fmt="e5m2", collective="fp8-sum", select="fragile",
                       top_k=1, warmup=2, refresh=2, error_feedback=True, min_numel=16,
                       factor="lowrank-dense", factor_decay=0.95, enter_gain=0.0, exit_gain=0.0)
     names = [("a.weight", (32, 48)), ("b.weight", (48, 32))]
@@ -335,18 +336,18 @@ def test_state_dict_round_trip_whitening_and_fp8_sum():
               for _ in range(3)] for _ in range(5)]
     moments = [{"input": {"a.weight": anisotropic_moment(48, s), "b.weight": anisotropic_moment(32, s)}}
                for s in range(5)]
-    comm = GeoFP8Communicator(names, opts)
+    comm = ProductionCommunicator(names, opts)
     for workers, m in zip(steps[:3], moments[:3]):
         comm.reduce_workers(workers, m)
-    other = GeoFP8Communicator(names, opts)
+    other = ProductionCommunicator(names, opts)
     other.load_state_dict(comm.state_dict())
     for workers, m in zip(steps[3:], moments[3:]):
         a, _ = comm.reduce_workers(workers, m)
         b, _ = other.reduce_workers(workers, m)
         assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert sum(l.use_geo for l in comm.layers.values()) == 1
-    with pytest.raises(ValueError, match="geometry='whiten'"):
-        GeoFP8Communicator(names, GeoOptions(geometry="subspace", min_numel=16)).load_state_dict(
+    with pytest.raises(ValueError, match="geometry='geofp8'"):
+        ProductionCommunicator(names, Options(geometry="subspace", min_numel=16)).load_state_dict(
             comm.state_dict())
 
 
@@ -357,7 +358,7 @@ def moments_rank(rank, world_size, out):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(24, 64), nn.GELU(), nn.Linear(64, 24), nn.LayerNorm(24))
     named = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-    comm = GeoFP8Communicator(named, GeoOptions(geometry="whiten", min_numel=16, whiten_rank=4))
+    comm = ProductionCommunicator(named, Options(geometry="geofp8", min_numel=16, whiten_rank=4))
     layers = compress.linear_layers(model, comm.moment_layers())
     assert set(layers) == {"0.weight", "2.weight"}          # found by module type
     stats = hooks.KroneckerMoments(layers, comm.wants_moments).attach()
@@ -395,7 +396,7 @@ def test_statistics_bytes_count_the_buffer_average_moments_all_reduces():
     every slot (d x d and a count), 4 bytes each, and a ring all-reduce over W = 4 sends
     2 (W-1)/W of it."""
     named = [("0.weight", (64, 24)), ("0.bias", (64,)), ("2.weight", (24, 64))]
-    comm = GeoFP8Communicator(named, GeoOptions(geometry="whiten", min_numel=16, whiten_rank=4,
+    comm = ProductionCommunicator(named, Options(geometry="geofp8", min_numel=16, whiten_rank=4,
                                                 whiten_sides="both"))
     moments = {"input": {"0.weight": torch.eye(24)}, "output": {"0.weight": torch.eye(64)},
                "tokens": {"input": {"0.weight": 7}, "output": {"0.weight": 7}}}
@@ -419,9 +420,9 @@ def test_linear_layers_skips_tied_embedding():
 
 def test_options_reject_what_cannot_work():
     with pytest.raises(ValueError, match="fp8-sum"):
-        GeoOptions(collective="fp8-sum", fmt="nvfp4")
+        Options(collective="fp8-sum", fmt="nvfp4")
     with pytest.raises(ValueError, match="fragile"):
-        GeoOptions(select="fragile", top_k=2)             # needs the fp8-sum collective
+        Options(select="fragile", top_k=2)             # needs the fp8-sum collective
     with pytest.raises(ValueError, match="factor"):
-        GeoOptions(factor="cholesky")
-    assert GeoOptions(geometry="whiten").refresh == 50 and GeoOptions(geometry="subspace").refresh == 4
+        Options(factor="cholesky")
+    assert Options(geometry="geofp8").refresh == 50 and Options(geometry="subspace").refresh == 4

@@ -3,7 +3,7 @@ Every rank must hold the same geometry (and train.py's ranks the same parameters
 
 Each rank computes its bases or whitening factors from the same bytes (the decoded mean, the
 all-reduced K-FAC statistics), so they agree bit for bit - unless a kernel is nondeterministic
-or a node misbehaves. After each refresh compress.GeoFP8Communicator checks it with one tiny
+or a node misbehaves. After each refresh ProductionCommunicator checks it with one tiny
 all-reduce (verify_geometry); nanogeo.run.runtime.check_ranks_agree checks the parameters with the
 same same_on_every_rank. Every decision below is read from the all-reduced values, which are
 identical on every rank, so every rank takes the same branch and enters the same collectives.

@@ -15,7 +15,7 @@ DDP hands the hook one bucket at a time: a flat buffer holding several parameter
 The hook names the parameters in the bucket, averages their gradients with compress.py's
 two-stage FP8 collective (in geometry-aware coordinates where that measurably helps), writes the
 mean back into the bucket and returns it as an already-completed future. Options are those of
-compress.GeoOptions (the same as train.py's flags): geometry, fmt, block, collective, select,
+Options (the same as train.py's flags): geometry, fmt, block, collective, select,
 factor, refresh, warmup, error_feedback, vocab_size (keeps an untied output head Euclidean), ...
 
 Which matrices may go geometry-aware: the weights of nn.Linear modules (found by module type;
@@ -23,7 +23,7 @@ embedding tables and tied heads stay Euclidean), and of those the ones whose mea
 as their optimizer sees it, after `state.watch(optimizers)` - drops by enough (compress section
 4b). Without watch() the check measures plain L2 error, which can mislead under AdamW.
 
-The published method (geometry="whiten") needs each linear layer's input second moment: the
+The published method (geometry="geofp8") needs each linear layer's input second moment: the
 state registers a forward pre-hook on every nn.Linear whose weight is a candidate (found by module
 type) and collects a^T a on refresh steps; each bucket's communicator averages its layers'
 moments over the ranks before it refreshes their factors. (The output side, G = E[delta delta^T],
@@ -53,6 +53,7 @@ import torch.distributed as dist
 import compress
 from nanogeo.dist import hooks
 from nanogeo.run import summary
+from nanogeo.dist.communicator import Options, ProductionCommunicator
 
 
 def check_candidates(names, module):
@@ -74,7 +75,7 @@ class GeoFP8HookState:
 
     def __init__(self, model, process_group=None, linear=None, **options):
         module = model.module if hasattr(model, "module") else model
-        self.options = compress.GeoOptions(**options)
+        self.options = Options(**options)
         self.process_group = process_group
         self.module = module
         self.names = {p: n for n, p in module.named_parameters()}
@@ -82,14 +83,14 @@ class GeoFP8HookState:
         self.linear = set(compress.linear_layers(module) if linear is None else linear)
         check_candidates(self.linear, module)
         self.views = {}             # name -> nanogeo.dist.update_error.OptimizerView, from watch()
-        self.communicators = {}     # tuple of names -> GeoFP8Communicator
+        self.communicators = {}     # tuple of names -> ProductionCommunicator
         self.owner = {}             # name -> the key of the communicator holding its state
         self.iteration = 0          # backward passes completed: the one step counter
         self.saved = None           # a loaded state_dict, handed out as buckets appear
         self.bytes_sent = 0         # since the last reset_bytes()
         self.streams = {}           # CUDA device -> the hook's side stream
-        self.moments = None         # the whitened layers' K-FAC statistics (geometry="whiten")
-        if self.options.geometry == "whiten":
+        self.moments = None         # the whitened layers' K-FAC statistics (geometry="geofp8")
+        if self.options.geometry == "geofp8":
             if self.options.whiten_sides != "input":
                 raise ValueError("nanogeo.dist.ddp: the DDP hook whitens the input side only; "
                                  "use whiten_sides='input'")
@@ -129,7 +130,7 @@ class GeoFP8HookState:
         key = tuple(names)
         comm = self.communicators.get(key)
         if comm is None:
-            comm = compress.GeoFP8Communicator(list(zip(names, shapes)), self.options,
+            comm = ProductionCommunicator(list(zip(names, shapes)), self.options,
                                                self.process_group, linear=self.linear)
             comm.watch(self.views)
             comm.load_state_dict(self._state_for(names))

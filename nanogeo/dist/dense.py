@@ -1,5 +1,5 @@
 """
-Ablation-only coordinates of compress.py, imported by it on first use (compress.ELSEWHERE):
+Ablation-only coordinates beside compress.py's (nanogeo.dist.communicator uses them):
 
   * whitening factors other than the low-rank one compress.py applies in O(d r) per row -
     "lowrank-dense": the same low-rank + diagonal A^ with a dense Cholesky factor and a
@@ -76,12 +76,45 @@ class DenseFactor:
                                                     for k, v in self.tensors().items()})
 
 
-def whitening_factor(A, kind, rank, block, damping, floor, dtype):
-    """compress.whitening_factor for the dense kinds: A symmetric float64 (d, d), the factor
-    returned in `dtype`."""
-    factor = dense_factor(A, kind, rank, block, damping, floor)
+WHITEN_FACTORS = ("lowrank", "lowrank-dense", "full", "diag", "block")
+
+
+def whitening_factor(A, kind="lowrank", rank=32, block=64, damping=1e-3, floor=1e-3):
+    """compress.whitening_factor for every kind of WHITEN_FACTORS: the dense ones computed in
+    float64 from the symmetrized A and returned in A's dtype."""
+    if kind not in WHITEN_FACTORS:
+        raise ValueError(f"unknown whitening factor {kind!r}; choose one of {', '.join(WHITEN_FACTORS)}")
+    if kind == "lowrank":
+        return compress.whitening_factor(A, rank, damping, floor)
+    dtype = A.dtype
+    A = (A.double() + A.double().T) / 2
+    factor = dense_factor(A, kind, min(rank, A.shape[0]), block, damping, floor)
     return DenseFactor(factor.kind, factor.size,
                        **{k: v.to(dtype) for k, v in factor.tensors().items()})
+
+
+def load_factor(state):
+    """A factor from its {"kind", "size", tensors...} (a whitened layer's state_dict)."""
+    kind = compress.Whitening if state["kind"] == "lowrank" else DenseFactor
+    return kind(**state)
+
+
+@dataclass
+class FactorWhitenedLayer(compress.WhitenedLayer):
+    """compress.WhitenedLayer with the factor kinds of Options.factor and the published EMA of
+    the triangular factor (factor_decay; the low-rank form is not closed under blending, so it
+    is smoothed through its second moment only)."""
+
+    def factor_of(self, side, moment):
+        o = self.opts
+        factor = whitening_factor(moment, o.factor, o.whiten_rank, o.whiten_block, o.damping)
+        if isinstance(factor, DenseFactor):
+            return factor.blended(self.factors.get(side), o.factor_decay)
+        return factor
+
+    def load_state_dict(self, s):
+        super().load_state_dict({**s, "factors": {}})
+        self.factors = {side: load_factor(f) for side, f in s["factors"].items()}
 
 
 def dense_factor(A, kind, rank, block, damping, floor):

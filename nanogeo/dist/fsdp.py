@@ -69,6 +69,8 @@ import compress
 from nanogeo.dist import hooks
 from nanogeo.run import summary
 from nanogeo.dist.ddp import check_candidates
+from nanogeo.wire import collective
+from nanogeo.dist.communicator import Options, ProductionCommunicator
 
 CHECKED_TORCH = (2, 9)      # FSDP2's custom reduce-scatter and the internals below: 2.9 .. 2.13
 
@@ -132,7 +134,7 @@ def row_chunks(chunk_shapes, fmt, block, world):
             if numel:
                 pieces[j].append(compress.Piece(k, j * numel, (j + 1) * numel, shape, piece_block))
     shapes = [(world * chunk[0], *chunk[1:]) for chunk in chunk_shapes]
-    return compress.ShardLayout(shapes, fmt, block, world, pieces)
+    return collective.layout(shapes, fmt, block, world, pieces)
 
 
 def exchange_and_sum(send, layout, group):
@@ -157,7 +159,7 @@ def average(total, op, world):
 
 class GeoFP8ReduceScatter(FP8ReduceScatter):
     """GeoFP8 reduce-scatter for one FSDP module (its one parameter group). `options` are
-    compress.GeoOptions (train.py's flags): geometry ("subspace", "hadamard" or "euclidean"),
+    Options (train.py's flags): geometry ("subspace", "hadamard" or "euclidean"),
     fmt, block, rank, refresh, warmup, stochastic..."""
 
     def __init__(self, module, prefix="", linear=None, **options):
@@ -166,7 +168,7 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
                 options.get("basis", "householder") != "householder":
             raise ValueError("nanogeo.dist.fsdp: error_feedback, full and random bases are not "
                              "supported with FSDP; drop those options")
-        if options.get("geometry", "subspace") == "whiten" or options.get("collective") == "fp8-sum":
+        if options.get("geometry", "subspace") == "geofp8" or options.get("collective") == "fp8-sum":
             raise ValueError("nanogeo.dist.fsdp: FSDP2 supports geometry='subspace', 'hadamard' or "
                              "'euclidean' with the two-stage collective; the published whitening "
                              "runs under DDP (nanogeo.dist.ddp) or train.py")
@@ -183,8 +185,8 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
         names = {p: n for n, p in module.named_parameters(prefix=prefix)}
         self.names = [names[p] for p, _, _ in params]
         self.shapes = [shape for _, shape, _ in params]
-        self.comm = compress.GeoFP8Communicator(list(zip(self.names, self.shapes)),
-                                                compress.GeoOptions(**options), linear=linear)
+        self.comm = ProductionCommunicator(list(zip(self.names, self.shapes)),
+                                                Options(**options), linear=linear)
         super().__init__(self.comm.opts.fmt, self.comm.opts.block)
         self.geometry_bytes = 0     # the decode's small all-reduces, bytes sent (ring estimate)
         self.fallbacks = 0
@@ -216,8 +218,8 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
             h = self.comm.to_coords(name, g)
             coords.append(torch.cat([h, h.new_zeros(world * chunk[0] - shape[0], *shape[1:])]))
         opts = self.comm.opts
-        generator = compress.rng(self.comm.rounding_seed() if opts.stochastic else None,
-                                 me, 1, input_tensor.device)
+        generator = collective.rng(self.comm.rounding_seed() if opts.stochastic else None,
+                                   me, 1, input_tensor.device)
         layout = row_chunks(tuple(chunk_shapes), self.fmt, self.block, world)
         send = compress.encode_shards(coords, layout, opts.stochastic, generator)
         totals = [t.view(c) for t, c in zip(exchange_and_sum(send, layout, group), chunk_shapes)]
@@ -275,7 +277,7 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
 
 def use_geofp8(model, linear=None, **options):
     """Give every FSDP module of `model` (after fully_shard) a GeoFP8ReduceScatter. Options as
-    compress.GeoOptions. Candidates: the weight names in `linear`, by default every nn.Linear
+    Options. Candidates: the weight names in `linear`, by default every nn.Linear
     weight (found by module type; name a GPT-2 Conv1D's weights here to rotate them too); pass
     vocab_size to keep an untied output head Euclidean as well. Returns the reduce-scatters
     (their bytes_sent, geometry_bytes and table() are for logging; watch_optimizers)."""

@@ -5,7 +5,7 @@ What GeoFP8 reads from the model and its optimizers, as torch hooks and adapters
     E[delta delta^T] of the output gradients) that the published method whitens with, collected
     by forward hooks (compress.py section 3b);
   * average_moments: those statistics averaged over the ranks (token-weighted, one
-    all-reduce), so that every rank computes the same factors (compress.GeoFP8Communicator
+    all-reduce), so that every rank computes the same factors (ProductionCommunicator
     calls it; average_worker_moments does the same for simulated ranks; statistics_bytes
     counts what that all-reduce sends);
   * optimizer_views: each parameter's optimizer (AdamW or Muon) as an OptimizerView, so
@@ -137,7 +137,7 @@ def moment_slots(shapes, sides):
 
 
 def statistics_bytes(communicator, world_size):
-    """Bytes one rank sends in average_moments' all-reduce for a compress.GeoFP8Communicator's
+    """Bytes one rank sends in average_moments' all-reduce for a ProductionCommunicator's
     whitened layers (ring estimate): every slot's d x d fp32 sum and its fp32 token count. The
     collective's own bytes leave it out; train.py adds it on the steps that average statistics."""
     shapes = {n: communicator.shapes[n] for n in communicator.moment_layers()}

@@ -2,7 +2,7 @@
 The error the optimizer sees: what a gradient error does to the next update, from the
 optimizer's own state - AdamW's elementwise update (exactly), Muon's Newton-Schulz map (to first
 order).
-compress.GeoFP8Communicator judges each layer's coordinates by it (why: compress.py section
+compress.Communicator judges each layer's coordinates by it (through OptimizerView.error) (why: compress.py section
 4b, "The error the optimizer sees"); nanogeo.tools.fidelity and nanogeo.tools.variants report with it.
 """
 import functools
@@ -23,6 +23,10 @@ class OptimizerView:
     @property
     def hyper(self):
         return self.read_hyper()
+
+    def error(self, mean, rows=None, workers=1):
+        """delta -> its squared size as this optimizer's next update sees it (UpdateError)."""
+        return UpdateError(self, mean, rows, workers)
 
 
 def newton_schulz(X, coefficients, steps, eps=1e-7):

@@ -11,6 +11,8 @@ import sys
 
 import compress
 import model as model_lib
+from nanogeo.dist.communicator import Options, COLLECTIVES, SUM_ORDERS
+from nanogeo.dist import dense
 
 
 class ConfigError(ValueError):
@@ -52,8 +54,8 @@ TRAIN_PRESETS = {
 
 TRAIN_CHOICES = {"comm": ("fp32", "bf16", "fp8", "geofp8", "subspace", "hadamard"),
                  "device": ("auto", "cpu", "cuda"), "fmt": compress.FORMATS,
-                 "collective": compress.COLLECTIVES, "sum_order": compress.SUM_ORDERS,
-                 "whiten_factor": compress.WHITEN_FACTORS, "whiten_sides": compress.WHITEN_SIDES,
+                 "collective": COLLECTIVES, "sum_order": SUM_ORDERS,
+                 "whiten_factor": dense.WHITEN_FACTORS, "whiten_sides": compress.WHITEN_SIDES,
                  "hadamard_sides": compress.HADAMARD_SIDES,
                  "geo_judge": compress.JUDGES, "preset": tuple(model_lib.PRESETS),
                  "optimizer": ("adamw", "muon"),
@@ -156,13 +158,13 @@ def parse_geo_layers(text):
     return {"select": "list", "geo_layers": tuple(names)}
 
 
-GEOMETRY = {"fp8": "euclidean", "geofp8": "whiten", "subspace": "subspace", "hadamard": "hadamard"}
+GEOMETRY = {"fp8": "euclidean", "geofp8": "geofp8", "subspace": "subspace", "hadamard": "hadamard"}
 
 
 def geo_options(cfg, vocab_size):
-    """compress.GeoOptions from the training flags (shared with the DDP hook and tools)."""
+    """Options from the training flags (shared with the DDP hook and tools)."""
     try:
-        return compress.GeoOptions(
+        return Options(
             geometry=GEOMETRY[cfg.comm], fmt=cfg.fmt, block=parse_block(cfg.block),
             collective=cfg.collective, sum_order=cfg.sum_order,
             scale_sync_every=cfg.scale_sync_every, refresh=cfg.geo_refresh, warmup=cfg.geo_warmup,

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import compress
 from nanogeo.dist import agreement
 from nanogeo.run.config import ConfigError
+from nanogeo.dist.communicator import all_finite
 
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12,
@@ -41,7 +42,7 @@ def parameter_checksum(params):
 def gradients_finite(grads, world_size):
     """True on every rank iff no rank has a NaN/inf gradient: one 1-element all-reduce and one
     transfer to the host (the flags of all tensors are combined on the device)."""
-    bad = (~compress.all_finite(grads)).float().reshape(1)
+    bad = (~all_finite(grads)).float().reshape(1)
     if world_size > 1:
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     return bad.item() == 0

@@ -5,7 +5,7 @@ Euclidean), the memory its geometry holds, and, measured on the run's own last s
 the averaged gradient its communicator delivered, against the exact fp32 mean of the same
 gradients, next to Euclidean FP8 through the same collective (a stateless twin fed the same
 gradients). train.py prints it at the end of every run with --comm=fp8/geofp8/subspace/hadamard,
-after the per-layer table.
+after the per-layer table; LastStep keeps that step's gradients for it.
 
 The error is the relative L2 distance to the fp32 mean, over three sets of tensors: the
 matrices in geometry-aware coordinates on that step, all candidate matrices, all tensors. With
@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import compress
+from nanogeo.dist.communicator import Options, ProductionCommunicator
 
 
 def layer_table(communicator, names=None):
@@ -63,11 +64,11 @@ def geometry_state_bytes(communicator):
 def euclidean_twin(communicator):
     """A Euclidean communicator with the same codec and collective, without state."""
     o = communicator.opts
-    options = compress.GeoOptions(geometry="euclidean", fmt=o.fmt, block=o.block,
+    options = Options(geometry="euclidean", fmt=o.fmt, block=o.block,
                                   collective=o.collective, sum_order=o.sum_order,
                                   scale_sync_every=o.scale_sync_every, stochastic=o.stochastic,
                                   seed=o.seed + 1, vocab_size=o.vocab_size)
-    twin = compress.GeoFP8Communicator([(n, communicator.shapes[n]) for n in communicator.names],
+    twin = ProductionCommunicator([(n, communicator.shapes[n]) for n in communicator.names],
                                        options, communicator.group)
     twin.step = communicator.step - 1       # the step the last reduce ran at (scale syncing)
     return twin
@@ -118,3 +119,31 @@ def last_step_report(communicator, local, delivered, coords, world_size, simulat
         lines.append(f"  {label:24s} this run {cell(ours, '.4f')} | Euclidean FP8, same "
                      f"collective {cell(base, '.4f')} | ratio {cell(ratio, '.3f')}")
     return "\n".join(lines)
+
+
+class LastStep:
+    """The end-of-run comparison, kept by train.py on its last step: the gradients as sent
+    (keep_sent, before the reduce) and as delivered (keep_delivered, after it, before clipping);
+    report() is then last_step_report's lines. Nothing is kept on a step skipped for a
+    non-finite gradient: taken() says whether there is anything to report."""
+
+    def __init__(self, communicator, world_size, simulated=False):
+        self.communicator, self.world_size, self.simulated = communicator, world_size, simulated
+        self.local = self.coords = self.delivered = None
+
+    def keep_sent(self, worker_grads, grads):
+        """Before the reduce: the step's gradients (each simulated rank's, or this rank's own)
+        and the coordinates each tensor is sent in (the reduce may change them)."""
+        self.local = [[g.clone() for g in w] for w in worker_grads] or [g.clone() for g in grads]
+        self.coords = [self.communicator.coords(n) for n in self.communicator.names]
+
+    def keep_delivered(self, params):
+        """After the reduce: the averaged gradients the communicator delivered."""
+        self.delivered = [p.grad.clone() for p in params]
+
+    def taken(self):
+        return self.delivered is not None
+
+    def report(self):
+        return last_step_report(self.communicator, self.local, self.delivered, self.coords,
+                                self.world_size, simulated=self.simulated)

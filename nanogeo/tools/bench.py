@@ -35,22 +35,21 @@ codec: the two-stage collective's codec work on one rank, per DDP bucket (25 MB,
 
 import argparse
 import contextlib
-import importlib
 import json
 import math
 import os
 import time
-import types
 
 import torch
 import torch.distributed as dist
 
 import compress
 import model as model_lib
-import train
-from nanogeo.wire import kernels
+from nanogeo.wire import collective, kernels
 from nanogeo.tools import perfmodel, smoke
+from nanogeo.run.steps import batch_rng, get_batch
 from prepare_data import load_splits
+from nanogeo.dist.communicator import Options, ProductionCommunicator
 
 
 class StageTimer:
@@ -103,10 +102,22 @@ def planted_gradients(shapes, step, rank, world):
 
 METHODS = {
     "fp32": None, "bf16": None,
-    "fp8": compress.GeoOptions(geometry="euclidean"),
-    "subspace": compress.GeoOptions(geometry="subspace", min_numel=4096),
-    "nvfp4": compress.GeoOptions(geometry="euclidean", fmt="nvfp4"),
+    "fp8": Options(geometry="euclidean"),
+    "subspace": Options(geometry="subspace", min_numel=4096),
+    "nvfp4": Options(geometry="euclidean", fmt="nvfp4"),
 }
+
+
+def baseline_allreduce(grads, dtype, world):
+    """The fp32 and bf16 baselines as train.py's reduce_gradients sends them: every gradient in
+    one flat bucket of `dtype`, one all-reduce SUM, the mean copied back in fp32. Returns the
+    bytes each rank sent."""
+    flat = torch.cat([g.reshape(-1) for g in grads]).to(dtype)
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    flat = flat.float().div_(world)
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
+    return compress.ring_allreduce_bytes(flat.numel(), dtype.itemsize, world)
 
 
 def time_collective(sizes, iters, methods):
@@ -116,11 +127,11 @@ def time_collective(sizes, iters, methods):
     for size in sizes:
         shapes = bucket_shapes(size)
         numel = sum(math.prod(s) for s in shapes)
-        bf16_bytes = train.ring_allreduce_bytes(numel, 2, world)
+        bf16_bytes = compress.ring_allreduce_bytes(numel, 2, world)
         for method in methods:
             opts = METHODS[method]
             timer = StageTimer()
-            comm = (compress.GeoFP8Communicator([(f"m{k}.weight", s) for k, s in enumerate(shapes)],
+            comm = (ProductionCommunicator([(f"m{k}.weight", s) for k, s in enumerate(shapes)],
                                                 opts, timer=timer) if opts else None)
             seconds, sent = [], 0
             warm = 5  # the first bases (step 0), the first refresh (step 4), compiles in both
@@ -131,9 +142,8 @@ def time_collective(sizes, iters, methods):
                     timer.seconds.clear()
                 t0 = time.perf_counter()
                 if comm is None:
-                    cfg = train.TrainConfig(comm=method)
-                    holders = [types.SimpleNamespace(grad=g) for g in grads]
-                    sent = train.reduce_gradients(holders, cfg, None, world)
+                    dtype = torch.float32 if method == "fp32" else torch.bfloat16
+                    sent = baseline_allreduce(grads, dtype, world)
                 else:
                     sent = comm.reduce(grads)
                 if step >= warm:
@@ -177,10 +187,10 @@ def measure_overhead(steps, preset="cpu-tiny", batch_size=8, block_size=128, ref
     fwd_bwd_s = (time.perf_counter() - t0) / steps
 
     results = {}
-    for name, opts in (("fp8", compress.GeoOptions(geometry="euclidean", vocab_size=cfg.vocab_size)),
-                       ("subspace", compress.GeoOptions(geometry="subspace", vocab_size=cfg.vocab_size,
+    for name, opts in (("fp8", Options(geometry="euclidean", vocab_size=cfg.vocab_size)),
+                       ("subspace", Options(geometry="subspace", vocab_size=cfg.vocab_size,
                                                       refresh=refresh, geo_rank=geo_rank))):
-        comm = compress.GeoFP8Communicator(named, opts, linear=set(compress.linear_layers(net)))
+        comm = ProductionCommunicator(named, opts, linear=set(compress.linear_layers(net)))
         comm.reduce_workers([grads])  # first bases
         t0 = time.perf_counter()
         for _ in range(steps):
@@ -224,8 +234,8 @@ def fsdp_fidelity(checkpoint, steps, last, geo_rank, sides="auto", data_dir="dat
     sq = {m: torch.zeros(4, dtype=torch.float64) for m in comms}   # err, ref; matrices' err, ref
     seconds = {m: 0.0 for m in nets}
     for step in range(steps):
-        x, y = train.get_batch(data["train"], batch_size, block_size,
-                               train.batch_rng(0, me, step, 0), device)
+        x, y = get_batch(data["train"], batch_size, block_size, batch_rng(0, me, step, 0),
+                         device)
         for method, net in nets.items():
             net.zero_grad(set_to_none=True)
             loss = net(x, y)[1]
@@ -300,28 +310,6 @@ def one_rank_collective(tensors, layout, rank=0):
     return compress.decode_shards(slots.view(-1), layout, stride=slots.shape[1])
 
 
-def count_codec_calls(fn):
-    """Calls of the FP8 codec's kernels (encode and decode, one fused kernel each when compiled)."""
-    counts = {"calls": 0}
-    modules = [(importlib.import_module(m), name) for m, names in kernels.HOT_PATH.items()
-               for name in names if name in kernels.CASTS_FLOAT8]      # the codec's kernels
-    originals = {(module, name): getattr(module, name) for module, name in modules}
-
-    def counting(f):
-        def wrapper(*args):
-            counts["calls"] += 1
-            return f(*args)
-        return wrapper
-    for (module, name), f in originals.items():
-        setattr(module, name, counting(f))
-    try:
-        fn()
-    finally:
-        for (module, name), f in originals.items():
-            setattr(module, name, f)
-    return counts["calls"]
-
-
 NO_KERNEL_OPS = {"aten::" + name for name in (
     "view", "slice", "as_strided", "select", "split", "unsqueeze", "reshape", "expand", "alias",
     "_reshape_alias", "narrow", "detach", "empty", "empty_strided", "t", "transpose", "unbind",
@@ -343,23 +331,22 @@ def codec_launches(preset, world, iters, fmt="e4m3", block=128):
     layouts = {}
     timed_bucket = max(buckets, key=len)             # the bucket with the most tensors
     for packed in (True, False):
-        layout = compress.ShardLayout(timed_bucket, fmt, block, world, packed=packed)
+        layout = collective.layout(timed_bucket, fmt, block, world, packed=packed)
         layouts[packed] = layout
-    # calls per step: count one bucket's, then every bucket by the same rule; times and ops
+    # calls per step by the stages' rule (below); times and ops
     # of the bucket with the most tensors (DDP's first bucket holds the output head alone)
     g = torch.Generator().manual_seed(0)
     tensors = [torch.randn(s, generator=g) for s in timed_bucket]
     for packed, layout in layouts.items():
         name = "packed" if packed else "per_piece"
-        calls = count_codec_calls(lambda: one_rank_collective(tensors, layout))
         pieces = sum(len(p) for p in layout.pieces)
-        rows[name] = {"codec_calls_bucket": calls, "pieces_bucket": pieces,
+        rows[name] = {"pieces_bucket": pieces,
                       "kernel_ops_bucket": kernel_ops(lambda: one_rank_collective(tensors, layout))}
     # per step for the whole model: per piece = W T (stage 1) + W T_j + T_j (stage 2) + W T
     # (stage 3) on rank 0; packed = 4 per bucket
     per_piece = 0
     for shapes in buckets:
-        layout = compress.ShardLayout(shapes, fmt, block, world)
+        layout = collective.layout(shapes, fmt, block, world)
         total, mine = sum(len(p) for p in layout.pieces), len(layout.pieces[0])
         per_piece += 2 * total + (world + 1) * mine
     rows["per_piece"]["codec_calls_per_step"] = per_piece

@@ -34,10 +34,11 @@ import torch
 
 import compress
 import model as model_lib
-import train
 from prepare_data import ShardError, load_splits
 from nanogeo.tools import bytegpt
 from nanogeo.run import checkpoint, config
+from nanogeo.run.steps import (batch_rng, get_batch, make_optimizers, peak_lrs,
+                               set_learning_rates, warmup_cosine)
 from nanogeo.dist import hooks
 
 
@@ -88,7 +89,7 @@ def simulated_training(cfg, record_from, collect_moments=False):
         model = model_lib.Llama(model_lib.model_config(cfg.preset, block_size=cfg.block_size))
         data = load_splits(cfg.data_dir, cfg.block_size, model.config.vocab_size)
     mcfg = model.config
-    optimizers = train.make_optimizers(cfg, model, fused=False)
+    optimizers = make_optimizers(cfg, model, fused=False)
     start = 0
     if cfg.checkpoint:
         ckpt = torch.load(cfg.checkpoint, map_location="cpu", weights_only=True)
@@ -97,10 +98,8 @@ def simulated_training(cfg, record_from, collect_moments=False):
         start = ckpt["step"]
         record_from += start
     params = dict(model.named_parameters())
-    schedule = train.TrainConfig(learning_rate=cfg.learning_rate, min_lr=cfg.min_lr,
-                                 warmup_iters=cfg.warmup_iters,
-                                 max_iters=record_from + cfg.capture_steps)
-    peak_lrs = train.peak_lrs(optimizers)
+    max_iters = record_from + cfg.capture_steps       # the schedule ends with the capture
+    peaks = peak_lrs(optimizers)
     recording = [False]
     # every linear layer but those with a vocabulary dimension (the head's G alone would be
     # vocab x vocab); the vocabulary size comes from the model's config
@@ -108,12 +107,12 @@ def simulated_training(cfg, record_from, collect_moments=False):
               if mcfg.vocab_size not in m.weight.shape}
     moments = (hooks.KroneckerMoments(layers, lambda: recording[0], ("input", "output")).attach()
                if collect_moments else None)
-    for step in range(start, record_from + cfg.capture_steps):
+    for step in range(start, max_iters):
         recording[0] = step >= record_from
         workers, loss = [], 0.0
         for w in range(cfg.workers):
-            x, y = train.get_batch(data["train"], cfg.batch_size, cfg.block_size,
-                                   train.batch_rng(cfg.seed, w, step, 0), "cpu")
+            x, y = get_batch(data["train"], cfg.batch_size, cfg.block_size,
+                             batch_rng(cfg.seed, w, step, 0), "cpu")
             model.zero_grad(set_to_none=True)
             worker_loss = model(x, y)[1]
             worker_loss.backward()
@@ -125,8 +124,8 @@ def simulated_training(cfg, record_from, collect_moments=False):
             p.grad = sum(w[n] for w in workers) / cfg.workers
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        train.set_learning_rates(optimizers, peak_lrs, train.learning_rate(schedule, step),
-                                 cfg.learning_rate)
+        lr = warmup_cosine(step, cfg.learning_rate, cfg.min_lr, cfg.warmup_iters, max_iters)
+        set_learning_rates(optimizers, peaks, lr, cfg.learning_rate)
         for opt in optimizers:
             opt.step()
         if not recording[0] and step % 50 == 0:

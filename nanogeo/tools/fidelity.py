@@ -52,6 +52,8 @@ import torch
 
 import compress
 from nanogeo.dist import hooks, update_error
+from nanogeo.wire import collective
+from nanogeo.dist.communicator import Options, ProductionCommunicator
 
 PAPER_CODEC = dict(fmt="e5m2", block="tensor", collective="fp8-sum")
 METHODS = {  # name -> GeoOptions fields (None: the bf16 ring all-reduce)
@@ -60,13 +62,13 @@ METHODS = {  # name -> GeoOptions fields (None: the bf16 ring all-reduce)
     "fp8-row": dict(geometry="euclidean", block="row"),
     "fp8-block": dict(geometry="euclidean", block=128),
     "fp8-paper": dict(geometry="euclidean", **PAPER_CODEC),
-    "geofp8": dict(geometry="whiten"),
-    "geofp8-paper": dict(geometry="whiten", factor="lowrank-dense", factor_decay=0.95,
+    "geofp8": dict(geometry="geofp8"),
+    "geofp8-paper": dict(geometry="geofp8", factor="lowrank-dense", factor_decay=0.95,
                          error_feedback=True, feedback_geo_only=True, **PAPER_CODEC),
     "subspace": dict(geometry="subspace"),
     "subspace-full": dict(geometry="subspace", full=True),
     "nvfp4": dict(geometry="euclidean", fmt="nvfp4"),
-    "geo-nvfp4": dict(geometry="whiten", fmt="nvfp4"),
+    "geo-nvfp4": dict(geometry="geofp8", fmt="nvfp4"),
     "subspace-nvfp4": dict(geometry="subspace", fmt="nvfp4"),
     "hadamard": dict(geometry="hadamard"),
     "hadamard-paper": dict(geometry="hadamard", **PAPER_CODEC),
@@ -85,7 +87,7 @@ def method_options(spec, vocab_size):
         if overrides:
             raise ValueError("bf16 takes no options")
         return None
-    fields = {f.name: f for f in dataclasses.fields(compress.GeoOptions)}
+    fields = {f.name: f for f in dataclasses.fields(Options)}
     options = dict(METHODS[name], vocab_size=vocab_size)
     for item in overrides:
         key, _, value = item.partition("=")
@@ -100,7 +102,7 @@ def method_options(spec, vocab_size):
             options[key] = tuple(value.split("+"))
         else:
             options[key] = type(default)(value)
-    return compress.GeoOptions(**options)
+    return Options(**options)
 
 
 def bf16_ring_mean(worker_grads):
@@ -141,7 +143,7 @@ def run_method(spec, steps, names, vocab_size, moments=None, linear=None, views=
             per_tensor = [2 * (len(workers) - 1) * math.prod(s) * 2 / len(workers) for s in shapes]
             results.append((means, sent, per_tensor, ["euclidean"] * len(names)))
         return results
-    comm = compress.GeoFP8Communicator(list(zip(names, shapes)), options, linear=linear)
+    comm = ProductionCommunicator(list(zip(names, shapes)), options, linear=linear)
     if comm.moment_layers() and moments is None:
         raise ValueError(f"{spec} whitens with each layer's input second moments, but the file "
                          "has no 'inputs'; capture one with `python -m nanogeo.tools.capture`")
@@ -149,8 +151,8 @@ def run_method(spec, steps, names, vocab_size, moments=None, linear=None, views=
     if options.collective == "fp8-sum":   # one byte per element in a ring all-reduce
         per_tensor = [compress.ring_allreduce_bytes(math.prod(s), 1, world) for s in shapes]
     else:
-        layout = compress.shard_layout(tuple(tuple(s) for s in shapes), options.fmt,
-                                       options.block, world)
+        layout = collective.shard_layout(tuple(tuple(s) for s in shapes), options.fmt,
+                                         options.block, world)
         per_tensor = [tensor_bytes(layout, i) for i in range(len(names))]  # fixed by the shapes
     for s, workers in enumerate(steps):
         coords = [comm.coords(n) for n in names]  # the coordinates this step is sent in

@@ -37,6 +37,7 @@ from prepare_data import ShardError
 from nanogeo.tools.capture import CaptureConfig, simulated_training
 from nanogeo.run import config
 from nanogeo.dist import hooks
+from nanogeo.dist.communicator import Options, ProductionCommunicator, SUM_ORDERS
 
 
 @dataclass
@@ -56,21 +57,21 @@ def profile(cfg: ProfileConfig):
     """Scores per candidate matrix and the selected names."""
     cfg = dataclasses.replace(cfg, capture_steps=cfg.steps)
     comm = None
-    geometry = "euclidean" if cfg.by == "fragility" else "whiten"
+    geometry = "euclidean" if cfg.by == "fragility" else "geofp8"
     for step, model, optimizers, workers, moments, loss in simulated_training(
             cfg, cfg.train_steps, collect_moments=cfg.by == "gain"):
         if comm is None:
             named = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
             linear = set(compress.linear_layers(model))     # candidates, by module type
-            options = compress.GeoOptions(
+            options = Options(
                 geometry=geometry, fmt=cfg.fmt, block="tensor", collective="fp8-sum",
                 sum_order=cfg.sum_order, refresh=1, select="gain",
                 vocab_size=model.config.vocab_size)
-            comm = compress.GeoFP8Communicator(named, options, linear=linear)
+            comm = ProductionCommunicator(named, options, linear=linear)
             comm.watch(hooks.optimizer_views(optimizers, model))  # gains as they see them
             candidates = [n for n, s in named
-                          if compress.exemption(n, s, compress.GeoOptions(
-                              geometry="whiten", vocab_size=model.config.vocab_size),
+                          if compress.exemption(n, s, Options(
+                              geometry="geofp8", vocab_size=model.config.vocab_size),
                               linear) is None]
         comm.reduce_workers([[w[n] for n in comm.names] for w in workers], moments)
         print(f"profiled step {step}: loss {loss:.3f}")
@@ -96,7 +97,7 @@ def main(argv=None):
                                   choices={"preset": tuple(model_lib.PRESETS),
                                            "optimizer": ("adamw", "muon"),
                                            "fmt": ("e4m3", "e5m2"),
-                                           "sum_order": compress.SUM_ORDERS,
+                                           "sum_order": SUM_ORDERS,
                                            "by": ("fragility", "gain")}, doc=__doc__)
         if cfg.by == "fragility" and not cfg.top_k and not cfg.threshold:
             raise config.ConfigError("choose the selection: --top_k=K or --threshold=T")

@@ -26,6 +26,7 @@ import sys
 import compress
 from nanogeo.tools import fidelity
 from nanogeo.dist import update_error
+from nanogeo.dist.communicator import Options, ProductionCommunicator
 
 
 def encodings(layer, round_trip):
@@ -55,9 +56,9 @@ def compare(path, geo_rank=16):
     exact = [{n: sum(w[n].float() for w in ws) / len(ws) for n in names} for ws in steps]
     states, _ = fidelity.exact_updates(record, exact, data.get("grad_clip", 0.0))
     views = fidelity.optimizer_views(record, states)
-    opts = compress.GeoOptions(geometry="subspace", select="all", geo_rank=geo_rank,
+    opts = Options(geometry="subspace", select="all", geo_rank=geo_rank,
                                vocab_size=data.get("vocab_size", 0))
-    comm = compress.GeoFP8Communicator([(n, steps[0][0][n].shape) for n in names], opts,
+    comm = ProductionCommunicator([(n, steps[0][0][n].shape) for n in names], opts,
                                        linear=set(data["linear"]) if "linear" in data else None)
     round_trip = comm._round_trip
     totals = {"euclidean": 0.0, "both": 0.0, "right": 0.0, "core": 0.0}

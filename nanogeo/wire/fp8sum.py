@@ -1,5 +1,5 @@
 """
-The paper's collective, an option of compress.GeoFP8Communicator (collective="fp8-sum"): one
+The paper's collective, an option of ProductionCommunicator (collective="fp8-sum"): one
 scale per tensor, one all_reduce SUM of the FP8 codes themselves.
 
 The published GeoFP8 sends each tensor with ONE e5m2 scale that is the same on every rank

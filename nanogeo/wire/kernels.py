@@ -1,56 +1,52 @@
 """
-torch.compile for compress.py's hot path (train.py --compile, nanogeo.tools.bench --compile).
+torch.compile for the packed FP8 codec (train.py --compile, nanogeo.tools.bench --compile).
 
-The FP8 codec is a chain of small elementwise kernels (abs, amax, divide, clamp, cast) and the
-Householder reflection three thin matrix products; inductor fuses each chain. compress.py
-writes them as plain functions; compile_hot_path(True) replaces them, in their modules, by
-torch.compile(dynamic=False) versions, and compile_hot_path(False) puts the plain ones back.
-Every caller looks them up by module attribute at call time, so nothing else changes, and the
-numbers are the same (tests/test_compress.py: bytes equal, values within 1e-6).
+The codec is a chain of small elementwise kernels (abs, amax, divide, clamp, cast); inductor
+fuses each chain. The packed stages (nanogeo/wire/packing.py) call the two kernels through the
+table KERNELS; compile_hot_path(True) fills it with torch.compile(dynamic=False) versions and
+compile_hot_path(False) with the plain ones. Only this module's table changes: compress.py's
+functions stay as written (the piece-by-piece path for row and tensor scaling, and the
+transforms, run eagerly). The bytes are the same (tests/test_compress.py).
 
 Fixed shapes: each distinct shape compiles once, on first use; a training run sees a fixed set
-of shapes (its buckets' pieces), all in its first steps.
+of shapes (its buckets), all in its first steps.
 """
-import importlib
-
 import torch
 
-HOT_PATH = {   # module -> its hot-path functions
-    "compress": ("fp8_encode", "fp8_decode", "reflect"),
-    "nanogeo.wire.packing": ("fp8_decode_groups",),
-}
-CASTS_FLOAT8 = {"fp8_encode", "fp8_decode", "fp8_decode_groups"}
-EAGER = {}                  # (module, name) -> the plain function, while compiled
+import compress
+
+
+def fp8_decode_groups(codes, scale, dtype):
+    """codes (G, L) uint8 and their scales (G,) -> (G, L) fp32."""
+    return codes.view(dtype).float() / scale[:, None]
+
+
+EAGER = {"fp8_encode": compress.fp8_encode, "fp8_decode_groups": fp8_decode_groups}
+KERNELS = dict(EAGER)       # what the packed stages call: the plain or the compiled kernels
 COMPILED = {}               # plain function -> its compiled version, made once
 state = {"float8_eager": False}   # a GPU whose Triton cannot cast to float8 (below sm_89)
 
 
 def compile_hot_path(enabled=True):
-    """Switch the codec and transform kernels between torch.compile (True) and eager (False)."""
-    restore_eager()
+    """Switch the codec kernels between torch.compile (True) and eager (False)."""
+    KERNELS.update(EAGER)
     state["float8_eager"] = enabled and torch.cuda.is_available() and \
         torch.cuda.get_device_capability() < (8, 9)
     if not enabled:
         return
     if state["float8_eager"]:
-        print("nanogeo.wire.kernels: this GPU (below sm_89) has no float8 casts in Triton: the FP8 codec "
-              "runs eagerly, the transforms compiled", flush=True)
+        print("nanogeo.wire.kernels: this GPU (below sm_89) has no float8 casts in Triton: the FP8 "
+              "codec runs eagerly", flush=True)
+        return
     import torch._dynamo as dynamo   # imported only when compiling (about a second)
-    # one compile per distinct shape: allow for the dozens of a real model's pieces
+    # one compile per distinct shape: allow for the dozens of a real model's buckets
     dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 64)
-    for module_name, names in HOT_PATH.items():
-        module = importlib.import_module(module_name)
-        for name in names:
-            if state["float8_eager"] and name in CASTS_FLOAT8:
-                continue
-            plain = EAGER[module_name, name] = getattr(module, name)
-            if plain not in COMPILED:
-                COMPILED[plain] = torch.compile(plain, dynamic=False)
-            setattr(module, name, COMPILED[plain])
+    for name, plain in EAGER.items():
+        if plain not in COMPILED:
+            COMPILED[plain] = torch.compile(plain, dynamic=False)
+        KERNELS[name] = COMPILED[plain]
 
 
-def restore_eager():
-    """Put the plain functions back."""
-    for (module_name, name), fn in EAGER.items():
-        setattr(importlib.import_module(module_name), name, fn)
-    EAGER.clear()
+def compiled():
+    """Are the kernels compiled now?"""
+    return any(KERNELS[name] is not plain for name, plain in EAGER.items())

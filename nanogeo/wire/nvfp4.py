@@ -1,5 +1,5 @@
 """
-NVFP4, the 4-bit format of NVIDIA's Blackwell GPUs, as a codec of compress.py (OTHER_CODECS):
+NVFP4, the 4-bit format of NVIDIA's Blackwell GPUs, as a codec of the two-stage collective:
 blocks of 16 values, each value an e2m1 number (sign, 2 exponent bits, 1 mantissa bit: the
 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6), each block scaled by an e4m3 number, and one fp32 scale
 per tensor that brings the largest block scale to the top of e4m3's range.
@@ -20,6 +20,7 @@ import math
 
 import torch
 
+import compress
 from compress import NVFP4_BLOCK, Quantized, as_float32, num_groups, on_device, scale_groups
 from nanogeo.wire import packing
 
@@ -247,3 +248,17 @@ class Packing(packing.Packing):
         """Stage 3 (as packing.Packing.decode): shard j at j * stride, or back to back."""
         values = self.bucket.decode(buffer.view(1, -1), stride)                   # (1, G, 16)
         return self.in_tensor_order(values.view(-1), self.first_group)
+
+
+class Nvfp4Layout(compress.ShardLayout):
+    """compress.ShardLayout with NVFP4 as the codec of each piece (packed or not, the same
+    bytes)."""
+
+    def piece_nbytes(self, p):
+        return wire_nbytes(p.shape)
+
+    def quantize_piece(self, values, p, stochastic=False, generator=None):
+        return quantize(values.view(p.shape), stochastic, generator)
+
+    def dequantize_piece(self, buffer, p):
+        return dequantize(Quantized(buffer, p.shape, "nvfp4", NVFP4_BLOCK))

@@ -19,11 +19,16 @@ into tensors. Only views and host-side bookkeeping per piece. NVFP4's packed for
 import torch
 
 import compress
+from nanogeo.wire import kernels
 
 
 def pack_groups(groups, fmt, stochastic=False, generator=None):
     """(G, L) fp32 -> (G * (4 + L),) uint8 wire bytes, per group [fp32 scale | L codes]."""
-    scale, codes = compress.encode_groups(groups, fmt, stochastic, generator)
+    if stochastic:
+        scale, codes = compress.encode_groups(groups, fmt, stochastic, generator)
+    else:                               # compress.encode_groups, with the kernel compiled or not
+        dtype, fmax = compress.FP8_FORMATS[fmt]
+        scale, codes = kernels.KERNELS["fp8_encode"](groups, fmax, dtype)
     return torch.cat([scale.view(torch.uint8).view(-1, 4), codes], dim=1).view(-1)
 
 
@@ -31,12 +36,7 @@ def unpack_groups(buffer, block, fmt):
     """Inverse of pack_groups: uint8 bytes -> (G, block) fp32 values."""
     rows = buffer.view(-1, 4 + block)
     scale = rows[:, :4].contiguous().view(torch.float32).view(-1)       # (G,)
-    return fp8_decode_groups(rows[:, 4:], scale, compress.FP8_FORMATS[fmt][0])
-
-
-def fp8_decode_groups(codes, scale, dtype):      # hot path (nanogeo.wire.kernels)
-    """codes (G, L) uint8 and their scales (G,) -> (G, L) fp32."""
-    return codes.view(dtype).float() / scale[:, None]
+    return kernels.KERNELS["fp8_decode_groups"](rows[:, 4:], scale, compress.FP8_FORMATS[fmt][0])
 
 
 def sum_in_rank_order(copies):

@@ -1,0 +1,95 @@
+"""
+The codec and the two-stage collective as training runs them: compress.py's reference, with
+nanogeo's forms passed in.
+
+  * formats: e4m3 / e5m2 (compress.py's codec) and NVFP4 (nanogeo/wire/nvfp4.py), one
+    quantize / dequantize / wire_nbytes for all three;
+  * layouts: the packed stages (one codec call per bucket and stage: nanogeo/wire/packing.py,
+    and NVFP4's own) for integer blocks, compress.py's piece-by-piece stages otherwise;
+  * stochastic rounding's random streams: one per rank and stage, the simulator drawing exactly
+    what the ranks draw.
+
+The means are those of compress.all_reduce_mean, bit for bit (tests/test_compress.py).
+"""
+import functools
+
+import torch
+
+import compress
+from nanogeo.wire import nvfp4, packing
+
+FORMATS = compress.FORMATS
+
+
+def quantize(x, fmt="e4m3", block=128, stochastic=False, generator=None):
+    """compress.quantize for every format (NVFP4 ignores `block`: always 16)."""
+    compress.check_codec(fmt, block)
+    if fmt == "nvfp4":
+        return nvfp4.quantize(x, stochastic, generator)
+    return compress.quantize(x, fmt, block, stochastic, generator)
+
+
+def dequantize(q):
+    return nvfp4.dequantize(q) if q.fmt == "nvfp4" else compress.dequantize(q)
+
+
+def wire_nbytes(shape, fmt, block):
+    return nvfp4.wire_nbytes(shape) if fmt == "nvfp4" else compress.wire_nbytes(shape, fmt, block)
+
+
+def round_trip(x, fmt, block):
+    """dequantize(quantize(x)): what the gain check compares coordinates by."""
+    return dequantize(quantize(x, fmt, block))
+
+
+def layout(shapes, fmt, block, world_size, pieces=None, packed=True):
+    """The ShardLayout of a bucket: packed for integer blocks (packed=False: piece by piece,
+    the reference the packed form is tested against)."""
+    if fmt == "nvfp4":
+        return nvfp4.Nvfp4Layout(shapes, fmt, block, world_size, pieces,
+                                 nvfp4.Packing if packed else None)
+    return compress.ShardLayout(shapes, fmt, block, world_size, pieces,
+                                packing.Packing if packed else None)
+
+
+@functools.lru_cache(maxsize=64)
+def shard_layout(shapes, fmt, block, world_size):
+    """layout(), built once per (shapes, format, world size): the collective asks for the same
+    one every step."""
+    return layout(shapes, fmt, block, world_size)
+
+
+def rng(seed, rank, stage, device):
+    """The stochastic-rounding stream of one rank and stage; the simulator uses the same ones.
+    seed None: torch's global stream."""
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed((seed * 1_000_003 + rank * 101 + stage) % (2 ** 63))
+    return generator
+
+
+def streams(stochastic, seed, device):
+    """The collectives' streams= for this step: rng of each (rank, stage), or nearest."""
+    if not stochastic:
+        return compress.nearest
+    return lambda rank, stage: rng(seed, rank, stage, device)
+
+
+def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, stochastic=False, seed=None,
+                    return_local=False, timer=compress.NO_TIMER):
+    """compress.all_reduce_mean with the packed layout, NVFP4 and stochastic rounding."""
+    world = compress.world_size(group)
+    bucket = shard_layout(tuple(tuple(t.shape) for t in tensors), fmt, block, world)
+    return compress.all_reduce_mean(tensors, group=group, return_local=return_local,
+                                    layout=bucket, timer=timer,
+                                    streams=streams(stochastic, seed, tensors[0].device))
+
+
+def simulate_mean(worker_tensors, fmt="e4m3", block=128, stochastic=False, seed=None,
+                  return_local=False):
+    """compress.simulate_mean with the same forms: exactly all_reduce_mean's numerics."""
+    bucket = shard_layout(tuple(tuple(t.shape) for t in worker_tensors[0]), fmt, block,
+                          len(worker_tensors))
+    return compress.simulate_mean(worker_tensors, return_local=return_local, layout=bucket,
+                                  streams=streams(stochastic, seed, worker_tensors[0][0].device))
