@@ -52,7 +52,7 @@ structure (an outlier column) stays local where block scales handle it.
 
 Where the bases come from: every rank holds the same decoded mean gradient after each step. A
 warm-started subspace iteration on it (optionally an EMA of its covariance), followed by a
-Rayleigh-Ritz rotation, refreshes U and V every `refresh` steps. The local gradient of a rank is
+Rayleigh-Ritz rotation, refreshes U and V every `geo_refresh` steps. The local gradient of a rank is
 never used, so every rank computes the same bases (checked: nanogeo/dist/agreement.py). Under FSDP a rank
 holds only a block of rows of the mean; the same iteration runs with its partial products
 summed over ranks, and the decode needs one small r x n sum (nanogeo/dist/fsdp.py).
@@ -587,7 +587,7 @@ def reflect(X, Y, T):
 
 def encode_geo(G, left, right):
     """H = P^T G Q. `left`/`right`: HouseholderBasis (or any basis with its apply_t / apply: the
-    dense ablation bases of nanogeo/dist/dense.py), or None: that side stays as it is."""
+    dense ablation bases of nanogeo/dist/layers.py), or None: that side stays as it is."""
     H = left.apply_t(G) if left is not None else G
     return right.apply_t(H.T).T if right is not None else H        # G Q = (Q^T G^T)^T
 
@@ -664,7 +664,7 @@ class Whitening:
     """One side's low-rank factor F (F F^T = A^ + damping I) in the form it is applied in:
     sqrt_d (d,) = D^1/2, Q (d, r) and the r multipliers up = (1 + S^2)^1/2 - 1,
     down = (1 + S^2)^-1/2 - 1 of the formula above. (Dense factors, for ablations and the
-    published artifact's dense Cholesky form: nanogeo/dist/dense.py.)"""
+    published artifact's dense Cholesky form: nanogeo/dist/layers.py.)"""
     kind: str
     size: int                   # d
     sqrt_d: torch.Tensor = None
@@ -706,7 +706,7 @@ def whitening_factor(A, rank=32, damping=1e-3, floor=1e-3):
     A^ = U L U^T + diag(max(diag(A - U L U^T), floor)) with the top-`rank` eigenpairs, applied
     in O(d r) per row. Computed in float64 (the eigen-decomposition of a nearly singular A needs
     it), returned in A's dtype. (Dense kinds - full, diag, block, and this A^ with a Cholesky
-    factor as the published artifact applies it: nanogeo/dist/dense.py.)"""
+    factor as the published artifact applies it: nanogeo/dist/layers.py.)"""
     dtype = A.dtype
     A = (A.double() + A.double().T) / 2
     U, lam, rest = top_eigenpairs(A, min(rank, A.shape[0]), floor)
@@ -926,7 +926,7 @@ def error_measure(view, mean, rows=None, workers=1):
     """delta -> the squared size of a gradient error delta (m, n) as the next update sees it:
     through the optimizer's `view` of the layer (nanogeo.dist.update_error.OptimizerView, its
     .error(): at the decoded mean `mean`, one worker's error scaled to its share of the mean of
-    `workers`), or in plain L2 without one (judge="l2", or no watch()). Under FSDP (rows) only
+    `workers`), or in plain L2 without one (geo_judge="l2", or no watch()). Under FSDP (rows) only
     this rank's rows are measured; the caller sums over the ranks."""
     if view is not None:
         return view.error(mean, rows, workers)
@@ -939,7 +939,7 @@ def error_measure(view, mean, rows=None, workers=1):
 # =============================================================================
 #
 # Coordinates, one interface: each candidate matrix has a layer object - SubspaceLayer (the
-# rotation, section 3; its dense-basis ablations: nanogeo.dist.dense.DenseSubspaceLayer),
+# rotation, section 3; its dense-basis ablations: nanogeo.dist.layers.DenseSubspaceLayer),
 # WhitenedLayer (the published whitening, section 3b) or HadamardLayer (the geometry-agnostic
 # control, section 3c) - with
 #     encode(g) -> h, decode(h) -> g      the change of coordinates and its inverse
@@ -969,19 +969,19 @@ class GeoOptions:
     geometry: str = "geofp8"
     fmt: str = "e4m3"
     block: object = 128             # int, "row" or "tensor" (nvfp4 always uses 16)
-    refresh: int = 0                # re-estimate the geometry every N steps (0: 50 geofp8, 4 the
+    geo_refresh: int = 0            # re-estimate the geometry every N steps (0: 50 geofp8, 4 the
                                     # others; the Hadamard control is only re-judged)
-    warmup: int = 0                 # steps sent in Euclidean coordinates before GeoFP8 starts
-    # which matrices use it: "gain" (measured: the codec error must drop by enter_gain), "all",
+    geo_warmup: int = 0             # steps sent in Euclidean coordinates before GeoFP8 starts
+    # which matrices use it: "gain" (measured: the codec error must drop by geo_enter_gain), "all",
     # "list" (the names in geo_layers, e.g. from nanogeo.tools.profile)
     select: str = "gain"
     geo_layers: tuple = ()
-    judge: str = "optimizer"        # gains in the error the layer's optimizer sees (section 4b;
+    geo_judge: str = "optimizer"    # gains in the error the layer's optimizer sees (section 4b;
                                     # needs watch()) or in plain "l2" (ablation)
     judge_every: int = 4            # geofp8: also re-measure the gains every N steps between
                                     # refreshes (the subspace rotation measures at each refresh)
-    enter_gain: float = 1.10        # switch a layer to geo when Euclid error / geo error >= this
-    exit_gain: float = 1.00         # ... and back to Euclidean when it falls below this
+    geo_enter_gain: float = 1.10    # switch a layer to geo when Euclid error / geo error >= this
+    geo_exit_gain: float = 1.00     # ... and back to Euclidean when it falls below this
     min_numel: int = 4096           # smaller matrices are not worth a transform
     vocab_size: int = 0             # matrices with a dimension of this size stay Euclidean
     # whitening (published GeoFP8)
@@ -1007,7 +1007,7 @@ class GeoOptions:
 
     def choices(self):
         """{field: allowed values} of the string fields (a subclass adds its own)."""
-        return {"geometry": GEOMETRIES, "select": SELECTIONS, "judge": JUDGES,
+        return {"geometry": GEOMETRIES, "select": SELECTIONS, "geo_judge": JUDGES,
                 "sides": ("both", "left", "right", "auto"), "whiten_sides": WHITEN_SIDES,
                 "hadamard_sides": HADAMARD_SIDES}
 
@@ -1016,10 +1016,10 @@ class GeoOptions:
         for key, allowed in self.choices().items():
             if getattr(self, key) not in allowed:
                 raise ValueError(f"{key} must be one of {', '.join(allowed)}, got {getattr(self, key)!r}")
-        if self.refresh == 0:
-            self.refresh = 50 if self.geometry == "geofp8" else 4
-        if min(self.geo_rank, self.refresh, self.whiten_rank, self.judge_every) < 1:
-            raise ValueError("geo_rank, whiten_rank, refresh and judge_every must be >= 1")
+        if self.geo_refresh == 0:
+            self.geo_refresh = 50 if self.geometry == "geofp8" else 4
+        if min(self.geo_rank, self.geo_refresh, self.whiten_rank, self.judge_every) < 1:
+            raise ValueError("geo_rank, whiten_rank, geo_refresh and judge_every must be >= 1")
         if self.hadamard_block < 2 or self.hadamard_block & (self.hadamard_block - 1):
             raise ValueError(f"hadamard_block must be a power of two >= 2 (e.g. 128), got "
                              f"{self.hadamard_block}")
@@ -1051,12 +1051,12 @@ def exemption(name, shape, opts, linear=None):
 def goes_geometry_aware(layer, opts, listed):
     """The selection, for a candidate matrix whose gain (Euclidean error / geometry-aware error,
     as its optimizer sees them) was just measured. select="all": always. Otherwise with
-    hysteresis: a Euclidean layer enters when its gain reaches enter_gain, a geometry-aware one
-    stays while it keeps exit_gain; with select="list" or "fragile" only the `listed` layers
-    may (enter_gain = exit_gain = 0: the paper's fixed choice, even before a measurement)."""
+    hysteresis: a Euclidean layer enters when its gain reaches geo_enter_gain, a geometry-aware
+    one stays while it keeps geo_exit_gain; with select="list" or "fragile" only the `listed`
+    layers may (both gains 0: the paper's fixed choice, even before a measurement)."""
     if opts.select == "all":
         return True
-    threshold = opts.exit_gain if layer.use_geo else opts.enter_gain
+    threshold = opts.geo_exit_gain if layer.use_geo else opts.geo_enter_gain
     measured_better = layer.gain >= threshold or (math.isnan(layer.gain) and threshold <= 0)
     return (opts.select == "gain" or listed) and measured_better
 
@@ -1107,7 +1107,7 @@ class SubspaceLayer:
         return self.swaps if transform[0] is not None and transform[1] is not None else None
 
     def bases(self):
-        """(P, Q), whole (nanogeo/dist/dense.py replaces them by dense bases for ablations)."""
+        """(P, Q), whole (nanogeo/dist/layers.py replaces them by dense bases for ablations)."""
         return self.left_basis, self.right_basis
 
     def rotation(self, sides=None):
@@ -1135,33 +1135,6 @@ class SubspaceLayer:
         total = rows.sum(mean.pow(2).sum())
         core = rows.sum(rows.mine(U).T @ mean @ V).pow(2).sum()   # sum over ranks, then square
         self.energy = core / total.clamp(min=1e-30)               # stays on the device
-
-    def tensors(self):
-        return [self.left_basis.Y, self.left_basis.T, self.right_basis.Y, self.right_basis.T,
-                self.left_energy, self.right_energy]
-
-    def flags(self):
-        """The decisions as numbers: (use_geo, only the right side rotates, gain)."""
-        return [float(self.use_geo), float(self.sides == "right"), self.gain]
-
-    def load_flags(self, flags):
-        self.use_geo, self.gain = bool(flags[0]), flags[2]
-        self.rotate_sides("right" if flags[1] else ("both" if self.sides == "right" else self.sides))
-
-    def state_dict(self):
-        return {"left_Y": self.left_basis.Y, "left_T": self.left_basis.T,
-                "right_Y": self.right_basis.Y, "right_T": self.right_basis.T,
-                "left_energy": self.left_energy, "right_energy": self.right_energy,
-                "use_geo": self.use_geo, "gain": self.gain, "energy": self.energy,
-                "sides": self.sides}
-
-    def load_state_dict(self, s):
-        self.use_geo, self.gain = s["use_geo"], s["gain"]
-        self.left_basis = HouseholderBasis(s["left_Y"], s["left_T"])
-        self.right_basis = HouseholderBasis(s["right_Y"], s["right_T"])
-        self.left_energy, self.right_energy = s["left_energy"], s["right_energy"]
-        self.energy = s["energy"]
-        self.rotate_sides(s.get("sides", self.sides))
 
 
 @dataclass
@@ -1216,28 +1189,8 @@ class WhitenedLayer:
             self.factors[side] = self.factor_of(side, self.moments[side])
 
     def factor_of(self, side, moment):
-        """The factor of one side's smoothed moment (nanogeo.dist.dense: the dense kinds)."""
+        """The factor of one side's smoothed moment (nanogeo.dist.layers: the dense kinds)."""
         return whitening_factor(moment, self.opts.whiten_rank, self.opts.damping)
-
-    def tensors(self):
-        return ([m for m in self.moments.values()]
-                + [t for f in self.factors.values() for t in f.tensors().values()])
-
-    def flags(self):
-        return [float(self.use_geo), 0.0, self.gain]
-
-    def load_flags(self, flags):
-        self.use_geo, self.gain = bool(flags[0]), flags[2]
-
-    def state_dict(self):
-        return {"moments": dict(self.moments), "use_geo": self.use_geo, "gain": self.gain,
-                "factors": {side: {"kind": f.kind, "size": f.size, **f.tensors()}
-                            for side, f in self.factors.items()}}
-
-    def load_state_dict(self, s):
-        self.use_geo, self.gain = s["use_geo"], s["gain"]
-        self.moments = dict(s["moments"])
-        self.factors = {side: Whitening(**f) for side, f in s["factors"].items()}
 
 
 @dataclass
@@ -1301,23 +1254,6 @@ class HadamardLayer:
         if self.opts.hadamard_sides == "both":
             self.row_signs = random_signs(m, generator).to(mean.device)
 
-    def tensors(self):
-        return [t for t in (self.column_signs, self.row_signs) if t is not None]
-
-    def flags(self):
-        return [float(self.use_geo), 0.0, self.gain]
-
-    def load_flags(self, flags):
-        self.use_geo, self.gain = bool(flags[0]), flags[2]
-
-    def state_dict(self):
-        return {"column_signs": self.column_signs, "row_signs": self.row_signs,
-                "use_geo": self.use_geo, "gain": self.gain}
-
-    def load_state_dict(self, s):
-        self.use_geo, self.gain = s["use_geo"], s["gain"]
-        self.column_signs, self.row_signs = s["column_signs"], s["row_signs"]
-
 
 class Communicator:
     """Gradient averaging through the two-stage collective for a fixed list of named tensors,
@@ -1330,6 +1266,7 @@ class Communicator:
     steps where `wants_moments()` is true, already averaged over the ranks; the subspace
     rotation and the Hadamard control need none. nanogeo.dist.communicator.ProductionCommunicator
     adds what training at scale needs around it."""
+    LAYERS = {"geofp8": WhitenedLayer, "subspace": SubspaceLayer, "hadamard": HadamardLayer}
 
     def __init__(self, named_shapes, options=None, group=None, linear=None, timer=NO_TIMER):
         self.opts = options or GeoOptions()
@@ -1360,13 +1297,14 @@ class Communicator:
 
     def _new_layer(self, name):
         shape, opts = self.shapes[name], self.opts
+        kind = self.LAYERS[opts.geometry]
         if opts.geometry == "geofp8":
-            return WhitenedLayer(shape, opts)
+            return kind(shape, opts)
         if opts.geometry == "hadamard":     # its signs: the same on every rank
-            return HadamardLayer(shape, zlib.crc32(name.encode()) + opts.seed, opts)
+            return kind(shape, zlib.crc32(name.encode()) + opts.seed, opts)
         r = min(opts.geo_rank, min(shape) // 2)
-        layer = SubspaceLayer(shape, r, seed=zlib.crc32(name.encode()), opts=opts,
-                              sides="both" if opts.sides == "auto" else opts.sides)
+        layer = kind(shape, r, seed=zlib.crc32(name.encode()), opts=opts,
+                     sides="both" if opts.sides == "auto" else opts.sides)
         if opts.scatter_core:
             layer.swaps = core_swaps(shape, r, NVFP4_BLOCK if opts.fmt == "nvfp4" else opts.block)
         return layer
@@ -1375,7 +1313,7 @@ class Communicator:
 
     def is_geo(self, name):
         layer = self.layers.get(name)
-        return layer is not None and layer.use_geo and layer.ready and self.step > self.opts.warmup
+        return layer is not None and layer.use_geo and layer.ready and self.step > self.opts.geo_warmup
 
     def coords(self, name):
         return "geo" if self.is_geo(name) else "euclidean"
@@ -1389,7 +1327,7 @@ class Communicator:
     def wants_moments(self):
         """True on the steps whose K-FAC statistics the next reduce() refreshes the factors from
         (the published method collects them on refresh steps only)."""
-        return self.opts.geometry == "geofp8" and bool(self.layers) and self.step % self.opts.refresh == 0
+        return self.opts.geometry == "geofp8" and bool(self.layers) and self.step % self.opts.geo_refresh == 0
 
     def moment_layers(self):
         """Names of the weights whose layers' statistics the whitening needs."""
@@ -1500,7 +1438,7 @@ class Communicator:
         rows[name] (nanogeo.dist.fsdp.RowBlocks; whole tensors otherwise). `worker_grads`: the
         gradients this process sent (one list per simulated worker). across_ranks: the step
         ran over the process group (so the gain measurements are summed over it)."""
-        whiten_now = self.step % self.opts.refresh == 0 and moments is not None  # of this step
+        whiten_now = self.step % self.opts.geo_refresh == 0 and moments is not None  # of this step
         self.across_ranks, self.rows = across_ranks, rows or {}
         self.step += 1
         if self.layers and self._geometry_due(whiten_now):
@@ -1514,7 +1452,7 @@ class Communicator:
             return True
         if self.opts.geometry == "geofp8":
             return whiten_now or self.step % self.opts.judge_every == 0
-        return self.step % self.opts.refresh == 0 or any(not l.ready for l in self.layers.values())
+        return self.step % self.opts.geo_refresh == 0 or any(not l.ready for l in self.layers.values())
 
     def _update_geometry(self, means, worker_grads, moments, whiten_now):
         """Measure the candidates (and, for the whitening, re-judge the factors in use), then
@@ -1528,7 +1466,7 @@ class Communicator:
             statistics = {n: stats for n, stats in statistics.items() if stats}
         else:                                   # ... or its decoded mean gradient
             statistics = {n: means[n] for n, layer in self.layers.items()
-                          if self.step % self.opts.refresh == 0 or not layer.ready}
+                          if self.step % self.opts.geo_refresh == 0 or not layer.ready}
         for n, stats in statistics.items():
             self._propose(n, stats)
         return bool(statistics)
@@ -1545,7 +1483,7 @@ class Communicator:
     # geometry is a *candidate*, kept beside the coordinates in use; the next step's gradients,
     # which did not build it, measure it against Euclidean in the error the layer's optimizer
     # sees, and only then does it replace the layer in use - geometry-aware if it measured
-    # better by enter_gain, Euclidean otherwise. Until then the layer keeps coordinates that
+    # better by geo_enter_gain, Euclidean otherwise. Until then the layer keeps coordinates that
     # were measured (or Euclidean ones): from the first step and after every refresh.
 
     def _propose(self, name, statistics):
@@ -1567,10 +1505,10 @@ class Communicator:
 
     def _opted_in(self, name):
         """Geometry-aware whatever a measurement says: select="all", or a listed layer with
-        enter_gain = exit_gain = 0 (the paper's fixed choice)."""
+        geo_enter_gain = geo_exit_gain = 0 (the paper's fixed choice)."""
         opts = self.opts
         return opts.select == "all" or (name in self.chosen and opts.select != "gain"
-                                        and opts.enter_gain <= 0 and opts.exit_gain <= 0)
+                                        and opts.geo_enter_gain <= 0 and opts.geo_exit_gain <= 0)
 
     def _judge(self, names, worker_grads, means):
         """Measure each layer's candidate (or, without one, the geometry in use) on this step's
@@ -1593,7 +1531,7 @@ class Communicator:
         variants = self._variants()
         world = world_size(self.group) if self.across_ranks else 1
         for n, layer in layers.items():
-            view = self.views.get(n) if self.opts.judge == "optimizer" else None
+            view = self.views.get(n) if self.opts.geo_judge == "optimizer" else None
             seen = error_measure(view, means[n], self.rows.get(n), world * len(worker_grads))
             for grads in worker_grads:
                 g = grads[self.index[n]].float()
@@ -1620,9 +1558,9 @@ class Communicator:
         return layer.decode(self._round_trip(layer.encode(g, rotation)), rotation)
 
     def _decide(self, layers, errors):
-        """Hysteresis on the measured gain: enter geo at enter_gain, leave below exit_gain. With
+        """Hysteresis on the measured gain: enter geo at geo_enter_gain, leave below geo_exit_gain. With
         a list of layers only the chosen may enter, and they leave too when their
-        geometry-aware error exceeds Euclidean's (enter_gain = exit_gain = 0: never). With
+        geometry-aware error exceeds Euclidean's (both gains 0: never). With
         sides="auto" each layer takes the better of its measured rotations."""
         variants = self._variants()
         for (n, layer), (euclid, *geos) in zip(layers.items(), errors.tolist()):

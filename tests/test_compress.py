@@ -8,7 +8,7 @@ import torch.distributed as dist
 import compress
 from compress import HouseholderBasis, decode_geo, encode_geo
 from conftest import run_ranks
-from nanogeo.dist import dense
+from nanogeo.dist import layers
 from nanogeo.dist.communicator import Options, ProductionCommunicator
 from nanogeo.run import summary
 from nanogeo.wire import collective, kernels, nvfp4, packing
@@ -324,9 +324,9 @@ def test_never_forms_an_m_by_m_matrix():
 def test_low_rank_matches_full_mode_at_full_rank():
     torch.manual_seed(0)
     G = torch.randn(48, 48) * torch.logspace(0, -2, 48)
-    U, V = dense.exact_bases(G)
+    U, V = layers.exact_bases(G)
     lr_left, lr_right = HouseholderBasis.complete(U), HouseholderBasis.complete(V)
-    full_left, full_right = dense.DenseBasis(U), dense.DenseBasis(V)
+    full_left, full_right = layers.DenseBasis(U), layers.DenseBasis(V)
     H_full, H_lr = encode_geo(G, full_left, full_right), encode_geo(G, lr_left, lr_right)
     assert torch.allclose(H_full.abs(), H_lr.abs(), atol=1e-5)  # equal up to column signs
     via_full = decode_geo(dequantize(quantize(H_full)), full_left, full_right)
@@ -426,7 +426,7 @@ def test_layer_table_says_dash_where_nothing_was_measured(geometry):
 
 def test_warmup_keeps_euclidean():
     steps = planted_workers(128, 128, 2, 4)
-    _, comm = run_steps(Options(geometry="subspace", geo_rank=8, warmup=10), steps)
+    _, comm = run_steps(Options(geometry="subspace", geo_rank=8, geo_warmup=10), steps)
     assert comm.coords("layers.0.mlp.w1.weight") == "euclidean"
     assert comm.layers["layers.0.mlp.w1.weight"].left_basis is not None  # estimated in warm-up
 
@@ -482,7 +482,7 @@ def communicator_rank(rank, world_size, out_path, options):
 
 @pytest.mark.parametrize("options", [Options(geometry="subspace", geo_rank=8, min_numel=1024),
                                      Options(geometry="subspace", geo_rank=8, min_numel=1024, error_feedback=True,
-                                                stochastic=True, fmt="nvfp4")])
+                                                stochastic_round=True, fmt="nvfp4")])
 def test_distributed_communicator_matches_simulator(options, tmp_path):
     out = str(tmp_path / "comm")
     run_ranks(communicator_rank, 2, out, options)

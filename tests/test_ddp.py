@@ -80,7 +80,7 @@ def ddp_rank(rank, world_size, out, hook_options):
 
 def test_ddp_hook_matches_fp32_ddp_within_fp8_error(tmp_path):
     out = str(tmp_path / "ddp")
-    run_ranks(ddp_rank, 2, out, {"geometry": "subspace", "geo_rank": 8, "warmup": 1})
+    run_ranks(ddp_rank, 2, out, {"geometry": "subspace", "geo_rank": 8, "geo_warmup": 1})
     r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
     assert torch.equal(r0["params"], r1["params"])      # ranks stay bit-identical
     assert max(r0["errors"]) < 0.05                     # e4m3 two-stage error is a few percent
@@ -98,7 +98,7 @@ def test_ddp_hook_on_a_gpt2_shaped_model(tmp_path):
     net = build("gpt2")
     assert compress.linear_layers(net) == {}               # the tied head is an embedding too
     out = str(tmp_path / "ddp")
-    run_ranks(ddp_rank, 2, out, {"geometry": "subspace", "geo_rank": 8, "warmup": 1,
+    run_ranks(ddp_rank, 2, out, {"geometry": "subspace", "geo_rank": 8, "geo_warmup": 1,
                                  "model": "gpt2", "name_conv1d": True,
                                  "bucket_cap_mb": 0.1})
     r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
@@ -123,7 +123,7 @@ def test_ddp_hook_published_whitening(tmp_path):
     ranks, and the whitened layers decode to the same bytes on every rank - here with small
     buckets, so one forward's statistics serve several buckets, and across DDP's rebuild."""
     out = str(tmp_path / "ddp")
-    run_ranks(ddp_rank, 2, out, {"warmup": 1, "refresh": 2, "select": "all", "bucket_cap_mb": 0.05,
+    run_ranks(ddp_rank, 2, out, {"geo_warmup": 1, "geo_refresh": 2, "select": "all", "bucket_cap_mb": 0.05,
                                  "optimizer": "adamw"})
     r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
     assert r0["buckets"] > 2
@@ -186,12 +186,12 @@ def resume_rank(rank, world_size, out, hook_options):
 
 
 @pytest.mark.parametrize("options", [
-    {"geometry": "subspace", "geo_rank": 8, "warmup": 1, "error_feedback": True},
-    {"warmup": 1, "refresh": 2, "error_feedback": True, "select": "all"},
-    {"geometry": "hadamard", "warmup": 1, "error_feedback": True, "select": "all"},
+    {"geometry": "subspace", "geo_rank": 8, "geo_warmup": 1, "error_feedback": True},
+    {"geo_warmup": 1, "geo_refresh": 2, "error_feedback": True, "select": "all"},
+    {"geometry": "hadamard", "geo_warmup": 1, "error_feedback": True, "select": "all"},
     # saved with new geometry awaiting its measurement (proposed at the third step)
-    {"geometry": "subspace", "geo_rank": 8, "warmup": 1, "refresh": 3},
-    {"warmup": 1, "refresh": 2, "error_feedback": True}])
+    {"geometry": "subspace", "geo_rank": 8, "geo_warmup": 1, "geo_refresh": 3},
+    {"geo_warmup": 1, "geo_refresh": 2, "error_feedback": True}])
 def test_ddp_hook_state_resumes_bit_identically(tmp_path, options):
     """The hook's state_dict is keyed by parameter name with one step counter: every bucket's
     communicator counts the same steps, the table shows each parameter once (DDP's first-
@@ -206,5 +206,5 @@ def test_ddp_hook_state_resumes_bit_identically(tmp_path, options):
         assert len(r["names"]) == len(set(r["names"])) == len(list(build().parameters()))
         if options.get("select") == "all":
             assert r["geo"] > 0             # geometry-aware layers in use across the resume
-        if "refresh" in options and "select" not in options:
+        if "geo_refresh" in options and "select" not in options:
             assert r["pending"] > 0         # saved with candidates awaiting their measurement

@@ -27,7 +27,7 @@ def test_a_non_finite_step_does_not_poison_the_geometry_or_the_residuals(geometr
     """An inf gradient on a refresh step: that step's mean is inf (the optimizer skips it), but
     the bases / factors and the error-feedback residuals stay as they were, and every later
     step decodes finite means - with or without the fault, the same geometry."""
-    opts = Options(geometry=geometry, refresh=2, judge_every=2, min_numel=16,
+    opts = Options(geometry=geometry, geo_refresh=2, judge_every=2, min_numel=16,
                                geo_rank=4, whiten_rank=4, error_feedback=True, select="all")
     clean, faulty = (ProductionCommunicator([("w", (48, 64))], opts) for _ in range(2))
     moment = {"input": {"w": anisotropic_moment(64, 0)}} if geometry == "geofp8" else None
@@ -107,7 +107,7 @@ def test_a_geometry_that_differs_across_ranks_is_replaced_by_rank_0s(tmp_path):
 def test_stochastic_rounding_streams_differ_between_tensor_lists():
     """Two buckets with the same layout, the same gradients and the same step must not round
     alike (their errors would add up instead of averaging out); the same bucket twice must."""
-    opts = Options(geometry="euclidean", stochastic=True, seed=3)
+    opts = Options(geometry="euclidean", stochastic_round=True, seed=3)
     workers = workers_at(0)
 
     def mean(names):
@@ -152,9 +152,9 @@ class HostSyncs:
 
 
 @pytest.mark.parametrize("options", [
-    dict(geometry="subspace", refresh=4),
-    dict(geometry="geofp8", refresh=50, judge_every=4),
-    dict(geometry="subspace", refresh=4, error_feedback=True),
+    dict(geometry="subspace", geo_refresh=4),
+    dict(geometry="geofp8", geo_refresh=50, judge_every=4),
+    dict(geometry="subspace", geo_refresh=4, error_feedback=True),
     dict(geometry="euclidean", fmt="e5m2", collective="fp8-sum", error_feedback=True)])
 @pytest.mark.parametrize("optimizer", [None, "adamw"])
 def test_no_host_sync_between_geometry_steps(monkeypatch, options, optimizer):

@@ -33,7 +33,7 @@ def test_fidelity_contract(tmp_path, capsys):
     path, out = str(tmp_path / "grads.pt"), str(tmp_path / "report.json")
     write_gradient_file(path)
     methods = ["bf16", "fp8-tensor", "fp8-row", "fp8-block", "fp8-paper", "geofp8", "geofp8-paper",
-               "geofp8:factor=diag:select=all", "subspace", "subspace-full", "nvfp4", "geo-nvfp4",
+               "geofp8:whiten_factor=diag:select=all", "subspace", "subspace-full", "nvfp4", "geo-nvfp4",
                "subspace-nvfp4", "subspace:geo_rank=4:sides=left"]
     fidelity.main([path, "--methods", ",".join(methods), "--json", out])
     report = json.load(open(out))
@@ -47,7 +47,7 @@ def test_fidelity_contract(tmp_path, capsys):
     wq = "layers.0.attn.wq.weight"
     # the geometry-aware methods use geo coordinates from the second step on (no warm-up here)
     assert report["subspace"]["layers"][wq]["coords"] == "geo"
-    assert report["geofp8:factor=diag:select=all"]["layers"][wq]["coords"] == "geo"
+    assert report["geofp8:whiten_factor=diag:select=all"]["layers"][wq]["coords"] == "geo"
     assert report["subspace"]["layers"]["tok_embeddings.weight"]["coords"] == "euclidean"
     assert report["subspace"]["layers"][wq]["rel_err"] < 0.6 * report["fp8-block"]["layers"][wq]["rel_err"]
     assert report["subspace-nvfp4"]["layers"][wq]["rel_err"] < report["nvfp4"]["layers"][wq]["rel_err"]

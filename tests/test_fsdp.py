@@ -121,7 +121,7 @@ def geo_rank(rank, world_size, out, options):
 
 def test_fsdp2_geofp8_reduce_scatter_close_to_fp32(tmp_path):
     out = str(tmp_path / "geo")
-    run_ranks(geo_rank, 2, out, {"geometry": "subspace", "geo_rank": 8, "warmup": 1, "refresh": 2,
+    run_ranks(geo_rank, 2, out, {"geometry": "subspace", "geo_rank": 8, "geo_warmup": 1, "geo_refresh": 2,
                                      "sides": "both"})
     r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
     print("GeoFP8 FSDP2 relative gradient error per step:", [f"{e:.4f}" for e in r0["errors"]])
@@ -160,7 +160,7 @@ def unaligned_rank(rank, world_size, out):
         return nn.Sequential(nn.Linear(64, 90), nn.ReLU(), nn.Linear(90, 128), nn.ReLU(),
                              nn.Linear(128, 64))
     ref, model = twins(build, world_size)
-    comms = use_geofp8(model, min_numel=1024, select="all", sides="both", warmup=0, refresh=1)
+    comms = use_geofp8(model, min_numel=1024, select="all", sides="both", geo_warmup=0, geo_refresh=1)
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -199,7 +199,7 @@ def resume_rank(rank, world_size, out):
         torch.manual_seed(0)
         model = shard(GPT2Shaped(VOCAB, D), mesh)
         comms = fsdp.use_geofp8(model, linear=conv1d_weights(model), min_numel=1024, geo_rank=8,
-                                warmup=1, refresh=2)
+                                geo_warmup=1, geo_refresh=2)
         return model, comms, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def train(model, opt, steps):

@@ -192,7 +192,7 @@ def two_ranks(rank, world_size, out_path):
         layer = comm.layers["a.weight"]
         saved[select] = {"signs": layer.tensors(), "encoded": layer.encode(G), "means": means}
     ref, model = twins(language_model, world_size, init=False)
-    comms = use_geofp8(model, geometry="hadamard", select="all", warmup=0, min_numel=1024,
+    comms = use_geofp8(model, geometry="hadamard", select="all", geo_warmup=0, min_numel=1024,
                        vocab_size=VOCAB)
     errors = []
     for step in range(3):

@@ -86,7 +86,7 @@ def test_geofp8_does_no_harm_on_a_model_we_did_not_design(tmp_path):
     capture.capture(capture.CaptureConfig(model="bytegpt", out=path, workers=4, train_steps=60,
                                           capture_steps=6, batch_size=4, block_size=64,
                                           quiet_rows=0.25))
-    methods = ["fp8-block", "geofp8", "subspace", "subspace:judge=l2"]
+    methods = ["fp8-block", "geofp8", "subspace", "subspace:geo_judge=l2"]
     report = fidelity.evaluate(path, methods, last=3)
     euclid = report["fp8-block"]
     for method in ("geofp8", "subspace"):       # both in use (the whitening from its first
@@ -96,7 +96,7 @@ def test_geofp8_does_no_harm_on_a_model_we_did_not_design(tmp_path):
         for n, layer in report[method]["layers"].items():
             assert layer["update_err"]["adamw"] <= 1.10 * euclid["layers"][n]["update_err"]["adamw"] \
                 + 1e-9, (method, n)
-    harmful = report["subspace:judge=l2"]["total"]["update_err"]["adamw"]
+    harmful = report["subspace:geo_judge=l2"]["total"]["update_err"]["adamw"]
     assert harmful > 10 * euclid["total"]["update_err"]["adamw"]
     # why (nanogeo.tools.variants): rotating the rows spreads error onto the quiet ones; rotating the
     # columns only, or only the r x r core, spreads less
@@ -116,7 +116,7 @@ def test_no_harm_from_the_first_step(tmp_path):
     capture.capture(capture.CaptureConfig(model="bytegpt", out=path, workers=4, train_steps=0,
                                           capture_steps=5, batch_size=4, block_size=64,
                                           quiet_rows=0.25))
-    report = fidelity.evaluate(path, ["fp8-block", "subspace", "geofp8", "subspace:judge=l2"])
+    report = fidelity.evaluate(path, ["fp8-block", "subspace", "geofp8", "subspace:geo_judge=l2"])
     euclid = report["fp8-block"]["steps"]
     assert len(euclid) == 5
     for method in ("subspace", "geofp8"):
@@ -126,7 +126,7 @@ def test_no_harm_from_the_first_step(tmp_path):
             for n, layer in step["layers"].items():
                 assert layer["adamw"] <= 1.10 * base["layers"][n]["adamw"] + 1e-9, (method, s, n)
     by_l2 = [step["total"]["adamw"] / base["total"]["adamw"]
-             for step, base in zip(report["subspace:judge=l2"]["steps"], euclid)]
+             for step, base in zip(report["subspace:geo_judge=l2"]["steps"], euclid)]
     assert max(by_l2) > 2
 
 
@@ -178,7 +178,7 @@ def test_auto_sides_keep_quiet_rows_quiet_under_adamw(judge):
     """With sides='auto' each matrix takes the better of the two-sided rotation and the
     column-only one. Under AdamW with quiet rows, the two-sided rotation's error lands on the
     quiet rows: judged by AdamW every measurement picks the columns alone and the layer never
-    uses the two-sided rotation (here the column rotation's gain, ~1.05, stays below enter_gain:
+    uses the two-sided rotation (here the column rotation's gain, ~1.05, stays below geo_enter_gain:
     the layer stays Euclidean); judged by L2 every measurement picks both sides and the layer
     uses them from the step after the first measurement on."""
     steps, scale = quiet_row_workers(6, 4)
@@ -187,7 +187,7 @@ def test_auto_sides_keep_quiet_rows_quiet_under_adamw(judge):
     view = update_error.OptimizerView("adamw", lambda: {"betas": (0.9, 0.95), "eps": 1e-8},
                                   lambda: state)
     opts = Options(geometry="subspace", sides="auto", min_numel=16, geo_rank=4,
-                               refresh=1, judge=judge)
+                               geo_refresh=1, geo_judge=judge)
     comm = ProductionCommunicator([("w", (64, 96))], opts).watch({"w": view})
     used, chosen = [], set()
     for workers in steps:

@@ -10,7 +10,7 @@ from nanogeo.wire import fp8sum
 from nanogeo.dist import hooks
 from conftest import run_ranks
 from nanogeo.dist.communicator import Options, ProductionCommunicator
-from nanogeo.dist import dense
+from nanogeo.dist import layers
 
 
 def anisotropic_moment(d, seed=0, tokens=4096):
@@ -21,11 +21,11 @@ def anisotropic_moment(d, seed=0, tokens=4096):
     return a.T @ a / tokens
 
 
-@pytest.mark.parametrize("kind", dense.WHITEN_FACTORS)
+@pytest.mark.parametrize("kind", layers.WHITEN_FACTORS)
 def test_whitening_round_trip_is_exact_and_matches_its_dense_factor(kind):
     A = anisotropic_moment(100)
     W = torch.randn(37, 100, dtype=torch.float64)
-    F = dense.whitening_factor(A.double(), kind, rank=8, block=32)
+    F = layers.whitening_factor(A.double(), kind, rank=8, block=32)
     matrix = F.dense()
     assert torch.allclose(F.unwhiten(F.whiten(W)), W, atol=1e-10)
     assert torch.allclose(F.whiten(W), W @ torch.linalg.inv(matrix).T, atol=1e-8)
@@ -37,7 +37,7 @@ def test_low_rank_factor_agrees_with_dense_cholesky_reference():
     an orthogonal map only (same Gram matrix, same norms)."""
     A = anisotropic_moment(96).double()
     low = compress.whitening_factor(A, rank=16)
-    ref = dense.whitening_factor(A, "lowrank-dense", rank=16)
+    ref = layers.whitening_factor(A, "lowrank-dense", rank=16)
     assert low.Q.shape == (96, 16)          # O(d r) numbers, no d x d matrix
     assert all(t.numel() <= 96 * 16 for t in low.tensors().values())
     assert torch.allclose(low.dense() @ low.dense().T, ref.L @ ref.L.T, atol=1e-10)
@@ -280,7 +280,7 @@ def test_fragility_selection_finds_the_planted_fragile_layer():
     independent noise does not. select='fragile' must pick the first."""
     names = [("calm.weight", (64, 96)), ("fragile.weight", (64, 96)), ("other.weight", (96, 64))]
     opts = Options(geometry="geofp8", fmt="e5m2", block="tensor", collective="fp8-sum",
-                      select="fragile", top_k=1, warmup=3, min_numel=16)
+                      select="fragile", top_k=1, geo_warmup=3, min_numel=16)
     comm = ProductionCommunicator(names, opts)
     g = torch.Generator().manual_seed(0)
     shared = torch.rand(64, 96, generator=g) + 0.5
@@ -294,7 +294,7 @@ def test_fragility_selection_finds_the_planted_fragile_layer():
     # chosen layers still need a measured gain to go geometry-aware (none was measured: no
     # moments came); with the guard off (the paper's rule) the choice is final
     assert not any(l.use_geo for l in comm.layers.values())
-    comm.opts.enter_gain = comm.opts.exit_gain = 0.0
+    comm.opts.geo_enter_gain = comm.opts.geo_exit_gain = 0.0
     comm._select_fragile()
     assert [n for n, l in comm.layers.items() if l.use_geo] == ["fragile.weight"]
 
@@ -306,7 +306,7 @@ def test_error_feedback_is_re_expressed_when_the_factors_refresh():
     the new coordinates. Keeping it in the coordinates it was measured in (the published
     defect c, opt-in as stale_residual) breaks the identity."""
     def run(stale):
-        opts = Options(geometry="geofp8", select="all", refresh=2, error_feedback=True,
+        opts = Options(geometry="geofp8", select="all", geo_refresh=2, error_feedback=True,
                           fmt="e5m2", block="tensor", stale_residual=stale, min_numel=16)
         comm = ProductionCommunicator([("w.weight", (32, 48))], opts)
         g = torch.Generator().manual_seed(0)
@@ -328,8 +328,8 @@ def test_error_feedback_is_re_expressed_when_the_factors_refresh():
 
 def test_state_dict_round_trip_whitening_and_fp8_sum():
     opts = Options(geometry="geofp8", fmt="e5m2", collective="fp8-sum", select="fragile",
-                      top_k=1, warmup=2, refresh=2, error_feedback=True, min_numel=16,
-                      factor="lowrank-dense", factor_decay=0.95, enter_gain=0.0, exit_gain=0.0)
+                      top_k=1, geo_warmup=2, geo_refresh=2, error_feedback=True, min_numel=16,
+                      whiten_factor="lowrank-dense", factor_decay=0.95, geo_enter_gain=0.0, geo_exit_gain=0.0)
     names = [("a.weight", (32, 48)), ("b.weight", (48, 32))]
     g = torch.Generator().manual_seed(0)
     steps = [[[torch.randn(32, 48, generator=g), torch.randn(48, 32, generator=g)]
@@ -424,5 +424,5 @@ def test_options_reject_what_cannot_work():
     with pytest.raises(ValueError, match="fragile"):
         Options(select="fragile", top_k=2)             # needs the fp8-sum collective
     with pytest.raises(ValueError, match="factor"):
-        Options(factor="cholesky")
-    assert Options(geometry="geofp8").refresh == 50 and Options(geometry="subspace").refresh == 4
+        Options(whiten_factor="cholesky")
+    assert Options(geometry="geofp8").geo_refresh == 50 and Options(geometry="subspace").geo_refresh == 4

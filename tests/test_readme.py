@@ -57,7 +57,7 @@ TOY = {
         CAPTURE,
     "python -m nanogeo.tools.fidelity grads.pt --methods bf16,fp8-block,fp8-paper,geofp8,geofp8-paper,"
     "subspace --last 3 --json report.json": "--last 1",
-    "python -m nanogeo.tools.fidelity grads.pt --methods fp8-block,geofp8:factor=diag,subspace:geo_rank=8,"
+    "python -m nanogeo.tools.fidelity grads.pt --methods fp8-block,geofp8:whiten_factor=diag,subspace:geo_rank=8,"
     "subspace:sides=left": "",
     "python -m nanogeo.tools.tables grads.pt --last 3": "--last 1",
     "python -m nanogeo.tools.variants grads.pt": "",

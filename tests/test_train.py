@@ -32,7 +32,7 @@ def test_geo_layers_flag(tmp_path):
     opts = geo(f"--geo_layers={listed}")
     assert opts.select == "list" and opts.geo_layers == ("layers.0.mlp.w2.weight",)
     paper = geo("--geo_layers=fragile:4", "--collective=fp8-sum", "--fmt=e5m2")
-    assert paper.select == "fragile" and paper.top_k == 4 and paper.refresh == 50
+    assert paper.select == "fragile" and paper.top_k == 4 and paper.geo_refresh == 50
     with pytest.raises(ConfigError, match="fragile:K"):
         geo("--geo_layers=fragile:x")
     with pytest.raises(ConfigError, match="nanogeo.tools.profile"):

@@ -10,7 +10,8 @@ here is an override that calls it:
   * across ranks: the K-FAC statistics averaged over the ranks (nanogeo.dist.hooks), one
     finiteness decision for all of them before the geometry moves, the check that every rank
     holds the same geometry after a refresh (nanogeo.dist.agreement);
-  * the dense ablations (nanogeo.dist.dense): whitening factors other than the low-rank one and
+  * the layers' state for the rank checks and checkpoints, and the dense ablations
+    (nanogeo.dist.layers): whitening factors other than the low-rank one and
     their EMA, exact or random subspace bases, the stale residual of the published defect (c);
   * checkpoints: state_dict / load_state_dict.
 
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 import compress
-from nanogeo.dist import agreement, dense, hooks
+from nanogeo.dist import agreement, hooks, layers
 from nanogeo.wire import collective, fp8sum
 
 COLLECTIVES = ("two-stage", "fp8-sum")
@@ -39,10 +40,10 @@ class Options(compress.GeoOptions):
     scale_sync_every: int = 1       # fp8-sum: >1 reproduces the published local-scale defect
     top_k: int = 0                  # select="fragile": the top_k matrices by fraction of saturated
                                     # FP8 sums over the warmup steps (needs collective="fp8-sum")
-    stochastic: bool = False        # stochastic rounding (two-stage collective only)
-    # ablations (nanogeo/dist/dense.py)
-    factor: str = "lowrank"         # lowrank | lowrank-dense | full | diag | block
-    whiten_block: int = 64          # block size of factor="block"
+    stochastic_round: bool = False  # stochastic rounding (two-stage collective only)
+    # ablations (nanogeo/dist/layers.py)
+    whiten_factor: str = "lowrank"  # lowrank | lowrank-dense | full | diag | block
+    whiten_block: int = 64          # block size of whiten_factor="block"
     factor_decay: float = 0.0       # EMA of the triangular factor itself (published: 0.95)
     full: bool = False              # exact dense eigenbases (reference / ablation)
     basis: str = "householder"      # "householder" or "random" (dense random rotation)
@@ -50,14 +51,14 @@ class Options(compress.GeoOptions):
 
     def choices(self):
         return {**super().choices(), "select": SELECTIONS, "collective": COLLECTIVES,
-                "sum_order": SUM_ORDERS, "factor": dense.WHITEN_FACTORS,
+                "sum_order": SUM_ORDERS, "whiten_factor": layers.WHITEN_FACTORS,
                 "basis": ("householder", "random")}
 
     def __post_init__(self):
         super().__post_init__()
         if self.scale_sync_every < 1:
             raise ValueError("scale_sync_every must be >= 1")
-        if self.collective == "fp8-sum" and (self.fmt == "nvfp4" or self.stochastic):
+        if self.collective == "fp8-sum" and (self.fmt == "nvfp4" or self.stochastic_round):
             raise ValueError("the fp8-sum collective sums e4m3/e5m2 codes with nearest rounding; "
                              "use collective='two-stage' for nvfp4 or stochastic rounding")
         if self.full and self.basis != "householder":
@@ -68,9 +69,9 @@ class Options(compress.GeoOptions):
         if self.collective == "fp8-sum":
             self.block = "tensor"   # its one scale per tensor; the gain check measures that codec
         if self.select == "fragile" and (self.collective != "fp8-sum" or self.top_k < 1
-                                         or self.warmup < 1):
+                                         or self.geo_warmup < 1):
             raise ValueError("select='fragile' profiles saturated FP8 sums during the warmup: it "
-                             "needs collective='fp8-sum', warmup >= 1 and top_k >= 1")
+                             "needs collective='fp8-sum', geo_warmup >= 1 and top_k >= 1")
 
     @property
     def dense_bases(self):
@@ -89,15 +90,15 @@ class ProductionCommunicator(compress.Communicator):
         self.saturation = None  # fp8-sum: running sum of each tensor's saturated fraction
         self.saturation_steps = 0
 
+    LAYERS = layers.LAYERS      # compress.py's layers, with their state (nanogeo.dist.layers)
+
     def _new_layer(self, name):
         shape, opts = self.shapes[name], self.opts
-        if opts.geometry == "geofp8":
-            return dense.FactorWhitenedLayer(shape, opts)
         if opts.geometry != "subspace" or not opts.dense_bases:
             return super()._new_layer(name)
         r = min(shape) if opts.full else min(opts.geo_rank, min(shape) // 2)
-        return dense.DenseSubspaceLayer(shape, r, seed=zlib.crc32(name.encode()), opts=opts,
-                                        sides="both" if opts.sides == "auto" else opts.sides)
+        return layers.DenseSubspaceLayer(shape, r, seed=zlib.crc32(name.encode()), opts=opts,
+                                         sides="both" if opts.sides == "auto" else opts.sides)
 
     # -- the wire --------------------------------------------------------------------------------
 
@@ -114,7 +115,7 @@ class ProductionCommunicator(compress.Communicator):
             self._count_saturation(saturated)
             return means, sent, [local]
         means, sent, *local = collective.all_reduce_mean(
-            mine, opts.fmt, opts.block, self.group, opts.stochastic, self.rounding_seed(),
+            mine, opts.fmt, opts.block, self.group, opts.stochastic_round, self.rounding_seed(),
             return_local=opts.error_feedback, timer=self.timer)
         return means, sent, local or None
 
@@ -126,7 +127,7 @@ class ProductionCommunicator(compress.Communicator):
             self._count_saturation(saturated)
             return means, sent, local
         means, sent, *local = collective.simulate_mean(
-            coords, opts.fmt, opts.block, opts.stochastic, self.rounding_seed(),
+            coords, opts.fmt, opts.block, opts.stochastic_round, self.rounding_seed(),
             return_local=opts.error_feedback)
         return means, sent, local[0] if local else None
 
@@ -141,7 +142,7 @@ class ProductionCommunicator(compress.Communicator):
     def _count_saturation(self, saturated):
         """Add up the fragility profile: during the warmup for select="fragile", always in
         Euclidean mode (nanogeo.tools.profile). Stays on the device: no host sync."""
-        profiling = self.opts.select == "fragile" and self.step < self.opts.warmup
+        profiling = self.opts.select == "fragile" and self.step < self.opts.geo_warmup
         if profiling or self.opts.geometry == "euclidean":
             self.saturation = saturated if self.saturation is None else self.saturation + saturated
             self.saturation_steps += 1
@@ -155,7 +156,7 @@ class ProductionCommunicator(compress.Communicator):
 
     def advance(self, means, worker_grads, across_ranks=False, rows=None, moments=None):
         super().advance(means, worker_grads, across_ranks, rows, moments)
-        if self.layers and self.opts.select == "fragile" and self.step == self.opts.warmup:
+        if self.layers and self.opts.select == "fragile" and self.step == self.opts.geo_warmup:
             self._select_fragile()
 
     def _select_fragile(self):

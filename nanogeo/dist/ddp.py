@@ -113,7 +113,7 @@ class GeoFP8HookState:
     def collecting(self):
         """Collect statistics in this forward pass? On refresh steps: every bucket's communicator
         counts the hook's one step counter, so they refresh together."""
-        return self.iteration % self.options.refresh == 0
+        return self.iteration % self.options.geo_refresh == 0
 
     def moments_for(self, comm):
         """The statistics of this bucket's whitened layers, if this step collected them."""

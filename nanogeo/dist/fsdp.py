@@ -7,7 +7,7 @@ GeoFP8 gradient reduce-scatter for FSDP2 (`fully_shard`), through its custom red
     for block in model.layers:
         fully_shard(block)
     fully_shard(model)
-    comms = use_geofp8(model, geo_rank=16, warmup=10)     # after fully_shard, before training
+    comms = use_geofp8(model, geo_rank=16, geo_warmup=10)  # after fully_shard, before training
     watch_optimizers(comms, optimizers, model)       # judge each matrix as its optimizer sees it
 
 What FSDP hands the reduce-scatter
@@ -218,10 +218,10 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
             h = self.comm.to_coords(name, g)
             coords.append(torch.cat([h, h.new_zeros(world * chunk[0] - shape[0], *shape[1:])]))
         opts = self.comm.opts
-        generator = collective.rng(self.comm.rounding_seed() if opts.stochastic else None,
+        generator = collective.rng(self.comm.rounding_seed() if opts.stochastic_round else None,
                                    me, 1, input_tensor.device)
         layout = row_chunks(tuple(chunk_shapes), self.fmt, self.block, world)
-        send = compress.encode_shards(coords, layout, opts.stochastic, generator)
+        send = compress.encode_shards(coords, layout, opts.stochastic_round, generator)
         totals = [t.view(c) for t, c in zip(exchange_and_sum(send, layout, group), chunk_shapes)]
         self.bytes_sent += (world - 1) * layout.nbytes[0]
         # this rank's rows of every mean, back in original coordinates

@@ -12,7 +12,7 @@ import sys
 import compress
 import model as model_lib
 from nanogeo.dist.communicator import Options, COLLECTIVES, SUM_ORDERS
-from nanogeo.dist import dense
+from nanogeo.dist import layers
 
 
 class ConfigError(ValueError):
@@ -55,7 +55,7 @@ TRAIN_PRESETS = {
 TRAIN_CHOICES = {"comm": ("fp32", "bf16", "fp8", "geofp8", "subspace", "hadamard"),
                  "device": ("auto", "cpu", "cuda"), "fmt": compress.FORMATS,
                  "collective": COLLECTIVES, "sum_order": SUM_ORDERS,
-                 "whiten_factor": dense.WHITEN_FACTORS, "whiten_sides": compress.WHITEN_SIDES,
+                 "whiten_factor": layers.WHITEN_FACTORS, "whiten_sides": compress.WHITEN_SIDES,
                  "hadamard_sides": compress.HADAMARD_SIDES,
                  "geo_judge": compress.JUDGES, "preset": tuple(model_lib.PRESETS),
                  "optimizer": ("adamw", "muon"),
@@ -140,7 +140,7 @@ def parse_block(text):
 
 
 def parse_geo_layers(text):
-    """--geo_layers -> GeoOptions fields: 'gain', 'all', 'fragile:K' (the K matrices whose FP8
+    """--geo_layers -> Options fields: 'gain', 'all', 'fragile:K' (the K matrices whose FP8
     sums saturate most during the warm-up) or a file listing weight names (nanogeo.tools.profile)."""
     if text in ("gain", "all"):
         return {"select": text}
@@ -162,19 +162,13 @@ GEOMETRY = {"fp8": "euclidean", "geofp8": "geofp8", "subspace": "subspace", "had
 
 
 def geo_options(cfg, vocab_size):
-    """Options from the training flags (shared with the DDP hook and tools)."""
+    """Options from the training flags (shared with the DDP hook and tools). One vocabulary:
+    every flag that names an Options field is that field (--geo_refresh is geo_refresh, ...);
+    --comm picks the geometry, --block and --geo_layers are parsed."""
+    flags = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(Options)
+             if hasattr(cfg, f.name) and f.name not in ("geometry", "block", "geo_layers")}
     try:
-        return Options(
-            geometry=GEOMETRY[cfg.comm], fmt=cfg.fmt, block=parse_block(cfg.block),
-            collective=cfg.collective, sum_order=cfg.sum_order,
-            scale_sync_every=cfg.scale_sync_every, refresh=cfg.geo_refresh, warmup=cfg.geo_warmup,
-            judge=cfg.geo_judge, enter_gain=cfg.geo_enter_gain, exit_gain=cfg.geo_exit_gain,
-            factor=cfg.whiten_factor, whiten_rank=cfg.whiten_rank, whiten_sides=cfg.whiten_sides,
-            factor_decay=cfg.factor_decay, geo_rank=cfg.geo_rank,
-            hadamard_block=cfg.hadamard_block, hadamard_sides=cfg.hadamard_sides,
-            error_feedback=cfg.error_feedback,
-            feedback_geo_only=cfg.feedback_geo_only,
-            stochastic=cfg.stochastic_round, seed=cfg.seed, vocab_size=vocab_size,
-            **parse_geo_layers(cfg.geo_layers))
-    except ValueError as e:     # a combination GeoOptions rejects; its message names the fix
+        return Options(**flags, geometry=GEOMETRY[cfg.comm], block=parse_block(cfg.block),
+                       vocab_size=vocab_size, **parse_geo_layers(cfg.geo_layers))
+    except ValueError as e:     # a combination Options rejects; its message names the fix
         raise ConfigError(str(e)) from None

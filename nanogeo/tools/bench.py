@@ -189,7 +189,7 @@ def measure_overhead(steps, preset="cpu-tiny", batch_size=8, block_size=128, ref
     results = {}
     for name, opts in (("fp8", Options(geometry="euclidean", vocab_size=cfg.vocab_size)),
                        ("subspace", Options(geometry="subspace", vocab_size=cfg.vocab_size,
-                                                      refresh=refresh, geo_rank=geo_rank))):
+                                                      geo_refresh=refresh, geo_rank=geo_rank))):
         comm = ProductionCommunicator(named, opts, linear=set(compress.linear_layers(net)))
         comm.reduce_workers([grads])  # first bases
         t0 = time.perf_counter()
@@ -198,7 +198,7 @@ def measure_overhead(steps, preset="cpu-tiny", batch_size=8, block_size=128, ref
         results[name] = (time.perf_counter() - t0) / steps
         geo_layers = sum(comm.coords(n) == "geo" for n, _ in named)
     overhead = results["subspace"] - results["fp8"]
-    return {"preset": preset, "refresh": refresh, "geo_rank": geo_rank,
+    return {"preset": preset, "geo_refresh": refresh, "geo_rank": geo_rank,
             "tokens": batch_size * block_size, "fwd_bwd_ms": fwd_bwd_s * 1000,
             "fp8_codec_ms": results["fp8"] * 1000, "subspace_codec_ms": results["subspace"] * 1000,
             "geo_overhead_ms": overhead * 1000, "overhead_vs_fwd_bwd": overhead / fwd_bwd_s,
@@ -398,7 +398,7 @@ def accumulation_runs(seeds, steps, methods=("fp32", "fp8", "subspace")):
                 net = DDP(ByteGPT(ByteGPTConfig(block_size=32, n_layer=2, n_embd=128)))
                 if method != "fp32":
                     state = GeoFP8HookState(net, geometry="euclidean" if method == "fp8"
-                                            else "subspace", warmup=2, judge="l2")
+                                            else "subspace", geo_warmup=2, geo_judge="l2")
                     net.register_comm_hook(state, geofp8_hook)
                 opt = torch.optim.AdamW(net.parameters(), lr=2e-3)
                 data = torch.Generator().manual_seed(1000 * seed + rank)
@@ -435,7 +435,7 @@ def analytic_flops(preset, tokens, geo_rank, refresh=4):
     geo, net = perfmodel.geo_flops(preset, geo_rank, refresh)
     train_flops = net.flops_per_token(net.config.block_size) * tokens
     return {"preset": preset, "tokens_per_rank": tokens, "geo_rank": geo_rank,
-            "refresh": refresh, "geo_gflops": geo / 1e9, "train_gflops": train_flops / 1e9,
+            "geo_refresh": refresh, "geo_gflops": geo / 1e9, "train_gflops": train_flops / 1e9,
             "fraction": geo / train_flops}
 
 

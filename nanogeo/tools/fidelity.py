@@ -29,8 +29,8 @@ Methods (each with the two-stage e4m3 block-128 collective unless it says otherw
                     Hadamard transform (random signs, Walsh-Hadamard blocks of 128 along each
                     row; no statistics), on the default codec / the paper's codec and collective
                     (as fp8-paper) / NVFP4; hadamard:select=all uses it without the gain check
-Any method takes GeoOptions overrides after colons, for ablations:
-    geofp8:factor=diag   geofp8:factor=block:whiten_block=64   geofp8:whiten_rank=8
+Any method takes Options overrides after colons, for ablations:
+    geofp8:whiten_factor=diag   geofp8:whiten_factor=block:whiten_block=64   geofp8:whiten_rank=8
     geofp8:whiten_sides=both   geofp8:select=all   fp8-paper:sum_order=tree
     subspace:geo_rank=8   subspace:sides=left   fp8-block:error_feedback=1   fp8-block:block=32
     hadamard:hadamard_block=32   hadamard:hadamard_sides=both   hadamard:select=all
@@ -38,7 +38,7 @@ The whitening methods read each step's input (and output) second moments from th
 candidates are the file's `linear` weights (the model's nn.Linear modules; older files: every
 matrix); a vocabulary dimension stays Euclidean, its size from --vocab_size or the file's
 vocab_size. Where the file records the optimizer, each layer's coordinates are chosen by the
-error that optimizer sees (the replayed state before each step; `:judge=l2` for plain L2).
+error that optimizer sees (the replayed state before each step; `:geo_judge=l2` for plain L2).
 """
 
 import argparse
@@ -56,14 +56,14 @@ from nanogeo.wire import collective
 from nanogeo.dist.communicator import Options, ProductionCommunicator
 
 PAPER_CODEC = dict(fmt="e5m2", block="tensor", collective="fp8-sum")
-METHODS = {  # name -> GeoOptions fields (None: the bf16 ring all-reduce)
+METHODS = {  # name -> Options fields (None: the bf16 ring all-reduce)
     "bf16": None,
     "fp8-tensor": dict(geometry="euclidean", block="tensor"),
     "fp8-row": dict(geometry="euclidean", block="row"),
     "fp8-block": dict(geometry="euclidean", block=128),
     "fp8-paper": dict(geometry="euclidean", **PAPER_CODEC),
     "geofp8": dict(geometry="geofp8"),
-    "geofp8-paper": dict(geometry="geofp8", factor="lowrank-dense", factor_decay=0.95,
+    "geofp8-paper": dict(geometry="geofp8", whiten_factor="lowrank-dense", factor_decay=0.95,
                          error_feedback=True, feedback_geo_only=True, **PAPER_CODEC),
     "subspace": dict(geometry="subspace"),
     "subspace-full": dict(geometry="subspace", full=True),
@@ -79,7 +79,7 @@ DEFAULT_METHODS = ("bf16,fp8-tensor,fp8-row,fp8-block,fp8-paper,geofp8,geofp8-pa
 
 
 def method_options(spec, vocab_size):
-    """'subspace:geo_rank=8:sides=left' -> GeoOptions (or None for bf16)."""
+    """'subspace:geo_rank=8:sides=left' -> Options (or None for bf16)."""
     name, *overrides = spec.split(":")
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")

@@ -65,7 +65,7 @@ def profile(cfg: ProfileConfig):
             linear = set(compress.linear_layers(model))     # candidates, by module type
             options = Options(
                 geometry=geometry, fmt=cfg.fmt, block="tensor", collective="fp8-sum",
-                sum_order=cfg.sum_order, refresh=1, select="gain",
+                sum_order=cfg.sum_order, geo_refresh=1, select="gain",
                 vocab_size=model.config.vocab_size)
             comm = ProductionCommunicator(named, options, linear=linear)
             comm.watch(hooks.optimizer_views(optimizers, model))  # gains as they see them

@@ -141,7 +141,7 @@ def check_ddp(device):
         ids = [device.index] if device.type == "cuda" else None
         net = DDP(net, device_ids=ids)
         if hooked:
-            state = GeoFP8HookState(net, geometry="subspace", warmup=1, geo_rank=8)
+            state = GeoFP8HookState(net, geometry="subspace", geo_warmup=1, geo_rank=8)
             net.register_comm_hook(state, geofp8_hook)
         nets.append(net)
     errors = []

@@ -34,17 +34,17 @@ from nanogeo.tools import fidelity
 # (label, geometry options, the paper's one-round-trip relative L2 error)
 ROWS = [
     ("Euclidean", "", 5.28e-2),
-    ("output side only (full G)", "geometry=geofp8:whiten_sides=output:factor=full", 5.28e-2),
-    ("input side only (full A)", "geometry=geofp8:factor=full", 1.77e-2),
-    ("two-sided (full A, G)", "geometry=geofp8:whiten_sides=both:factor=full", 1.77e-2),
-    ("diag A", "geometry=geofp8:factor=diag", 5.26e-2),
-    ("block A 32", "geometry=geofp8:factor=block:whiten_block=32", 3.17e-2),
-    ("block A 64", "geometry=geofp8:factor=block:whiten_block=64", 2.75e-2),
-    ("block A 128", "geometry=geofp8:factor=block:whiten_block=128", 2.43e-2),
-    ("low-rank A 8", "geometry=geofp8:factor=lowrank:whiten_rank=8", 1.96e-2),
-    ("low-rank A 16", "geometry=geofp8:factor=lowrank:whiten_rank=16", 1.73e-2),
-    ("low-rank A 32", "geometry=geofp8:factor=lowrank:whiten_rank=32", 1.72e-2),
-    ("low-rank A 32, dense Cholesky", "geometry=geofp8:factor=lowrank-dense:whiten_rank=32", None),
+    ("output side only (full G)", "geometry=geofp8:whiten_sides=output:whiten_factor=full", 5.28e-2),
+    ("input side only (full A)", "geometry=geofp8:whiten_factor=full", 1.77e-2),
+    ("two-sided (full A, G)", "geometry=geofp8:whiten_sides=both:whiten_factor=full", 1.77e-2),
+    ("diag A", "geometry=geofp8:whiten_factor=diag", 5.26e-2),
+    ("block A 32", "geometry=geofp8:whiten_factor=block:whiten_block=32", 3.17e-2),
+    ("block A 64", "geometry=geofp8:whiten_factor=block:whiten_block=64", 2.75e-2),
+    ("block A 128", "geometry=geofp8:whiten_factor=block:whiten_block=128", 2.43e-2),
+    ("low-rank A 8", "geometry=geofp8:whiten_factor=lowrank:whiten_rank=8", 1.96e-2),
+    ("low-rank A 16", "geometry=geofp8:whiten_factor=lowrank:whiten_rank=16", 1.73e-2),
+    ("low-rank A 32", "geometry=geofp8:whiten_factor=lowrank:whiten_rank=32", 1.72e-2),
+    ("low-rank A 32, dense Cholesky", "geometry=geofp8:whiten_factor=lowrank-dense:whiten_rank=32", None),
     ("randomized Hadamard (control)", "geometry=hadamard", None),
 ]
 CODECS = {"round-trip": "fp8-paper", "fp8-sum": "fp8-paper", "two-stage": "fp8-block"}

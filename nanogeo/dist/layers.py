@@ -1,7 +1,11 @@
 """
-Ablation-only coordinates beside compress.py's (nanogeo.dist.communicator uses them):
+The coordinate layers as production runs them (nanogeo.dist.communicator makes these):
 
-  * whitening factors other than the low-rank one compress.py applies in O(d r) per row -
+  * compress.py's three - SubspaceLayer, WhitenedLayer, HadamardLayer - with what rank
+    agreement, the broadcast and checkpoints need of them: tensors(), flags() / load_flags()
+    (the decisions as numbers), state_dict() / load_state_dict();
+
+  * the ablations: whitening factors other than the low-rank one compress.py applies in O(d r) per row -
     "lowrank-dense": the same low-rank + diagonal A^ with a dense Cholesky factor and a
     triangular solve (what the published artifact does; its factor EMA, factor_decay, applies to
     it), "full": A itself, "diag": A's diagonal, "block": A's diagonal blocks;
@@ -9,8 +13,9 @@ Ablation-only coordinates beside compress.py's (nanogeo.dist.communicator uses t
     rotation (basis="random"): DenseSubspaceLayer, a compress.SubspaceLayer whose bases() are
     dense m x m and n x n matrices.
 
-They exist to measure what the low-rank approximations and the Householder completion cost or
-gain (BENCHMARKS.md sections 11-12, nanogeo.tools.tables); training uses compress.py's own forms.
+The dense kinds exist to measure what the low-rank approximations and the Householder completion
+cost or gain (BENCHMARKS.md sections 11-12, nanogeo.tools.tables); training uses compress.py's
+own forms.
 """
 from dataclasses import dataclass, field
 
@@ -99,24 +104,6 @@ def load_factor(state):
     return kind(**state)
 
 
-@dataclass
-class FactorWhitenedLayer(compress.WhitenedLayer):
-    """compress.WhitenedLayer with the factor kinds of Options.factor and the published EMA of
-    the triangular factor (factor_decay; the low-rank form is not closed under blending, so it
-    is smoothed through its second moment only)."""
-
-    def factor_of(self, side, moment):
-        o = self.opts
-        factor = whitening_factor(moment, o.factor, o.whiten_rank, o.whiten_block, o.damping)
-        if isinstance(factor, DenseFactor):
-            return factor.blended(self.factors.get(side), o.factor_decay)
-        return factor
-
-    def load_state_dict(self, s):
-        super().load_state_dict({**s, "factors": {}})
-        self.factors = {side: load_factor(f) for side, f in s["factors"].items()}
-
-
 def dense_factor(A, kind, rank, block, damping, floor):
     d = A.shape[0]
     eye = torch.eye(d, dtype=A.dtype, device=A.device)
@@ -163,8 +150,94 @@ class DenseBasis:
         return self.M @ X
 
 
+class JudgedLayer:
+    """flags() / load_flags() of a layer whose one decision is whether to use its coordinates."""
+
+    def flags(self):
+        return [float(self.use_geo), 0.0, self.gain]
+
+    def load_flags(self, flags):
+        self.use_geo, self.gain = bool(flags[0]), flags[2]
+
+
 @dataclass
-class DenseSubspaceLayer(compress.SubspaceLayer):
+class ProductionSubspaceLayer(compress.SubspaceLayer):
+    def tensors(self):
+        return [self.left_basis.Y, self.left_basis.T, self.right_basis.Y, self.right_basis.T,
+                self.left_energy, self.right_energy]
+
+    def flags(self):
+        """The decisions as numbers: (use_geo, only the right side rotates, gain)."""
+        return [float(self.use_geo), float(self.sides == "right"), self.gain]
+
+    def load_flags(self, flags):
+        self.use_geo, self.gain = bool(flags[0]), flags[2]
+        self.rotate_sides("right" if flags[1] else ("both" if self.sides == "right" else self.sides))
+
+    def state_dict(self):
+        return {"left_Y": self.left_basis.Y, "left_T": self.left_basis.T,
+                "right_Y": self.right_basis.Y, "right_T": self.right_basis.T,
+                "left_energy": self.left_energy, "right_energy": self.right_energy,
+                "use_geo": self.use_geo, "gain": self.gain, "energy": self.energy,
+                "sides": self.sides}
+
+    def load_state_dict(self, s):
+        self.use_geo, self.gain = s["use_geo"], s["gain"]
+        self.left_basis = compress.HouseholderBasis(s["left_Y"], s["left_T"])
+        self.right_basis = compress.HouseholderBasis(s["right_Y"], s["right_T"])
+        self.left_energy, self.right_energy = s["left_energy"], s["right_energy"]
+        self.energy = s["energy"]
+        self.rotate_sides(s.get("sides", self.sides))
+
+
+@dataclass
+class ProductionWhitenedLayer(JudgedLayer, compress.WhitenedLayer):
+    """Also the factor kinds of Options.factor and the published EMA of the triangular factor
+    (factor_decay; the low-rank form is not closed under blending, so it is smoothed through its
+    second moment only)."""
+
+    def factor_of(self, side, moment):
+        o = self.opts
+        factor = whitening_factor(moment, o.whiten_factor, o.whiten_rank, o.whiten_block, o.damping)
+        if isinstance(factor, DenseFactor):
+            return factor.blended(self.factors.get(side), o.factor_decay)
+        return factor
+
+    def tensors(self):
+        return ([m for m in self.moments.values()]
+                + [t for f in self.factors.values() for t in f.tensors().values()])
+
+    def state_dict(self):
+        return {"moments": dict(self.moments), "use_geo": self.use_geo, "gain": self.gain,
+                "factors": {side: {"kind": f.kind, "size": f.size, **f.tensors()}
+                            for side, f in self.factors.items()}}
+
+    def load_state_dict(self, s):
+        self.use_geo, self.gain = s["use_geo"], s["gain"]
+        self.moments = dict(s["moments"])
+        self.factors = {side: load_factor(f) for side, f in s["factors"].items()}
+
+
+@dataclass
+class ProductionHadamardLayer(JudgedLayer, compress.HadamardLayer):
+    def tensors(self):
+        return [t for t in (self.column_signs, self.row_signs) if t is not None]
+
+    def state_dict(self):
+        return {"column_signs": self.column_signs, "row_signs": self.row_signs,
+                "use_geo": self.use_geo, "gain": self.gain}
+
+    def load_state_dict(self, s):
+        self.use_geo, self.gain = s["use_geo"], s["gain"]
+        self.column_signs, self.row_signs = s["column_signs"], s["row_signs"]
+
+
+LAYERS = {"geofp8": ProductionWhitenedLayer, "subspace": ProductionSubspaceLayer,
+          "hadamard": ProductionHadamardLayer}
+
+
+@dataclass
+class DenseSubspaceLayer(ProductionSubspaceLayer):
     """The subspace rotation with dense bases in place of the Householder completion: full=True,
     the complete singular bases of the latest mean (kept in `exact`; r = min(m, n)), or
     basis="random", a seeded random rotation. The Householder bases are still estimated as in
