@@ -1,0 +1,83 @@
+"""The shape of the code: compress.py (the teaching core) imports nothing from nanogeo/, not even
+lazily; no import cycle among the repository's modules, static or inside a function; the
+package never imports the top-level train.py."""
+import ast
+import os
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def repo_modules():
+    """{module name: path} of the top-level files and the nanogeo package."""
+    found = {}
+    for name in os.listdir(ROOT):
+        if name.endswith(".py"):
+            found[name[:-3]] = os.path.join(ROOT, name)
+    for folder, _, files in os.walk(os.path.join(ROOT, "nanogeo")):
+        for name in files:
+            if name.endswith(".py"):
+                rel = os.path.relpath(os.path.join(folder, name), ROOT)[:-3].replace(os.sep, ".")
+                found[rel.removesuffix(".__init__")] = os.path.join(folder, name)
+    return found
+
+
+def imports_of(path, modules):
+    """The repository modules a file imports anywhere in it (module level or in a function)."""
+    out = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name in modules}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            named = {f"{node.module}.{a.name}" for a in node.names} & set(modules)
+            out |= named or ({node.module} & set(modules))
+    return out
+
+
+def test_import_graph_has_no_cycle_and_compress_imports_nothing():
+    modules = repo_modules()
+    graph = {m: imports_of(p, modules) - {m} for m, p in modules.items()}
+    assert graph["compress"] <= {"model"} and not any(m.startswith("nanogeo") for m in graph["compress"])
+    assert not [m for m in graph if m.startswith("nanogeo") and "train" in graph[m]]
+    state, path = {}, []
+
+    def visit(m):                     # depth-first; a module met again on the path is a cycle
+        state[m] = "open"
+        path.append(m)
+        for n in sorted(graph[m]):
+            assert state.get(n) != "open", " -> ".join(path[path.index(n):] + [n])
+            if n not in state:
+                visit(n)
+        path.pop()
+        state[m] = "done"
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_compress_runs_every_geometry_without_nanogeo():
+    """The teaching communicator on its own: every coordinate system through its simulator, and
+    no nanogeo module loaded on the way (nothing imported lazily)."""
+    code = """
+import sys, torch, compress
+g = torch.Generator().manual_seed(0)
+workers = [[torch.randn(64, 96, generator=g) @ torch.diag(torch.logspace(-2, 1, 96))] for _ in range(4)]
+for geometry in ("subspace", "hadamard", "euclidean"):
+    opts = compress.GeoOptions(geometry=geometry, min_numel=16, select="all", error_feedback=True)
+    comm = compress.Communicator([("w", (64, 96))], opts)
+    for _ in range(6):
+        means, sent = comm.reduce_workers(workers)
+    assert torch.isfinite(means[0]).all() and sent > 0
+    assert geometry == "euclidean" or comm.coords("w") == "geo"
+moments = {"input": {"w": torch.eye(96) + 0.1}}
+comm = compress.Communicator([("w", (64, 96))], compress.GeoOptions(min_numel=16, select="all"))
+for _ in range(3):
+    comm.reduce_workers(workers, moments if comm.wants_moments() else None)
+assert comm.coords("w") == "geo"
+assert not [m for m in sys.modules if m.startswith("nanogeo")], "compress.py loaded nanogeo"
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
