@@ -390,8 +390,8 @@ def sum_shard(received, layout, shard):
         total = layout.packing.sum_copies(received, shard)
         return layout.packing.piece_values(total, layout.pieces[shard])
     total = None
-    for copy in received.split(layout.nbytes[shard]):
-        values = [v.reshape(-1) for v in decode_pieces(copy, layout.pieces[shard], layout)]
+    for one_copy in received.split(layout.nbytes[shard]):
+        values = [v.reshape(-1) for v in decode_pieces(one_copy, layout.pieces[shard], layout)]
         total = values if total is None else [a + b for a, b in zip(total, values)]
     return total
 

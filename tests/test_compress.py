@@ -11,7 +11,7 @@ from conftest import run_ranks
 from nanogeo.dist import layers
 from nanogeo.dist.communicator import Options, ProductionCommunicator
 from nanogeo.run import summary
-from nanogeo.wire import collective, kernels, nvfp4, packing
+from nanogeo.wire import collective, kernels, nvfp4
 from nanogeo.wire.collective import (all_reduce_mean, dequantize, quantize, simulate_mean,
                                      wire_nbytes)
 

@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import compress
 from conftest import run_ranks
 from nanogeo.dist import agreement, update_error
 from nanogeo.wire import collective, kernels

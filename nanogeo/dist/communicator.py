@@ -18,7 +18,6 @@ here is an override that calls it:
 Options are compress.GeoOptions plus the fields of this module's Options.
 """
 import copy
-import math
 import zlib
 from dataclasses import dataclass
 

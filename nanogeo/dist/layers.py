@@ -192,7 +192,7 @@ class ProductionSubspaceLayer(compress.SubspaceLayer):
 
 @dataclass
 class ProductionWhitenedLayer(JudgedLayer, compress.WhitenedLayer):
-    """Also the factor kinds of Options.factor and the published EMA of the triangular factor
+    """Also the factor kinds of Options.whiten_factor and the published EMA of the triangular factor
     (factor_decay; the low-rank form is not closed under blending, so it is smoothed through its
     second moment only)."""
 

@@ -10,7 +10,6 @@ import os
 import torch
 import torch.distributed as dist
 
-import compress
 from nanogeo.dist import agreement
 from nanogeo.run.config import ConfigError
 from nanogeo.dist.communicator import all_finite

@@ -18,7 +18,6 @@ import math
 import torch
 import torch.distributed as dist
 
-import compress
 from nanogeo.dist.communicator import Options, ProductionCommunicator
 
 

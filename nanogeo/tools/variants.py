@@ -23,7 +23,6 @@ import argparse
 import math
 import sys
 
-import compress
 from nanogeo.tools import fidelity
 from nanogeo.dist import update_error
 from nanogeo.dist.communicator import Options, ProductionCommunicator
