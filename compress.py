@@ -90,6 +90,9 @@ from nanogeo/; nanogeo/ builds on it, passing its own forms in where training at
     nanogeo/dist/communicator.py  ProductionCommunicator(Communicator): the paper's collective
                                   and profiled selection, K-FAC statistics averaged over ranks,
                                   finiteness and rank agreement, dense ablations, checkpoints
+    nanogeo/dist/layers.py        the layers' state for rank checks and checkpoints; dense factors
+                                  and bases (ablations)
+    nanogeo/dist/hooks.py         the K-FAC statistics (forward hooks), the optimizers' views
     nanogeo/dist/update_error.py  the error AdamW and Muon see (section 4b)
     nanogeo/dist/ddp.py, fsdp.py  the DDP comm hook and FSDP2's reduce-scatter (row blocks)
 """
@@ -113,7 +116,7 @@ FP8_FORMATS = {  # name -> (torch dtype, largest finite value)
     "e4m3": (torch.float8_e4m3fn, 448.0),
     "e5m2": (torch.float8_e5m2, 57344.0),
 }
-FORMATS = ("e4m3", "e5m2", "nvfp4")   # nvfp4: 4-bit values, its codec is nanogeo.wire.nvfp4
+FORMATS = ("e4m3", "e5m2", "nvfp4")   # nvfp4: 4-bit values (a production codec, see above)
 NVFP4_BLOCK = 16        # NVFP4 always scales blocks of 16 values; `block` does not apply to it
 FP8_MAX_CODE = {torch.float8_e4m3fn: 0x7E, torch.float8_e5m2: 0x7B}  # largest finite magnitude
 FP32_MAX = torch.finfo(torch.float32).max
@@ -149,7 +152,7 @@ def check_codec(fmt, block):
 
 
 def check_fp8(fmt, block):
-    """This file's codec is FP8; NVFP4 is nanogeo.wire.collective.quantize's."""
+    """This file's codec is FP8 (NVFP4 is a production codec)."""
     check_codec(fmt, block)
     if fmt not in FP8_FORMATS:
         raise ValueError(f"compress.py codes e4m3 and e5m2; {fmt} is nanogeo.wire's codec "
@@ -214,7 +217,7 @@ def fp8_scale(groups, fmax):
     return scale, (groups * scale[:, None]).clamp(-fmax, fmax)
 
 
-def fp8_encode(groups, fmax, dtype):      # hot path (compiled: nanogeo.wire.kernels)
+def fp8_encode(groups, fmax, dtype):      # hot path (compiled in production)
     """(G, L) fp32 -> scales (G,) fp32 and codes (G, L) uint8, round to nearest even."""
     scale, y = fp8_scale(groups, fmax)
     return scale, y.to(dtype).view(torch.uint8)
@@ -274,7 +277,7 @@ class ShardLayout:
     are spread by rotating which rank gets the remainder. The layout depends only on the shapes,
     so every rank computes the same one.
 
-    The stages below run piece by piece. `packing` (nanogeo.wire passes its Packing class in)
+    The stages below run piece by piece. `packing` (the production Packing class, passed in)
     runs each stage on the whole bucket in one codec call instead, with the same bytes and
     means, bit for bit; it applies to integer blocks."""
 
@@ -310,7 +313,7 @@ class ShardLayout:
                 pieces[j].append(Piece(t, start, end, piece_shape, piece_block))
         return pieces
 
-    # one piece through the codec (FP8 here; nanogeo.wire's NVFP4 layout overrides these three)
+    # one piece through the codec (FP8 here; the production NVFP4 layout overrides these three)
     def piece_nbytes(self, p):
         """Wire bytes of one piece."""
         if self.packing:
@@ -343,7 +346,7 @@ def encode_groups(groups, fmt, stochastic=False, generator=None):
 def stochastic_fp8(y, dtype, generator=None):
     """Cast y (within the format's range) to FP8 stochastically: to one of its two neighbours,
     with probability proportional to closeness, so E[decode] = y (unbiased; more variance than
-    rounding to nearest). The stream: `generator` (nanogeo.wire.rng gives every rank and stage
+    rounding to nearest). The stream: `generator` (production gives every rank and stage
     its own, and the simulator the same ones)."""
     nearest = y.to(dtype)
     # the other neighbour: one step from `nearest` on the far side of y, found by stepping the
@@ -439,12 +442,12 @@ def ring_allreduce_bytes(numel, bytes_per_element, world_size):
     """Bytes each rank sends in a ring all-reduce: reduce-scatter + all-gather, each moving
     (W - 1) / W of the buffer: the bf16 baseline (2 bytes an element) that the two-stage
     collective's bytes are compared with, and the paper's FP8-sum collective (1 byte; plus its
-    scales' MAX all-reduce, nanogeo.wire.fp8sum.wire_bytes)."""
+    scales' MAX all-reduce)."""
     return int(2 * (world_size - 1) * numel * bytes_per_element // world_size)
 
 
 class NoTimer:
-    """Times nothing: the default stage timer (nanogeo.tools.bench.StageTimer measures each stage;
+    """Times nothing: the default stage timer (a benchmark passes one that measures each stage;
     a plain class, so states pickle)."""
     @staticmethod
     def stage(name):
@@ -470,7 +473,7 @@ def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, return_local=Fal
 
     Returns (means, bytes_sent) - or (means, bytes_sent, local) with return_local, where local
     is this rank's own stage-1 reconstruction (for error feedback). Bit-identical on all ranks.
-    nanogeo.wire passes its forms in: `layout` (packed stages, NVFP4), `streams(rank, stage)`
+    Production passes its forms in: `layout` (packed stages, NVFP4), `streams(rank, stage)`
     (a torch.Generator: stochastic rounding from that stream) and `timer` (bench's stages).
     """
     world, me = world_size(group), (dist.get_rank(group) if dist.is_initialized() else 0)
@@ -587,7 +590,7 @@ def reflect(X, Y, T):
 
 def encode_geo(G, left, right):
     """H = P^T G Q. `left`/`right`: HouseholderBasis (or any basis with its apply_t / apply: the
-    dense ablation bases of nanogeo/dist/layers.py), or None: that side stays as it is."""
+    dense ablation bases), or None: that side stays as it is."""
     H = left.apply_t(G) if left is not None else G
     return right.apply_t(H.T).T if right is not None else H        # G Q = (Q^T G^T)^T
 
@@ -664,7 +667,7 @@ class Whitening:
     """One side's low-rank factor F (F F^T = A^ + damping I) in the form it is applied in:
     sqrt_d (d,) = D^1/2, Q (d, r) and the r multipliers up = (1 + S^2)^1/2 - 1,
     down = (1 + S^2)^-1/2 - 1 of the formula above. (Dense factors, for ablations and the
-    published artifact's dense Cholesky form: nanogeo/dist/layers.py.)"""
+    published artifact's dense Cholesky form: production.)"""
     kind: str
     size: int                   # d
     sqrt_d: torch.Tensor = None
@@ -706,7 +709,7 @@ def whitening_factor(A, rank=32, damping=1e-3, floor=1e-3):
     A^ = U L U^T + diag(max(diag(A - U L U^T), floor)) with the top-`rank` eigenpairs, applied
     in O(d r) per row. Computed in float64 (the eigen-decomposition of a nearly singular A needs
     it), returned in A's dtype. (Dense kinds - full, diag, block, and this A^ with a Cholesky
-    factor as the published artifact applies it: nanogeo/dist/layers.py.)"""
+    factor as the published artifact applies it: production.)"""
     dtype = A.dtype
     A = (A.double() + A.double().T) / 2
     U, lam, rest = top_eigenpairs(A, min(rank, A.shape[0]), floor)
@@ -841,7 +844,7 @@ def orthonormal(A):
 class AllRows:
     """Where the rows of a gradient G (m x n) live while its geometry is estimated: here all of
     them on every rank (DDP, train.py), so every method is the identity. Under FSDP each rank
-    holds a block of rows; nanogeo.dist.fsdp.RowBlocks has the same methods, with the collectives
+    holds a block of rows; the FSDP form passed in has the same methods, with the collectives
     that sum partial products (G^T U = sum_j G_j^T U_j) and gather row blocks."""
     sharded = False
 
@@ -873,7 +876,7 @@ def update_subspaces(G, U, V, left_energy, right_energy, decay=0.0, iters=1, row
     represented by the previous bases and their energies e (r numbers per side): memory stays
     O(r (m + n)). A Rayleigh-Ritz step then rotates U and V so that U^T G V is diagonal, with
     the largest entry first: in coordinates every dominant row of H has one large entry.
-    G may be this rank's block of rows only (nanogeo.dist.fsdp.RowBlocks); U and V are always whole.
+    G may be this rank's block of rows only (FSDP); U and V are always whole.
     Returns (U, V, left_energy, right_energy)."""
     for _ in range(iters):
         A = (1 - decay) * (G @ rows.sum(G.T @ rows.mine(U)))          # rows of G G^T U
@@ -919,13 +922,12 @@ def initial_subspaces(G, r, seed, iters=4, rows=ALL_ROWS):
 # therefore measures each codec's error through the optimizer that owns the layer, from the
 # optimizer's own state (identical on every rank under DDP): AdamW's elementwise update, exactly
 # (early on, and on quiet elements, an error as large as the gradient flips the update's sign:
-# a derivative cannot see that), and Muon's Newton-Schulz map to first order, in
-# nanogeo/dist/update_error.py.
+# a derivative cannot see that), and Muon's Newton-Schulz map to first order (the optimizer's
+# view of a layer is passed in by watch()).
 
 def error_measure(view, mean, rows=None, workers=1):
     """delta -> the squared size of a gradient error delta (m, n) as the next update sees it:
-    through the optimizer's `view` of the layer (nanogeo.dist.update_error.OptimizerView, its
-    .error(): at the decoded mean `mean`, one worker's error scaled to its share of the mean of
+    through the optimizer's `view` of the layer (its .error(): at the decoded mean `mean`, one worker's error scaled to its share of the mean of
     `workers`), or in plain L2 without one (geo_judge="l2", or no watch()). Under FSDP (rows) only
     this rank's rows are measured; the caller sums over the ranks."""
     if view is not None:
@@ -939,7 +941,7 @@ def error_measure(view, mean, rows=None, workers=1):
 # =============================================================================
 #
 # Coordinates, one interface: each candidate matrix has a layer object - SubspaceLayer (the
-# rotation, section 3; its dense-basis ablations: nanogeo.dist.layers.DenseSubspaceLayer),
+# rotation, section 3),
 # WhitenedLayer (the published whitening, section 3b) or HadamardLayer (the geometry-agnostic
 # control, section 3c) - with
 #     encode(g) -> h, decode(h) -> g      the change of coordinates and its inverse
@@ -949,7 +951,6 @@ def error_measure(view, mean, rows=None, workers=1):
 #     ready, use_geo, gain                built yet? in use? last measured gain
 #     row_local                           decode acts on each row alone (FSDP decodes a rank's
 #                                         rows of the mean with it)
-#     tensors(), flags(), state_dict()    what the rank check, the broadcast and resume need
 # Euclidean coordinates are the identity: a tensor without a layer object, or whose layer is not
 # in use, is sent as it is.
 
@@ -960,7 +961,7 @@ JUDGES = ("optimizer", "l2")
 
 @dataclass
 class GeoOptions:
-    """The method's settings (nanogeo.dist.communicator.Options adds the production ones: the
+    """The method's settings (production's Options adds its own: the
     paper's collective, the profiled selection, stochastic rounding, dense ablations)."""
     # geometry: "geofp8" - the published whitening by K-FAC factors (section 3b); "subspace" -
     # this project's two-sided rotation toward dominant subspaces (section 3); "hadamard" - the
@@ -973,7 +974,7 @@ class GeoOptions:
                                     # others; the Hadamard control is only re-judged)
     geo_warmup: int = 0             # steps sent in Euclidean coordinates before GeoFP8 starts
     # which matrices use it: "gain" (measured: the codec error must drop by geo_enter_gain), "all",
-    # "list" (the names in geo_layers, e.g. from nanogeo.tools.profile)
+    # "list" (the names in geo_layers, e.g. from the profiling tool)
     select: str = "gain"
     geo_layers: tuple = ()
     geo_judge: str = "optimizer"    # gains in the error the layer's optimizer sees (section 4b;
@@ -1107,7 +1108,7 @@ class SubspaceLayer:
         return self.swaps if transform[0] is not None and transform[1] is not None else None
 
     def bases(self):
-        """(P, Q), whole (nanogeo/dist/layers.py replaces them by dense bases for ablations)."""
+        """(P, Q), whole (ablations replace them by dense bases)."""
         return self.left_basis, self.right_basis
 
     def rotation(self, sides=None):
@@ -1189,7 +1190,7 @@ class WhitenedLayer:
             self.factors[side] = self.factor_of(side, self.moments[side])
 
     def factor_of(self, side, moment):
-        """The factor of one side's smoothed moment (nanogeo.dist.layers: the dense kinds)."""
+        """The factor of one side's smoothed moment (production adds the dense kinds)."""
         return whitening_factor(moment, self.opts.whiten_rank, self.opts.damping)
 
 
@@ -1262,16 +1263,16 @@ class Communicator:
     `reduce(grads, moments)` averages across the process group in place (train.py, the DDP
     hook); `reduce_workers(per_worker_grads, moments)` runs the identical numerics for W
     simulated workers in one process (the fidelity tool, tests). Both return the bytes one rank
-    sends. `moments` are the whitened layers' K-FAC statistics (nanogeo.dist.hooks) on the
+    sends. `moments` are the whitened layers' K-FAC statistics (forward hooks) on the
     steps where `wants_moments()` is true, already averaged over the ranks; the subspace
-    rotation and the Hadamard control need none. nanogeo.dist.communicator.ProductionCommunicator
-    adds what training at scale needs around it."""
+    rotation and the Hadamard control need none. ProductionCommunicator (see above) adds what
+    training at scale needs around it."""
     LAYERS = {"geofp8": WhitenedLayer, "subspace": SubspaceLayer, "hadamard": HadamardLayer}
 
     def __init__(self, named_shapes, options=None, group=None, linear=None, timer=NO_TIMER):
         self.opts = options or GeoOptions()
         self.group = group
-        self.timer = timer          # nanogeo.tools.bench.StageTimer: where the time goes
+        self.timer = timer          # a benchmark's stage timer: where the time goes
         self.names = [n for n, _ in named_shapes]
         self.shapes = {n: tuple(s) for n, s in named_shapes}
         self.index = {n: i for i, n in enumerate(self.names)}
@@ -1339,7 +1340,7 @@ class Communicator:
 
     def watch(self, views):
         """Judge each layer by the error its optimizer sees: views =
-        nanogeo.dist.hooks.optimizer_views(optimizers, model) (section 4b). Without them a
+        {name: the optimizer's view of it} (section 4b). Without them a
         layer's coordinates are chosen by plain L2 error."""
         self.views = dict(views)
         return self
@@ -1404,7 +1405,7 @@ class Communicator:
 
     def _average_moments(self, moments, device):
         """The K-FAC statistics as the geometry is refreshed from: averaged over the ranks by the
-        caller here (nanogeo's communicator averages them itself)."""
+        caller here (ProductionCommunicator averages them itself)."""
         return moments
 
     def _exchange(self, coords):
@@ -1435,7 +1436,7 @@ class Communicator:
     def advance(self, means, worker_grads, across_ranks=False, rows=None, moments=None):
         """Count a finished step; on refresh steps update the geometry. `means` maps names to
         decoded mean gradients - under FSDP only this rank's block of rows, described by
-        rows[name] (nanogeo.dist.fsdp.RowBlocks; whole tensors otherwise). `worker_grads`: the
+        rows[name] (FSDP's row blocks; whole tensors otherwise). `worker_grads`: the
         gradients this process sent (one list per simulated worker). across_ranks: the step
         ran over the process group (so the gain measurements are summed over it)."""
         whiten_now = self.step % self.opts.geo_refresh == 0 and moments is not None  # of this step

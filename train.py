@@ -149,7 +149,7 @@ def make_communicator(cfg, model, optimizers):
     named = [(n, p.shape) for n, p in model.named_parameters() if p.requires_grad]
     options = config.geo_options(cfg, model.config.vocab_size)
     communicator = ProductionCommunicator(named, options,
-                                               linear=set(compress.linear_layers(model)))
+                                          linear=set(compress.linear_layers(model)))
     communicator.watch(hooks.optimizer_views(optimizers, model))
     moments = None
     if communicator.moment_layers():
@@ -273,7 +273,7 @@ def setup(cfg):
     data = load_splits(cfg.data_dir, cfg.block_size, mcfg.vocab_size)
     raw_model = model_lib.Llama(mcfg).to(device)
     model = torch.compile(raw_model, dynamic=False) if cfg.compile else raw_model
-    kernels.compile_hot_path(cfg.compile)      # the codec and transform kernels too
+    kernels.compile_hot_path(cfg.compile)      # the packed codec's kernels too
     params = [p for p in raw_model.parameters() if p.requires_grad]
     optimizers = make_optimizers(cfg, raw_model, fused=device.type == "cuda")
     peaks = peak_lrs(optimizers)    # read before a checkpoint overwrites "lr" with its last value
