@@ -488,14 +488,14 @@ def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, return_local=Fal
     else:
         own = layout.nbytes[me]
         recv = send.new_empty(world * own)                  # the W copies of this rank's shard
-        mine = send.new_zeros(max(layout.nbytes))           # its average, padded: all_gather
+        own_mean = send.new_zeros(max(layout.nbytes))       # its average, padded: all_gather
         gathered = send.new_empty(world, max(layout.nbytes))    # needs equal sizes
         with timer.stage("all_to_all"):
             dist.all_to_all_single(recv, send, [own] * world, layout.nbytes, group=group)
         with timer.stage("reduce"):
-            mine[:own] = reduce_shard(recv, layout, me, stochastic, streams(me, 2))
+            own_mean[:own] = reduce_shard(recv, layout, me, stochastic, streams(me, 2))
         with timer.stage("all_gather"):         # row j of `gathered`: rank j's averaged shard
-            all_gather_flat(gathered.view(-1), mine, group=group)
+            all_gather_flat(gathered.view(-1), own_mean, group=group)
         with timer.stage("decode"):
             means = decode_shards(gathered.view(-1), layout, stride=gathered.shape[1])
         sent = collective_bytes(layout, me)
@@ -848,7 +848,7 @@ class AllRows:
     that sum partial products (G^T U = sum_j G_j^T U_j) and gather row blocks."""
     sharded = False
 
-    def mine(self, X):
+    def local(self, X):
         """This rank's rows of a whole m x k matrix."""
         return X
 
@@ -879,21 +879,21 @@ def update_subspaces(G, U, V, left_energy, right_energy, decay=0.0, iters=1, row
     G may be this rank's block of rows only (FSDP); U and V are always whole.
     Returns (U, V, left_energy, right_energy)."""
     for _ in range(iters):
-        A = (1 - decay) * (G @ rows.sum(G.T @ rows.mine(U)))          # rows of G G^T U
+        A = (1 - decay) * (G @ rows.sum(G.T @ rows.local(U)))          # rows of G G^T U
         B = (1 - decay) * rows.sum(G.T @ (G @ V))                     # G^T G V
         if decay > 0:
-            A = A + decay * rows.mine(U) * left_energy
+            A = A + decay * rows.local(U) * left_energy
             B = B + decay * V * right_energy
         U_new, V_new = orthonormal(rows.gather(A)), orthonormal(B)
         # Rayleigh quotients of the (EMA) covariance in the new bases: the new energies
-        left_energy = ((1 - decay) * rows.sum(G.T @ rows.mine(U_new)).pow(2).sum(0)
+        left_energy = ((1 - decay) * rows.sum(G.T @ rows.local(U_new)).pow(2).sum(0)
                        + decay * ((U.T @ U_new).pow(2) * left_energy[:, None]).sum(0))
         right_energy = ((1 - decay) * rows.sum((G @ V_new).pow(2).sum(0))
                         + decay * ((V.T @ V_new).pow(2) * right_energy[:, None]).sum(0))
         U, V = U_new, V_new
-    a, _, bh = torch.linalg.svd(rows.sum(rows.mine(U).T @ G @ V))    # r x r: negligible cost
+    a, _, bh = torch.linalg.svd(rows.sum(rows.local(U).T @ G @ V))    # r x r: negligible cost
     U, V = U @ a, V @ bh.T
-    left_energy = ((1 - decay) * rows.sum(G.T @ rows.mine(U)).pow(2).sum(0)
+    left_energy = ((1 - decay) * rows.sum(G.T @ rows.local(U)).pow(2).sum(0)
                    + decay * left_energy.sort(descending=True).values)
     right_energy = ((1 - decay) * rows.sum((G @ V).pow(2).sum(0))
                     + decay * right_energy.sort(descending=True).values)
@@ -906,7 +906,7 @@ def initial_subspaces(G, r, seed, iters=4, rows=ALL_ROWS):
     generator = torch.Generator(device="cpu").manual_seed(seed)
     omega = torch.randn(G.shape[1], r, generator=generator).to(G)
     U = orthonormal(rows.gather(G @ omega))
-    V = orthonormal(rows.sum(G.T @ rows.mine(U)))
+    V = orthonormal(rows.sum(G.T @ rows.local(U)))
     zeros = torch.zeros(r, device=G.device, dtype=G.dtype)
     return update_subspaces(G, U, V, zeros, zeros, decay=0.0, iters=iters, rows=rows)
 
@@ -932,8 +932,8 @@ def error_measure(view, mean, rows=None, workers=1):
     this rank's rows are measured; the caller sums over the ranks."""
     if view is not None:
         return view.error(mean, rows, workers)
-    mine = (ALL_ROWS if rows is None else rows).mine
-    return lambda delta: mine(delta).pow(2).sum()
+    local = (ALL_ROWS if rows is None else rows).local
+    return lambda delta: local(delta).pow(2).sum()
 
 
 # =============================================================================
@@ -1134,7 +1134,7 @@ class SubspaceLayer:
         self.left_basis, self.right_basis = HouseholderBasis.complete(U), HouseholderBasis.complete(V)
         self.transform = self.rotation()
         total = rows.sum(mean.pow(2).sum())
-        core = rows.sum(rows.mine(U).T @ mean @ V).pow(2).sum()   # sum over ranks, then square
+        core = rows.sum(rows.local(U).T @ mean @ V).pow(2).sum()   # sum over ranks, then square
         self.energy = core / total.clamp(min=1e-30)               # stays on the device
 
 
@@ -1351,10 +1351,10 @@ class Communicator:
         """Average grads (a list matching the names) across the group, in place. Returns bytes sent."""
         self.across_ranks = dist.is_initialized()
         rank = dist.get_rank(self.group) if self.across_ranks else 0
-        means, sent = self._step({rank: grads}, self._exchange, moments)
+        means, nbytes = self._step({rank: grads}, self._exchange, moments)
         for g, m in zip(grads, means):
             g.copy_(m)
-        return sent
+        return nbytes
 
     def reduce_workers(self, worker_grads, moments=None):
         """The same numerics for W simulated workers. Returns (means, bytes sent per rank)."""
@@ -1368,7 +1368,7 @@ class Communicator:
         with self.timer.stage("rotate"):
             prepared = {w: self._prepare(g, w) for w, g in worker_grads.items()}
         coords = {w: c for w, (_, c) in prepared.items()}
-        mean_coords, sent, local = collective(list(coords.values()))
+        mean_coords, nbytes, local = collective(list(coords.values()))
         if self.opts.error_feedback:
             self._keep_residuals(coords, local, mean_coords)
         with self.timer.stage("rotate"):
@@ -1376,7 +1376,7 @@ class Communicator:
         moments = self._average_moments(moments, mean_coords[0].device)
         self.advance(dict(zip(self.names, means)), [g for g, _ in prepared.values()],
                      self.across_ranks, moments=moments)
-        return means, sent
+        return means, nbytes
 
     def _has_feedback(self, name):
         return self.opts.error_feedback and (not self.opts.feedback_geo_only or self.is_geo(name))
@@ -1384,23 +1384,23 @@ class Communicator:
     def _prepare(self, grads, worker):
         """(gradients as sent, in original coordinates; the same in the coordinates in use)."""
         residual = self.residuals.get(worker, {})
-        sent, coords = [], []
+        outgoing, coords = [], []
         for n, g in zip(self.names, grads):
             g = g.float()
             if self._has_feedback(n) and n in residual:
                 g = g + residual[n]         # the residual, in original coordinates
-            sent.append(g)
+            outgoing.append(g)
             coords.append(self.to_coords(n, g))
-        return sent, coords
+        return outgoing, coords
 
     def _keep_residuals(self, coords, local, mean_coords):
         """Error feedback: the part of each worker's gradient that the codec lost (coords: {worker:
         its tensors in coordinates}, local: their own round trips), mapped back to original
         coordinates - so a refresh of the geometry re-expresses it in the new ones at the next
         encode (the published method keeps it in the old coordinates: defect c)."""
-        for (worker, sent), returned in zip(coords.items(), local):
-            self.residuals[worker] = {n: self.from_coords(n, c - l)
-                                      for n, c, l in zip(self.names, sent, returned)
+        for (worker, in_coords), returned in zip(coords.items(), local):
+            self.residuals[worker] = {n: self.from_coords(n, c - back)
+                                      for n, c, back in zip(self.names, in_coords, returned)
                                       if self._has_feedback(n)}
 
     def _average_moments(self, moments, device):
@@ -1411,18 +1411,18 @@ class Communicator:
     def _exchange(self, coords):
         """The collective over the process group, for this rank's tensors (coords: [them]).
         Returns (means in coordinates, bytes sent, [its local round trip] or None)."""
-        (mine,), opts = coords, self.opts
-        means, sent, *local = all_reduce_mean(mine, opts.fmt, opts.block, self.group,
-                                              return_local=opts.error_feedback, timer=self.timer)
-        return means, sent, local or None       # no extra decode without error feedback
+        (tensors,), opts = coords, self.opts
+        means, nbytes, *local = all_reduce_mean(tensors, opts.fmt, opts.block, self.group,
+                                                return_local=opts.error_feedback, timer=self.timer)
+        return means, nbytes, local or None     # no extra decode without error feedback
 
     def _simulate(self, coords):
         """The collective's simulator for every worker's tensors (coords[i]: worker i's).
         Returns (means in coordinates, bytes per rank, each worker's local round trip or None)."""
         opts = self.opts
-        means, sent, *local = simulate_mean(coords, opts.fmt, opts.block,
-                                            return_local=opts.error_feedback)
-        return means, sent, local[0] if local else None
+        means, nbytes, *local = simulate_mean(coords, opts.fmt, opts.block,
+                                              return_local=opts.error_feedback)
+        return means, nbytes, local[0] if local else None
 
     def _sum_over_ranks(self, t):
         """In place: the sum of t over the process group when the step in progress ran across
@@ -1448,12 +1448,13 @@ class Communicator:
     def _geometry_due(self, whiten_now):
         """Does this step touch the geometry (candidates to measure, a refresh, a re-judging)?
         An opted-in layer's new geometry (in use unmeasured) is measured at the next step too."""
-        unmeasured = any(l.ready and math.isnan(l.gain) for l in self.layers.values())
+        unmeasured = any(layer.ready and math.isnan(layer.gain) for layer in self.layers.values())
         if self.candidates or unmeasured:
             return True
         if self.opts.geometry == "geofp8":
             return whiten_now or self.step % self.opts.judge_every == 0
-        return self.step % self.opts.geo_refresh == 0 or any(not l.ready for l in self.layers.values())
+        return (self.step % self.opts.geo_refresh == 0
+                or any(not layer.ready for layer in self.layers.values()))
 
     def _update_geometry(self, means, worker_grads, moments, whiten_now):
         """Measure the candidates (and, for the whitening, re-judge the factors in use), then

@@ -526,10 +526,10 @@ def sharded_rank(rank, world_size, out):
         + torch.randn(m, n, generator=g)
     rows = fsdp.RowBlocks(m)
     whole, sharded = (compress.initial_subspaces(G, r, seed=3),
-                      compress.initial_subspaces(rows.mine(G), r, seed=3, rows=rows))
+                      compress.initial_subspaces(rows.local(G), r, seed=3, rows=rows))
     U, V = whole[0], whole[1]
     update_whole = compress.update_subspaces(G, U, V, whole[2], whole[3], decay=0.5)
-    update_sharded = compress.update_subspaces(rows.mine(G), U, V, whole[2], whole[3], decay=0.5,
+    update_sharded = compress.update_subspaces(rows.local(G), U, V, whole[2], whole[3], decay=0.5,
                                                rows=rows)
     left, right = compress.HouseholderBasis.complete(U), compress.HouseholderBasis.complete(V)
     swaps = compress.core_swaps((m, n), r, 16)
@@ -537,14 +537,14 @@ def sharded_rank(rank, world_size, out):
     # a second matrix, rotated on its left side only, shares the two all-reduces
     G2 = torch.randn(m, 8, generator=g)
     H2 = compress.encode_geo(G2, left, None)
-    unswapped, unswapped2 = fsdp.swap_entries_rows([(rows.mine(H), swaps, rows),
-                                                    (rows.mine(H2), None, rows)])
+    unswapped, unswapped2 = fsdp.swap_entries_rows([(rows.local(H), swaps, rows),
+                                                    (rows.local(H2), None, rows)])
     decoded, decoded2 = fsdp.decode_geo_rows([(unswapped, left, right, rows),
                                               (unswapped2, left, None, rows)])
-    assert torch.allclose(decoded2, rows.mine(G2), atol=1e-4)
+    assert torch.allclose(decoded2, rows.local(G2), atol=1e-4)
     torch.save({"whole": whole + update_whole, "sharded": sharded + update_sharded,
-                "decoded": decoded, "expected": rows.mine(G), "rows": (rows.start, rows.end),
-                "unswapped": unswapped, "H": rows.mine(compress.swap_entries(H, swaps))},
+                "decoded": decoded, "expected": rows.local(G), "rows": (rows.start, rows.end),
+                "unswapped": unswapped, "H": rows.local(compress.swap_entries(H, swaps))},
                f"{out}.{rank}")
     dist.destroy_process_group()
 

@@ -107,28 +107,28 @@ class ProductionCommunicator(compress.Communicator):
         return (self.opts.seed * 7919 + self.step) * 2_147_483_659 + self.rounding_stream
 
     def _exchange(self, coords):
-        (mine,), opts = coords, self.opts
+        (tensors,), opts = coords, self.opts
         if opts.collective == "fp8-sum":
-            means, sent, local, saturated = fp8sum.all_reduce_fp8_sum(
-                mine, opts.fmt, self.group, opts.sum_order, self._local_scales())
+            means, nbytes, local, saturated = fp8sum.all_reduce_fp8_sum(
+                tensors, opts.fmt, self.group, opts.sum_order, self._local_scales())
             self._count_saturation(saturated)
-            return means, sent, [local]
-        means, sent, *local = collective.all_reduce_mean(
-            mine, opts.fmt, opts.block, self.group, opts.stochastic_round, self.rounding_seed(),
+            return means, nbytes, [local]
+        means, nbytes, *local = collective.all_reduce_mean(
+            tensors, opts.fmt, opts.block, self.group, opts.stochastic_round, self.rounding_seed(),
             return_local=opts.error_feedback, timer=self.timer)
-        return means, sent, local or None
+        return means, nbytes, local or None
 
     def _simulate(self, coords):
         opts = self.opts
         if opts.collective == "fp8-sum":
-            means, sent, local, saturated = fp8sum.simulate_fp8_sum(
+            means, nbytes, local, saturated = fp8sum.simulate_fp8_sum(
                 coords, opts.fmt, opts.sum_order, self._local_scales())
             self._count_saturation(saturated)
-            return means, sent, local
-        means, sent, *local = collective.simulate_mean(
+            return means, nbytes, local
+        means, nbytes, *local = collective.simulate_mean(
             coords, opts.fmt, opts.block, opts.stochastic_round, self.rounding_seed(),
             return_local=opts.error_feedback)
-        return means, sent, local[0] if local else None
+        return means, nbytes, local[0] if local else None
 
     def _round_trip(self, x):
         return collective.round_trip(x, self.opts.fmt, self.opts.block)
@@ -211,18 +211,18 @@ class ProductionCommunicator(compress.Communicator):
         if not self.opts.stale_residual:
             return super()._prepare(grads, worker)
         residual = self.residuals.pop(worker, {})      # defect (c): added in coordinates
-        sent, coords = super()._prepare(grads, worker)
+        outgoing, coords = super()._prepare(grads, worker)
         self.residuals[worker] = residual
-        return sent, [c + residual[n] if self._has_feedback(n) and n in residual else c
-                      for n, c in zip(self.names, coords)]
+        return outgoing, [c + residual[n] if self._has_feedback(n) and n in residual else c
+                          for n, c in zip(self.names, coords)]
 
     def _keep_residuals(self, coords, local, mean_coords):
         """As compress.py's, but a step whose mean is not finite (an fp16 GradScaler overflow;
         the optimizer skips it) keeps the old residual: chosen on the device, no host sync."""
         old = {w: self.residuals.get(w, {}) for w in coords}
         if self.opts.stale_residual:
-            for (w, sent), returned in zip(coords.items(), local):
-                self.residuals[w] = {n: c - l for n, c, l in zip(self.names, sent, returned)
+            for (w, in_coords), returned in zip(coords.items(), local):
+                self.residuals[w] = {n: c - back for n, c, back in zip(self.names, in_coords, returned)
                                      if self._has_feedback(n)}
         else:
             super()._keep_residuals(coords, local, mean_coords)

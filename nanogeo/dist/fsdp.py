@@ -342,7 +342,7 @@ class RowBlocks(compress.AllRows):
             self.m, self.per_rank = m, -(-m // world)
             self.start, self.end = min(m, me * self.per_rank), min(m, (me + 1) * self.per_rank)
 
-    def mine(self, X):
+    def local(self, X):
         """This rank's rows of a whole m x k matrix."""
         return X[self.start: self.end] if self.sharded else X
 
@@ -377,7 +377,7 @@ def decode_geo_rows(matrices):
     Y^T K (r x n) is the sum over ranks of Y_j^T K_j: r n numbers against the m n / W of the
     block, summed for all the matrices in one all-reduce. Returns each matrix's rows of G."""
     Ks = [right.apply(H.T).T if right is not None else H for H, _, right, _ in matrices]
-    lefts = [(k, rows.mine(left.Y), left.T) for k, (_, left, _, rows) in enumerate(matrices)
+    lefts = [(k, rows.local(left.Y), left.T) for k, (_, left, _, rows) in enumerate(matrices)
              if left is not None]                                  # Y_j: (rows here, r)
     if lefts:
         rows = matrices[0][3]

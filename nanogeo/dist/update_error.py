@@ -104,7 +104,7 @@ class UpdateError:
 
     def __call__(self, delta):
         if self.rows is not None:
-            delta = self.rows.mine(delta)
+            delta = self.rows.local(delta)
         if self.kind == "adamw":
             moved = adamw_update(self.view, self.mean + self.spread * delta.double())
             return ((moved - self.base) / self.spread).pow(2).sum().float()
