@@ -82,6 +82,18 @@ def test_fp8_elementwise_error_bound(fmt, rel_bound, sub_bound):
     assert (err <= rel_bound * x.abs() + sub_bound * amax * 1.0001).all()
 
 
+def test_nvfp4_of_subnormal_values_is_finite():
+    """A piece of subnormal values (amax 1e-42: the study's error-feedback runs had such
+    embedding rows) with zero blocks in it: its tensor scale once rounded to 0, the zero blocks'
+    scales were 0 / 0 = NaN, and the mean of the whole bucket NaN (training stopped at step 39)."""
+    x = torch.zeros(256)
+    x[:16] = torch.linspace(1e-42, 2e-42, 16)
+    y = dequantize(quantize(x, "nvfp4"))
+    assert torch.isfinite(y).all() and y.abs().max() <= 1e-41
+    means, _ = simulate_mean([[x], [torch.zeros(256)]], "nvfp4")
+    assert torch.isfinite(means[0]).all()
+
+
 def test_nvfp4_error_bound():
     x = heavy_tailed(16, 128)
     q = quantize(x, "nvfp4")

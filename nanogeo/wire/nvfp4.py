@@ -62,9 +62,12 @@ def round_to_e2m1(y, stochastic=False, generator=None):
 
 def tensor_scale(tensor_amax):
     """The fp32 scale that brings the largest block scale to e4m3's max (1 where amax is 0);
-    elementwise, so one call serves every piece of a bucket."""
-    return torch.where(tensor_amax > 0, tensor_amax / (E2M1_MAX * E4M3_MAX),
-                       torch.ones_like(tensor_amax))
+    elementwise, so one call serves every piece of a bucket. At least fp32's smallest normal
+    number: for a piece of subnormal values (amax < 3.2e-35; the embedding rows of unseen tokens
+    under error feedback) the quotient would round to 0, and a zero block's scale would be
+    0 / 0 = NaN - the whole mean NaN. With the floor they decode to 0 or close to it."""
+    scale = (tensor_amax / (E2M1_MAX * E4M3_MAX)).clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.where(tensor_amax > 0, scale, torch.ones_like(tensor_amax))
 
 
 def encode_blocks(blocks, amax, scale, stochastic=False, generator=None):
