@@ -53,7 +53,7 @@ structure (an outlier column) stays local where block scales handle it.
 Where the bases come from: every rank holds the same decoded mean gradient after each step. A
 warm-started subspace iteration on it (optionally an EMA of its covariance), followed by a
 Rayleigh-Ritz rotation, refreshes U and V every `geo_refresh` steps. The local gradient of a rank is
-never used, so every rank computes the same bases (checked: nanogeo/dist/agreement.py). Under FSDP a rank
+never used, so every rank computes the same bases (production checks it). Under FSDP a rank
 holds only a block of rows of the mean; the same iteration runs with its partial products
 summed over ranks, and the decode needs one small r x n sum (nanogeo/dist/fsdp.py).
 
@@ -64,8 +64,9 @@ coordinates only while its codec error *as its optimizer sees it* (section 4b: A
 elementwise update, Muon's Newton-Schulz map) is measurably lower there, with hysteresis. Do no
 harm from the first step: a new geometry is measured on the next step's gradients (which did not
 build it) before it replaces the coordinates in use (section 5, "candidates").
-select="fragile" (the paper's profiled rule) and "list" choose which may switch; the same check
-still guards them, unless both gains are 0 (the paper's fixed choice; select="all" likewise).
+select="list" (and production's "fragile", the paper's profiled rule) choose which may
+switch; the same check still guards them, unless both gains are 0 (the paper's fixed choice;
+select="all" likewise).
 The subspace rotation also tries the column side alone (sides="auto"): rotating rows spreads
 error onto rows whose AdamW second moments may be tiny.
 
@@ -462,13 +463,13 @@ def world_size(group=None):
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
-def nearest(rank, stage):
-    """No random stream: every stage rounds to nearest (streams= of the collectives)."""
+def no_stream(rank, stage):
+    """Rounding to nearest draws no random numbers (streams=None)."""
     return None
 
 
 def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, return_local=False,
-                    layout=None, streams=nearest, timer=NO_TIMER):
+                    layout=None, streams=None, timer=NO_TIMER):
     """The mean of `tensors` over the process group, through the two-stage FP8 collective.
 
     Returns (means, bytes_sent) - or (means, bytes_sent, local) with return_local, where local
@@ -478,12 +479,12 @@ def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, return_local=Fal
     """
     world, me = world_size(group), (dist.get_rank(group) if dist.is_initialized() else 0)
     layout = layout or shard_layout(tuple(tuple(t.shape) for t in tensors), fmt, block, world)
-    stochastic = streams is not nearest
+    stochastic, stream = streams is not None, streams or no_stream
     with timer.stage("quantize"):
-        send = encode_shards(tensors, layout, stochastic, streams(me, 1))
+        send = encode_shards(tensors, layout, stochastic, stream(me, 1))
     local = decode_shards(send, layout) if return_local else None
     if world == 1:
-        shard = reduce_shard(send, layout, 0, stochastic, streams(me, 2))
+        shard = reduce_shard(send, layout, 0, stochastic, stream(me, 2))
         means, sent = decode_shards(shard, layout), 0
     else:
         own = layout.nbytes[me]
@@ -493,7 +494,7 @@ def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, return_local=Fal
         with timer.stage("all_to_all"):
             dist.all_to_all_single(recv, send, [own] * world, layout.nbytes, group=group)
         with timer.stage("reduce"):
-            own_mean[:own] = reduce_shard(recv, layout, me, stochastic, streams(me, 2))
+            own_mean[:own] = reduce_shard(recv, layout, me, stochastic, stream(me, 2))
         with timer.stage("all_gather"):         # row j of `gathered`: rank j's averaged shard
             all_gather_flat(gathered.view(-1), own_mean, group=group)
         with timer.stage("decode"):
@@ -503,16 +504,16 @@ def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, return_local=Fal
 
 
 def simulate_mean(worker_tensors, fmt="e4m3", block=128, return_local=False, layout=None,
-                  streams=nearest):
+                  streams=None):
     """Exactly the numerics of all_reduce_mean, in one process: worker_tensors[i] is rank i's
     list of tensors. Returns (means, bytes sent per rank on average[, per-worker local])."""
     world = len(worker_tensors)
     shapes = tuple(tuple(t.shape) for t in worker_tensors[0])
     layout = layout or shard_layout(shapes, fmt, block, world)
-    stochastic = streams is not nearest
+    stochastic, stream = streams is not None, streams or no_stream
     sends = encode_ranks(worker_tensors, layout, streams)      # row i: rank i's bytes
     received = sends.split(layout.nbytes, dim=1)    # [j]: the W copies of shard j, (W, bytes)
-    shards = [reduce_shard(received[j].reshape(-1), layout, j, stochastic, streams(j, 2))
+    shards = [reduce_shard(received[j].reshape(-1), layout, j, stochastic, stream(j, 2))
               for j in range(world)]
     means = decode_shards(torch.cat(shards), layout)
     sent = 0 if world == 1 else sum(collective_bytes(layout, i) for i in range(world)) / world
@@ -521,15 +522,15 @@ def simulate_mean(worker_tensors, fmt="e4m3", block=128, return_local=False, lay
     return means, sent
 
 
-def encode_ranks(worker_tensors, layout, streams=nearest):
+def encode_ranks(worker_tensors, layout, streams=None):
     """Stage 1 of every simulated rank: (W, bytes), row i = encode_shards of rank i's tensors
     (with rank i's rounding stream). A packed layout with nearest rounding encodes all W in one
     call (the same bytes)."""
     flats = [[t.reshape(-1).float() for t in ts] for ts in worker_tensors]
-    stochastic = streams is not nearest
+    stochastic, stream = streams is not None, streams or no_stream
     if layout.packing and not stochastic and sum(layout.nbytes):
         return layout.packing.encode_ranks(flats)
-    return torch.stack([encode_shards(ts, layout, stochastic, streams(i, 1))
+    return torch.stack([encode_shards(ts, layout, stochastic, stream(i, 1))
                         for i, ts in enumerate(flats)])
 
 
@@ -927,9 +928,10 @@ def initial_subspaces(G, r, seed, iters=4, rows=ALL_ROWS):
 
 def error_measure(view, mean, rows=None, workers=1):
     """delta -> the squared size of a gradient error delta (m, n) as the next update sees it:
-    through the optimizer's `view` of the layer (its .error(): at the decoded mean `mean`, one worker's error scaled to its share of the mean of
-    `workers`), or in plain L2 without one (geo_judge="l2", or no watch()). Under FSDP (rows) only
-    this rank's rows are measured; the caller sums over the ranks."""
+    through the optimizer's `view` of the layer (its .error(): at the decoded mean `mean`, one
+    worker's error scaled to its share of the mean of `workers`), or in plain L2 without one
+    (geo_judge="l2", or no watch()). Under FSDP (rows) only this rank's rows are measured; the
+    caller sums over the ranks."""
     if view is not None:
         return view.error(mean, rows, workers)
     local = (ALL_ROWS if rows is None else rows).local
@@ -1053,8 +1055,8 @@ def goes_geometry_aware(layer, opts, listed):
     """The selection, for a candidate matrix whose gain (Euclidean error / geometry-aware error,
     as its optimizer sees them) was just measured. select="all": always. Otherwise with
     hysteresis: a Euclidean layer enters when its gain reaches geo_enter_gain, a geometry-aware
-    one stays while it keeps geo_exit_gain; with select="list" or "fragile" only the `listed`
-    layers may (both gains 0: the paper's fixed choice, even before a measurement)."""
+    one stays while it keeps geo_exit_gain; with a list (select="list", production's "fragile")
+    only the `listed` layers may (both gains 0: the paper's fixed choice, even unmeasured)."""
     if opts.select == "all":
         return True
     threshold = opts.geo_exit_gain if layer.use_geo else opts.geo_enter_gain
@@ -1131,7 +1133,8 @@ class SubspaceLayer:
             U, V, self.left_energy, self.right_energy = update_subspaces(
                 mean, self.left_basis.columns(), self.right_basis.columns(),
                 self.left_energy, self.right_energy, self.opts.decay, self.opts.iters, rows)
-        self.left_basis, self.right_basis = HouseholderBasis.complete(U), HouseholderBasis.complete(V)
+        self.left_basis = HouseholderBasis.complete(U)
+        self.right_basis = HouseholderBasis.complete(V)
         self.transform = self.rotation()
         total = rows.sum(mean.pow(2).sum())
         core = rows.sum(rows.local(U).T @ mean @ V).pow(2).sum()   # sum over ranks, then square
@@ -1144,7 +1147,7 @@ class WhitenedLayer:
     factors of each whitened side ("input": A, d_in x d_in; "output": G, d_out x d_out). The
     same interface as SubspaceLayer; refresh takes the layer's K-FAC statistics."""
     shape: tuple
-    opts: object = field(repr=False)    # the GeoOptions (factor, whiten_rank, decays, damping)
+    opts: object = field(repr=False)    # the GeoOptions (whiten_rank, moment_decay, damping)
     moments: dict = field(default_factory=dict)     # side -> EMA of A or G
     factors: dict = field(default_factory=dict)     # side -> Whitening
     use_geo: bool = False
@@ -1179,7 +1182,7 @@ class WhitenedLayer:
 
     def refresh(self, moments):
         """New factors from this step's second moments ({side: A or G}, identical on every
-        rank), smoothed by the EMA of the moments (and of the factor, if factor_decay)."""
+        rank), smoothed by the EMA of the moments."""
         opts = self.opts
         # new dicts: a candidate (a copy of this layer) must not change the layer in use
         self.moments, self.factors = dict(self.moments), dict(self.factors)
@@ -1314,7 +1317,8 @@ class Communicator:
 
     def is_geo(self, name):
         layer = self.layers.get(name)
-        return layer is not None and layer.use_geo and layer.ready and self.step > self.opts.geo_warmup
+        return (layer is not None and layer.use_geo and layer.ready
+                and self.step > self.opts.geo_warmup)
 
     def coords(self, name):
         return "geo" if self.is_geo(name) else "euclidean"
@@ -1328,7 +1332,8 @@ class Communicator:
     def wants_moments(self):
         """True on the steps whose K-FAC statistics the next reduce() refreshes the factors from
         (the published method collects them on refresh steps only)."""
-        return self.opts.geometry == "geofp8" and bool(self.layers) and self.step % self.opts.geo_refresh == 0
+        return (self.opts.geometry == "geofp8" and bool(self.layers)
+                and self.step % self.opts.geo_refresh == 0)
 
     def moment_layers(self):
         """Names of the weights whose layers' statistics the whitening needs."""
@@ -1348,7 +1353,8 @@ class Communicator:
     # -- one step --------------------------------------------------------------------------------
 
     def reduce(self, grads, moments=None):
-        """Average grads (a list matching the names) across the group, in place. Returns bytes sent."""
+        """Average grads (a list matching the names) across the group, in place. Returns the
+        bytes this rank sent."""
         self.across_ranks = dist.is_initialized()
         rank = dist.get_rank(self.group) if self.across_ranks else 0
         means, nbytes = self._step({rank: grads}, self._exchange, moments)
@@ -1404,9 +1410,14 @@ class Communicator:
                                       if self._has_feedback(n)}
 
     def _average_moments(self, moments, device):
-        """The K-FAC statistics as the geometry is refreshed from: averaged over the ranks by the
-        caller here (ProductionCommunicator averages them itself)."""
-        return moments
+        """The K-FAC statistics the geometry is refreshed from must be the same on every rank:
+        across ranks, their mean over the group (equal weights: every rank runs the same number
+        of tokens; ProductionCommunicator weights by token counts)."""
+        if not self.across_ranks or moments is None:
+            return moments
+        world = world_size(self.group)          # (every rank collects every whitened layer)
+        return {side: {n: self._sum_over_ranks(moments[side][n].clone()) / world
+                       for n in self.moment_layers()} for side in self.whitened_sides()}
 
     def _exchange(self, coords):
         """The collective over the process group, for this rank's tensors (coords: [them]).
@@ -1464,7 +1475,8 @@ class Communicator:
         if judged:
             self._judge(judged, worker_grads, means)
         if self.opts.geometry == "geofp8":      # statistics: the layer's K-FAC moments
-            statistics = {n: self._statistics(n, moments) for n in self.layers} if whiten_now else {}
+            statistics = ({n: self._statistics(n, moments) for n in self.layers}
+                          if whiten_now else {})
             statistics = {n: stats for n, stats in statistics.items() if stats}
         else:                                   # ... or its decoded mean gradient
             statistics = {n: means[n] for n, layer in self.layers.items()
@@ -1560,17 +1572,18 @@ class Communicator:
         return layer.decode(self._round_trip(layer.encode(g, rotation)), rotation)
 
     def _decide(self, layers, errors):
-        """Hysteresis on the measured gain: enter geo at geo_enter_gain, leave below geo_exit_gain. With
-        a list of layers only the chosen may enter, and they leave too when their
-        geometry-aware error exceeds Euclidean's (both gains 0: never). With
-        sides="auto" each layer takes the better of its measured rotations."""
+        """Hysteresis on the measured gain: enter geo at geo_enter_gain, leave below
+        geo_exit_gain. With a list of layers only the chosen may enter, and they leave too when
+        their geometry-aware error exceeds Euclidean's (both gains 0: never). With sides="auto"
+        each layer takes the better of its measured rotations."""
         variants = self._variants()
         for (n, layer), (euclid, *geos) in zip(layers.items(), errors.tolist()):
             best = min(range(len(geos)), key=lambda k: geos[k])
             geo = geos[best]
             if variants[best] is not None and variants[best] != layer.sides:
                 layer.rotate_sides(variants[best])
-            layer.gain = math.sqrt(euclid / geo) if geo > 0 else (float("inf") if euclid > 0 else 1.0)
+            layer.gain = (math.sqrt(euclid / geo) if geo > 0
+                          else (float("inf") if euclid > 0 else 1.0))
             self._choose(n, layer)
 
     def _choose(self, name, layer):

@@ -120,7 +120,7 @@ class TrainConfig:
     # system
     simulate_workers: int = 0         # play W data-parallel ranks in this one process (0: off)
     device: str = "auto"              # auto | cpu | cuda
-    compile: bool = False             # torch.compile the model, the codec and the transform
+    compile: bool = False             # torch.compile the model and the packed FP8 codec
     seed: int = 1337
     check_every: int = 100            # all-rank parameter checksum every N steps (0 = never)
 
@@ -136,7 +136,7 @@ def parse_config(argv):
 # gradient communication: the one seam
 
 ring_allreduce_bytes = compress.ring_allreduce_bytes   # 2 (W - 1) / W of the buffer per rank
-GEOMETRIES = ("geofp8", "subspace", "hadamard")         # --comm values with per-layer coordinates
+GEO_COMMS = ("geofp8", "subspace", "hadamard")          # --comm values with per-layer coordinates
 
 
 def make_communicator(cfg, model, optimizers):
@@ -387,7 +387,7 @@ def take_step(run, step, logged, last_step=None):
         return None
     # the coordinates this step's gradients are sent in (the reduce may change them after)
     as_sent = ({n: communicator.coords(n) for n in communicator.layers}
-               if logged and cfg.comm in GEOMETRIES else None)
+               if logged and cfg.comm in GEO_COMMS else None)
     if last_step is not None:
         last_step.keep_sent(worker_grads, grads)
     if cfg.simulate_workers:
@@ -436,7 +436,7 @@ def train(cfg):
             val_loss = evaluate(run)
             if done in final_steps:
                 final_vals.append((done, val_loss))
-            if cfg.comm in GEOMETRIES and done > cfg.geo_warmup:
+            if cfg.comm in GEO_COMMS and done > cfg.geo_warmup:
                 log.print(f"GeoFP8 layers at step {done}:\n"
                           f"{summary.layer_table(run.communicator)}")
         if logged:

@@ -351,14 +351,16 @@ def test_state_dict_round_trip_whitening_and_fp8_sum():
             comm.state_dict())
 
 
-def moments_rank(rank, world_size, out):
+def moments_rank(rank, world_size, out, teaching=False):
     """Two ranks, different data, a model we did not write: every rank must end up with the same
     (averaged) input moments and factors, equal to the mean of both ranks' own moments."""
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(24, 64), nn.GELU(), nn.Linear(64, 24), nn.LayerNorm(24))
     named = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-    comm = ProductionCommunicator(named, Options(geometry="geofp8", min_numel=16, whiten_rank=4))
+    kind, options = ((compress.Communicator, compress.GeoOptions) if teaching
+                     else (ProductionCommunicator, Options))
+    comm = kind(named, options(geometry="geofp8", min_numel=16, whiten_rank=4))
     layers = compress.linear_layers(model, comm.moment_layers())
     assert set(layers) == {"0.weight", "2.weight"}          # found by module type
     stats = hooks.KroneckerMoments(layers, comm.wants_moments).attach()
@@ -379,9 +381,12 @@ def moments_rank(rank, world_size, out):
     dist.destroy_process_group()
 
 
-def test_input_moments_identical_on_every_rank(tmp_path):
+@pytest.mark.parametrize("teaching", [False, True])
+def test_input_moments_identical_on_every_rank(tmp_path, teaching):
+    """Also compress.Communicator on its own averages the statistics over the ranks (with equal
+    weights: here both ranks ran 40 tokens, so the token-weighted mean is the same)."""
     out = str(tmp_path / "moments")
-    run_ranks(moments_rank, 2, out)
+    run_ranks(moments_rank, 2, out, teaching)
     r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
     assert set(r0["moments"]) == {"0.weight", "2.weight"}
     for n in r0["moments"]:
@@ -389,6 +394,21 @@ def test_input_moments_identical_on_every_rank(tmp_path):
         assert torch.equal(r0["factors"][n], r1["factors"][n])
         assert torch.allclose(r0["moments"][n], (r0["local"][n] + r1["local"][n]) / 2, atol=1e-6)
         assert not torch.allclose(r0["local"][n], r1["local"][n])   # the ranks' data differed
+
+
+def test_renamed_options_name_their_new_names():
+    """Options renamed to train.py's flag names, and the whitening's old geometry name, fail
+    with a message that names the fix (the DDP hook and FSDP2 pass their options through it);
+    a checkpoint saved under the old geometry name still loads."""
+    with pytest.raises(ValueError, match="'warmup' is now 'geo_warmup'"):
+        Options.of(warmup=10)
+    with pytest.raises(ValueError, match="'geofp8'"):
+        Options.of(geometry="whiten")
+    named = [("w.weight", (32, 48))]
+    comm = ProductionCommunicator(named, Options(geometry="geofp8", min_numel=16))
+    state = comm.state_dict()
+    ProductionCommunicator(named, Options(geometry="geofp8", min_numel=16)).load_state_dict(
+        {**state, "geometry": "whiten"})
 
 
 def test_statistics_bytes_count_the_buffer_average_moments_all_reduces():

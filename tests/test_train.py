@@ -232,10 +232,10 @@ def test_two_process_compressed_training_stays_identical(tiny_corpus, tmp_path, 
 
 
 def test_compile_matches_eager_and_saves_clean_keys(tiny_corpus, tmp_path):
-    """--compile (torch.compile, dynamic=False, of the model and of GeoFP8's codec and
-    transform) trains like eager and checkpoints carry no `_orig_mod.` prefixes."""
+    """--compile (torch.compile, dynamic=False, of the model and of the packed FP8 codec)
+    trains like eager and checkpoints carry no `_orig_mod.` prefixes."""
     geo = ["--max_iters=3", "--comm=geofp8", "--geo_warmup=0", "--geo_refresh=1",
-           "--geo_layers=all"]     # forced: the compiled transform carries the sent gradients
+           "--geo_layers=all"]     # forced: the geometry-aware path runs beside the compiled model
     eager = train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "eager", *geo)))
     compiled = train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "compiled", *geo,
                                                   "--compile")))
@@ -381,3 +381,20 @@ def test_error_feedback_resume_keeps_the_mode(tiny_corpus, tmp_path):
     with pytest.raises(ConfigError, match="simulated ranks"):
         train.train(parse_config(tiny_args(tiny_corpus, out, "--max_iters=3", "--comm=fp8",
                                            "--error_feedback", "--resume")))
+
+
+def test_the_flags_that_are_options_fields():
+    """One vocabulary: train.py's flags that name an Options field are copied into it by name
+    (config.geo_options). A new flag of such a name joins silently - so the set is pinned here."""
+    import dataclasses
+    from nanogeo.dist.communicator import Options
+    shared = {f.name for f in dataclasses.fields(Options) if hasattr(train.TrainConfig(), f.name)}
+    assert shared == {
+        "fmt", "block", "collective", "sum_order", "scale_sync_every", "geo_layers", "geo_refresh",
+        "geo_warmup", "geo_judge", "geo_enter_gain", "geo_exit_gain", "whiten_factor",
+        "whiten_rank", "whiten_sides", "factor_decay", "geo_rank", "hadamard_block",
+        "hadamard_sides", "error_feedback", "feedback_geo_only", "stochastic_round", "seed"}
+    cfg = parse_config(["--comm=geofp8", "--geo_refresh=7", "--whiten_factor=diag"])
+    opts = config.geo_options(cfg, vocab_size=100)
+    assert (opts.geometry, opts.geo_refresh, opts.whiten_factor, opts.vocab_size) == (
+        "geofp8", 7, "diag", 100)

@@ -27,6 +27,11 @@ import compress
 from nanogeo.dist import agreement, hooks, layers
 from nanogeo.wire import collective, fp8sum
 
+# options renamed to train.py's flag names (one vocabulary), and the whitening's old name
+RENAMED = {"refresh": "geo_refresh", "warmup": "geo_warmup", "judge": "geo_judge",
+           "enter_gain": "geo_enter_gain", "exit_gain": "geo_exit_gain",
+           "factor": "whiten_factor", "stochastic": "stochastic_round"}
+OLD_GEOMETRY = {"whiten": "geofp8"}
 COLLECTIVES = ("two-stage", "fp8-sum")
 SUM_ORDERS = ("ring", "tree")      # fp8-sum: the order NCCL adds in (nanogeo/wire/fp8sum.py)
 SELECTIONS = compress.SELECTIONS + ("fragile",)
@@ -71,6 +76,18 @@ class Options(compress.GeoOptions):
                                          or self.geo_warmup < 1):
             raise ValueError("select='fragile' profiles saturated FP8 sums during the warmup: it "
                              "needs collective='fp8-sum', geo_warmup >= 1 and top_k >= 1")
+
+    @classmethod
+    def of(cls, **options):
+        """Options(**options), with a one-line error that names the new name of a renamed one."""
+        old = sorted(set(options) & set(RENAMED))
+        if old:
+            raise ValueError(f"option {old[0]!r} is now {RENAMED[old[0]]!r} (the name of train.py's "
+                             f"flag): pass {RENAMED[old[0]]}=...")
+        if options.get("geometry") in OLD_GEOMETRY:
+            raise ValueError(f"geometry={options['geometry']!r} is now "
+                             f"{OLD_GEOMETRY[options['geometry']]!r}")
+        return cls(**options)
 
     @property
     def dense_bases(self):
@@ -243,7 +260,7 @@ class ProductionCommunicator(compress.Communicator):
 
     def load_state_dict(self, state):
         saved = state.get("geometry", "subspace")       # checkpoints before the whitening existed
-        saved = {"whiten": "geofp8"}.get(saved, saved)  # its name before
+        saved = OLD_GEOMETRY.get(saved, saved)          # its name before
         if (state["layers"] or state.get("candidates")) and saved != self.opts.geometry:
             raise ValueError(f"the communicator state is for geometry={saved!r}, not "
                              f"{self.opts.geometry!r}: resume with the same method")

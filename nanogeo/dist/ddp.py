@@ -53,7 +53,7 @@ import torch.distributed as dist
 import compress
 from nanogeo.dist import hooks
 from nanogeo.run import summary
-from nanogeo.dist.communicator import Options, ProductionCommunicator
+from nanogeo.dist.communicator import OLD_GEOMETRY, Options, ProductionCommunicator
 
 
 def check_candidates(names, module):
@@ -75,7 +75,7 @@ class GeoFP8HookState:
 
     def __init__(self, model, process_group=None, linear=None, **options):
         module = model.module if hasattr(model, "module") else model
-        self.options = Options(**options)
+        self.options = Options.of(**options)
         self.process_group = process_group
         self.module = module
         self.names = {p: n for n, p in module.named_parameters()}
@@ -131,7 +131,7 @@ class GeoFP8HookState:
         comm = self.communicators.get(key)
         if comm is None:
             comm = ProductionCommunicator(list(zip(names, shapes)), self.options,
-                                               self.process_group, linear=self.linear)
+                                          self.process_group, linear=self.linear)
             comm.watch(self.views)
             comm.load_state_dict(self._state_for(names))
             self.communicators[key] = comm
@@ -177,7 +177,7 @@ class GeoFP8HookState:
                 "candidates": candidates, "residuals": residuals, "chosen": sorted(chosen)}
 
     def load_state_dict(self, state):
-        if state["geometry"] != self.options.geometry:
+        if OLD_GEOMETRY.get(state["geometry"], state["geometry"]) != self.options.geometry:
             raise ValueError(f"the hook state is for geometry={state['geometry']!r}, not "
                              f"{self.options.geometry!r}: resume with the same method")
         self.saved, self.iteration = state, state["iteration"]

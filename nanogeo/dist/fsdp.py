@@ -159,8 +159,8 @@ def average(total, op, world):
 
 class GeoFP8ReduceScatter(FP8ReduceScatter):
     """GeoFP8 reduce-scatter for one FSDP module (its one parameter group). `options` are
-    Options (train.py's flags): geometry ("subspace", "hadamard" or "euclidean"),
-    fmt, block, rank, refresh, warmup, stochastic..."""
+    Options fields (train.py's flag names): geometry ("subspace", "hadamard" or "euclidean"),
+    fmt, block, geo_rank, geo_refresh, geo_warmup, stochastic_round..."""
 
     def __init__(self, module, prefix="", linear=None, **options):
         options.setdefault("geometry", "subspace")   # the method built for FSDP's row shards
@@ -186,7 +186,7 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
         self.names = [names[p] for p, _, _ in params]
         self.shapes = [shape for _, shape, _ in params]
         self.comm = ProductionCommunicator(list(zip(self.names, self.shapes)),
-                                                Options(**options), linear=linear)
+                                           Options.of(**options), linear=linear)
         super().__init__(self.comm.opts.fmt, self.comm.opts.block)
         self.geometry_bytes = 0     # the decode's small all-reduces, bytes sent (ring estimate)
         self.fallbacks = 0

@@ -63,12 +63,12 @@ def geometry_state_bytes(communicator):
 def euclidean_twin(communicator):
     """A Euclidean communicator with the same codec and collective, without state."""
     o = communicator.opts
-    options = Options(geometry="euclidean", fmt=o.fmt, block=o.block,
-                                  collective=o.collective, sum_order=o.sum_order,
-                                  scale_sync_every=o.scale_sync_every, stochastic_round=o.stochastic_round,
-                                  seed=o.seed + 1, vocab_size=o.vocab_size)
+    options = Options(geometry="euclidean", fmt=o.fmt, block=o.block, collective=o.collective,
+                      sum_order=o.sum_order, scale_sync_every=o.scale_sync_every,
+                      stochastic_round=o.stochastic_round, seed=o.seed + 1,
+                      vocab_size=o.vocab_size)
     twin = ProductionCommunicator([(n, communicator.shapes[n]) for n in communicator.names],
-                                       options, communicator.group)
+                                  options, communicator.group)
     twin.step = communicator.step - 1       # the step the last reduce ran at (scale syncing)
     return twin
 

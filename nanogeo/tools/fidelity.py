@@ -53,7 +53,7 @@ import torch
 import compress
 from nanogeo.dist import hooks, update_error
 from nanogeo.wire import collective
-from nanogeo.dist.communicator import Options, ProductionCommunicator
+from nanogeo.dist.communicator import RENAMED, Options, ProductionCommunicator
 
 PAPER_CODEC = dict(fmt="e5m2", block="tensor", collective="fp8-sum")
 METHODS = {  # name -> Options fields (None: the bf16 ring all-reduce)
@@ -92,7 +92,8 @@ def method_options(spec, vocab_size):
     for item in overrides:
         key, _, value = item.partition("=")
         if key not in fields:
-            raise ValueError(f"{spec}: unknown option {key!r}; options: {', '.join(fields)}")
+            renamed = f" (now {RENAMED[key]!r})" if key in RENAMED else ""
+            raise ValueError(f"{spec}: unknown option {key!r}{renamed}; options: {', '.join(fields)}")
         default = fields[key].default
         if isinstance(default, bool):
             options[key] = value.lower() in ("1", "true", "yes")
@@ -102,7 +103,7 @@ def method_options(spec, vocab_size):
             options[key] = tuple(value.split("+"))
         else:
             options[key] = type(default)(value)
-    return Options(**options)
+    return Options.of(**options)
 
 
 def bf16_ring_mean(worker_grads):

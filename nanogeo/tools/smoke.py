@@ -10,10 +10,10 @@ is measured by `torchrun ... -m nanogeo.tools.bench collective` on a real node).
   env        device, torch, CUDA and NCCL versions
   nccl       a 1-rank NCCL process group runs the collective's calls on uint8 buffers
              (all_to_all_single, all_gather) and all_reduce_mean returns finite means
-  codec      quantize + dequantize throughput in GB/s of fp32 input (e4m3, e5m2, nvfp4),
-             eager and torch.compile'd (kernels.compile_hot_path)
-  transform  GeoFP8's encode + decode of every rotated matrix of the preset, ms per step,
-             eager and compiled, and the bytes of the geometry state
+  codec      a packed round trip's throughput in GB/s of fp32 input (e4m3, e5m2: eager and
+             torch.compile'd, kernels.compile_hot_path; nvfp4 eager)
+  transform  GeoFP8's encode + decode of every rotated matrix of the preset, ms per step
+             (eager: the transforms are not compiled), and the bytes of the geometry state
   ddp        the DDP hook on the CUDA side stream: gradients of a small model equal plain
              DDP's within FP8 error
   step       the preset's forward + backward + AdamW step (bf16 autocast on GPU), ms and

@@ -56,9 +56,9 @@ def compare(path, geo_rank=16):
     states, _ = fidelity.exact_updates(record, exact, data.get("grad_clip", 0.0))
     views = fidelity.optimizer_views(record, states)
     opts = Options(geometry="subspace", select="all", geo_rank=geo_rank,
-                               vocab_size=data.get("vocab_size", 0))
+                   vocab_size=data.get("vocab_size", 0))
     comm = ProductionCommunicator([(n, steps[0][0][n].shape) for n in names], opts,
-                                       linear=set(data["linear"]) if "linear" in data else None)
+                                  linear=set(data["linear"]) if "linear" in data else None)
     round_trip = comm._round_trip
     totals = {"euclidean": 0.0, "both": 0.0, "right": 0.0, "core": 0.0}
     for s, workers in enumerate(steps):

@@ -70,9 +70,9 @@ def rng(seed, rank, stage, device):
 
 
 def streams(stochastic, seed, device):
-    """The collectives' streams= for this step: rng of each (rank, stage), or nearest."""
+    """The collectives' streams= for this step: rng of each (rank, stage); None: to nearest."""
     if not stochastic:
-        return compress.nearest
+        return None
     return lambda rank, stage: rng(seed, rank, stage, device)
 
 

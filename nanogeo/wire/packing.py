@@ -1,8 +1,8 @@
 """
 The packed form of compress.py's two-stage collective: a whole bucket through the FP8 codec in
 ONE call per stage, instead of one per piece (a bucket has W x T pieces: thousands of small
-kernel launches per step at scale). compress.ShardLayout uses it for e4m3 / e5m2 with integer
-blocks; the means are bit-identical to quantizing piece by piece (tests/test_compress.py,
+kernel launches per step at scale). nanogeo.wire.collective passes it into compress.ShardLayout
+for e4m3 / e5m2 with integer blocks; the means are bit-identical to quantizing piece by piece (tests/test_compress.py,
 test_packed_codec_equals_one_call_per_piece), the wire carries < block padding bytes more per
 piece.
 
