@@ -1405,9 +1405,14 @@ class Communicator:
         coordinates - so a refresh of the geometry re-expresses it in the new ones at the next
         encode (the published method keeps it in the old coordinates: defect c)."""
         for (worker, in_coords), returned in zip(coords.items(), local):
-            self.residuals[worker] = {n: self.from_coords(n, c - back)
+            self.residuals[worker] = {n: self._residual(n, c - back)
                                       for n, c, back in zip(self.names, in_coords, returned)
                                       if self._has_feedback(n)}
+
+    def _residual(self, name, lost):
+        """What error feedback keeps of the codec's loss `lost` (in coordinates): the same in
+        original coordinates."""
+        return self.from_coords(name, lost)
 
     def _average_moments(self, moments, device):
         """The K-FAC statistics the geometry is refreshed from must be the same on every rank:

@@ -233,16 +233,15 @@ class ProductionCommunicator(compress.Communicator):
         return outgoing, [c + residual[n] if self._has_feedback(n) and n in residual else c
                           for n, c in zip(self.names, coords)]
 
+    def _residual(self, name, lost):
+        """The stale-residual ablation keeps the loss in the coordinates it was made in."""
+        return lost if self.opts.stale_residual else super()._residual(name, lost)
+
     def _keep_residuals(self, coords, local, mean_coords):
         """As compress.py's, but a step whose mean is not finite (an fp16 GradScaler overflow;
         the optimizer skips it) keeps the old residual: chosen on the device, no host sync."""
         old = {w: self.residuals.get(w, {}) for w in coords}
-        if self.opts.stale_residual:
-            for (w, in_coords), returned in zip(coords.items(), local):
-                self.residuals[w] = {n: c - back for n, c, back in zip(self.names, in_coords, returned)
-                                     if self._has_feedback(n)}
-        else:
-            super()._keep_residuals(coords, local, mean_coords)
+        super()._keep_residuals(coords, local, mean_coords)
         finite = all_finite(mean_coords)
         for w in coords:
             self.residuals[w] = {n: torch.where(finite, r, old[w].get(n, torch.zeros_like(r)))
