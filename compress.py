@@ -1085,6 +1085,17 @@ class SubspaceLayer:
     transform: tuple = field(default=(None, None), repr=False)  # (left, right), derived
     swaps: tuple = field(default=None, repr=False)              # core_swaps, fixed by shape
     sides: str = "both"                 # the sides rotated now (sides="auto": chosen by gain)
+    from_moments = False                # refreshed from the decoded mean, not K-FAC moments
+
+    @classmethod
+    def create(cls, name, shape, opts, r=None):
+        """The layer of weight `name`: r = geo_rank, at most half the smaller side."""
+        r = r or min(opts.geo_rank, min(shape) // 2)
+        layer = cls(shape, r, seed=zlib.crc32(name.encode()), opts=opts,
+                    sides="both" if opts.sides == "auto" else opts.sides)
+        if opts.scatter_core:
+            layer.swaps = core_swaps(shape, r, NVFP4_BLOCK if opts.fmt == "nvfp4" else opts.block)
+        return layer
 
     @property
     def ready(self):
@@ -1155,6 +1166,11 @@ class WhitenedLayer:
     energy: float = float("nan")                    # (subspace only)
     sides = "both"                                  # (subspace only: no side is chosen here)
     transform = ()                                  # (subspace only: no rotation)
+    from_moments = True     # refreshed from the K-FAC moments, and re-judged between refreshes
+
+    @classmethod
+    def create(cls, name, shape, opts):
+        return cls(shape, opts)
 
     @property
     def ready(self):
@@ -1180,9 +1196,10 @@ class WhitenedLayer:
         g = self.factors["output"].unwhiten(h.T).T if "output" in self.factors else h
         return self.factors["input"].unwhiten(g) if "input" in self.factors else g
 
-    def refresh(self, moments):
+    def refresh(self, moments, rows=None):
         """New factors from this step's second moments ({side: A or G}, identical on every
-        rank), smoothed by the EMA of the moments."""
+        rank), smoothed by the EMA of the moments. (`rows`: the interface's; K-FAC moments
+        are whole on every rank.)"""
         opts = self.opts
         # new dicts: a candidate (a copy of this layer) must not change the layer in use
         self.moments, self.factors = dict(self.moments), dict(self.factors)
@@ -1214,6 +1231,12 @@ class HadamardLayer:
     energy: float = float("nan")        # (subspace only)
     transform = ()                      # (subspace only: no Householder rotation)
     swaps = None                        # (subspace only: no core scattering)
+    from_moments = False                # refresh() only draws the signs, once
+
+    @classmethod
+    def create(cls, name, shape, opts):
+        """Its signs' seed: the name's and the run's, the same on every rank."""
+        return cls(shape, zlib.crc32(name.encode()) + opts.seed, opts)
 
     @property
     def ready(self):
@@ -1292,6 +1315,8 @@ class Communicator:
         if unknown:
             raise ValueError(f"geo_layers names {len(unknown)} tensors this model does not have, "
                              f"e.g. {sorted(unknown)[0]!r}: profile this model (nanogeo.tools.profile)")
+        self.kind = self.LAYERS.get(self.opts.geometry)     # the layer class (None: Euclidean)
+        self.from_moments = bool(self.layers) and self.kind.from_moments    # (the whitening)
         self.views = {}         # name -> the optimizer's view of it (watch()); none: plain L2
         self.chosen = set(self.opts.geo_layers) if self.opts.select == "list" else set()
         self.step = 0
@@ -1300,18 +1325,7 @@ class Communicator:
         self.rows = {}              # reduce / reduce_workers / advance), and its FSDP row blocks
 
     def _new_layer(self, name):
-        shape, opts = self.shapes[name], self.opts
-        kind = self.LAYERS[opts.geometry]
-        if opts.geometry == "geofp8":
-            return kind(shape, opts)
-        if opts.geometry == "hadamard":     # its signs: the same on every rank
-            return kind(shape, zlib.crc32(name.encode()) + opts.seed, opts)
-        r = min(opts.geo_rank, min(shape) // 2)
-        layer = kind(shape, r, seed=zlib.crc32(name.encode()), opts=opts,
-                     sides="both" if opts.sides == "auto" else opts.sides)
-        if opts.scatter_core:
-            layer.swaps = core_swaps(shape, r, NVFP4_BLOCK if opts.fmt == "nvfp4" else opts.block)
-        return layer
+        return self.LAYERS[self.opts.geometry].create(name, self.shapes[name], self.opts)
 
     # -- coordinates ---------------------------------------------------------------------------
 
@@ -1332,12 +1346,11 @@ class Communicator:
     def wants_moments(self):
         """True on the steps whose K-FAC statistics the next reduce() refreshes the factors from
         (the published method collects them on refresh steps only)."""
-        return (self.opts.geometry == "geofp8" and bool(self.layers)
-                and self.step % self.opts.geo_refresh == 0)
+        return self.from_moments and self.step % self.opts.geo_refresh == 0
 
     def moment_layers(self):
         """Names of the weights whose layers' statistics the whitening needs."""
-        return list(self.layers) if self.opts.geometry == "geofp8" else []
+        return list(self.layers) if self.from_moments else []
 
     def whitened_sides(self):
         sides = self.opts.whiten_sides
@@ -1467,7 +1480,7 @@ class Communicator:
         unmeasured = any(layer.ready and math.isnan(layer.gain) for layer in self.layers.values())
         if self.candidates or unmeasured:
             return True
-        if self.opts.geometry == "geofp8":
+        if self.from_moments:
             return whiten_now or self.step % self.opts.judge_every == 0
         return (self.step % self.opts.geo_refresh == 0
                 or any(not layer.ready for layer in self.layers.values()))
@@ -1476,10 +1489,10 @@ class Communicator:
         """Measure the candidates (and, for the whitening, re-judge the factors in use), then
         propose new geometry where it is due. Returns True if new geometry was proposed."""
         judged = [n for n, layer in self.layers.items() if n in self.candidates
-                  or (layer.ready and (self.opts.geometry == "geofp8" or math.isnan(layer.gain)))]
+                  or (layer.ready and (self.from_moments or math.isnan(layer.gain)))]
         if judged:
             self._judge(judged, worker_grads, means)
-        if self.opts.geometry == "geofp8":      # statistics: the layer's K-FAC moments
+        if self.from_moments:                   # statistics: the layer's K-FAC moments
             statistics = ({n: self._statistics(n, moments) for n in self.layers}
                           if whiten_now else {})
             statistics = {n: stats for n, stats in statistics.items() if stats}
@@ -1512,10 +1525,7 @@ class Communicator:
         measurement could change their choice."""
         candidate = copy.copy(self.layers[name])
         candidate.gain = float("nan")          # not measured yet
-        if self.opts.geometry == "geofp8":
-            candidate.refresh(statistics)
-        else:
-            candidate.refresh(statistics, self.rows.get(name, ALL_ROWS))
+        candidate.refresh(statistics, self.rows.get(name, ALL_ROWS))
         if self._opted_in(name):
             candidate.use_geo = True
             self.layers[name] = candidate
@@ -1565,7 +1575,8 @@ class Communicator:
         with sides="auto" both rotations - both sides, and the column side alone, which keeps
         every row's scale (an error spread over rows lands on rows AdamW divides by their own,
         possibly tiny, second moments: BENCHMARKS.md section 12)."""
-        auto = self.opts.sides == "auto" and self.opts.geometry == "subspace"
+        auto = (self.opts.sides == "auto" and self.kind is not None
+                and issubclass(self.kind, SubspaceLayer))
         return ("both", "right") if auto else (None,)
 
     def _sent(self, layer, g, sides=None):

@@ -36,6 +36,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -335,47 +336,52 @@ def rank_pass(forward, rank_batches, grad_accum, autocast=contextlib.nullcontext
     return losses
 
 
-def forward_backward(forward, params, data, cfg, step, my_ranks, autocast, device, moments=None,
-                     batched=None):
-    """Every micro-step of this step for each of my_ranks. Returns (the first rank's mean loss,
-    each simulated rank's gradients, each simulated rank's K-FAC statistics); for a real rank the
-    gradients stay in .grad and the lists are empty. With `batched` (nanogeo.dist.simulated
-    .BatchedRanks) simulated ranks go through the model together, bit-equal to one by one; a
-    step that collects K-FAC statistics (per rank) plays them one by one."""
-    batches = [[get_batch(data["train"], cfg.batch_size, cfg.block_size,
-                          batch_rng(cfg.seed, r, step, micro), device)
-                for micro in range(cfg.grad_accum)] for r in my_ranks]
-    if batched is not None and moments is None:
-        losses, worker_grads = batched.forward_backward(batches, cfg.grad_accum)
+def forward_backward(run, step, collect):
+    """Every micro-step of this step for each of run.my_ranks. Returns (the first rank's mean
+    loss, each simulated rank's gradients, each simulated rank's K-FAC statistics); for a real
+    rank the gradients stay in .grad and the lists are empty. `collect`: the hooks collect K-FAC
+    statistics in this step's forwards, which then run eagerly and rank by rank. Otherwise
+    simulated ranks go through the model together (run.batched, bit-equal to one by one)."""
+    cfg = run.cfg
+    batches = [[get_batch(run.data["train"], cfg.batch_size, cfg.block_size,
+                          batch_rng(cfg.seed, r, step, micro), run.device)
+                for micro in range(cfg.grad_accum)] for r in run.my_ranks]
+    if run.batched is not None and not collect:
+        losses, worker_grads = run.batched.forward_backward(batches, cfg.grad_accum)
         return sum(loss.item() for loss in losses) / cfg.grad_accum, worker_grads, []
+    forward = run.raw_model if collect else run.model   # a compiled graph never holds the hooks
     rank_losses, worker_grads, worker_moments = [], [], []
     for rank_batches in batches:
-        rank_losses.append(rank_pass(forward, rank_batches, cfg.grad_accum, autocast))
+        rank_losses.append(rank_pass(forward, rank_batches, cfg.grad_accum, run.autocast))
         if cfg.simulate_workers:        # take this rank's gradients; the next starts at 0
-            worker_grads.append([p.grad for p in params])
-            for p in params:
+            worker_grads.append([p.grad for p in run.params])
+            for p in run.params:
                 p.grad = None
-            if moments is not None:
-                worker_moments.append(moments.take())
+            if collect:
+                worker_moments.append(run.moments.take())
     return (sum(loss.item() for loss in rank_losses[0]) / cfg.grad_accum, worker_grads,
             worker_moments)
 
 
+class Taken(NamedTuple):
+    """What take_step reports of a step it took."""
+    loss: float                 # this rank's training loss (ranks differ)
+    grad_norm: float
+    wire_bytes: float           # the gradient bytes this rank sent
+    as_sent: dict               # name -> the coordinates its gradient was sent in (logged
+                                # steps with a geometry), else None
+
+
 def take_step(run, step, logged, last_step=None):
     """One optimizer step: forward and backward on every micro-batch, the gradients averaged
-    across ranks (the communication), clipped and applied. Returns (this rank's loss, the
-    gradient norm, the bytes this rank sent, the coordinates each layer's gradient was sent in:
-    on `logged` steps with a geometry, else None); None if some rank's gradient was not finite,
-    the step then skipped on every rank alike. With `last_step` (summary.LastStep) the
-    gradients are kept for the end-of-run comparison."""
+    across ranks (the communication), clipped and applied. Returns a Taken; None if some rank's
+    gradient was not finite, the step then skipped on every rank alike. With `last_step`
+    (summary.LastStep) the gradients are kept for the end-of-run comparison."""
     cfg, communicator, moments, params = run.cfg, run.communicator, run.moments, run.params
-    # on the published GeoFP8's refresh steps, hooks collect the whitened layers' input
-    # statistics; those forwards run eagerly, so a compiled graph never contains the hooks
+    # on the published GeoFP8's refresh steps, hooks collect the whitened layers' input statistics
     collect = moments is not None and communicator.wants_moments()
     with moments.attached() if collect else contextlib.nullcontext():
-        loss, worker_grads, worker_moments = forward_backward(
-            run.raw_model if collect else run.model, params, run.data, cfg, step, run.my_ranks,
-            run.autocast, run.device, moments if collect else None, run.batched)
+        loss, worker_grads, worker_moments = forward_backward(run, step, collect)
     grads = [g for w in worker_grads for g in w] or [p.grad for p in params]
     if not runtime.gradients_finite(grads, run.world_size):
         # skipped on every rank alike; geometry and error-feedback state stay untouched
@@ -401,7 +407,7 @@ def take_step(run, step, logged, last_step=None):
     grad_norm = optimizer_step(params, run.optimizers, cfg.grad_clip)
     if cfg.check_every and run.world_size > 1 and (step + 1) % cfg.check_every == 0:
         runtime.check_ranks_agree(params, step + 1, run.device)
-    return loss, grad_norm, wire_bytes, as_sent
+    return Taken(loss, grad_norm, wire_bytes, as_sent)
 
 
 def train(cfg):
@@ -427,7 +433,7 @@ def train(cfg):
             if done in final_steps:
                 final_vals.append((done, evaluate(run)))
             continue
-        train_loss, grad_norm, wire_bytes, as_sent = taken   # this rank's loss; ranks differ
+        train_loss = taken.loss
         if run.device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.time() - t0
@@ -440,9 +446,9 @@ def train(cfg):
                 log.print(f"GeoFP8 layers at step {done}:\n"
                           f"{summary.layer_table(run.communicator)}")
         if logged:
-            log.step(done, train_loss, val_loss, lr, grad_norm, dt, wire_bytes)
-            if as_sent is not None:
-                log.geometry(done, run.communicator, as_sent)
+            log.step(done, train_loss, val_loss, lr, taken.grad_norm, dt, taken.wire_bytes)
+            if taken.as_sent is not None:
+                log.geometry(done, run.communicator, taken.as_sent)
         if cfg.eval_every and done % cfg.eval_every == 0:
             log.downstream(done, run.raw_model, run.device)
         if cfg.ckpt_interval and done % cfg.ckpt_interval == 0 and done < cfg.max_iters:

@@ -1,5 +1,6 @@
 """
-Every rank must hold the same geometry (and train.py's ranks the same parameters).
+Every rank must hold the same geometry (and train.py's ranks the same parameters), and a
+non-finite value on one rank must be seen by all of them (all_finite, combined by one all-reduce).
 
 Each rank computes its bases or whitening factors from the same bytes (the decoded mean, the
 all-reduced K-FAC statistics), so they agree bit for bit - unless a kernel is nondeterministic
@@ -10,6 +11,11 @@ identical on every rank, so every rank takes the same branch and enters the same
 """
 import torch
 import torch.distributed as dist
+
+
+def all_finite(tensors):
+    """A bool tensor on the device: every element of every tensor finite (no host sync)."""
+    return torch.stack([torch.isfinite(t).all() for t in tensors]).all()
 
 
 def agrees_elementwise(value, group=None):

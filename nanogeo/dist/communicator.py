@@ -219,7 +219,7 @@ class ProductionCommunicator(compress.Communicator):
         tensors = list(means.values())
         for side in ("input", "output"):
             tensors += list((moments or {}).get(side, {}).values())
-        bad = self._sum_over_ranks((~all_finite(tensors)).double())
+        bad = self._sum_over_ranks((~agreement.all_finite(tensors)).double())
         return bad.item() == 0
 
     # -- error feedback: a non-finite step keeps the old residual; the stale ablation ---------------
@@ -242,7 +242,7 @@ class ProductionCommunicator(compress.Communicator):
         the optimizer skips it) keeps the old residual: chosen on the device, no host sync."""
         old = {w: self.residuals.get(w, {}) for w in coords}
         super()._keep_residuals(coords, local, mean_coords)
-        finite = all_finite(mean_coords)
+        finite = agreement.all_finite(mean_coords)
         for w in coords:
             self.residuals[w] = {n: torch.where(finite, r, old[w].get(n, torch.zeros_like(r)))
                                  for n, r in self.residuals[w].items()}
@@ -277,8 +277,3 @@ class ProductionCommunicator(compress.Communicator):
                                  "not a candidate matrix here: resume with the same model")
             self.candidates[n] = copy.copy(self.layers[n])  # as _propose makes one (FSDP's
             self.candidates[n].load_state_dict(layer_state)  # core-scattering choice included)
-
-
-def all_finite(tensors):
-    """A bool tensor on the device: every element of every tensor finite (no host sync)."""
-    return torch.stack([torch.isfinite(t).all() for t in tensors]).all()

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from nanogeo.dist import agreement
+from nanogeo.dist.agreement import all_finite
 from nanogeo.run.config import ConfigError
-from nanogeo.dist.communicator import all_finite
 
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "A100": 312e12,
