@@ -50,6 +50,14 @@ def test_bench_flops_and_overhead_shapes():
     assert result["geo_layers"] == 28 and math.isfinite(result["overhead_vs_fwd_bwd"])
 
 
+def test_bench_step_profile_splits_a_step_by_op():
+    """bench step: the ops' self times are parts of the step's time (profiled on this thread)."""
+    result = bench.step_profile("cpu-tiny", steps=1, batch_size=1, block_size=16, top=4)
+    ops = result["ops_ms_per_step"]
+    assert result["parameters"] == 13_665_408 and result["tokens"] == 16 and len(ops) == 4
+    assert all(ms > 0 for ms in ops.values()) and sum(ops.values()) <= result["ms_per_step"]
+
+
 def test_study_t_interval_and_paired_fraction():
     """Hand-computed: [1, 2, 3] has mean 2, sd 1, half-width t(2) sd / sqrt(3); the recovered
     fraction is the mean of the per-seed fractions 1 - gap / reference gap (here 0.5, 0.4, 0.6:

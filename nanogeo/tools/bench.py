@@ -7,6 +7,7 @@ Benchmarks of the collective and of GeoFP8's compute cost. Not tests: numbers fo
     torchrun --standalone --nproc_per_node=2 -m nanogeo.tools.bench fsdp [--checkpoint out/ablate/fp32/adamw/ranks2/seed1337/ckpt.pt]
     python -m nanogeo.tools.bench codec [--preset llama-600m --world 8 --iters 5]
     torchrun --standalone --nproc_per_node=2 -m nanogeo.tools.bench accumulation [--seeds 0,1,2 --steps 30]
+    python -m nanogeo.tools.bench step --preset cpu-tiny [--steps 3]     # one thread: OMP_NUM_THREADS=1
 
 collective: each method on one bucket of N million fp32 gradient elements, shaped as square-ish
   matrices (so GeoFP8 has something to rotate), timed with a per-stage breakdown (rotate =
@@ -24,6 +25,9 @@ accumulation: gradient accumulation through the DDP hook, with and without DDP's
   the first micro-step, on a plateau-escape task (a fixed permutation chain over 64 tokens that
   restarts with probability 1/8) with a byte-level GPT-2 (nanogeo.tools.bytegpt, hidden 128, 2 layers),
   AdamW lr 2e-3, 2 micro-steps per step: final loss per seed and the largest step-to-step rise.
+step: where one rank's training step goes, without communication: forward, backward and an
+  AdamW step of a preset on 8 x 128 random tokens, timed, and its time per step by torch op (the
+  profiler's self time; matrix products, the loss's log-softmax, the optimizer's elementwise ops).
 codec: the two-stage collective's codec work on one rank, per DDP bucket (25 MB, the preset's
   parameters in reverse order), packed (one encode / decode call per bucket and stage) against
   one call per piece: codec calls per step (counted), torch ops that do work (about the kernel
@@ -316,6 +320,33 @@ NO_KERNEL_OPS = {"aten::" + name for name in (
     "split_with_sizes", "lift_fresh", "resolve_conj", "resolve_neg", "result_type")}
 
 
+def step_profile(preset, steps, batch_size=8, block_size=128, top=8):
+    """ms per forward + backward + AdamW step of `preset` on one rank, and the top ops' ms per
+    step (profiler self time), after one warm-up step."""
+    torch.manual_seed(0)
+    cfg = model_lib.model_config(preset, block_size=block_size)
+    net = model_lib.Llama(cfg)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    x, y = torch.randint(0, cfg.vocab_size, (2, batch_size, block_size))
+
+    def train_step():
+        net(x, y)[1].backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    train_step()
+    t0 = time.perf_counter()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            train_step()
+    ms = (time.perf_counter() - t0) / steps * 1000
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
+    return {"preset": preset, "parameters": sum(p.numel() for p in net.parameters()),
+            "tokens": batch_size * block_size, "threads": torch.get_num_threads(),
+            "ms_per_step": ms,
+            "ops_ms_per_step": {e.key: e.self_cpu_time_total / 1000 / steps for e in ops}}
+
+
 def kernel_ops(fn):
     """Torch ops with no child op that do work (views and allocations left out): on a GPU,
     about one kernel launch each, during fn()."""
@@ -444,7 +475,7 @@ def analytic_flops(preset, tokens, geo_rank, refresh=4):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("mode", choices=["collective", "overhead", "flops", "fsdp", "codec",
-                                         "accumulation"])
+                                         "accumulation", "step"])
     parser.add_argument("--sizes", default="1,4,16", help="million elements per bucket")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--methods", default="fp32,bf16,fp8,subspace,nvfp4")
@@ -486,6 +517,9 @@ def main(argv=None):
         dist.destroy_process_group()
     elif args.mode == "codec":
         result = codec_launches(args.preset, args.world, args.iters)
+        print(json.dumps(result, indent=1))
+    elif args.mode == "step":
+        result = step_profile(args.preset, args.steps)
         print(json.dumps(result, indent=1))
     elif args.mode == "overhead":
         result = [measure_overhead(args.steps, refresh=r, geo_rank=args.geo_rank)
