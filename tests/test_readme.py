@@ -67,6 +67,7 @@ TOY = {
         "--sizes 0.01 --iters 1",
     "python -m nanogeo.tools.bench overhead": "--steps 1 --refresh 4",
     "python -m nanogeo.tools.bench flops --preset llama-600m --tokens 8192 --geo_rank 32": "",
+    "python -m nanogeo.tools.bench step --preset cpu-tiny --steps 5": "--steps 1",
     "torchrun --standalone --nproc_per_node=2 -m nanogeo.tools.bench fsdp --checkpoint "
     "out/ablate/fp32/adamw/ranks2/seed1337/ckpt.pt --steps 12": "--steps 2 --last 1",
     "python -m nanogeo.tools.smoke --out smoke.json":
