@@ -1088,9 +1088,9 @@ class SubspaceLayer:
     from_moments = False                # refreshed from the decoded mean, not K-FAC moments
 
     @classmethod
-    def create(cls, name, shape, opts, r=None):
+    def create(cls, name, shape, opts):
         """The layer of weight `name`: r = geo_rank, at most half the smaller side."""
-        r = r or min(opts.geo_rank, min(shape) // 2)
+        r = min(opts.geo_rank, min(shape) // 2)
         layer = cls(shape, r, seed=zlib.crc32(name.encode()), opts=opts,
                     sides="both" if opts.sides == "auto" else opts.sides)
         if opts.scatter_core:
@@ -1170,6 +1170,7 @@ class WhitenedLayer:
 
     @classmethod
     def create(cls, name, shape, opts):
+        """The layer of weight `name` (its factors come with the first statistics)."""
         return cls(shape, opts)
 
     @property
@@ -1196,7 +1197,7 @@ class WhitenedLayer:
         g = self.factors["output"].unwhiten(h.T).T if "output" in self.factors else h
         return self.factors["input"].unwhiten(g) if "input" in self.factors else g
 
-    def refresh(self, moments, rows=None):
+    def refresh(self, moments, rows=ALL_ROWS):
         """New factors from this step's second moments ({side: A or G}, identical on every
         rank), smoothed by the EMA of the moments. (`rows`: the interface's; K-FAC moments
         are whole on every rank.)"""
@@ -1303,6 +1304,7 @@ class Communicator:
         self.shapes = {n: tuple(s) for n, s in named_shapes}
         self.index = {n: i for i, n in enumerate(self.names)}
         self.reasons = {}
+        self.kind = self.LAYERS.get(self.opts.geometry)     # the layer class (None: Euclidean)
         self.layers = {}        # name -> the coordinates in use (measured, or Euclidean)
         self.candidates = {}    # name -> a new geometry, not yet measured: not used (see _propose)
         for n, shape in named_shapes:
@@ -1315,8 +1317,8 @@ class Communicator:
         if unknown:
             raise ValueError(f"geo_layers names {len(unknown)} tensors this model does not have, "
                              f"e.g. {sorted(unknown)[0]!r}: profile this model (nanogeo.tools.profile)")
-        self.kind = self.LAYERS.get(self.opts.geometry)     # the layer class (None: Euclidean)
-        self.from_moments = bool(self.layers) and self.kind.from_moments    # (the whitening)
+        # the whitening: layers refreshed from K-FAC moments, which the hooks must then collect
+        self.uses_moments = bool(self.layers) and self.kind.from_moments
         self.views = {}         # name -> the optimizer's view of it (watch()); none: plain L2
         self.chosen = set(self.opts.geo_layers) if self.opts.select == "list" else set()
         self.step = 0
@@ -1325,7 +1327,7 @@ class Communicator:
         self.rows = {}              # reduce / reduce_workers / advance), and its FSDP row blocks
 
     def _new_layer(self, name):
-        return self.LAYERS[self.opts.geometry].create(name, self.shapes[name], self.opts)
+        return self.kind.create(name, self.shapes[name], self.opts)
 
     # -- coordinates ---------------------------------------------------------------------------
 
@@ -1346,11 +1348,11 @@ class Communicator:
     def wants_moments(self):
         """True on the steps whose K-FAC statistics the next reduce() refreshes the factors from
         (the published method collects them on refresh steps only)."""
-        return self.from_moments and self.step % self.opts.geo_refresh == 0
+        return self.uses_moments and self.step % self.opts.geo_refresh == 0
 
     def moment_layers(self):
         """Names of the weights whose layers' statistics the whitening needs."""
-        return list(self.layers) if self.from_moments else []
+        return list(self.layers) if self.uses_moments else []
 
     def whitened_sides(self):
         sides = self.opts.whiten_sides
@@ -1480,7 +1482,7 @@ class Communicator:
         unmeasured = any(layer.ready and math.isnan(layer.gain) for layer in self.layers.values())
         if self.candidates or unmeasured:
             return True
-        if self.from_moments:
+        if self.uses_moments:
             return whiten_now or self.step % self.opts.judge_every == 0
         return (self.step % self.opts.geo_refresh == 0
                 or any(not layer.ready for layer in self.layers.values()))
@@ -1489,10 +1491,10 @@ class Communicator:
         """Measure the candidates (and, for the whitening, re-judge the factors in use), then
         propose new geometry where it is due. Returns True if new geometry was proposed."""
         judged = [n for n, layer in self.layers.items() if n in self.candidates
-                  or (layer.ready and (self.from_moments or math.isnan(layer.gain)))]
+                  or (layer.ready and (self.uses_moments or math.isnan(layer.gain)))]
         if judged:
             self._judge(judged, worker_grads, means)
-        if self.from_moments:                   # statistics: the layer's K-FAC moments
+        if self.uses_moments:                   # statistics: the layer's K-FAC moments
             statistics = ({n: self._statistics(n, moments) for n in self.layers}
                           if whiten_now else {})
             statistics = {n: stats for n, stats in statistics.items() if stats}

@@ -366,8 +366,8 @@ def forward_backward(run, step, collect):
 class Taken(NamedTuple):
     """What take_step reports of a step it took."""
     loss: float                 # this rank's training loss (ranks differ)
-    grad_norm: float
-    wire_bytes: float           # the gradient bytes this rank sent
+    grad_norm: torch.Tensor     # on the device: read (a host sync) on logged steps only
+    wire_bytes: float           # the gradient bytes this rank sent (simulated: the mean)
     as_sent: dict               # name -> the coordinates its gradient was sent in (logged
                                 # steps with a geometry), else None
 

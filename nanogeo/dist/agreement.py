@@ -1,6 +1,7 @@
 """
 Every rank must hold the same geometry (and train.py's ranks the same parameters), and a
-non-finite value on one rank must be seen by all of them (all_finite, combined by one all-reduce).
+non-finite value on one rank must be seen by all of them (each rank's all_finite flag, which its
+callers combine over the ranks in one all-reduce).
 
 Each rank computes its bases or whitening factors from the same bytes (the decoded mean, the
 all-reduced K-FAC statistics), so they agree bit for bit - unless a kernel is nondeterministic

@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 
 from nanogeo.dist import agreement
-from nanogeo.dist.agreement import all_finite
 from nanogeo.run.config import ConfigError
 
 
@@ -41,7 +40,7 @@ def parameter_checksum(params):
 def gradients_finite(grads, world_size):
     """True on every rank iff no rank has a NaN/inf gradient: one 1-element all-reduce and one
     transfer to the host (the flags of all tensors are combined on the device)."""
-    bad = (~all_finite(grads)).float().reshape(1)
+    bad = (~agreement.all_finite(grads)).float().reshape(1)
     if world_size > 1:
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     return bad.item() == 0
