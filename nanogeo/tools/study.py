@@ -376,6 +376,28 @@ def table(results, reference):
 # -----------------------------------------------------------------------------
 # the learning-rate sweep
 
+def gain_history(results):
+    """Markdown: for each geometry arm (optimizer, method), per seed, how many candidate layers
+    were sent in geometry-aware coordinates at the first logged step and at every logged step
+    where that changed ("step:count"), and how many distinct layers ever were."""
+    arms = {}
+    for r in results:
+        if r.get("geometry") and not r.get("sweep"):
+            arms.setdefault((r["optimizer"], r["comm"]), []).append(r)
+    lines = ["| optimizer | method | per seed: step:count at each change | layers ever |",
+             "| --- | --- | --- | --- |"]
+    for (optimizer, comm), runs in sorted(arms.items()):
+        per_seed, ever = [], set()
+        for r in sorted(runs, key=lambda r: r["seed"]):
+            counts = [(step, len(names)) for step, names in r["geometry"]]
+            changes = [f"{step}:{n}" for k, (step, n) in enumerate(counts)
+                       if k == 0 or n != counts[k - 1][1]]
+            per_seed.append(f"{r['seed']}: {' → '.join(changes)}")
+            ever |= {name for _, names in r["geometry"] for name in names}
+        lines.append(f"| {optimizer} | {comm} | {'; '.join(per_seed)} | {len(ever)} |")
+    return "\n".join(lines) + "\n" if arms else ""
+
+
 def parse_sweep(text, optimizers):
     """--sweep FLAG=V1,V2,... -> (flag, [value texts]); a message naming the fix otherwise."""
     flag, _, values = text.partition("=")
@@ -800,7 +822,12 @@ def main(argv=None):
     parser, args, extra = parse_args(argv)
     if args.table:
         try:
-            print(table(json.load(open(args.table)), args.reference or "fp8"), end="")
+            results = json.load(open(args.table))
+            print(table(results, args.reference or "fp8"), end="")
+            history = gain_history(results)
+            if history:
+                print("\nCandidate layers in geometry-aware coordinates (logged steps):\n")
+                print(history, end="")
         except (OSError, ValueError) as e:
             parser.error(f"--table {args.table}: {e}")
         return
