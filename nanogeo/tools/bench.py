@@ -7,7 +7,7 @@ Benchmarks of the collective and of GeoFP8's compute cost. Not tests: numbers fo
     torchrun --standalone --nproc_per_node=2 -m nanogeo.tools.bench fsdp [--checkpoint out/ablate/fp32/adamw/ranks2/seed1337/ckpt.pt]
     python -m nanogeo.tools.bench codec [--preset llama-600m --world 8 --iters 5]
     torchrun --standalone --nproc_per_node=2 -m nanogeo.tools.bench accumulation [--seeds 0,1,2 --steps 30]
-    python -m nanogeo.tools.bench step --preset cpu-tiny [--steps 3]     # one thread: OMP_NUM_THREADS=1
+    OMP_NUM_THREADS=1 python -m nanogeo.tools.bench step [--preset cpu-tiny --steps 10]
 
 collective: each method on one bucket of N million fp32 gradient elements, shaped as square-ish
   matrices (so GeoFP8 has something to rotate), timed with a per-stage breakdown (rotate =
