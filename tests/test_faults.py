@@ -21,6 +21,21 @@ def workers_at(step, world=2, shape=(48, 64)):
     return [[U @ V.T + 0.1 * torch.randn(*shape, generator=g)] for _ in range(world)]
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_all_finite_sees_one_bad_element_anywhere(bad):
+    """agreement.all_finite reads each tensor's (min, max): one NaN, +inf or -inf at any position
+    (vectorised body or tail, first or last) of any tensor, in fp32 or bf16, makes it False."""
+    for dtype in (torch.float32, torch.bfloat16):
+        tensors = [torch.randn(5, 7).to(dtype), torch.randn(1037).to(dtype), torch.zeros(0)]
+        assert bool(agreement.all_finite(tensors))
+        for i, t in enumerate(tensors[:2]):
+            for position in (0, 1, 15, 16, 17, t.numel() // 2, t.numel() - 1):
+                broken = [u.clone() for u in tensors]
+                broken[i].view(-1)[position] = bad
+                assert not bool(agreement.all_finite(broken)), (dtype, i, position)
+    assert bool(agreement.all_finite([])) and bool(agreement.all_finite([torch.zeros(0)]))
+
+
 @pytest.mark.parametrize("geometry", ["subspace", "geofp8", "hadamard"])
 def test_a_non_finite_step_does_not_poison_the_geometry_or_the_residuals(geometry):
     """An inf gradient on a refresh step: that step's mean is inf (the optimizer skips it), but

@@ -127,7 +127,8 @@ class ProductionCommunicator(compress.Communicator):
         (tensors,), opts = coords, self.opts
         if opts.collective == "fp8-sum":
             means, nbytes, local, saturated = fp8sum.all_reduce_fp8_sum(
-                tensors, opts.fmt, self.group, opts.sum_order, self._local_scales())
+                tensors, opts.fmt, self.group, opts.sum_order, self._local_scales(),
+                self._profiling())
             self._count_saturation(saturated)
             return means, nbytes, [local]
         means, nbytes, *local = collective.all_reduce_mean(
@@ -139,7 +140,7 @@ class ProductionCommunicator(compress.Communicator):
         opts = self.opts
         if opts.collective == "fp8-sum":
             means, nbytes, local, saturated = fp8sum.simulate_fp8_sum(
-                coords, opts.fmt, opts.sum_order, self._local_scales())
+                coords, opts.fmt, opts.sum_order, self._local_scales(), self._profiling())
             self._count_saturation(saturated)
             return means, nbytes, local
         means, nbytes, *local = collective.simulate_mean(
@@ -155,11 +156,15 @@ class ProductionCommunicator(compress.Communicator):
 
     # -- the paper's profiled selection ------------------------------------------------------------
 
+    def _profiling(self):
+        """Is the fragility profile taken this step? During the warmup for select="fragile",
+        always in Euclidean mode (nanogeo.tools.profile)."""
+        warmup = self.opts.select == "fragile" and self.step < self.opts.geo_warmup
+        return warmup or self.opts.geometry == "euclidean"
+
     def _count_saturation(self, saturated):
-        """Add up the fragility profile: during the warmup for select="fragile", always in
-        Euclidean mode (nanogeo.tools.profile). Stays on the device: no host sync."""
-        profiling = self.opts.select == "fragile" and self.step < self.opts.geo_warmup
-        if profiling or self.opts.geometry == "euclidean":
+        """Add up the fragility profile (None: not taken). On the device: no host sync."""
+        if saturated is not None:
             self.saturation = saturated if self.saturation is None else self.saturation + saturated
             self.saturation_steps += 1
 

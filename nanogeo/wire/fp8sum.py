@@ -99,11 +99,13 @@ def saturated_fraction(summed, tensors, fmt):
     return torch.stack([(m >= fmax).float().mean() for m in magnitudes])
 
 
-def all_reduce_fp8_sum(tensors, fmt="e5m2", group=None, order="ring", local_scales=False):
+def all_reduce_fp8_sum(tensors, fmt="e5m2", group=None, order="ring", local_scales=False,
+                       score=True):
     """The paper's collective: returns (means, bytes_sent, local, saturated).
 
     local: this rank's own round trip (its codes decoded with its scale), for error feedback.
-    saturated: (T,) fraction of each tensor's summed codes at +-max (the fragility profile).
+    saturated: (T,) fraction of each tensor's summed codes at +-max (the fragility profile);
+    None with score=False (it reads every code again: 80 ms of the CPU demo's step).
     local_scales=True reproduces the published defect: every rank encodes with and decodes by
     its OWN amax (no MAX all-reduce), so the ranks decode the same sum into different means."""
     world = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -130,7 +132,7 @@ def all_reduce_fp8_sum(tensors, fmt="e5m2", group=None, order="ring", local_scal
         summed = fp8_sum(gathered.view(world, -1), dtype, order)
     means = fp8_sum_decode(summed, tensors, scales, fmt, world)
     sent = wire_bytes(codes.numel(), len(tensors), world, local_scales)
-    return means, sent, local, saturated_fraction(summed, tensors, fmt)
+    return means, sent, local, saturated_fraction(summed, tensors, fmt) if score else None
 
 
 def wire_bytes(numel, num_tensors, world, local_scales=False):
@@ -140,7 +142,7 @@ def wire_bytes(numel, num_tensors, world, local_scales=False):
     return compress.ring_allreduce_bytes(numel, 1, world) + scales
 
 
-def simulate_fp8_sum(worker_tensors, fmt="e5m2", order="ring", local_scales=False):
+def simulate_fp8_sum(worker_tensors, fmt="e5m2", order="ring", local_scales=False, score=True):
     """The numerics of all_reduce_fp8_sum for W workers in one process - exactly those of its
     gloo emulation (NCCL adds in its own chunk order and algorithm). Returns (means
     as worker 0 decodes them, bytes per rank, per-worker local round trips, saturated)."""
@@ -155,4 +157,5 @@ def simulate_fp8_sum(worker_tensors, fmt="e5m2", order="ring", local_scales=Fals
     means = fp8_sum_decode(summed, worker_tensors[0], scales[0], fmt, world)
     local = [list(ts) for ts in zip(*fp8_sum_decode(codes, stacked, scales, fmt))]
     sent = wire_bytes(codes.shape[1], len(worker_tensors[0]), world, local_scales)
-    return means, sent, local, saturated_fraction(summed, worker_tensors[0], fmt)
+    saturated = saturated_fraction(summed, worker_tensors[0], fmt) if score else None
+    return means, sent, local, saturated
