@@ -2,12 +2,12 @@
 Benchmarks of the collective and of GeoFP8's compute cost. Not tests: numbers for BENCHMARKS.md.
 
     torchrun --standalone --nproc_per_node=2 -m nanogeo.tools.bench collective [--sizes 1,4,16] [--iters 5] [--compile]
-    python -m nanogeo.tools.bench overhead [--steps 10]
+    python -m nanogeo.tools.bench overhead [--steps 10 --batch_size 8 --block_size 128]
     python -m nanogeo.tools.bench flops [--preset llama-600m --tokens 8192 --geo_rank 16 --refresh 1,4]
     torchrun --standalone --nproc_per_node=2 -m nanogeo.tools.bench fsdp [--checkpoint out/ablate/fp32/adamw/ranks2/seed1337/ckpt.pt]
     python -m nanogeo.tools.bench codec [--preset llama-600m --world 8 --iters 5]
     torchrun --standalone --nproc_per_node=2 -m nanogeo.tools.bench accumulation [--seeds 0,1,2 --steps 30]
-    OMP_NUM_THREADS=1 python -m nanogeo.tools.bench step [--preset cpu-tiny --steps 10]
+    OMP_NUM_THREADS=1 python -m nanogeo.tools.bench step [--preset cpu-tiny --steps 10 --batch_size 8 --block_size 128]
 
 collective: each method on one bucket of N million fp32 gradient elements, shaped as square-ish
   matrices (so GeoFP8 has something to rotate), timed with a per-stage breakdown (rotate =
@@ -26,9 +26,9 @@ accumulation: gradient accumulation through the DDP hook, with and without DDP's
   restarts with probability 1/8) with a byte-level GPT-2 (nanogeo.tools.bytegpt, hidden 128, 2 layers),
   AdamW lr 2e-3, 2 micro-steps per step: final loss per seed and the largest step-to-step rise.
 step: where one rank's training step goes on the CPU, without communication: forward, backward
-  and a plain AdamW step of a preset (default cpu-tiny) on 8 x 128 random tokens, timed, then
-  profiled: its time per step by torch op (the profiler's self time; matrix products, the loss's
-  log-softmax, the optimizer's elementwise ops).
+  and a plain AdamW step of a preset (default cpu-tiny) on 8 x 128 random tokens (--batch_size x
+  --block_size), timed, then profiled: its time per step by torch op (the profiler's self time;
+  matrix products, the loss's log-softmax, the optimizer's elementwise ops).
 codec: the two-stage collective's codec work on one rank, per DDP bucket (25 MB, the preset's
   parameters in reverse order), packed (one encode / decode call per bucket and stage) against
   one call per piece: codec calls per step (counted), torch ops that do work (about the kernel
@@ -489,6 +489,8 @@ def main(argv=None):
     parser.add_argument("--refresh", default="1,4", help="basis refresh intervals to try")
     parser.add_argument("--preset", default=None, help="default: llama-600m (step: cpu-tiny)")
     parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--batch_size", type=int, default=8, help="step and overhead modes")
+    parser.add_argument("--block_size", type=int, default=128, help="step and overhead modes")
     parser.add_argument("--geo_rank", type=int, default=16, help="r (the GeoOptions default)")
     parser.add_argument("--world", type=int, default=8, help="codec mode: W")
     parser.add_argument("--seeds", default="0,1,2", help="accumulation mode")
@@ -525,10 +527,11 @@ def main(argv=None):
         result = codec_launches(args.preset or "llama-600m", args.world, args.iters)
         print(json.dumps(result, indent=1))
     elif args.mode == "step":
-        result = step_profile(args.preset or "cpu-tiny", args.steps)
+        result = step_profile(args.preset or "cpu-tiny", args.steps, args.batch_size, args.block_size)
         print(json.dumps(result, indent=1))
     elif args.mode == "overhead":
-        result = [measure_overhead(args.steps, refresh=r, geo_rank=args.geo_rank)
+        result = [measure_overhead(args.steps, batch_size=args.batch_size,
+                                   block_size=args.block_size, refresh=r, geo_rank=args.geo_rank)
                   for r in (int(x) for x in args.refresh.split(","))]
         print(json.dumps(result, indent=1))
     else:
