@@ -24,8 +24,9 @@ def workers_at(step, world=2, shape=(48, 64)):
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_all_finite_sees_one_bad_element_anywhere(bad):
     """agreement.all_finite reads each tensor's (min, max): one NaN, +inf or -inf at any position
-    (vectorised body or tail, first or last) of any tensor, in fp32 or bf16, makes it False."""
-    for dtype in (torch.float32, torch.bfloat16):
+    (vectorised body or tail, first or last) of any tensor, in fp32, bf16 or fp16, makes it
+    False; also in a list that mixes dtypes."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
         tensors = [torch.randn(5, 7).to(dtype), torch.randn(1037).to(dtype), torch.zeros(0)]
         assert bool(agreement.all_finite(tensors))
         for i, t in enumerate(tensors[:2]):
@@ -34,6 +35,10 @@ def test_all_finite_sees_one_bad_element_anywhere(bad):
                 broken[i].view(-1)[position] = bad
                 assert not bool(agreement.all_finite(broken)), (dtype, i, position)
     assert bool(agreement.all_finite([])) and bool(agreement.all_finite([torch.zeros(0)]))
+    mixed = [torch.randn(33).bfloat16(), torch.randn(40)]
+    assert bool(agreement.all_finite(mixed))
+    mixed[0][32] = bad
+    assert not bool(agreement.all_finite(mixed))
 
 
 @pytest.mark.parametrize("geometry", ["subspace", "geofp8", "hadamard"])

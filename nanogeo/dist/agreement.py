@@ -12,14 +12,17 @@ identical on every rank, so every rank takes the same branch and enters the same
 """
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 
 def all_finite(tensors):
-    """A bool tensor on the device: every element of every tensor finite (no host sync).
-    Each tensor's (min, max) in one pass: a NaN anywhere makes both NaN, +inf is the max and
-    -inf the min, so only 2 numbers a tensor are tested. (isfinite(t).all() gives the same
-    answer but writes a bool for every element: 8x slower on CPU, 130 ms of the demo's step.)"""
-    tensors = list(tensors)
+    """A bool tensor on the device: every element of every tensor finite (no host sync). This
+    rank's elements only: a DTensor is read through its local shard, and callers combine the
+    ranks' flags in one all-reduce. Each tensor's (min, max) in one pass: a NaN anywhere makes
+    both NaN, +inf is the max and -inf the min, so only 2 numbers a tensor are tested
+    (isfinite(t).all() gives the same answer but writes a bool for every element: 8x slower on
+    CPU, BENCHMARKS.md section 1). Real floating-point tensors (aminmax takes no complex)."""
+    tensors = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
     ends = [torch.stack(torch.aminmax(t)) for t in tensors if t.numel()]
     if not ends:
         return torch.ones((), dtype=torch.bool, device=tensors[0].device if tensors else None)

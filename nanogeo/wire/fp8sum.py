@@ -105,7 +105,7 @@ def all_reduce_fp8_sum(tensors, fmt="e5m2", group=None, order="ring", local_scal
 
     local: this rank's own round trip (its codes decoded with its scale), for error feedback.
     saturated: (T,) fraction of each tensor's summed codes at +-max (the fragility profile);
-    None with score=False (it reads every code again: 80 ms of the CPU demo's step).
+    None with score=False, for the steps that do not profile (the score reads every code again).
     local_scales=True reproduces the published defect: every rank encodes with and decodes by
     its OWN amax (no MAX all-reduce), so the ranks decode the same sum into different means."""
     world = dist.get_world_size(group) if dist.is_initialized() else 1
