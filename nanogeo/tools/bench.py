@@ -177,7 +177,7 @@ def measure_overhead(steps, preset="cpu-tiny", batch_size=8, block_size=128, ref
     torch.manual_seed(0)
     cfg = model_lib.model_config(preset, block_size=block_size)
     net = model_lib.Llama(cfg)
-    x = torch.randint(0, 50257, (batch_size, block_size))
+    x = torch.randint(0, cfg.vocab_size, (batch_size, block_size))
     named = [(n, p.shape) for n, p in net.named_parameters()]
 
     def fwd_bwd():
@@ -487,7 +487,8 @@ def main(argv=None):
     parser.add_argument("--methods", default="fp32,bf16,fp8,subspace,nvfp4")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--refresh", default="1,4", help="basis refresh intervals to try")
-    parser.add_argument("--preset", default=None, help="default: llama-600m (step: cpu-tiny)")
+    parser.add_argument("--preset", default=None,
+                        help="default: llama-600m (step and overhead: cpu-tiny)")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--batch_size", type=int, default=8, help="step and overhead modes")
     parser.add_argument("--block_size", type=int, default=128, help="step and overhead modes")
@@ -530,8 +531,8 @@ def main(argv=None):
         result = step_profile(args.preset or "cpu-tiny", args.steps, args.batch_size, args.block_size)
         print(json.dumps(result, indent=1))
     elif args.mode == "overhead":
-        result = [measure_overhead(args.steps, batch_size=args.batch_size,
-                                   block_size=args.block_size, refresh=r, geo_rank=args.geo_rank)
+        result = [measure_overhead(args.steps, args.preset or "cpu-tiny", args.batch_size,
+                                   args.block_size, refresh=r, geo_rank=args.geo_rank)
                   for r in (int(x) for x in args.refresh.split(","))]
         print(json.dumps(result, indent=1))
     else:
