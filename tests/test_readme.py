@@ -71,7 +71,7 @@ TOY = {
     "torchrun --standalone --nproc_per_node=2 -m nanogeo.tools.bench fsdp --checkpoint "
     "out/ablate/fp32/adamw/ranks2/seed1337/ckpt.pt --steps 12": "--steps 2 --last 1",
     "python -m nanogeo.tools.smoke --out smoke.json":
-        Skip("run as written (at toy size) by test_tools.py::test_smoke_test_runs_on_cpu"),
+        Skip("its main(), toy size: test_tools.py::test_smoke_test_runs_on_cpu"),
     "torchrun --nnodes=N --nproc_per_node=4 --rdzv-backend=c10d --rdzv-endpoint=HOST0:29500 "
     "--rdzv-id=myrun train.py --preset=llama-600m --comm=geofp8 --out_dir=/shared/runs/geo":
         TRAIN_CHARS + " --out_dir=runs/geo",     # on one node: N=1, HOST0=127.0.0.1 (NODES)

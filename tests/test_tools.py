@@ -2,14 +2,12 @@
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import ROOT, free_port, run_ranks
+from conftest import run_ranks
 from nanogeo.tools import bench, capture, study
 
 
@@ -270,19 +268,17 @@ def test_vocabulary_mismatch_is_refused(tmp_path):
         raise AssertionError("expected a vocabulary error")
 
 
+def smoke_rank(rank, world_size, out):
+    from nanogeo.tools import smoke
+    smoke.main(["--preset=cpu-tiny", "--numel=5000", "--iters=1", "--batch_size=2",
+                "--block_size=16", f"--out={out}"])
+
+
 def test_smoke_test_runs_on_cpu(tmp_path):
-    """The GPU smoke script's checks pass on CPU (gloo instead of NCCL, no CUDA stream). Run as
-    the README writes it (at toy size), so tests/test_readme.py does not run it a second time."""
+    """The GPU smoke script's checks pass on CPU (gloo instead of NCCL, no CUDA stream): its
+    main() with the README's line at toy size, so tests/test_readme.py does not run it again."""
     out = str(tmp_path / "smoke.json")
-    toy = ["--preset=cpu-tiny", "--numel=5000", "--iters=1", "--batch_size=2", "--block_size=16"]
-    for attempt in range(2):      # once more after a signal: gloo's rare abort (conftest.run_ranks)
-        env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(free_port()))
-        done = subprocess.run([sys.executable, "-m", "nanogeo.tools.smoke", "--out", out, *toy],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-        if done.returncode >= 0:
-            break
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    run_ranks(smoke_rank, 1, out)
     with open(out) as f:
         result = json.load(f)
     assert result["nccl"]["uint8_all_to_all"] and result["nccl"]["uint8_all_gather"]
