@@ -472,7 +472,7 @@ def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, return_local=Fal
                     layout=None, streams=None, timer=NO_TIMER):
     """The mean of `tensors` over the process group, through the two-stage FP8 collective.
 
-    Returns (means, bytes_sent) - or (means, bytes_sent, local) with return_local, where local
+    Returns (means, nbytes) - or (means, nbytes, local) with return_local, where local
     is this rank's own stage-1 reconstruction (for error feedback). Bit-identical on all ranks.
     Production passes its forms in: `layout` (packed stages, NVFP4), `streams(rank, stage)`
     (a torch.Generator: stochastic rounding from that stream) and `timer` (bench's stages).
@@ -485,7 +485,7 @@ def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, return_local=Fal
     local = decode_shards(send, layout) if return_local else None
     if world == 1:
         shard = reduce_shard(send, layout, 0, stochastic, stream(me, 2))
-        means, sent = decode_shards(shard, layout), 0
+        means, nbytes = decode_shards(shard, layout), 0
     else:
         own = layout.nbytes[me]
         recv = send.new_empty(world * own)                  # the W copies of this rank's shard
@@ -499,8 +499,8 @@ def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, return_local=Fal
             all_gather_flat(gathered.view(-1), own_mean, group=group)
         with timer.stage("decode"):
             means = decode_shards(gathered.view(-1), layout, stride=gathered.shape[1])
-        sent = collective_bytes(layout, me)
-    return (means, sent, local) if return_local else (means, sent)
+        nbytes = collective_bytes(layout, me)
+    return (means, nbytes, local) if return_local else (means, nbytes)
 
 
 def simulate_mean(worker_tensors, fmt="e4m3", block=128, return_local=False, layout=None,
@@ -516,10 +516,10 @@ def simulate_mean(worker_tensors, fmt="e4m3", block=128, return_local=False, lay
     shards = [reduce_shard(received[j].reshape(-1), layout, j, stochastic, stream(j, 2))
               for j in range(world)]
     means = decode_shards(torch.cat(shards), layout)
-    sent = 0 if world == 1 else sum(collective_bytes(layout, i) for i in range(world)) / world
+    nbytes = 0 if world == 1 else sum(collective_bytes(layout, i) for i in range(world)) / world
     if return_local:
-        return means, sent, decode_ranks(sends, layout)
-    return means, sent
+        return means, nbytes, decode_ranks(sends, layout)
+    return means, nbytes
 
 
 def encode_ranks(worker_tensors, layout, streams=None):
@@ -1567,7 +1567,7 @@ class Communicator:
             for grads in worker_grads:
                 g = grads[self.index[n]].float()
                 errors.append(seen(self._round_trip(g) - g))
-                errors += [seen(self._sent(layer, g, sides) - g) for sides in variants]
+                errors += [seen(self._through_codec(layer, g, sides) - g) for sides in variants]
         errors = torch.stack(errors).double().view(len(layers), len(worker_grads), -1).sum(1)
         self._sum_over_ranks(errors)
         return errors.cpu()                                 # one transfer per measurement
@@ -1581,7 +1581,7 @@ class Communicator:
                 and issubclass(self.kind, SubspaceLayer))
         return ("both", "right") if auto else (None,)
 
-    def _sent(self, layer, g, sides=None):
+    def _through_codec(self, layer, g, sides=None):
         """g through the codec in the layer's coordinates (sides=None) or in those of a
         rotation of `sides`, back in original coordinates."""
         if sides is None:

@@ -262,12 +262,13 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
                    if self.comm.layers[n].row_local}
         names = [n for n in names if n not in decoded]
         layers = [self.comm.layers[n] for n in names]
-        H = swap_entries_rows([(means[n], l.swaps_for(l.transform), blocks[n])
-                               for n, l in zip(names, layers)])
-        G = decode_geo_rows([(h, *l.transform, blocks[n]) for h, n, l in zip(H, names, layers)])
-        for l in layers:  # the two small all-reduces' bytes (ring estimate), for logging
-            small = (l.r * l.shape[1] if l.transform[0] is not None else 0) + \
-                (2 * l.swaps[0].numel() if l.swaps_for(l.transform) is not None else 0)
+        H = swap_entries_rows([(means[n], layer.swaps_for(layer.transform), blocks[n])
+                               for n, layer in zip(names, layers)])
+        G = decode_geo_rows([(h, *layer.transform, blocks[n])
+                             for h, n, layer in zip(H, names, layers)])
+        for layer in layers:  # the two small all-reduces' bytes (ring estimate), for logging
+            small = (layer.r * layer.shape[1] if layer.transform[0] is not None else 0) + \
+                (2 * layer.swaps[0].numel() if layer.swaps_for(layer.transform) is not None else 0)
             self.geometry_bytes += compress.ring_allreduce_bytes(small, 4, world)
         return {**decoded, **dict(zip(names, G))}
 

@@ -108,7 +108,7 @@ class BatchedRanks:
             p.requires_grad_(False)     # only the activations' gradients flow in this pass
         try:
             logits, _ = self.model(torch.cat(xs))                           # (n B, T, vocab)
-            losses = [self.loss_fn(l, y) for l, y in zip(logits.split(len(xs[0])), ys)]
+            losses = [self.loss_fn(out, y) for out, y in zip(logits.split(len(xs[0])), ys)]
             torch.stack([loss / grad_accum for loss in losses]).sum().backward()
         finally:
             for handle in handles:
