@@ -31,3 +31,20 @@ python -m nanogeo.tools.study --comms fp8,fp8-ef,geofp8,subspace,hadamard --seed
 python -m nanogeo.tools.study --comms fp8-paper,fp8-paper-ef,geofp8-paper,subspace-paper,hadamard-paper --seeds 0,1,2 $STUDY
 # 6 seeds for the rows of the answer table
 python -m nanogeo.tools.study --comms fp32,bf16,fp8,nvfp4,hadamard-nvfp4,subspace-nvfp4 --seeds 0,1,2,3,4,5 $STUDY
+
+# W = 64, Muon only: does the geometries' room grow with many workers? Muon tuned with fp32 at
+# W = 64 first (around W = 32's best), then the 4-bit arms, then FP8 on both collectives.
+case ",$OPTIMIZERS," in *,muon,*)
+python -m nanogeo.tools.study --sweep muon_lr=1e-2,3e-2,6e-2 --optimizers muon ${SWEEP/--workers 32/--workers 64}
+W64="${STUDY/--workers 32/--workers 64}"
+W64="${W64/--optimizers $OPTIMIZERS/--optimizers muon}"
+python -m nanogeo.tools.study --comms fp32,nvfp4,subspace-nvfp4,geo-nvfp4 --seeds 0,1,2 $W64
+python -m nanogeo.tools.study --comms fp8,fp8-paper,subspace-paper,hadamard-nvfp4 --seeds 0,1,2 $W64 ;; esac
+
+# 1,000 steps, 2 seeds: is the answer a 300-step artefact? fp32, the recommended FP8 arm and the
+# best 4-bit arm of each optimizer (warm-up and cosine as in the 300-step runs, over 1,000 steps)
+LONG="${STUDY/--max_iters=300 --eval_interval=300/--max_iters=1000 --eval_interval=1000}"
+case ",$OPTIMIZERS," in *,muon,*)
+python -m nanogeo.tools.study --comms fp32,fp8,geo-nvfp4 --seeds 0,1 ${LONG/--optimizers $OPTIMIZERS/--optimizers muon} ;; esac
+case ",$OPTIMIZERS," in *,adamw,*)
+python -m nanogeo.tools.study --comms fp32,fp8,nvfp4 --seeds 0,1 ${LONG/--optimizers $OPTIMIZERS/--optimizers adamw} ;; esac
