@@ -119,7 +119,6 @@ FP8_FORMATS = {  # name -> (torch dtype, largest finite value)
 }
 FORMATS = ("e4m3", "e5m2", "nvfp4")   # nvfp4: 4-bit values (a production codec, see above)
 NVFP4_BLOCK = 16        # NVFP4 always scales blocks of 16 values; `block` does not apply to it
-FP8_MAX_CODE = {torch.float8_e4m3fn: 0x7E, torch.float8_e5m2: 0x7B}  # largest finite magnitude
 FP32_MAX = torch.finfo(torch.float32).max
 
 
@@ -191,18 +190,20 @@ def wire_nbytes(shape, fmt, block):
     return 4 * num_groups(shape, block) + numel  # fp32 scale per group + one byte per value
 
 
-def quantize(x, fmt="e4m3", block=128, stochastic=False, generator=None) -> Quantized:
+def quantize(x, fmt="e4m3", block=128, encode=None) -> Quantized:
     """Quantize x into one uint8 wire buffer.
 
     Each group (block of `block` flattened elements, a row, or the whole tensor) gets scale
-    s = fmax / amax; values are cast as torch casts x * s (or stochastically), saturated at
-    +-fmax. Wire: [s per group, fp32][one fp8 byte per element].
+    s = fmax / amax; values are cast as torch casts x * s, saturated at +-fmax. Wire: [s per
+    group, fp32][one fp8 byte per element]. `encode`: fp8_encode unless production passes its
+    stochastic rounding in (nanogeo/wire/packing.py).
     """
     check_fp8(fmt, block)
     numel = x.numel()
     if numel == 0:
         return Quantized(torch.empty(0, dtype=torch.uint8, device=x.device), x.shape, fmt, block)
-    scale, codes = encode_groups(scale_groups(x, block), fmt, stochastic, generator)
+    dtype, fmax = FP8_FORMATS[fmt]
+    scale, codes = (encode or fp8_encode)(scale_groups(x, block), fmax, dtype)
     buffer = torch.cat([scale.view(torch.uint8), codes.reshape(-1)[:numel]])
     return Quantized(buffer, x.shape, fmt, block)
 
@@ -271,24 +272,22 @@ class Piece:
 
 
 class ShardLayout:
-    """How a bucket of tensors is cut into W shards. Rank j owns, of every tensor, the j-th
-    contiguous range of its scale groups (blocks or rows). With "tensor" scaling each tensor is
-    cut into W equal ranges, each with one scale (a single scale per tensor would force one rank
-    to own the whole tensor and unbalance the all_gather). Tensors with fewer groups than ranks
-    are spread by rotating which rank gets the remainder. The layout depends only on the shapes,
-    so every rank computes the same one.
+    """How a bucket of tensors is cut into W shards, and the three stages on it. Rank j owns, of
+    every tensor, the j-th contiguous range of its scale groups (blocks or rows). With "tensor"
+    scaling each tensor is cut into W equal ranges, each with one scale (a single scale per
+    tensor would force one rank to own the whole tensor and unbalance the all_gather). Tensors
+    with fewer groups than ranks are spread by rotating which rank gets the remainder. The
+    layout depends only on the shapes, so every rank computes the same one.
 
-    The stages below run piece by piece. `packing` (the production Packing class, passed in)
-    runs each stage on the whole bucket in one codec call instead, with the same bytes and
-    means, bit for bit; it applies to integer blocks."""
+    The stages run piece by piece, through this file's FP8 codec. Production's layouts
+    (nanogeo/wire) subclass it: each stage on the whole bucket in one codec call (packed), NVFP4,
+    stochastic rounding - with the same bytes and means, bit for bit."""
 
-    def __init__(self, shapes, fmt, block, world_size, pieces=None, packing=None):
+    def __init__(self, shapes, fmt, block, world_size, pieces=None):
         check_codec(fmt, block)
-        block = NVFP4_BLOCK if fmt == "nvfp4" else block
         self.shapes, self.fmt, self.world_size = [tuple(s) for s in shapes], fmt, world_size
-        self.block = block
-        self.pieces = self._cut(block) if pieces is None else pieces
-        self.packing = packing(self) if packing and isinstance(block, int) else None
+        self.block = NVFP4_BLOCK if fmt == "nvfp4" else block
+        self.pieces = self._cut(self.block) if pieces is None else pieces
         self.nbytes = [sum(map(self.piece_nbytes, pieces)) for pieces in self.pieces]
 
     def _cut(self, block):
@@ -314,18 +313,78 @@ class ShardLayout:
                 pieces[j].append(Piece(t, start, end, piece_shape, piece_block))
         return pieces
 
-    # one piece through the codec (FP8 here; the production NVFP4 layout overrides these three)
+    # -- one piece through the codec --------------------------------------------------------------
+
     def piece_nbytes(self, p):
         """Wire bytes of one piece."""
-        if self.packing:
-            return self.packing.piece_nbytes(p)
         return wire_nbytes(p.shape, self.fmt, p.block)
 
-    def quantize_piece(self, values, p, stochastic=False, generator=None):
-        return quantize(values.view(p.shape), self.fmt, p.block, stochastic, generator)
+    def quantize_piece(self, values, p, stream=None):
+        """`stream` (rank, stage): whose rounding this is (a stochastic layout draws from that
+        rank's and stage's random stream; here: to nearest)."""
+        return quantize(values.view(p.shape), self.fmt, p.block)
 
     def dequantize_piece(self, buffer, p):
         return dequantize(Quantized(buffer, p.shape, self.fmt, p.block))
+
+    def decode_pieces(self, buffer, pieces):
+        """The fp32 values of each piece packed in one buffer, in order (one call per piece)."""
+        out, offset = [], 0
+        for p in pieces:
+            nbytes = self.piece_nbytes(p)
+            out.append(self.dequantize_piece(buffer[offset: offset + nbytes], p))
+            offset += nbytes
+        return out
+
+    # -- the three stages ---------------------------------------------------------------------------
+
+    def encode(self, flats, rank=0):
+        """Stage 1 on `rank`: its flat fp32 tensors -> one uint8 buffer, the W destination
+        ranks' shards back to back (shard j is nbytes[j] bytes)."""
+        return torch.cat([self.quantize_piece(flats[p.tensor][p.start:p.end], p, (rank, 1)).buffer
+                          for pieces in self.pieces for p in pieces])
+
+    def sum_copies(self, received, shard):
+        """Decode the W received copies of one shard (back to back in `received`, in source-rank
+        order) and sum them in fp32, always in the same order: the simulator and every rank sum
+        identically. Returns one flat fp32 tensor per piece of the shard."""
+        total = None
+        for one_copy in received.split(self.nbytes[shard]):
+            values = [v.reshape(-1) for v in self.decode_pieces(one_copy, self.pieces[shard])]
+            total = values if total is None else [a + b for a, b in zip(total, values)]
+        return total
+
+    def reduce(self, received, shard):
+        """Stage 2, on the rank that owns `shard`: sum_copies, divide by W, re-quantize.
+        Returns the shard's bytes."""
+        parts = [self.quantize_piece(v / self.world_size, p, (shard, 2)).buffer
+                 for v, p in zip(self.sum_copies(received, shard), self.pieces[shard])]
+        return torch.cat(parts) if parts else received.new_empty(0)
+
+    def decode(self, buffer, stride=None):
+        """Stage 3: the W shards' bytes (shard j at j * stride, or back to back as stage 1
+        wrote them if stride=None) -> the bucket's values, flat fp32 in tensor order."""
+        starts = [0]
+        for shape in self.shapes:
+            starts.append(starts[-1] + math.prod(shape))
+        flat, offset = torch.zeros(starts[-1], device=buffer.device), 0
+        for j, pieces in enumerate(self.pieces):
+            offset = j * stride if stride is not None else offset
+            shard = buffer[offset: offset + self.nbytes[j]]
+            for p, values in zip(pieces, self.decode_pieces(shard, pieces)):
+                flat[starts[p.tensor] + p.start: starts[p.tensor] + p.end] = values.reshape(-1)
+            offset += self.nbytes[j]
+        return flat
+
+    # the simulator's stage 1 for all W ranks, and their own round trips (a packed layout:
+    # one codec call for all of them)
+    def encode_ranks(self, rank_flats):
+        """(W, bytes): row i = encode(rank_flats[i], i)."""
+        return torch.stack([self.encode(flats, i) for i, flats in enumerate(rank_flats)])
+
+    def decode_ranks(self, sends):
+        """(W, values): row i = decode(sends[i])."""
+        return torch.stack([self.decode(send) for send in sends])
 
 
 @functools.lru_cache(maxsize=64)
@@ -335,101 +394,26 @@ def shard_layout(shapes, fmt, block, world_size):
     return ShardLayout(shapes, fmt, block, world_size)
 
 
-def encode_groups(groups, fmt, stochastic=False, generator=None):
-    """(G, L) fp32 -> scales (G,) fp32 and codes (G, L) uint8, for e4m3 / e5m2."""
-    dtype, fmax = FP8_FORMATS[fmt]
-    if stochastic:
-        scale, y = fp8_scale(groups, fmax)
-        return scale, stochastic_fp8(y, dtype, generator).view(torch.uint8)
-    return fp8_encode(groups, fmax, dtype)
-
-
-def stochastic_fp8(y, dtype, generator=None):
-    """Cast y (within the format's range) to FP8 stochastically: to one of its two neighbours,
-    with probability proportional to closeness, so E[decode] = y (unbiased; more variance than
-    rounding to nearest). The stream: `generator` (production gives every rank and stage
-    its own, and the simulator the same ones)."""
-    nearest = y.to(dtype)
-    # the other neighbour: one step from `nearest` on the far side of y, found by stepping the
-    # 7-bit magnitude code (fp8 magnitudes are ordered like their codes)
-    near_val = nearest.float()
-    mag = (nearest.view(torch.uint8) & 0x7F).int()
-    overshoot = near_val.abs() > y.abs()
-    other_mag = torch.where(overshoot, mag - 1, (mag + 1).clamp(max=FP8_MAX_CODE[dtype])).clamp(min=0)
-    other = (other_mag | torch.where(y < 0, 0x80, 0)).to(torch.uint8).view(dtype)
-    gap = (other.float() - near_val).abs()
-    p_other = torch.where(gap > 0, (y - near_val).abs() / gap, torch.zeros_like(y))
-    draw = torch.rand(y.shape, generator=generator, device=y.device)
-    return torch.where(draw < p_other, other, nearest.view(torch.uint8).view(dtype))
-
-
-def encode_shards(tensors, layout, stochastic=False, generator=None):
-    """Stage 1: quantize this rank's tensors. Returns one uint8 buffer: the W destination
-    ranks' shards back to back (shard j is layout.nbytes[j] bytes)."""
+def encode_shards(tensors, layout, rank=0):
+    """Stage 1 of `rank`: its tensors -> one uint8 buffer, the W shards back to back."""
     flats = [t.reshape(-1).float() for t in tensors]
     if not sum(layout.nbytes):           # only empty tensors: nothing to send
         return flats[0].new_empty(0, dtype=torch.uint8)
-    if layout.packing:
-        return layout.packing.encode(flats, stochastic, generator)
-    return torch.cat([layout.quantize_piece(flats[p.tensor][p.start:p.end], p, stochastic,
-                                            generator).buffer
-                      for pieces in layout.pieces for p in pieces])
+    return layout.encode(flats, rank)
 
 
-def decode_pieces(buffer, pieces, layout):
-    """The fp32 values of each piece packed in one buffer, in order (one call per piece)."""
-    out, offset = [], 0
-    for p in pieces:
-        nbytes = layout.piece_nbytes(p)
-        out.append(layout.dequantize_piece(buffer[offset: offset + nbytes], p))
-        offset += nbytes
-    return out
-
-
-def sum_shard(received, layout, shard):
-    """Decode the W received copies of one shard (in `received`, back to back in source-rank
-    order) and sum them in fp32, always in the same order: the simulator and every rank sum
-    identically. Returns one flat fp32 tensor per piece of the shard."""
-    if layout.packing:
-        total = layout.packing.sum_copies(received, shard)
-        return layout.packing.piece_values(total, layout.pieces[shard])
-    total = None
-    for one_copy in received.split(layout.nbytes[shard]):
-        values = [v.reshape(-1) for v in decode_pieces(one_copy, layout.pieces[shard], layout)]
-        total = values if total is None else [a + b for a, b in zip(total, values)]
-    return total
-
-
-def reduce_shard(received, layout, shard, stochastic=False, generator=None):
-    """Stage 2, on the rank that owns `shard`: decode the W copies (back to back in `received`,
-    in source-rank order), sum in fp32, divide by W, re-quantize. Returns the shard's bytes."""
-    if layout.packing:
-        total = layout.packing.sum_copies(received, shard)
-        return layout.packing.requantize(total, shard, stochastic, generator)
-    parts = [layout.quantize_piece(v / layout.world_size, p, stochastic, generator).buffer
-             for v, p in zip(sum_shard(received, layout, shard), layout.pieces[shard])]
-    return torch.cat(parts) if parts else received.new_empty(0)
+def split_tensors(flat, layout):
+    """The bucket's flat fp32 values -> one tensor per shape (views)."""
+    sizes = [math.prod(s) for s in layout.shapes]
+    return [t.view(s) for t, s in zip(flat.split(sizes), layout.shapes)]
 
 
 def decode_shards(buffer, layout, stride=None):
-    """Stage 3: assemble full fp32 tensors from the W shards' bytes in `buffer` (identical on
-    all ranks): shard j at j * stride, or back to back (stage 1's send buffer) if stride=None."""
-    sizes = [math.prod(s) for s in layout.shapes]
+    """Stage 3: full fp32 tensors from the W shards' bytes in `buffer` (identical on all ranks):
+    shard j at j * stride, or back to back (stage 1's send buffer) if stride=None."""
     if not sum(layout.nbytes):
         return [torch.zeros(s, device=buffer.device) for s in layout.shapes]
-    if layout.packing:
-        flat = layout.packing.decode(buffer, stride)
-    else:
-        flat, starts, offset = torch.zeros(sum(sizes), device=buffer.device), [0], 0
-        for size in sizes:
-            starts.append(starts[-1] + size)
-        for j, pieces in enumerate(layout.pieces):
-            offset = j * stride if stride is not None else offset
-            shard = buffer[offset: offset + layout.nbytes[j]]
-            for p, values in zip(pieces, decode_pieces(shard, pieces, layout)):
-                flat[starts[p.tensor] + p.start: starts[p.tensor] + p.end] = values.reshape(-1)
-            offset += layout.nbytes[j]
-    return [t.view(s) for t, s in zip(flat.split(sizes), layout.shapes)]
+    return split_tensors(layout.decode(buffer, stride), layout)
 
 
 def collective_bytes(layout, rank):
@@ -463,29 +447,22 @@ def world_size(group=None):
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
-def no_stream(rank, stage):
-    """Rounding to nearest draws no random numbers (streams=None)."""
-    return None
-
-
 def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, return_local=False,
-                    layout=None, streams=None, timer=NO_TIMER):
+                    layout=None, timer=NO_TIMER):
     """The mean of `tensors` over the process group, through the two-stage FP8 collective.
 
-    Returns (means, nbytes) - or (means, nbytes, local) with return_local, where local
-    is this rank's own stage-1 reconstruction (for error feedback). Bit-identical on all ranks.
-    Production passes its forms in: `layout` (packed stages, NVFP4), `streams(rank, stage)`
-    (a torch.Generator: stochastic rounding from that stream) and `timer` (bench's stages).
+    Returns (means, nbytes) - or (means, nbytes, local) with return_local, where local is this
+    rank's own stage-1 reconstruction (for error feedback). Bit-identical on all ranks.
+    Production passes its forms in: `layout` (packed stages, NVFP4, stochastic rounding) and
+    `timer` (bench's stages).
     """
     world, me = world_size(group), (dist.get_rank(group) if dist.is_initialized() else 0)
     layout = layout or shard_layout(tuple(tuple(t.shape) for t in tensors), fmt, block, world)
-    stochastic, stream = streams is not None, streams or no_stream
     with timer.stage("quantize"):
-        send = encode_shards(tensors, layout, stochastic, stream(me, 1))
+        send = encode_shards(tensors, layout, me)
     local = decode_shards(send, layout) if return_local else None
     if world == 1:
-        shard = reduce_shard(send, layout, 0, stochastic, stream(me, 2))
-        means, nbytes = decode_shards(shard, layout), 0
+        means, nbytes = decode_shards(layout.reduce(send, 0), layout), 0
     else:
         own = layout.nbytes[me]
         recv = send.new_empty(world * own)                  # the W copies of this rank's shard
@@ -494,7 +471,7 @@ def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, return_local=Fal
         with timer.stage("all_to_all"):
             dist.all_to_all_single(recv, send, [own] * world, layout.nbytes, group=group)
         with timer.stage("reduce"):
-            own_mean[:own] = reduce_shard(recv, layout, me, stochastic, stream(me, 2))
+            own_mean[:own] = layout.reduce(recv, me)
         with timer.stage("all_gather"):         # row j of `gathered`: rank j's averaged shard
             all_gather_flat(gathered.view(-1), own_mean, group=group)
         with timer.stage("decode"):
@@ -503,45 +480,26 @@ def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, return_local=Fal
     return (means, nbytes, local) if return_local else (means, nbytes)
 
 
-def simulate_mean(worker_tensors, fmt="e4m3", block=128, return_local=False, layout=None,
-                  streams=None):
+def simulate_mean(worker_tensors, fmt="e4m3", block=128, return_local=False, layout=None):
     """Exactly the numerics of all_reduce_mean, in one process: worker_tensors[i] is rank i's
     list of tensors. Returns (means, bytes sent per rank on average[, per-worker local])."""
     world = len(worker_tensors)
     shapes = tuple(tuple(t.shape) for t in worker_tensors[0])
     layout = layout or shard_layout(shapes, fmt, block, world)
-    stochastic, stream = streams is not None, streams or no_stream
-    sends = encode_ranks(worker_tensors, layout, streams)      # row i: rank i's bytes
+    flats = [[t.reshape(-1).float() for t in ts] for ts in worker_tensors]
+    if not sum(layout.nbytes):          # only empty tensors
+        sends = flats[0][0].new_empty(world, 0, dtype=torch.uint8)
+    else:
+        sends = layout.encode_ranks(flats)                  # row i: rank i's bytes
     received = sends.split(layout.nbytes, dim=1)    # [j]: the W copies of shard j, (W, bytes)
-    shards = [reduce_shard(received[j].reshape(-1), layout, j, stochastic, stream(j, 2))
-              for j in range(world)]
+    shards = [layout.reduce(received[j].reshape(-1), j) for j in range(world)]
     means = decode_shards(torch.cat(shards), layout)
     nbytes = 0 if world == 1 else sum(collective_bytes(layout, i) for i in range(world)) / world
-    if return_local:
-        return means, nbytes, decode_ranks(sends, layout)
-    return means, nbytes
-
-
-def encode_ranks(worker_tensors, layout, streams=None):
-    """Stage 1 of every simulated rank: (W, bytes), row i = encode_shards of rank i's tensors
-    (with rank i's rounding stream). A packed layout with nearest rounding encodes all W in one
-    call (the same bytes)."""
-    flats = [[t.reshape(-1).float() for t in ts] for ts in worker_tensors]
-    stochastic, stream = streams is not None, streams or no_stream
-    if layout.packing and not stochastic and sum(layout.nbytes):
-        return layout.packing.encode_ranks(flats)
-    return torch.stack([encode_shards(ts, layout, stochastic, stream(i, 1))
-                        for i, ts in enumerate(flats)])
-
-
-def decode_ranks(sends, layout):
-    """decode_shards of every simulated rank's stage-1 bytes (the rows of sends): its own round
-    trip, for error feedback. Packed: one call for all of them."""
-    if not layout.packing or not sum(layout.nbytes):
-        return [decode_shards(send, layout) for send in sends]
-    sizes = [math.prod(s) for s in layout.shapes]
-    return [[t.view(s) for t, s in zip(values.split(sizes), layout.shapes)]
-            for values in layout.packing.decode_ranks(sends)]
+    if not return_local:
+        return means, nbytes
+    if not sum(layout.nbytes):
+        return means, nbytes, [decode_shards(send, layout) for send in sends]
+    return means, nbytes, [split_tensors(values, layout) for values in layout.decode_ranks(sends)]
 
 
 # =============================================================================

@@ -144,7 +144,7 @@ def exchange_and_sum(send, layout, group):
     me = group.rank()
     recv = torch.empty(group.size() * layout.nbytes[me], dtype=torch.uint8, device=send.device)
     dist.all_to_all_single(recv, send, group=group)
-    return compress.sum_shard(recv, layout, me)
+    return layout.sum_copies(recv, me)
 
 
 def average(total, op, world):
@@ -218,10 +218,9 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
             h = self.comm.to_coords(name, g)
             coords.append(torch.cat([h, h.new_zeros(world * chunk[0] - shape[0], *shape[1:])]))
         opts = self.comm.opts
-        generator = collective.rng(self.comm.rounding_seed() if opts.stochastic_round else None,
-                                   me, 1, input_tensor.device)
-        layout = row_chunks(tuple(chunk_shapes), self.fmt, self.block, world)
-        send = compress.encode_shards(coords, layout, opts.stochastic_round, generator)
+        layout = row_chunks(tuple(chunk_shapes), self.fmt, self.block, world).with_streams(
+            collective.streams(opts.stochastic_round, self.comm.rounding_seed(), input_tensor.device))
+        send = compress.encode_shards(coords, layout, me)
         totals = [t.view(c) for t, c in zip(exchange_and_sum(send, layout, group), chunk_shapes)]
         self.bytes_sent += (world - 1) * layout.nbytes[0]
         # this rank's rows of every mean, back in original coordinates

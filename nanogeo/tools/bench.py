@@ -306,9 +306,9 @@ def ddp_buckets(preset, cap_bytes=25 * 2 ** 20, first_cap_bytes=2 ** 20):
 def one_rank_collective(tensors, layout, rank=0):
     """What one rank's codec does for one bucket (the exchanges replaced by copies of its own
     bytes): stage 1 encode, stage 2 decode-sum-encode of its shard, stage 3 decode of W shards."""
-    send = compress.encode_shards(tensors, layout)
+    send = compress.encode_shards(tensors, layout, rank)
     own = send.split(layout.nbytes)[rank]
-    shard = compress.reduce_shard(own.repeat(layout.world_size), layout, rank)
+    shard = layout.reduce(own.repeat(layout.world_size), rank)
     slots = shard.new_zeros(layout.world_size, max(layout.nbytes))
     for j, n in enumerate(layout.nbytes):
         slots[j, :n] = send.split(layout.nbytes)[j][:n] if j != rank else shard

@@ -22,11 +22,12 @@ FORMATS = compress.FORMATS
 
 
 def quantize(x, fmt="e4m3", block=128, stochastic=False, generator=None):
-    """compress.quantize for every format (NVFP4 ignores `block`: always 16)."""
+    """compress.quantize for every format (NVFP4 ignores `block`: always 16), to nearest or
+    stochastically."""
     compress.check_codec(fmt, block)
     if fmt == "nvfp4":
         return nvfp4.quantize(x, stochastic, generator)
-    return compress.quantize(x, fmt, block, stochastic, generator)
+    return packing.quantize(x, fmt, block, stochastic, generator)
 
 
 def dequantize(q):
@@ -45,11 +46,11 @@ def round_trip(x, fmt, block):
 def layout(shapes, fmt, block, world_size, pieces=None, packed=True):
     """The ShardLayout of a bucket: packed for integer blocks (packed=False: piece by piece,
     the reference the packed form is tested against)."""
-    if fmt == "nvfp4":
-        return nvfp4.Nvfp4Layout(shapes, fmt, block, world_size, pieces,
-                                 nvfp4.Packing if packed else None)
-    return compress.ShardLayout(shapes, fmt, block, world_size, pieces,
-                                packing.Packing if packed else None)
+    if fmt == "nvfp4":                                  # always blocks of 16
+        kind = nvfp4.Nvfp4PackedLayout if packed else nvfp4.Nvfp4Layout
+    else:
+        kind = packing.PackedLayout if packed and isinstance(block, int) else packing.PieceLayout
+    return kind(shapes, fmt, block, world_size, pieces)
 
 
 @functools.lru_cache(maxsize=64)
@@ -70,7 +71,8 @@ def rng(seed, rank, stage, device):
 
 
 def streams(stochastic, seed, device):
-    """The collectives' streams= for this step: rng of each (rank, stage); None: to nearest."""
+    """A layout's streams for this step (with_streams): rng of each (rank, stage); None: to
+    nearest."""
     if not stochastic:
         return None
     return lambda rank, stage: rng(seed, rank, stage, device)
@@ -81,9 +83,9 @@ def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, stochastic=False
     """compress.all_reduce_mean with the packed layout, NVFP4 and stochastic rounding."""
     world = compress.world_size(group)
     bucket = shard_layout(tuple(tuple(t.shape) for t in tensors), fmt, block, world)
+    bucket = bucket.with_streams(streams(stochastic, seed, tensors[0].device))
     return compress.all_reduce_mean(tensors, group=group, return_local=return_local,
-                                    layout=bucket, timer=timer,
-                                    streams=streams(stochastic, seed, tensors[0].device))
+                                    layout=bucket, timer=timer)
 
 
 def simulate_mean(worker_tensors, fmt="e4m3", block=128, stochastic=False, seed=None,
@@ -91,5 +93,5 @@ def simulate_mean(worker_tensors, fmt="e4m3", block=128, stochastic=False, seed=
     """compress.simulate_mean with the same forms: exactly all_reduce_mean's numerics."""
     bucket = shard_layout(tuple(tuple(t.shape) for t in worker_tensors[0]), fmt, block,
                           len(worker_tensors))
-    return compress.simulate_mean(worker_tensors, return_local=return_local, layout=bucket,
-                                  streams=streams(stochastic, seed, worker_tensors[0][0].device))
+    bucket = bucket.with_streams(streams(stochastic, seed, worker_tensors[0][0].device))
+    return compress.simulate_mean(worker_tensors, return_local=return_local, layout=bucket)

@@ -10,7 +10,7 @@ About 0.56 bytes a value (against 1.03 for e4m3 with block 128): a quarter of bf
 
 The codec works on blocks: encode_blocks / decode_blocks turn a (blocks, 16) fp32 matrix into
 block scales and codes and back, given each block's tensor scale. quantize / dequantize run them
-on one tensor; Packing runs them on a whole bucket of compress.py's two-stage collective, one
+on one tensor; Nvfp4PackedLayout runs them on a whole bucket of compress.py's two-stage collective, one
 call per stage (the pieces' tensor scales from one segmented max), and writes the same bytes,
 bit for bit, as quantizing piece by piece (tests/test_compress.py,
 test_packed_nvfp4_equals_one_call_per_piece).
@@ -213,55 +213,50 @@ class WireRun:
             for segment in ((a + 4 + g, c), (width, CODE_BYTES * g - c))]
 
 
-class Packing(packing.Packing):
+class Nvfp4Layout(packing.PieceLayout):
+    """compress.ShardLayout with NVFP4 as the codec of each piece, piece by piece (the reference
+    the packed form is tested against), to nearest or stochastically."""
+
+    def piece_nbytes(self, p):
+        return wire_nbytes(p.shape)
+
+    def quantize_piece(self, values, p, stream=None):
+        return quantize(values.view(p.shape), *self.rounding(stream))
+
+    def dequantize_piece(self, buffer, p):
+        return dequantize(Quantized(buffer, p.shape, "nvfp4", NVFP4_BLOCK))
+
+
+class Nvfp4PackedLayout(packing.PackedLayout):
     """The packed form of a compress.ShardLayout for NVFP4: the stages as FP8's packed form
     (nanogeo/wire/packing.py) runs them - the bucket's pieces cut into blocks of 16 and stacked in
     wire order, one codec call per stage - with the piece-by-piece path's wire: the same bytes
     and, summed in the same order, the same means."""
+    # rank by rank (each piece's tensor scale is a max over that rank's piece alone)
+    encode_ranks = compress.ShardLayout.encode_ranks
+    decode_ranks = compress.ShardLayout.decode_ranks
 
-    def __init__(self, layout):
-        super().__init__(layout)
-        self.bucket = WireRun(layout.pieces)                                     # stages 1, 3
-        self.shards = [WireRun([pieces]) for pieces in layout.pieces]            # stage 2
+    def __init__(self, shapes, fmt, block, world_size, pieces=None):
+        super().__init__(shapes, fmt, block, world_size, pieces)
+        self.bucket = WireRun(self.pieces)                                       # stages 1, 3
+        self.shards = [WireRun([pieces]) for pieces in self.pieces]              # stage 2
 
     def piece_nbytes(self, piece):
         """As quantize writes the piece on its own."""
         return wire_nbytes(piece.shape)
 
-    def encode(self, flats, stochastic=False, generator=None):
-        return self.bucket.encode(self.blocks_in_wire_order(flats), stochastic, generator)
+    def encode(self, flats, rank=0):
+        return self.bucket.encode(self.blocks_in_wire_order(flats), *self.rounding((rank, 1)))
 
-    def encode_ranks(self, rank_flats):
-        """Stage 1 of R simulated ranks, (R, bytes): rank by rank (each piece's tensor scale
-        is a max over that rank's piece alone)."""
-        return torch.stack([self.encode(flats) for flats in rank_flats])
-
-    def decode_ranks(self, sends):
-        """R ranks' stage-1 bytes (R, bytes) -> (R, values) in tensor order, rank by rank."""
-        return torch.stack([self.decode(send) for send in sends])
-
-    def sum_copies(self, received, shard):
+    def summed(self, received, shard):
         run = self.shards[shard]
         return packing.sum_in_rank_order(run.decode(received.view(self.world_size, run.nbytes)))
 
-    def requantize(self, total, shard, stochastic=False, generator=None):
-        return self.shards[shard].encode(total / self.world_size, stochastic, generator)
+    def reduce(self, received, shard):
+        return self.shards[shard].encode(self.summed(received, shard) / self.world_size,
+                                         *self.rounding((shard, 2)))
 
     def decode(self, buffer, stride=None):
-        """Stage 3 (as packing.Packing.decode): shard j at j * stride, or back to back."""
+        """Stage 3 (as packing.PackedLayout.decode): shard j at j * stride, or back to back."""
         values = self.bucket.decode(buffer.view(1, -1), stride)                   # (1, G, 16)
         return self.in_tensor_order(values.view(-1), self.first_group)
-
-
-class Nvfp4Layout(compress.ShardLayout):
-    """compress.ShardLayout with NVFP4 as the codec of each piece (packed or not, the same
-    bytes)."""
-
-    def piece_nbytes(self, p):
-        return wire_nbytes(p.shape)
-
-    def quantize_piece(self, values, p, stochastic=False, generator=None):
-        return quantize(values.view(p.shape), stochastic, generator)
-
-    def dequantize_piece(self, buffer, p):
-        return dequantize(Quantized(buffer, p.shape, "nvfp4", NVFP4_BLOCK))

@@ -1,10 +1,16 @@
 """
-The packed form of compress.py's two-stage collective: a whole bucket through the FP8 codec in
-ONE call per stage, instead of one per piece (a bucket has W x T pieces: thousands of small
-kernel launches per step at scale). nanogeo.wire.collective passes it into compress.ShardLayout
-for e4m3 / e5m2 with integer blocks; the means are bit-identical to quantizing piece by piece (tests/test_compress.py,
-test_packed_codec_equals_one_call_per_piece), the wire carries < block padding bytes more per
-piece.
+compress.py's two-stage collective as training runs it, for e4m3 / e5m2: stochastic rounding
+(PieceLayout, and every layout below it) and the packed form (PackedLayout): a whole bucket
+through the FP8 codec in ONE call per stage, instead of one per piece (a bucket has W x T
+pieces: thousands of small kernel launches per step at scale). nanogeo.wire.collective uses it
+for integer blocks; the means are bit-identical to quantizing piece by piece
+(tests/test_compress.py, test_packed_codec_equals_one_call_per_piece), the wire carries < block
+padding bytes more per piece.
+
+Stochastic rounding casts each value to one of its two FP8 neighbours, with probability
+proportional to closeness, so E[decode] = value: unbiased, with more variance than rounding to
+nearest. Every rank and stage draws from its own stream (nanogeo.wire.collective.streams), and
+the simulator from the same ones.
 
 With integer blocks every piece is cut into groups of `block` elements starting at the piece's
 start, the last one zero-padded, and each group travels as [fp32 scale | block fp8 codes]: a
@@ -16,18 +22,54 @@ differs); stage 3 decodes the W shards as one matrix and concatenates the pieces
 into tensors. Only views and host-side bookkeeping per piece. NVFP4's packed form
 (nanogeo/wire/nvfp4.py) is this class with its own codec and wire.
 """
+import copy
+import functools
+
 import torch
 
 import compress
 from nanogeo.wire import kernels
 
+FP8_MAX_CODE = {torch.float8_e4m3fn: 0x7E, torch.float8_e5m2: 0x7B}  # largest finite magnitude
+
+
+def stochastic_fp8(y, dtype, generator=None):
+    """Cast y (within the format's range) to FP8 stochastically: to one of its two neighbours,
+    with probability proportional to closeness, so E[decode] = y. The stream: `generator`."""
+    nearest = y.to(dtype)
+    # the other neighbour: one step from `nearest` on the far side of y, found by stepping the
+    # 7-bit magnitude code (fp8 magnitudes are ordered like their codes)
+    near_val = nearest.float()
+    mag = (nearest.view(torch.uint8) & 0x7F).int()
+    overshoot = near_val.abs() > y.abs()
+    other_mag = torch.where(overshoot, mag - 1, (mag + 1).clamp(max=FP8_MAX_CODE[dtype])).clamp(min=0)
+    other = (other_mag | torch.where(y < 0, 0x80, 0)).to(torch.uint8).view(dtype)
+    gap = (other.float() - near_val).abs()
+    p_other = torch.where(gap > 0, (y - near_val).abs() / gap, torch.zeros_like(y))
+    draw = torch.rand(y.shape, generator=generator, device=y.device)
+    return torch.where(draw < p_other, other, nearest.view(torch.uint8).view(dtype))
+
+
+def stochastic_encode(groups, fmax, dtype, generator=None):
+    """compress.fp8_encode with stochastic rounding: (G, L) fp32 -> scales (G,) fp32 and codes
+    (G, L) uint8."""
+    scale, y = compress.fp8_scale(groups, fmax)
+    return scale, stochastic_fp8(y, dtype, generator).view(torch.uint8)
+
+
+def quantize(x, fmt="e4m3", block=128, stochastic=False, generator=None):
+    """compress.quantize, to nearest or stochastically (from `generator`; None: torch's global
+    stream)."""
+    encode = functools.partial(stochastic_encode, generator=generator) if stochastic else None
+    return compress.quantize(x, fmt, block, encode)
+
 
 def pack_groups(groups, fmt, stochastic=False, generator=None):
     """(G, L) fp32 -> (G * (4 + L),) uint8 wire bytes, per group [fp32 scale | L codes]."""
+    dtype, fmax = compress.FP8_FORMATS[fmt]
     if stochastic:
-        scale, codes = compress.encode_groups(groups, fmt, stochastic, generator)
-    else:                               # compress.encode_groups, with the kernel compiled or not
-        dtype, fmax = compress.FP8_FORMATS[fmt]
+        scale, codes = stochastic_encode(groups, fmax, dtype, generator)
+    else:                               # compress.fp8_encode, with the kernel compiled or not
         scale, codes = kernels.KERNELS["fp8_encode"](groups, fmax, dtype)
     return torch.cat([scale.view(torch.uint8).view(-1, 4), codes], dim=1).view(-1)
 
@@ -41,7 +83,7 @@ def unpack_groups(buffer, block, fmt):
 
 def sum_in_rank_order(copies):
     """(W, ...) -> their sum over the first dimension, added left to right, copy 0 + copy 1 + ...:
-    the order of the piece-by-piece path (compress.sum_shard), so the sums are equal bit for
+    the order of the piece-by-piece path (compress.ShardLayout.sum_copies), so the sums are equal bit for
     bit. (torch's .sum(dim=0) adds in another order - in blocks of 16 or more rows on a CPU, a
     tree on a GPU - and rounds differently.)"""
     total = copies[0]
@@ -50,16 +92,45 @@ def sum_in_rank_order(copies):
     return total
 
 
-class Packing:
-    """The packed wire form of one compress.ShardLayout (FP8, integer block)."""
+class PieceLayout(compress.ShardLayout):
+    """compress.ShardLayout (piece by piece) with stochastic rounding: `streams` (rank, stage) ->
+    torch.Generator, set by with_streams on a copy for one step; None: to nearest. Serves row
+    and tensor scaling, and is the reference the packed form is tested against."""
+    streams = None
 
-    def __init__(self, layout):
-        B = layout.block
-        self.block, self.fmt, self.world_size = B, layout.fmt, layout.world_size
+    def with_streams(self, streams):
+        """This (cached) layout rounding stochastically from `streams` (None: itself), for one
+        call of the collective."""
+        if streams is None:
+            return self
+        rounded = copy.copy(self)
+        rounded.streams, rounded.generators = streams, {}
+        return rounded
+
+    def rounding(self, stream):
+        """(stochastic, generator) of one (rank, stage): one generator for the whole stage,
+        drawn from piece after piece."""
+        if self.streams is None:
+            return False, None
+        if stream not in self.generators:
+            self.generators[stream] = self.streams(*stream)
+        return True, self.generators[stream]
+
+    def quantize_piece(self, values, p, stream=None):
+        return quantize(values.view(p.shape), self.fmt, p.block, *self.rounding(stream))
+
+
+class PackedLayout(PieceLayout):
+    """The packed wire form of compress.ShardLayout (FP8, integer block): each stage one codec
+    call for the whole bucket."""
+
+    def __init__(self, shapes, fmt, block, world_size, pieces=None):
+        super().__init__(shapes, fmt, block, world_size, pieces)
+        B = self.block
         self.first_group = [0]          # shard j's groups: first_group[j] to first_group[j + 1]
         self.encode_order = []                  # (tensor, start, end, pad), in wire order
-        by_tensor = [[] for _ in layout.shapes]  # (start, shard, first group in shard, n)
-        for j, pieces in enumerate(layout.pieces):
+        by_tensor = [[] for _ in self.shapes]   # (start, shard, first group in shard, n)
+        for j, pieces in enumerate(self.pieces):
             q = 0
             for p in pieces:
                 n = p.end - p.start
@@ -91,29 +162,34 @@ class Packing:
 
     def encode_ranks(self, rank_flats):
         """Stage 1 of R simulated ranks in one call: rank_flats[i] = rank i's flat fp32 tensors
-        -> (R, bytes), row i = encode(rank_flats[i]). Every group is quantized on its own, so
+        -> (R, bytes), row i = encode(rank_flats[i], i). Every group is quantized on its own, so
         stacking the ranks changes no byte (nearest rounding; stochastic rounding draws from
-        each rank's own stream: compress.encode_ranks encodes those one by one)."""
+        each rank's own stream: rank by rank)."""
+        if self.streams is not None:
+            return super().encode_ranks(rank_flats)
         rows = [torch.stack(column) for column in zip(*rank_flats)]     # (R, numel) per tensor
         return pack_groups(self.rows_in_wire_order(rows), self.fmt).view(len(rank_flats), -1)
 
-
-    def encode(self, flats, stochastic=False, generator=None):
+    def encode(self, flats, rank=0):
         """Stage 1: the bucket's flat fp32 tensors -> the W shards' bytes, back to back."""
-        return pack_groups(self.blocks_in_wire_order(flats), self.fmt, stochastic, generator)
+        return pack_groups(self.blocks_in_wire_order(flats), self.fmt, *self.rounding((rank, 1)))
 
-    def sum_copies(self, received, shard):
-        """Stage 2: the W received copies of `shard` -> their fp32 sum, (groups, block). (Every
-        FP8 group carries its own scale, so the bytes decode without the shard's layout.)"""
+    def summed(self, received, shard):
+        """The W received copies of `shard` -> their fp32 sum, (groups, block). (Every FP8
+        group carries its own scale, so the bytes decode without the shard's layout.)"""
         values = unpack_groups(received, self.block, self.fmt)
         return sum_in_rank_order(values.view(self.world_size, -1, self.block))
 
-    def requantize(self, total, shard, stochastic=False, generator=None):
+    def sum_copies(self, received, shard):
+        return self.piece_values(self.summed(received, shard), self.pieces[shard])
+
+    def reduce(self, received, shard):
         """Stage 2: the summed shard divided by W, back to wire bytes."""
-        return pack_groups(total / self.world_size, self.fmt, stochastic, generator)
+        return pack_groups(self.summed(received, shard) / self.world_size, self.fmt,
+                           *self.rounding((shard, 2)))
 
     def piece_values(self, total, pieces):
-        """sum_copies' result as one flat fp32 view per piece of the shard."""
+        """summed()'s result as one flat fp32 view per piece of the shard."""
         flat, out, first = total.reshape(-1), [], 0
         for p in pieces:
             n = p.end - p.start
