@@ -84,9 +84,10 @@ whitening, the Hadamard control, geometry estimation, the optimizer's view of an
 communicator that train.py calls once per step. This file is the reference and imports nothing
 from nanogeo/; nanogeo/ builds on it, passing its own forms in where training at scale needs them:
 
-    nanogeo/wire/collective.py    the codec and collective as training runs them: NVFP4
-                                  (wire/nvfp4.py), the packed stages (wire/packing.py, one codec
-                                  call per bucket; compiled: wire/kernels.py), rounding streams
+    nanogeo/wire/collective.py    the codec and collective as training runs them, through
+                                  ShardLayouts that override the stages: packed (one codec call
+                                  per bucket and stage) and stochastic rounding (wire/packing.py;
+                                  compiled: wire/kernels.py), NVFP4 (wire/nvfp4.py)
     nanogeo/wire/fp8sum.py        the paper's collective: one FP8 all_reduce SUM
     nanogeo/dist/communicator.py  ProductionCommunicator(Communicator): the paper's collective
                                   and profiled selection, K-FAC statistics averaged over ranks,
