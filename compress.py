@@ -314,7 +314,7 @@ class ShardLayout:
                 pieces[j].append(Piece(t, start, end, piece_shape, piece_block))
         return pieces
 
-    # -- one piece through the codec --------------------------------------------------------------
+    # -- one piece through the codec -------------------------------------------------------------
 
     def piece_nbytes(self, p):
         """Wire bytes of one piece."""
@@ -337,7 +337,9 @@ class ShardLayout:
             offset += nbytes
         return out
 
-    # -- the three stages ---------------------------------------------------------------------------
+    # -- the three stages ------------------------------------------------------------------------
+    # (a stochastic layout rounds stage 1 from its rank's stream, stage 2 from the stream of the
+    # shard's owner: rank j owns shard j)
 
     def encode(self, flats, rank=0):
         """Stage 1 on `rank`: its flat fp32 tensors -> one uint8 buffer, the W destination

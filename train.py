@@ -184,10 +184,10 @@ def reduce_gradients(params, cfg, communicator, world_size, moments=None):
     # The published GeoFP8 refreshes its factors from its layers' input statistics, which
     # forward pre-hooks (`moments`) collected during this step's forward passes on refresh steps.
     stats = moments.take() if moments is not None and communicator.wants_moments() else None
-    sent = communicator.reduce(grads, stats)
+    nbytes = communicator.reduce(grads, stats)
     if stats is not None:       # ... averaged over the ranks by one more all-reduce
-        sent += hooks.statistics_bytes(communicator, world_size)
-    return sent
+        nbytes += hooks.statistics_bytes(communicator, world_size)
+    return nbytes
 
 
 # -----------------------------------------------------------------------------

@@ -261,7 +261,8 @@ def test_packed_nvfp4_equals_one_call_per_piece(world, monkeypatch, one_thread):
     workers = [nvfp4_rank_tensors(r) for r in range(world)]
     packed = collective.layout(NVFP4_SHAPES, "nvfp4", 128, world)
     apart = collective.layout(NVFP4_SHAPES, "nvfp4", 128, world, packed=False)
-    assert isinstance(packed, nvfp4.Nvfp4PackedLayout) and not isinstance(apart, packing.PackedLayout)
+    assert isinstance(packed, nvfp4.Nvfp4PackedLayout)
+    assert not isinstance(apart, packing.PackedLayout)
     assert packed.nbytes == apart.nbytes
     sends = [compress.encode_shards(w, packed) for w in workers]
     for w, send in zip(workers, sends):

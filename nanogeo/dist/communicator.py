@@ -212,7 +212,7 @@ class ProductionCommunicator(compress.Communicator):
             refreshed = super()._update_geometry(means, worker_grads, moments, whiten_now)
         if self.across_ranks and refreshed:
             device = next(iter(means.values())).device
-            newest = [self.candidates.get(n, l) for n, l in self.layers.items()]
+            newest = [self.candidates.get(n, layer) for n, layer in self.layers.items()]
             agreement.verify_geometry(newest, self.group, self.step, device)
         return refreshed
 
@@ -255,8 +255,8 @@ class ProductionCommunicator(compress.Communicator):
     # -- checkpoints -------------------------------------------------------------------------------
 
     def state_dict(self):
-        layers = {n: l.state_dict() for n, l in self.layers.items() if l.ready}
-        candidates = {n: l.state_dict() for n, l in self.candidates.items()}
+        layers = {n: layer.state_dict() for n, layer in self.layers.items() if layer.ready}
+        candidates = {n: layer.state_dict() for n, layer in self.candidates.items()}
         residuals = {w: dict(r) for w, r in self.residuals.items()}
         return {"geometry": self.opts.geometry, "step": self.step, "layers": layers,
                 "candidates": candidates, "residuals": residuals, "chosen": sorted(self.chosen),

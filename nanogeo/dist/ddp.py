@@ -209,8 +209,8 @@ class GeoFP8HookState:
         return self.streams[device]
 
     def reset_bytes(self):
-        sent, self.bytes_sent = self.bytes_sent, 0
-        return sent
+        nbytes, self.bytes_sent = self.bytes_sent, 0
+        return nbytes
 
     def table(self):
         """Each parameter once, as the communicator holding it now reports it (one header)."""

@@ -218,8 +218,9 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
             h = self.comm.to_coords(name, g)
             coords.append(torch.cat([h, h.new_zeros(world * chunk[0] - shape[0], *shape[1:])]))
         opts = self.comm.opts
-        layout = row_chunks(tuple(chunk_shapes), self.fmt, self.block, world).with_streams(
-            collective.streams(opts.stochastic_round, self.comm.rounding_seed(), input_tensor.device))
+        streams = collective.streams(opts.stochastic_round, self.comm.rounding_seed(),
+                                     input_tensor.device)
+        layout = row_chunks(tuple(chunk_shapes), self.fmt, self.block, world).with_streams(streams)
         send = compress.encode_shards(coords, layout, me)
         totals = [t.view(c) for t, c in zip(exchange_and_sum(send, layout, group), chunk_shapes)]
         self.bytes_sent += (world - 1) * layout.nbytes[0]

@@ -190,11 +190,11 @@ def reduce_gradients(params, worker_grads, method, communicator, worker_moments=
                 total = total + g.to(dtype)         # the all_reduce SUM, in the wire's dtype
             means.append(total.float() / world)
         numel = sum(g.numel() for g in worker_grads[0])
-        sent = compress.ring_allreduce_bytes(numel, dtype.itemsize, world) if world > 1 else 0
+        nbytes = compress.ring_allreduce_bytes(numel, dtype.itemsize, world) if world > 1 else 0
     else:   # worker_moments: each rank's whitening statistics, on the steps that collect them
-        means, sent = communicator.reduce_workers(worker_grads, worker_moments or None)
+        means, nbytes = communicator.reduce_workers(worker_grads, worker_moments or None)
         if worker_moments:      # ... averaged over the ranks by one more all-reduce
-            sent += hooks.statistics_bytes(communicator, world)
+            nbytes += hooks.statistics_bytes(communicator, world)
     for p, mean in zip(params, means):
         p.grad = mean
-    return sent
+    return nbytes

@@ -138,7 +138,7 @@ def time_collective(sizes, iters, methods):
             timer = StageTimer()
             comm = (ProductionCommunicator([(f"m{k}.weight", s) for k, s in enumerate(shapes)],
                                            opts, timer=timer) if opts else None)
-            seconds, sent = [], 0
+            seconds, nbytes = [], 0
             warm = 5  # the first bases (step 0), the first refresh (step 4), compiles in both
             for step in range(warm + iters):
                 grads = [g.to(device) for g in planted_gradients(shapes, step, rank, world)]
@@ -148,16 +148,16 @@ def time_collective(sizes, iters, methods):
                 t0 = time.perf_counter()
                 if comm is None:
                     dtype = torch.float32 if method == "fp32" else torch.bfloat16
-                    sent = baseline_allreduce(grads, dtype, world)
+                    nbytes = baseline_allreduce(grads, dtype, world)
                 else:
-                    sent = comm.reduce(grads)
+                    nbytes = comm.reduce(grads)
                 if step >= warm:
                     seconds.append(time.perf_counter() - t0)
             per_step = sorted(seconds)[len(seconds) // 2]  # median
             breakdown = {k: v / iters * 1000 for k, v in timer.seconds.items()}
             rows.append({"million_elements": size, "method": method, "world": world,
-                         "ms": per_step * 1000, "bytes_sent": sent,
-                         "bytes_vs_bf16": sent / bf16_bytes, "breakdown_ms": breakdown})
+                         "ms": per_step * 1000, "bytes_sent": nbytes,
+                         "bytes_vs_bf16": nbytes / bf16_bytes, "breakdown_ms": breakdown})
     return rows
 
 
@@ -278,8 +278,9 @@ def fsdp_fidelity(checkpoint, steps, last, geo_rank, sides="auto", data_dir="dat
     # the decode's all-reduces carry r x n fp32 numbers per matrix whose rows are rotated, twice
     # (ring), against ~m x n FP8 bytes of its reduce-scatter: about 8 r / m of that matrix's
     # bytes, whatever W
-    rotated = [(l.r, l.shape) for c in comms["subspace"] for n, l in c.comm.layers.items()
-               if c.comm.is_geo(n) and l.transform[0] is not None]
+    rotated = [(layer.r, layer.shape) for c in comms["subspace"]
+               for n, layer in c.comm.layers.items()
+               if c.comm.is_geo(n) and layer.transform[0] is not None]
     out["geometry_bytes_predicted"] = sum(8 * r / m for r, (m, n) in rotated) / max(1, len(rotated))
     out["geometry_bytes_vs_rotated_matrices"] = (
         out["subspace"]["geometry_bytes_per_step"]

@@ -4,8 +4,9 @@ nanogeo's forms passed in.
 
   * formats: e4m3 / e5m2 (compress.py's codec) and NVFP4 (nanogeo/wire/nvfp4.py), one
     quantize / dequantize / wire_nbytes for all three;
-  * layouts: the packed stages (one codec call per bucket and stage: nanogeo/wire/packing.py,
-    and NVFP4's own) for integer blocks, compress.py's piece-by-piece stages otherwise;
+  * layouts (compress.ShardLayout subclasses): the packed stages (one codec call per bucket
+    and stage: nanogeo/wire/packing.py, and NVFP4's own) for integer blocks, packing.PieceLayout
+    (piece by piece) otherwise;
   * stochastic rounding's random streams: one per rank and stage, the simulator drawing exactly
     what the ranks draw.
 

@@ -10,9 +10,9 @@ About 0.56 bytes a value (against 1.03 for e4m3 with block 128): a quarter of bf
 
 The codec works on blocks: encode_blocks / decode_blocks turn a (blocks, 16) fp32 matrix into
 block scales and codes and back, given each block's tensor scale. quantize / dequantize run them
-on one tensor; Nvfp4PackedLayout runs them on a whole bucket of compress.py's two-stage collective, one
-call per stage (the pieces' tensor scales from one segmented max), and writes the same bytes,
-bit for bit, as quantizing piece by piece (tests/test_compress.py,
+on one tensor; Nvfp4PackedLayout runs them on a whole bucket of compress.py's two-stage
+collective, one call per stage (the pieces' tensor scales from one segmented max), and writes
+the same bytes, bit for bit, as quantizing piece by piece (tests/test_compress.py,
 test_packed_nvfp4_equals_one_call_per_piece).
 """
 import itertools
@@ -147,7 +147,8 @@ class WireRun:
             self.shard_nbytes.append(at[-1])
             k += len(pieces)
         self.nbytes = sum(self.shard_nbytes)
-        self.owner_on_host = torch.arange(len(sizes)).repeat_interleave(torch.tensor(self.groups))
+        self.owner_on_host = torch.arange(len(sizes)).repeat_interleave(
+            torch.tensor(self.groups, dtype=torch.long))
         self.on_device = {}                          # (what, device) -> tensor, made once
 
     def cached(self, what, device, make):
@@ -218,6 +219,7 @@ class Nvfp4Layout(packing.PieceLayout):
     the packed form is tested against), to nearest or stochastically."""
 
     def piece_nbytes(self, p):
+        """As quantize writes the piece on its own."""
         return wire_nbytes(p.shape)
 
     def quantize_piece(self, values, p, stream=None):
@@ -227,11 +229,11 @@ class Nvfp4Layout(packing.PieceLayout):
         return dequantize(Quantized(buffer, p.shape, "nvfp4", NVFP4_BLOCK))
 
 
-class Nvfp4PackedLayout(packing.PackedLayout):
+class Nvfp4PackedLayout(Nvfp4Layout, packing.PackedLayout):
     """The packed form of a compress.ShardLayout for NVFP4: the stages as FP8's packed form
     (nanogeo/wire/packing.py) runs them - the bucket's pieces cut into blocks of 16 and stacked in
-    wire order, one codec call per stage - with the piece-by-piece path's wire: the same bytes
-    and, summed in the same order, the same means."""
+    wire order, one codec call per stage - with the piece-by-piece path's wire (Nvfp4Layout's
+    piece codec and sizes): the same bytes and, summed in the same order, the same means."""
     # rank by rank (each piece's tensor scale is a max over that rank's piece alone)
     encode_ranks = compress.ShardLayout.encode_ranks
     decode_ranks = compress.ShardLayout.decode_ranks
@@ -240,10 +242,6 @@ class Nvfp4PackedLayout(packing.PackedLayout):
         super().__init__(shapes, fmt, block, world_size, pieces)
         self.bucket = WireRun(self.pieces)                                       # stages 1, 3
         self.shards = [WireRun([pieces]) for pieces in self.pieces]              # stage 2
-
-    def piece_nbytes(self, piece):
-        """As quantize writes the piece on its own."""
-        return wire_nbytes(piece.shape)
 
     def encode(self, flats, rank=0):
         return self.bucket.encode(self.blocks_in_wire_order(flats), *self.rounding((rank, 1)))

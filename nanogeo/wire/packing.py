@@ -20,7 +20,7 @@ one concatenation of scales and codes; stage 2 decodes the W copies as one matri
 them in rank order (the per-piece path's order: W - 1 additions, not one .sum, whose order
 differs); stage 3 decodes the W shards as one matrix and concatenates the pieces' values back
 into tensors. Only views and host-side bookkeeping per piece. NVFP4's packed form
-(nanogeo/wire/nvfp4.py) is this class with its own codec and wire.
+(nanogeo/wire/nvfp4.py) is a PackedLayout with its own codec and wire.
 """
 import copy
 import functools
@@ -83,12 +83,12 @@ def unpack_groups(buffer, block, fmt):
 
 def sum_in_rank_order(copies):
     """(W, ...) -> their sum over the first dimension, added left to right, copy 0 + copy 1 + ...:
-    the order of the piece-by-piece path (compress.ShardLayout.sum_copies), so the sums are equal bit for
-    bit. (torch's .sum(dim=0) adds in another order - in blocks of 16 or more rows on a CPU, a
-    tree on a GPU - and rounds differently.)"""
+    the order of the piece-by-piece path (compress.ShardLayout.sum_copies), so the sums are
+    equal bit for bit. (torch's .sum(dim=0) adds in another order - in blocks of 16 or more rows
+    on a CPU, a tree on a GPU - and rounds differently.)"""
     total = copies[0]
-    for copy in copies[1:]:
-        total = total + copy
+    for one_copy in copies[1:]:
+        total = total + one_copy
     return total
 
 
@@ -99,8 +99,8 @@ class PieceLayout(compress.ShardLayout):
     streams = None
 
     def with_streams(self, streams):
-        """This (cached) layout rounding stochastically from `streams` (None: itself), for one
-        call of the collective."""
+        """This (cached) layout rounding stochastically from `streams` (None: itself). Use the
+        copy for one call of the collective: it keeps the generators that call drew from."""
         if streams is None:
             return self
         rounded = copy.copy(self)
