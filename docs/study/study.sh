@@ -42,8 +42,10 @@ python -m nanogeo.tools.study --comms fp32,nvfp4,subspace-nvfp4,geo-nvfp4 --seed
 python -m nanogeo.tools.study --comms fp8,fp8-paper,subspace-paper,hadamard-nvfp4 --seeds 0,1,2 $W64 ;; esac
 
 # 1,000 steps, 2 seeds: is the answer a 300-step artefact? fp32, the recommended FP8 arm and the
-# best 4-bit arm of each optimizer (warm-up and cosine as in the 300-step runs, over 1,000 steps)
+# best 4-bit arm of each optimizer (warm-up and cosine as in the 300-step runs, over 1,000 steps).
+# Their own out_dir: a run's folder does not name its step count
 LONG="${STUDY/--max_iters=300 --eval_interval=300/--max_iters=1000 --eval_interval=1000}"
+LONG="${LONG/--out_dir out\/study/--out_dir out/study-long}"
 case ",$OPTIMIZERS," in *,muon,*)
 python -m nanogeo.tools.study --comms fp32,fp8,geo-nvfp4 --seeds 0,1 ${LONG/--optimizers $OPTIMIZERS/--optimizers muon} ;; esac
 case ",$OPTIMIZERS," in *,adamw,*)
