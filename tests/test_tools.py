@@ -271,12 +271,15 @@ def test_vocabulary_mismatch_is_refused(tmp_path):
 def smoke_rank(rank, world_size, out):
     from nanogeo.tools import smoke
     smoke.main(["--preset=cpu-tiny", "--numel=5000", "--iters=1", "--batch_size=2",
-                "--block_size=16", f"--out={out}"])
+                "--block_size=16", "--no-compile", f"--out={out}"])
 
 
 def test_smoke_test_runs_on_cpu(tmp_path):
     """The GPU smoke script's checks pass on CPU (gloo instead of NCCL, no CUDA stream): its
-    main() with the README's line at toy size, so tests/test_readme.py does not run it again."""
+    main() with the README's line at toy size, so tests/test_readme.py does not run it again.
+    Eager only (--no-compile): the compiled codec and model are checked against eager by
+    test_compress.py::test_compiled_hot_path_equals_eager and test_train.py's compile test,
+    and inductor's compile of both would cost this test about 2 minutes of a cold CI run."""
     out = str(tmp_path / "smoke.json")
     run_ranks(smoke_rank, 1, out)
     with open(out) as f:
@@ -284,9 +287,10 @@ def test_smoke_test_runs_on_cpu(tmp_path):
     assert result["nccl"]["uint8_all_to_all"] and result["nccl"]["uint8_all_gather"]
     assert 0 < result["nccl"]["all_reduce_mean_rel_err"] < 0.05
     assert {(r["fmt"], r["compiled"]) for r in result["codec"]} == {
-        ("e4m3", False), ("e4m3", True), ("e5m2", False), ("e5m2", True), ("nvfp4", False)}
+        ("e4m3", False), ("e5m2", False), ("nvfp4", False)}
     assert max(result["ddp"]["rel_err_per_step"]) < 0.05 and result["ddp"]["geo_matrices"] > 0
-    assert result["step"]["eager_ms"] > 0 and result["transform"]["matrices"] == 28
+    assert result["step"]["eager_ms"] > 0 and "compiled_ms" not in result["step"]
+    assert result["transform"]["matrices"] == 28
 
 
 def test_capture_records_moments_and_optimizer(tiny_corpus, tmp_path):

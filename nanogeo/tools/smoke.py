@@ -3,6 +3,7 @@ A single-process GPU smoke test: does the NCCL/CUDA path work, and how fast are 
 
     python -m nanogeo.tools.smoke --out smoke.json                       # on one GPU (GH200, H100, ...)
     python -m nanogeo.tools.smoke --preset cpu-tiny --numel 1e6 --iters 3  # the same checks on a CPU
+    python -m nanogeo.tools.smoke ... --no-compile    # skip the compiled rows (minutes of inductor on a CPU)
 
 One process, so no network is measured (two processes cannot share one GPU's NCCL; the wire
 is measured by `torchrun ... -m nanogeo.tools.bench collective` on a real node). What it checks:
@@ -83,14 +84,14 @@ def check_nccl(device):
             "float8_all_reduce_sum": float8_sum}
 
 
-def check_codec(device, numel, iters):
-    """One round trip of numel values in blocks of 128 through the packed codec (FP8: eager and
-    compiled) and NVFP4's."""
+def check_codec(device, numel, iters, compile=True):
+    """One round trip of numel values in blocks of 128 through the packed codec (FP8: eager and,
+    with `compile`, compiled) and NVFP4's."""
     x = torch.randn(numel, device=device)
     groups = compress.scale_groups(x, 128)
     rows = []
     for fmt in ("e4m3", "e5m2", "nvfp4"):
-        for compiled in ((False, True) if fmt != "nvfp4" else (False,)):
+        for compiled in ((False, True) if fmt != "nvfp4" and compile else (False,)):
             kernels.compile_hot_path(compiled)
             trip = ((lambda: packing.unpack_groups(packing.pack_groups(groups, fmt), 128, fmt))
                     if fmt != "nvfp4" else (lambda: collective.round_trip(x, fmt, 128)))
@@ -158,14 +159,14 @@ def check_ddp(device):
             "side_stream": bool(state.streams), "bytes_sent": state.reset_bytes()}
 
 
-def check_step(device, preset, batch_size, block_size, iters):
+def check_step(device, preset, batch_size, block_size, iters, compile=True):
     cfg = model_lib.model_config(preset, block_size=block_size)
     raw = model_lib.Llama(cfg).to(device)
     optimizer = raw.configure_optimizers(0.1, 3e-4, (0.9, 0.95), fused=device.type == "cuda")
     x = torch.randint(0, cfg.vocab_size, (batch_size, block_size), device=device)
     out = {"preset": preset, "params_m": sum(p.numel() for p in raw.parameters()) / 1e6,
            "tokens": batch_size * block_size}
-    for compiled in (False, True):
+    for compiled in (False, True) if compile else (False,):
         net = torch.compile(raw, dynamic=False) if compiled else raw
 
         def step():
@@ -192,6 +193,9 @@ def main(argv=None):
     parser.add_argument("--numel", type=float, default=64e6, help="codec test tensor size")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time the torch.compile'd codec and step (--no-compile: eager "
+                             "only; on a CPU inductor's compile takes minutes)")
     args = parser.parse_args(argv)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
@@ -202,13 +206,13 @@ def main(argv=None):
     results = {"env": check_env(device)}
     print(json.dumps(results["env"]), flush=True)
     checks = [("nccl", lambda: check_nccl(device)),
-              ("codec", lambda: check_codec(device, int(args.numel), args.iters)),
+              ("codec", lambda: check_codec(device, int(args.numel), args.iters, args.compile)),
               ("ddp", lambda: check_ddp(device))]
     for name, fn in checks:
         results[name] = fn()
         print(name, json.dumps(results[name]), flush=True)
     results["step"], net = check_step(device, args.preset, args.batch_size, args.block_size,
-                                      args.iters)
+                                      args.iters, args.compile)
     print("step", json.dumps(results["step"]), flush=True)
     results["transform"] = check_transform(device, net, args.iters)
     results["transform"]["fraction_of_step"] = (results["transform"]["eager_ms"]
