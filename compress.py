@@ -191,20 +191,20 @@ def wire_nbytes(shape, fmt, block):
     return 4 * num_groups(shape, block) + numel  # fp32 scale per group + one byte per value
 
 
-def quantize(x, fmt="e4m3", block=128, encode=None) -> Quantized:
+def quantize(x, fmt="e4m3", block=128, encode_groups=None) -> Quantized:
     """Quantize x into one uint8 wire buffer.
 
     Each group (block of `block` flattened elements, a row, or the whole tensor) gets scale
     s = fmax / amax; values are cast as torch casts x * s, saturated at +-fmax. Wire: [s per
-    group, fp32][one fp8 byte per element]. `encode`: fp8_encode unless production passes its
-    stochastic rounding in (nanogeo/wire/packing.py).
+    group, fp32][one fp8 byte per element]. `encode_groups`: fp8_encode unless production passes
+    its stochastic rounding in (nanogeo/wire/packing.py).
     """
     check_fp8(fmt, block)
     numel = x.numel()
     if numel == 0:
         return Quantized(torch.empty(0, dtype=torch.uint8, device=x.device), x.shape, fmt, block)
     dtype, fmax = FP8_FORMATS[fmt]
-    scale, codes = (encode or fp8_encode)(scale_groups(x, block), fmax, dtype)
+    scale, codes = (encode_groups or fp8_encode)(scale_groups(x, block), fmax, dtype)
     buffer = torch.cat([scale.view(torch.uint8), codes.reshape(-1)[:numel]])
     return Quantized(buffer, x.shape, fmt, block)
 
@@ -280,14 +280,16 @@ class ShardLayout:
     with fewer groups than ranks are spread by rotating which rank gets the remainder. The
     layout depends only on the shapes, so every rank computes the same one.
 
-    The stages run piece by piece, through this file's FP8 codec. Production's layouts
-    (nanogeo/wire) subclass it: each stage on the whole bucket in one codec call (packed), NVFP4,
-    stochastic rounding - with the same bytes and means, bit for bit."""
+    The stages run piece by piece, through this file's FP8 codec, rounding to nearest.
+    Production's layouts (nanogeo/wire) subclass it: each stage on the whole bucket in one codec
+    call (packed: the same bytes as piece by piece, bit for bit), NVFP4, stochastic rounding
+    (the simulator drawing exactly what the ranks draw)."""
+    codec_check = staticmethod(check_fp8)   # its codec: FP8 (an NVFP4 layout checks its own)
 
     def __init__(self, shapes, fmt, block, world_size, pieces=None):
-        check_codec(fmt, block)
+        self.codec_check(fmt, block)
         self.shapes, self.fmt, self.world_size = [tuple(s) for s in shapes], fmt, world_size
-        self.block = NVFP4_BLOCK if fmt == "nvfp4" else block
+        self.block = block
         self.pieces = self._cut(self.block) if pieces is None else pieces
         self.nbytes = [sum(map(self.piece_nbytes, pieces)) for pieces in self.pieces]
 
@@ -320,9 +322,13 @@ class ShardLayout:
         """Wire bytes of one piece."""
         return wire_nbytes(p.shape, self.fmt, p.block)
 
-    def quantize_piece(self, values, p, stream=None):
-        """`stream` (rank, stage): whose rounding this is (a stochastic layout draws from that
-        rank's and stage's random stream; here: to nearest)."""
+    def rounding(self, whose):
+        """How rank whose[0] rounds in stage whose[1]: here to nearest (None). A stochastic
+        layout returns that rank's and stage's random stream, new at each stage call."""
+        return None
+
+    def quantize_piece(self, values, p, rounding):
+        """One piece through the codec, rounding as self.rounding() said for this stage."""
         return quantize(values.view(p.shape), self.fmt, p.block)
 
     def dequantize_piece(self, buffer, p):
@@ -344,7 +350,8 @@ class ShardLayout:
     def encode(self, flats, rank=0):
         """Stage 1 on `rank`: its flat fp32 tensors -> one uint8 buffer, the W destination
         ranks' shards back to back (shard j is nbytes[j] bytes)."""
-        return torch.cat([self.quantize_piece(flats[p.tensor][p.start:p.end], p, (rank, 1)).buffer
+        rounding = self.rounding((rank, 1))
+        return torch.cat([self.quantize_piece(flats[p.tensor][p.start:p.end], p, rounding).buffer
                           for pieces in self.pieces for p in pieces])
 
     def sum_copies(self, received, shard):
@@ -360,7 +367,8 @@ class ShardLayout:
     def reduce(self, received, shard):
         """Stage 2, on the rank that owns `shard`: sum_copies, divide by W, re-quantize.
         Returns the shard's bytes."""
-        parts = [self.quantize_piece(v / self.world_size, p, (shard, 2)).buffer
+        rounding = self.rounding((shard, 2))
+        parts = [self.quantize_piece(v / self.world_size, p, rounding).buffer
                  for v, p in zip(self.sum_copies(received, shard), self.pieces[shard])]
         return torch.cat(parts) if parts else received.new_empty(0)
 
@@ -393,7 +401,8 @@ class ShardLayout:
 @functools.lru_cache(maxsize=64)
 def shard_layout(shapes, fmt, block, world_size):
     """The ShardLayout of a bucket, built once per (shapes, format, world size): it depends on
-    nothing else, and the collective asks for the same one every step."""
+    nothing else, and the collective asks for the same one every step. (Production's layouts
+    have their own cache: nanogeo.wire.collective.shard_layout.)"""
     return ShardLayout(shapes, fmt, block, world_size)
 
 

@@ -200,7 +200,7 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
             self.fallbacks += 1                 # not every parameter got a gradient this time
             if self.fallbacks == 1:
                 warnings.warn("nanogeo.dist.fsdp: some parameters have no gradient; this call "
-                              "uses Euclidean FP8")
+                              "uses Euclidean FP8, rounded to nearest")
             return super().__call__(output_tensor, input_tensor, group, op, async_op)
         self.comm.group = group
         rows = input_tensor.view(world, -1)

@@ -12,13 +12,14 @@ is measured by `torchrun ... -m nanogeo.tools.bench collective` on a real node).
   nccl       a 1-rank NCCL process group runs the collective's calls on uint8 buffers
              (all_to_all_single, all_gather) and all_reduce_mean returns finite means
   codec      a packed round trip's throughput in GB/s of fp32 input (e4m3, e5m2: eager and
-             torch.compile'd, kernels.compile_hot_path; nvfp4 eager)
+             torch.compile'd, kernels.compile_hot_path, unless --no-compile; nvfp4 eager)
   transform  GeoFP8's encode + decode of every rotated matrix of the preset, ms per step
              (eager: the transforms are not compiled), and the bytes of the geometry state
   ddp        the DDP hook on the CUDA side stream: gradients of a small model equal plain
              DDP's within FP8 error
   step       the preset's forward + backward + AdamW step (bf16 autocast on GPU), ms and
-             tokens/s, eager and compiled; GeoFP8's transform as a fraction of it
+             tokens/s, eager and (unless --no-compile) compiled; GeoFP8's transform as a
+             fraction of it
 
 Each timing is the median of --iters after a warm-up, with the device synchronized.
 """
@@ -84,14 +85,14 @@ def check_nccl(device):
             "float8_all_reduce_sum": float8_sum}
 
 
-def check_codec(device, numel, iters, compile=True):
+def check_codec(device, numel, iters, with_compiled=True):
     """One round trip of numel values in blocks of 128 through the packed codec (FP8: eager and,
-    with `compile`, compiled) and NVFP4's."""
+    with_compiled, compiled) and NVFP4's."""
     x = torch.randn(numel, device=device)
     groups = compress.scale_groups(x, 128)
     rows = []
     for fmt in ("e4m3", "e5m2", "nvfp4"):
-        for compiled in ((False, True) if fmt != "nvfp4" and compile else (False,)):
+        for compiled in ((False, True) if fmt != "nvfp4" and with_compiled else (False,)):
             kernels.compile_hot_path(compiled)
             trip = ((lambda: packing.unpack_groups(packing.pack_groups(groups, fmt), 128, fmt))
                     if fmt != "nvfp4" else (lambda: collective.round_trip(x, fmt, 128)))
@@ -159,14 +160,14 @@ def check_ddp(device):
             "side_stream": bool(state.streams), "bytes_sent": state.reset_bytes()}
 
 
-def check_step(device, preset, batch_size, block_size, iters, compile=True):
+def check_step(device, preset, batch_size, block_size, iters, with_compiled=True):
     cfg = model_lib.model_config(preset, block_size=block_size)
     raw = model_lib.Llama(cfg).to(device)
     optimizer = raw.configure_optimizers(0.1, 3e-4, (0.9, 0.95), fused=device.type == "cuda")
     x = torch.randint(0, cfg.vocab_size, (batch_size, block_size), device=device)
     out = {"preset": preset, "params_m": sum(p.numel() for p in raw.parameters()) / 1e6,
            "tokens": batch_size * block_size}
-    for compiled in (False, True) if compile else (False,):
+    for compiled in (False, True) if with_compiled else (False,):
         net = torch.compile(raw, dynamic=False) if compiled else raw
 
         def step():

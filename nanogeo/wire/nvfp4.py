@@ -216,14 +216,19 @@ class WireRun:
 
 class Nvfp4Layout(packing.PieceLayout):
     """compress.ShardLayout with NVFP4 as the codec of each piece, piece by piece (the reference
-    the packed form is tested against), to nearest or stochastically."""
+    the packed form is tested against), to nearest or stochastically. Always blocks of 16
+    (`block` does not apply)."""
+    codec_check = staticmethod(lambda fmt, block: None)     # NVFP4: any `block` is ignored
+
+    def __init__(self, shapes, fmt, block, world_size, pieces=None):
+        super().__init__(shapes, "nvfp4", NVFP4_BLOCK, world_size, pieces)
 
     def piece_nbytes(self, p):
         """As quantize writes the piece on its own."""
         return wire_nbytes(p.shape)
 
-    def quantize_piece(self, values, p, stream=None):
-        return quantize(values.view(p.shape), *self.rounding(stream))
+    def quantize_piece(self, values, p, rounding):
+        return quantize(values.view(p.shape), *rounding)
 
     def dequantize_piece(self, buffer, p):
         return dequantize(Quantized(buffer, p.shape, "nvfp4", NVFP4_BLOCK))
@@ -236,7 +241,6 @@ class Nvfp4PackedLayout(Nvfp4Layout, packing.PackedLayout):
     piece codec and sizes): the same bytes and, summed in the same order, the same means."""
     # rank by rank (each piece's tensor scale is a max over that rank's piece alone)
     encode_ranks = compress.ShardLayout.encode_ranks
-    decode_ranks = compress.ShardLayout.decode_ranks
 
     def __init__(self, shapes, fmt, block, world_size, pieces=None):
         super().__init__(shapes, fmt, block, world_size, pieces)
@@ -258,3 +262,9 @@ class Nvfp4PackedLayout(Nvfp4Layout, packing.PackedLayout):
         """Stage 3 (as packing.PackedLayout.decode): shard j at j * stride, or back to back."""
         values = self.bucket.decode(buffer.view(1, -1), stride)                   # (1, G, 16)
         return self.in_tensor_order(values.view(-1), self.first_group)
+
+    def decode_ranks(self, sends):
+        """R simulated ranks' stage-1 bytes (R, bytes) -> (R, values) in tensor order, in one
+        codec call (each block decodes with its own piece's tensor scale)."""
+        values = self.bucket.decode(sends)                                       # (R, G, 16)
+        return self.in_tensor_order(values.view(len(sends), -1), self.first_group)

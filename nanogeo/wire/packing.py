@@ -93,31 +93,27 @@ def sum_in_rank_order(copies):
 
 
 class PieceLayout(compress.ShardLayout):
-    """compress.ShardLayout (piece by piece) with stochastic rounding: `streams` (rank, stage) ->
+    """compress.ShardLayout (piece by piece) with stochastic rounding: `rng_for(rank, stage)` ->
     torch.Generator, set by with_streams on a copy for one step; None: to nearest. Serves row
     and tensor scaling, and is the reference the packed form is tested against."""
-    streams = None
+    rng_for = None
 
-    def with_streams(self, streams):
-        """This (cached) layout rounding stochastically from `streams` (None: itself). Use the
-        copy for one call of the collective: it keeps the generators that call drew from."""
-        if streams is None:
+    def with_streams(self, rng_for):
+        """A copy of this (cached) layout that rounds stochastically, each rank and stage from
+        its stream rng_for(rank, stage) (None: this layout itself, to nearest)."""
+        if rng_for is None:
             return self
         rounded = copy.copy(self)
-        rounded.streams, rounded.generators = streams, {}
+        rounded.rng_for = rng_for
         return rounded
 
-    def rounding(self, stream):
-        """(stochastic, generator) of one (rank, stage): one generator for the whole stage,
-        drawn from piece after piece."""
-        if self.streams is None:
-            return False, None
-        if stream not in self.generators:
-            self.generators[stream] = self.streams(*stream)
-        return True, self.generators[stream]
+    def rounding(self, whose):
+        """(stochastic, generator) of rank whose[0] in stage whose[1]: a new generator from its
+        stream at each stage call, drawn from piece after piece."""
+        return (False, None) if self.rng_for is None else (True, self.rng_for(*whose))
 
-    def quantize_piece(self, values, p, stream=None):
-        return quantize(values.view(p.shape), self.fmt, p.block, *self.rounding(stream))
+    def quantize_piece(self, values, p, rounding):
+        return quantize(values.view(p.shape), self.fmt, p.block, *rounding)
 
 
 class PackedLayout(PieceLayout):
@@ -165,7 +161,7 @@ class PackedLayout(PieceLayout):
         -> (R, bytes), row i = encode(rank_flats[i], i). Every group is quantized on its own, so
         stacking the ranks changes no byte (nearest rounding; stochastic rounding draws from
         each rank's own stream: rank by rank)."""
-        if self.streams is not None:
+        if self.rng_for is not None:
             return super().encode_ranks(rank_flats)
         rows = [torch.stack(column) for column in zip(*rank_flats)]     # (R, numel) per tensor
         return pack_groups(self.rows_in_wire_order(rows), self.fmt).view(len(rank_flats), -1)
