@@ -250,12 +250,12 @@ class Nvfp4PackedLayout(Nvfp4Layout, packing.PackedLayout):
     def encode(self, flats, rank=0):
         return self.bucket.encode(self.blocks_in_wire_order(flats), *self.rounding((rank, 1)))
 
-    def summed(self, received, shard):
+    def sum_groups(self, received, shard):
         run = self.shards[shard]
         return packing.sum_in_rank_order(run.decode(received.view(self.world_size, run.nbytes)))
 
     def reduce(self, received, shard):
-        return self.shards[shard].encode(self.summed(received, shard) / self.world_size,
+        return self.shards[shard].encode(self.sum_groups(received, shard) / self.world_size,
                                          *self.rounding((shard, 2)))
 
     def decode(self, buffer, stride=None):

@@ -170,22 +170,22 @@ class PackedLayout(PieceLayout):
         """Stage 1: the bucket's flat fp32 tensors -> the W shards' bytes, back to back."""
         return pack_groups(self.blocks_in_wire_order(flats), self.fmt, *self.rounding((rank, 1)))
 
-    def summed(self, received, shard):
+    def sum_groups(self, received, shard):
         """The W received copies of `shard` -> their fp32 sum, (groups, block). (Every FP8
         group carries its own scale, so the bytes decode without the shard's layout.)"""
         values = unpack_groups(received, self.block, self.fmt)
         return sum_in_rank_order(values.view(self.world_size, -1, self.block))
 
     def sum_copies(self, received, shard):
-        return self.piece_values(self.summed(received, shard), self.pieces[shard])
+        return self.piece_values(self.sum_groups(received, shard), self.pieces[shard])
 
     def reduce(self, received, shard):
         """Stage 2: the summed shard divided by W, back to wire bytes."""
-        return pack_groups(self.summed(received, shard) / self.world_size, self.fmt,
+        return pack_groups(self.sum_groups(received, shard) / self.world_size, self.fmt,
                            *self.rounding((shard, 2)))
 
     def piece_values(self, total, pieces):
-        """summed()'s result as one flat fp32 view per piece of the shard."""
+        """sum_groups()'s result as one flat fp32 view per piece of the shard."""
         flat, out, first = total.reshape(-1), [], 0
         for p in pieces:
             n = p.end - p.start
