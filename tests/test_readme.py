@@ -69,7 +69,8 @@ TOY = {
     "python -m nanogeo.tools.bench flops --preset llama-600m --tokens 8192 --geo_rank 32": "",
     "python -m nanogeo.tools.bench step --preset cpu-tiny --steps 5": "--steps 1 --batch_size 1 --block_size 16",
     "torchrun --standalone --nproc_per_node=2 -m nanogeo.tools.bench fsdp --checkpoint "
-    "out/ablate/fp32/adamw/ranks2/seed1337/ckpt.pt --steps 12": "--steps 2 --last 1",
+    "out/ablate/fp32/adamw/ranks2/seed1337/ckpt.pt --steps 12":
+        "--steps 2 --last 1 --batch_size 1 --block_size 16",
     "python -m nanogeo.tools.smoke --out smoke.json":
         Skip("its main(), toy size: test_tools.py::test_smoke_test_runs_on_cpu"),
     "torchrun --nnodes=N --nproc_per_node=4 --rdzv-backend=c10d --rdzv-endpoint=HOST0:29500 "

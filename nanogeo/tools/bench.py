@@ -490,8 +490,9 @@ def main(argv=None):
     parser.add_argument("--preset", default=None,
                         help="default: llama-600m (step and overhead: cpu-tiny)")
     parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--batch_size", type=int, default=8, help="step and overhead modes")
-    parser.add_argument("--block_size", type=int, default=128, help="step and overhead modes")
+    parser.add_argument("--batch_size", type=int, default=8, help="step, overhead and fsdp modes")
+    parser.add_argument("--block_size", type=int, default=128,
+                        help="step, overhead and fsdp modes (fsdp: at most the checkpoint's)")
     parser.add_argument("--geo_rank", type=int, default=16, help="r (the GeoOptions default)")
     parser.add_argument("--world", type=int, default=8, help="codec mode: W")
     parser.add_argument("--seeds", default="0,1,2", help="accumulation mode")
@@ -520,7 +521,8 @@ def main(argv=None):
             if dist.get_rank() == 0:
                 print_collective(result)
         else:
-            result = fsdp_fidelity(args.checkpoint, args.steps, args.last, args.geo_rank, args.sides)
+            result = fsdp_fidelity(args.checkpoint, args.steps, args.last, args.geo_rank, args.sides,
+                                   batch_size=args.batch_size, block_size=args.block_size)
             if dist.get_rank() == 0:
                 print(json.dumps(result, indent=1))
         dist.destroy_process_group()
