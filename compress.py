@@ -323,8 +323,9 @@ class ShardLayout:
         return wire_nbytes(p.shape, self.fmt, p.block)
 
     def rounding(self, whose):
-        """How rank whose[0] rounds in stage whose[1]: here to nearest (None). A stochastic
-        layout returns that rank's and stage's random stream, new at each stage call."""
+        """How rank whose[0] rounds in stage whose[1], a token for quantize_piece: here to
+        nearest (None). A stochastic layout returns that rank's and stage's random stream, new
+        at each stage call."""
         return None
 
     def quantize_piece(self, values, p, rounding):

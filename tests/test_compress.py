@@ -204,8 +204,7 @@ def test_layout_covers_every_element_once():
 @pytest.mark.parametrize("fmt", ["e4m3", "nvfp4"])
 def test_a_stochastic_layout_draws_the_same_at_every_call(fmt):
     """A layout's stochastic rounding is fixed by its streams alone: calling the same copy's
-    stages twice draws the same numbers (no generator state is carried between calls), and
-    compress.py's own layout knows only its FP8 codec."""
+    stages twice draws the same numbers (no generator state is carried between calls)."""
     rng_for = collective.streams(True, 7, torch.device("cpu"))
     layout = collective.layout(SHAPES, fmt, 128, 3).with_streams(rng_for)
     flats = [torch.randn(math.prod(s), generator=torch.Generator().manual_seed(1)) for s in SHAPES]
@@ -213,8 +212,13 @@ def test_a_stochastic_layout_draws_the_same_at_every_call(fmt):
     assert torch.equal(first, again) and not torch.equal(first, layout.encode(flats, 2))
     received = first[: layout.nbytes[0]].repeat(3)          # 3 copies of shard 0
     assert torch.equal(layout.reduce(received, 0), layout.reduce(received, 0))
+
+
+def test_a_layout_refuses_a_format_it_does_not_code():
     with pytest.raises(ValueError, match="e4m3 and e5m2"):
-        compress.ShardLayout(SHAPES, "nvfp4", 128, 3)
+        compress.ShardLayout(SHAPES, "nvfp4", 128, 3)      # compress.py's codec is FP8
+    with pytest.raises(ValueError, match="codes nvfp4, not 'e4m3'"):
+        nvfp4.Nvfp4PackedLayout(SHAPES, "e4m3", 128, 3)
 
 
 def assert_all_equal(got, expected):

@@ -199,8 +199,9 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
         if input_tensor.numel() != world * sum(math.prod(s) for s in chunk_shapes):
             self.fallbacks += 1                 # not every parameter got a gradient this time
             if self.fallbacks == 1:
-                warnings.warn("nanogeo.dist.fsdp: some parameters have no gradient; this call "
-                              "uses Euclidean FP8, rounded to nearest")
+                warnings.warn("nanogeo.dist.fsdp: some parameters have no gradient; such calls "
+                              f"send Euclidean {self.fmt}, rounded to nearest (counted in "
+                              "`fallbacks`)")
             return super().__call__(output_tensor, input_tensor, group, op, async_op)
         self.comm.group = group
         rows = input_tensor.view(world, -1)

@@ -218,10 +218,13 @@ class Nvfp4Layout(packing.PieceLayout):
     """compress.ShardLayout with NVFP4 as the codec of each piece, piece by piece (the reference
     the packed form is tested against), to nearest or stochastically. Always blocks of 16
     (`block` does not apply)."""
-    codec_check = staticmethod(lambda fmt, block: None)     # NVFP4: any `block` is ignored
+    codec_check = staticmethod(compress.check_codec)        # (compress.ShardLayout's: FP8 only)
 
     def __init__(self, shapes, fmt, block, world_size, pieces=None):
-        super().__init__(shapes, "nvfp4", NVFP4_BLOCK, world_size, pieces)
+        if fmt != "nvfp4":
+            raise ValueError(f"an NVFP4 layout codes nvfp4, not {fmt!r} "
+                             "(nanogeo.wire.collective.layout picks the layout of a format)")
+        super().__init__(shapes, fmt, NVFP4_BLOCK, world_size, pieces)
 
     def piece_nbytes(self, p):
         """As quantize writes the piece on its own."""
@@ -239,8 +242,11 @@ class Nvfp4PackedLayout(Nvfp4Layout, packing.PackedLayout):
     (nanogeo/wire/packing.py) runs them - the bucket's pieces cut into blocks of 16 and stacked in
     wire order, one codec call per stage - with the piece-by-piece path's wire (Nvfp4Layout's
     piece codec and sizes): the same bytes and, summed in the same order, the same means."""
-    # rank by rank (each piece's tensor scale is a max over that rank's piece alone)
-    encode_ranks = compress.ShardLayout.encode_ranks
+
+    def encode_ranks(self, rank_flats):
+        """Rank by rank, as compress.ShardLayout does (each piece's tensor scale is a max over
+        that rank's piece alone), not stacked as packing.PackedLayout does."""
+        return compress.ShardLayout.encode_ranks(self, rank_flats)
 
     def __init__(self, shapes, fmt, block, world_size, pieces=None):
         super().__init__(shapes, fmt, block, world_size, pieces)

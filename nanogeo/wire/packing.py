@@ -61,7 +61,7 @@ def quantize(x, fmt="e4m3", block=128, stochastic=False, generator=None):
     """compress.quantize, to nearest or stochastically (from `generator`; None: torch's global
     stream)."""
     encode = functools.partial(stochastic_encode, generator=generator) if stochastic else None
-    return compress.quantize(x, fmt, block, encode)
+    return compress.quantize(x, fmt, block, encode_groups=encode)
 
 
 def pack_groups(groups, fmt, stochastic=False, generator=None):
@@ -100,7 +100,10 @@ class PieceLayout(compress.ShardLayout):
 
     def with_streams(self, rng_for):
         """A copy of this (cached) layout that rounds stochastically, each rank and stage from
-        its stream rng_for(rank, stage) (None: this layout itself, to nearest)."""
+        its stream rng_for(rank, stage) (None: this layout itself, to nearest). rng_for must
+        return a new generator, seeded for that rank and stage, at every call: then every call of
+        the copy draws the same, and the simulator what the ranks draw (nanogeo.wire.collective.
+        streams; with seed=None it returns None, torch's global generator, which has neither)."""
         if rng_for is None:
             return self
         rounded = copy.copy(self)
