@@ -214,16 +214,21 @@ class WireRun:
             for segment in ((a + 4 + g, c), (width, CODE_BYTES * g - c))]
 
 
+def check_nvfp4(fmt, block):
+    """An NVFP4 layout's codec check (compress.ShardLayout's codes FP8 only): the format must be
+    nvfp4; `block` does not apply (always 16)."""
+    if fmt != "nvfp4":
+        raise ValueError(f"an NVFP4 layout codes nvfp4, not {fmt!r} "
+                         "(nanogeo.wire.collective.layout picks the layout of a format)")
+
+
 class Nvfp4Layout(packing.PieceLayout):
     """compress.ShardLayout with NVFP4 as the codec of each piece, piece by piece (the reference
     the packed form is tested against), to nearest or stochastically. Always blocks of 16
     (`block` does not apply)."""
-    codec_check = staticmethod(compress.check_codec)        # (compress.ShardLayout's: FP8 only)
+    codec_check = staticmethod(check_nvfp4)
 
     def __init__(self, shapes, fmt, block, world_size, pieces=None):
-        if fmt != "nvfp4":
-            raise ValueError(f"an NVFP4 layout codes nvfp4, not {fmt!r} "
-                             "(nanogeo.wire.collective.layout picks the layout of a format)")
         super().__init__(shapes, fmt, NVFP4_BLOCK, world_size, pieces)
 
     def piece_nbytes(self, p):
@@ -243,15 +248,15 @@ class Nvfp4PackedLayout(Nvfp4Layout, packing.PackedLayout):
     wire order, one codec call per stage - with the piece-by-piece path's wire (Nvfp4Layout's
     piece codec and sizes): the same bytes and, summed in the same order, the same means."""
 
-    def encode_ranks(self, rank_flats):
-        """Rank by rank, as compress.ShardLayout does (each piece's tensor scale is a max over
-        that rank's piece alone), not stacked as packing.PackedLayout does."""
-        return compress.ShardLayout.encode_ranks(self, rank_flats)
-
     def __init__(self, shapes, fmt, block, world_size, pieces=None):
         super().__init__(shapes, fmt, block, world_size, pieces)
         self.bucket = WireRun(self.pieces)                                       # stages 1, 3
         self.shards = [WireRun([pieces]) for pieces in self.pieces]              # stage 2
+
+    def encode_ranks(self, rank_flats):
+        """Rank by rank, as compress.ShardLayout does (each piece's tensor scale is a max over
+        that rank's piece alone), not stacked as packing.PackedLayout does."""
+        return compress.ShardLayout.encode_ranks(self, rank_flats)
 
     def encode(self, flats, rank=0):
         return self.bucket.encode(self.blocks_in_wire_order(flats), *self.rounding((rank, 1)))
