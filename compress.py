@@ -276,8 +276,10 @@ class ShardLayout:
     """How a bucket of tensors is cut into W shards, and the three stages on it. Rank j owns, of
     every tensor, the j-th contiguous range of its scale groups (blocks or rows). With "tensor"
     scaling each tensor is cut into W equal ranges, each with one scale (a single scale per
-    tensor would force one rank to own the whole tensor and unbalance the all_gather). Tensors
-    with fewer groups than ranks are spread by rotating which rank gets the remainder. The
+    tensor would force one rank to own the whole tensor and unbalance the all_gather). A tensor's
+    groups left over after W equal counts (all of them, if it has fewer groups than ranks) go to
+    the ranks whose shards are lightest so far: the all_gather pads every shard to the largest,
+    so a small model at large W would otherwise pay for one rank's pile of remainders. The
     layout depends only on the shapes, so every rank computes the same one.
 
     The stages run piece by piece, through this file's FP8 codec, rounding to nearest.
@@ -295,6 +297,7 @@ class ShardLayout:
 
     def _cut(self, block):
         pieces = [[] for _ in range(self.world_size)]
+        load = [0] * self.world_size        # bytes each rank's shard holds so far
         for t, shape in enumerate(self.shapes):
             numel = math.prod(shape)
             if isinstance(block, int):                      # blocks of `block` elements
@@ -305,15 +308,19 @@ class ShardLayout:
                 group_len, piece_block = -(-numel // self.world_size), "tensor"
             n_groups = -(-numel // group_len) if group_len else 0
             base, extra = divmod(n_groups, self.world_size)
+            # the `extra` groups left over go to the ranks that carry the fewest bytes so far (a
+            # tie to the lower rank): the all_gather pads every shard to the largest
+            lightest = sorted(range(self.world_size), key=lambda j: (load[j], j))[:extra]
             first = 0
             for j in range(self.world_size):
-                count = base + ((j - t) % self.world_size < extra)
+                count = base + (j in lightest)
                 start, end = first * group_len, min(numel, (first + count) * group_len)
                 first += count
                 if end <= start:
                     continue
                 piece_shape = (count, group_len) if piece_block == "row" else (end - start,)
                 pieces[j].append(Piece(t, start, end, piece_shape, piece_block))
+                load[j] += self.piece_nbytes(pieces[j][-1])
         return pieces
 
     # -- one piece through the codec -------------------------------------------------------------

@@ -200,6 +200,20 @@ def test_layout_covers_every_element_once():
             assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
 
 
+def test_remainder_groups_go_to_the_lightest_shards():
+    """A small model at many ranks: tensors with fewer 128-value blocks than ranks. Handing each
+    tensor's left-over blocks to the ranks that hold the fewest bytes keeps every shard within one
+    block of the others (each block here is whole: 4 + 128 bytes): the all_gather pads every
+    shard to the largest."""
+    blocks = [1, 3, 64, 2, 31, 1, 129, 7, 1, 65]          # per tensor, multiples of 128 values
+    shapes = [(n * 128,) for n in blocks]
+    for world in (8, 32, 64):
+        layout = compress.shard_layout(tuple(shapes), "e4m3", 128, world)
+        held = [sum(-(-(p.end - p.start) // 128) for p in pieces) for pieces in layout.pieces]
+        assert max(held) - min(held) <= 1, (world, held)
+        assert max(layout.nbytes) - min(layout.nbytes) <= 4 + 128
+
+
 
 @pytest.mark.parametrize("fmt", ["e4m3", "nvfp4"])
 def test_a_stochastic_layout_draws_the_same_at_every_call(fmt):
