@@ -280,7 +280,8 @@ class ShardLayout:
     groups left over after W equal counts (all of them, if it has fewer groups than ranks) go to
     the ranks whose shards are lightest so far: the all_gather pads every shard to the largest,
     so a small model at large W would otherwise pay for one rank's pile of remainders. The
-    layout depends only on the shapes, so every rank computes the same one.
+    layout depends only on the shapes and the wire's size of a piece (piece_nbytes: a packed
+    layout may cut differently, never inside a scale group), so every rank computes the same.
 
     The stages run piece by piece, through this file's FP8 codec, rounding to nearest.
     Production's layouts (nanogeo/wire) subclass it: each stage on the whole bucket in one codec
@@ -310,7 +311,7 @@ class ShardLayout:
             base, extra = divmod(n_groups, self.world_size)
             # the `extra` groups left over go to the ranks that carry the fewest bytes so far (a
             # tie to the lower rank): the all_gather pads every shard to the largest
-            lightest = sorted(range(self.world_size), key=lambda j: (load[j], j))[:extra]
+            lightest = set(sorted(range(self.world_size), key=lambda j: (load[j], j))[:extra])
             first = 0
             for j in range(self.world_size):
                 count = base + (j in lightest)
@@ -326,7 +327,8 @@ class ShardLayout:
     # -- one piece through the codec -------------------------------------------------------------
 
     def piece_nbytes(self, p):
-        """Wire bytes of one piece."""
+        """Wire bytes of one piece. (_cut calls it from __init__: it may use fmt, block and the
+        piece only.)"""
         return wire_nbytes(p.shape, self.fmt, p.block)
 
     def rounding(self, whose):

@@ -201,18 +201,22 @@ def test_layout_covers_every_element_once():
 
 
 def test_remainder_groups_go_to_the_lightest_shards():
-    """A small model at many ranks: tensors with fewer 128-value blocks than ranks. Handing each
-    tensor's left-over blocks to the ranks that hold the fewest bytes keeps every shard within one
-    block of the others (each block here is whole: 4 + 128 bytes): the all_gather pads every
-    shard to the largest."""
+    """A small model at many ranks: tensors with fewer scale groups than ranks. Handing each
+    tensor's left-over groups to the ranks that hold the fewest bytes keeps every shard within one
+    group of the others (the all_gather pads every shard to the largest): the reference layout,
+    production's packed one and NVFP4's (groups of 16 values, 8 code bytes and a 1-byte scale,
+    plus a 4-byte tensor scale per piece)."""
     blocks = [1, 3, 64, 2, 31, 1, 129, 7, 1, 65]          # per tensor, multiples of 128 values
-    shapes = [(n * 128,) for n in blocks]
+    shapes = tuple((n * 128,) for n in blocks)
     for world in (8, 32, 64):
-        layout = compress.shard_layout(tuple(shapes), "e4m3", 128, world)
-        held = [sum(-(-(p.end - p.start) // 128) for p in pieces) for pieces in layout.pieces]
-        assert max(held) - min(held) <= 1, (world, held)
-        assert max(layout.nbytes) - min(layout.nbytes) <= 4 + 128
-
+        for layout, group_len, slack in (
+                (compress.shard_layout(shapes, "e4m3", 128, world), 128, 4 + 128),
+                (collective.layout(shapes, "e4m3", 128, world), 128, 4 + 128),
+                (collective.layout(shapes, "nvfp4", 128, world), 16, 9 + 4 * len(shapes))):
+            held = [sum(-(-(p.end - p.start) // group_len) for p in pieces)
+                    for pieces in layout.pieces]
+            assert max(held) - min(held) <= 1, (type(layout).__name__, world, held)
+            assert max(layout.nbytes) - min(layout.nbytes) <= slack, type(layout).__name__
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "nvfp4"])
