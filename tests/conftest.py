@@ -95,7 +95,6 @@ def bpe_corpus(tmp_path_factory):
 # matrices are Conv1D modules holding (in, out) weights, y = x @ W + b; the head is tied to the
 # token embedding; positions are a learned table. A model we did not design for GeoFP8.
 
-import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 

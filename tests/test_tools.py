@@ -399,11 +399,18 @@ def test_study_answer_edge_cases(tmp_path, capsys):
     (tmp_path / "r.json").write_text(json.dumps(fp32 + same))
     for argv, message in ((["--readme", "README.md"], "give both"),
                           (["--answer", str(tmp_path / "r.json"), "--answer_workers", "8"],
-                           "--answer_workers")):
+                           "--answer_workers"),
+                          (["--answer", str(tmp_path / "r.json"), "--answer_workers", "32,x"],
+                           "comma-separated")):
         with pytest.raises(SystemExit) as e:
             study.main(argv)
         assert e.value.code == 2 and message in capsys.readouterr().err
     study.main(["--answer", str(tmp_path / "r.json")])
     assert capsys.readouterr().out == study.answer(fp32 + same)
+    # several W: one table per W, in the order asked
+    both = fp32 + same + [dict(r, workers=64) for r in fp32 + same]
+    (tmp_path / "r2.json").write_text(json.dumps(both))
+    study.main(["--answer", str(tmp_path / "r2.json"), "--answer_workers", "64,32"])
+    assert capsys.readouterr().out == study.answer(both, 64) + "\n" + study.answer(both, 32)
     study.main(["--table", str(tmp_path / "r.json"), "--reference", "fp8"])
     assert capsys.readouterr().out == study.table(fp32 + same, "fp8")

@@ -3,7 +3,7 @@
 # is run (resumable: a finished run is skipped, so run this again to continue it). From the
 # repository root, after `python prepare_data.py --tokenizer char`. Results: out/study/results.json
 # (copied to docs/study/results.json with the plots, then
-# `python -m nanogeo.tools.study --answer docs/study/results.json --readme README.md`).
+# `python -m nanogeo.tools.study --answer docs/study/results.json --readme README.md --answer_workers 32,64`).
 #
 # 1. Each optimizer tuned with fp32 first: 300-step sweeps over 2 seeds (out/sweep/sweep.md).
 # 2. Every method of an optimizer then trains at that optimizer's best learning rate

@@ -696,9 +696,9 @@ def answer(results, workers=32):
     if not groups:
         raise ValueError(f"no study run at W = {workers} in these results: pass the W the "
                          "study ran at (--answer_workers)")
-    lines = [f"| optimizer | wire format | run this | seeds | gap to fp32 (paired, 95 % t) | "
-             f"gap to bf16 (paired, 95 % t) | wire vs bf16 | ms/step vs Euclidean | "
-             f"best measured, if another |", "| --- " * 9 + "|"]
+    lines = ["| optimizer | wire format | run this | seeds | gap to fp32 (paired, 95 % t) | "
+             "gap to bf16 (paired, 95 % t) | wire vs bf16 | ms/step vs Euclidean | "
+             "best measured, if another |", "| --- " * 9 + "|"]
     notes = []
     for optimizer, by_comm in groups.items():
         for name, budget in BUDGETS:
@@ -719,16 +719,21 @@ def answer(results, workers=32):
     return "\n".join(lines + [""] + notes + ([""] if notes else []) + [rule]) + "\n"
 
 
-def write_answer(results_path, readme, workers=32):
-    """Replace the README's text between the answer markers with answer(results_path's
-    records); a ValueError naming the fix when the markers are missing."""
+def answers(results, workers=(32,)):
+    """answer() at each W in `workers`, one table after another: the README's block."""
+    return "\n".join(answer(results, w) for w in workers)
+
+
+def write_answer(results_path, readme, workers=(32,)):
+    """Replace the README's text between the answer markers with answers(results_path's
+    records, workers); a ValueError naming the fix when the markers are missing."""
     text = open(readme).read()
     head, begin, rest = text.partition(ANSWER_BEGIN)
     _, end, tail = rest.partition(ANSWER_END)
     if not begin or not end:
         raise ValueError(f"{readme} has no {ANSWER_BEGIN} ... {ANSWER_END} block: add one "
                          "where the table goes")
-    table_text = answer(json.load(open(results_path)), workers)
+    table_text = answers(json.load(open(results_path)), workers)
     with open(readme + ".tmp", "w") as f:
         f.write(f"{head}{ANSWER_BEGIN}\n{table_text}{ANSWER_END}{tail}")
     os.replace(readme + ".tmp", readme)
@@ -761,7 +766,8 @@ def parse_args(argv):
     parser.add_argument("--readme", default=None)
     parser.add_argument("--table", default=None, metavar="RESULTS", help="print study.md's "
                         "tables of a results.json again (no runs), e.g. with another --reference")
-    parser.add_argument("--answer_workers", type=int, default=32, help="W of --answer's table")
+    parser.add_argument("--answer_workers", default="32", help="W of --answer's table; several "
+                        "(e.g. 32,64): one table per W, in that order")
     parser.add_argument("--out_dir", default="out/ablate")
     args = parser.parse_args(argv)
     return parser, args, extra
@@ -838,9 +844,13 @@ def main(argv=None):
             parser.error(f"--answer {args.answer}: no such results file (a study's "
                          "out_dir/results.json)")
         try:
+            workers = [int(w) for w in args.answer_workers.split(",")]
+        except ValueError:
+            parser.error("--answer_workers takes comma-separated integers, e.g. 32,64")
+        try:
             if args.readme:
-                write_answer(args.answer, args.readme, args.answer_workers)
-            print(answer(json.load(open(args.answer)), args.answer_workers), end="")
+                write_answer(args.answer, args.readme, workers)
+            print(answers(json.load(open(args.answer)), workers), end="")
         except ValueError as e:
             parser.error(str(e))
         return
