@@ -411,6 +411,7 @@ def test_study_answer_edge_cases(tmp_path, capsys):
     both = fp32 + same + [dict(r, workers=64) for r in fp32 + same]
     (tmp_path / "r2.json").write_text(json.dumps(both))
     study.main(["--answer", str(tmp_path / "r2.json"), "--answer_workers", "64,32"])
-    assert capsys.readouterr().out == study.answer(both, 64) + "\n" + study.answer(both, 32)
+    assert capsys.readouterr().out == (f"**W = 64 ranks**\n\n{study.answer(both, 64)}\n"
+                                       f"**W = 32 ranks**\n\n{study.answer(both, 32)}")
     study.main(["--table", str(tmp_path / "r.json"), "--reference", "fp8"])
     assert capsys.readouterr().out == study.table(fp32 + same, "fp8")

@@ -720,8 +720,11 @@ def answer(results, workers=32):
 
 
 def answers(results, workers=(32,)):
-    """answer() at each W in `workers`, one table after another: the README's block."""
-    return "\n".join(answer(results, w) for w in workers)
+    """answer() at each W in `workers`, one table after another, each under a "W = ..." line
+    when there are several: the README's block."""
+    if len(workers) == 1:
+        return answer(results, workers[0])
+    return "\n".join(f"**W = {w} ranks**\n\n{answer(results, w)}" for w in workers)
 
 
 def write_answer(results_path, readme, workers=(32,)):
