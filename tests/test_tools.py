@@ -121,13 +121,17 @@ def test_study_table_rows():
 
 
 def test_study_gain_history():
-    """Per arm and seed, the count of geometry-aware layers where it changes, and the layers
-    ever geometry-aware (by name, across seeds); arms without a history are left out."""
+    """Per arm (optimizer, W, method) and seed, the count of geometry-aware layers where it
+    changes, and the layers ever geometry-aware (by name, across seeds); arms without a history
+    are left out."""
     a = dict(study_run("subspace", 0, 2.0), geometry=[(25, ["a", "b"]), (50, ["a", "c"]),
                                                       (75, ["a"])])
     b = dict(study_run("subspace", 1, 2.0), geometry=[(25, []), (50, ["d"])])
-    text = study.gain_history([a, b, study_run("fp8", 0, 2.0)])
-    assert text.splitlines()[2:] == ["| adamw | subspace | 0: 25:2 → 75:1; 1: 25:0 → 50:1 | 4 |"]
+    c = dict(a, workers=64, geometry=[(25, ["e"])])         # another W: a row of its own
+    text = study.gain_history([a, b, c, study_run("fp8", 0, 2.0)])
+    assert text.splitlines()[2:] == [
+        f"| adamw | {a['workers']} | subspace | 0: 25:2 → 75:1; 1: 25:0 → 50:1 | 4 |",
+        "| adamw | 64 | subspace | 0: 25:1 | 1 |"]
     assert study.gain_history([study_run("fp8", 0, 2.0)]) == ""
 
 

@@ -377,16 +377,16 @@ def table(results, reference):
 # the learning-rate sweep
 
 def gain_history(results):
-    """Markdown: for each geometry arm (optimizer, method), per seed, how many candidate layers
-    were sent in geometry-aware coordinates at the first logged step and at every logged step
-    where that changed ("step:count"), and how many distinct layers ever were."""
+    """Markdown: for each geometry arm (optimizer, W, method), per seed, how many candidate
+    layers were sent in geometry-aware coordinates at the first logged step and at every logged
+    step where that changed ("step:count"), and how many distinct layers ever were."""
     arms = {}
     for r in results:
         if r.get("geometry") and not r.get("sweep"):
-            arms.setdefault((r["optimizer"], r["comm"]), []).append(r)
-    lines = ["| optimizer | method | per seed: step:count at each change | layers ever |",
-             "| --- | --- | --- | --- |"]
-    for (optimizer, comm), runs in sorted(arms.items()):
+            arms.setdefault((r["optimizer"], r["workers"], r["comm"]), []).append(r)
+    lines = ["| optimizer | W | method | per seed: step:count at each change | layers ever |",
+             "| --- | --- | --- | --- | --- |"]
+    for (optimizer, workers, comm), runs in sorted(arms.items()):
         per_seed, ever = [], set()
         for r in sorted(runs, key=lambda r: r["seed"]):
             counts = [(step, len(names)) for step, names in r["geometry"]]
@@ -394,7 +394,7 @@ def gain_history(results):
                        if k == 0 or n != counts[k - 1][1]]
             per_seed.append(f"{r['seed']}: {' → '.join(changes)}")
             ever |= {name for _, names in r["geometry"] for name in names}
-        lines.append(f"| {optimizer} | {comm} | {'; '.join(per_seed)} | {len(ever)} |")
+        lines.append(f"| {optimizer} | {workers} | {comm} | {'; '.join(per_seed)} | {len(ever)} |")
     return "\n".join(lines) + "\n" if arms else ""
 
 
