@@ -405,7 +405,10 @@ def test_study_answer_edge_cases(tmp_path, capsys):
                           (["--answer", str(tmp_path / "r.json"), "--answer_workers", "8"],
                            "--answer_workers"),
                           (["--answer", str(tmp_path / "r.json"), "--answer_workers", "32,x"],
-                           "comma-separated")):
+                           "comma-separated"),
+                          (["--answer", str(tmp_path / "r.json"), "--answer_workers", "32,32"],
+                           "names a W twice"),
+                          (["--answer_workers", "32"], "give both")):
         with pytest.raises(SystemExit) as e:
             study.main(argv)
         assert e.value.code == 2 and message in capsys.readouterr().err

@@ -377,16 +377,18 @@ def table(results, reference):
 # the learning-rate sweep
 
 def gain_history(results):
-    """Markdown: for each geometry arm (optimizer, W, method), per seed, how many candidate
-    layers were sent in geometry-aware coordinates at the first logged step and at every logged
-    step where that changed ("step:count"), and how many distinct layers ever were."""
+    """Markdown: for each geometry arm (optimizer, W, simulated or real ranks, method), per
+    seed, how many candidate layers were sent in geometry-aware coordinates at the first logged
+    step and at every logged step where that changed ("step:count"), and how many distinct layers
+    ever were."""
     arms = {}
     for r in results:
         if r.get("geometry") and not r.get("sweep"):
-            arms.setdefault((r["optimizer"], r["workers"], r["comm"]), []).append(r)
+            key = r["optimizer"], r["workers"], r.get("simulated", False), r["comm"]
+            arms.setdefault(key, []).append(r)
     lines = ["| optimizer | W | method | per seed: step:count at each change | layers ever |",
              "| --- | --- | --- | --- | --- |"]
-    for (optimizer, workers, comm), runs in sorted(arms.items()):
+    for (optimizer, workers, simulated, comm), runs in sorted(arms.items()):
         per_seed, ever = [], set()
         for r in sorted(runs, key=lambda r: r["seed"]):
             counts = [(step, len(names)) for step, names in r["geometry"]]
@@ -394,7 +396,8 @@ def gain_history(results):
                        if k == 0 or n != counts[k - 1][1]]
             per_seed.append(f"{r['seed']}: {' → '.join(changes)}")
             ever |= {name for _, names in r["geometry"] for name in names}
-        lines.append(f"| {optimizer} | {workers} | {comm} | {'; '.join(per_seed)} | {len(ever)} |")
+        ranks = workers if simulated else f"{workers} (real ranks)"
+        lines.append(f"| {optimizer} | {ranks} | {comm} | {'; '.join(per_seed)} | {len(ever)} |")
     return "\n".join(lines) + "\n" if arms else ""
 
 
@@ -769,8 +772,8 @@ def parse_args(argv):
     parser.add_argument("--readme", default=None)
     parser.add_argument("--table", default=None, metavar="RESULTS", help="print study.md's "
                         "tables of a results.json again (no runs), e.g. with another --reference")
-    parser.add_argument("--answer_workers", default="32", help="W of --answer's table; several "
-                        "(e.g. 32,64): one table per W, in that order")
+    parser.add_argument("--answer_workers", default=None, help="W of --answer's table (default "
+                        "32); several (e.g. 32,64): one table per W, in that order")
     parser.add_argument("--out_dir", default="out/ablate")
     args = parser.parse_args(argv)
     return parser, args, extra
@@ -840,16 +843,19 @@ def main(argv=None):
         except (OSError, ValueError) as e:
             parser.error(f"--table {args.table}: {e}")
         return
-    if args.readme and not args.answer:
-        parser.error("--readme writes the table of --answer RESULTS: give both")
+    if (args.readme or args.answer_workers) and not args.answer:
+        parser.error("--readme and --answer_workers go with --answer RESULTS: give both")
     if args.answer:
         if not os.path.exists(args.answer):
             parser.error(f"--answer {args.answer}: no such results file (a study's "
                          "out_dir/results.json)")
         try:
-            workers = [int(w) for w in args.answer_workers.split(",")]
+            workers = [int(w) for w in (args.answer_workers or "32").split(",")]
         except ValueError:
-            parser.error("--answer_workers takes comma-separated integers, e.g. 32,64")
+            parser.error(f"--answer_workers {args.answer_workers!r}: comma-separated integers, "
+                         "e.g. 32,64")
+        if len(set(workers)) < len(workers):
+            parser.error(f"--answer_workers {args.answer_workers!r} names a W twice")
         try:
             if args.readme:
                 write_answer(args.answer, args.readme, workers)
