@@ -350,7 +350,8 @@ def study_record(comm, seed, loss, wire, ms=100.0):
 def test_study_answer_recommends_the_cheapest_method_as_good_as_the_best(tmp_path):
     """Hand-made study: subspace's gap to fp32 (0.0183) is below fp8's (0.02), but their paired
     difference (-0.005, +0.005, -0.005) includes 0, so plain fp8 is the FP8 answer; at 4 bits the
-    rotation is better than nvfp4 in every seed by 0.05, so it is the answer there."""
+    rotation is better than nvfp4 in every seed by 0.05, so it is the answer there - not the
+    cheaper Hadamard control, whose difference to it includes 0 only because it has 2 seeds."""
     losses = {"fp32": (2.00, 2.10, 2.20, 2.0), "bf16": (2.01, 2.11, 2.21, 1.0),
               "fp8": (2.02, 2.12, 2.22, 0.5), "subspace": (2.015, 2.125, 2.215, 0.5),
               "nvfp4": (2.10, 2.20, 2.30, 0.28), "subspace-nvfp4": (2.05, 2.15, 2.25, 0.28)}
@@ -358,6 +359,7 @@ def test_study_answer_recommends_the_cheapest_method_as_good_as_the_best(tmp_pat
                             ms=130.0 if comm == "subspace-nvfp4" else 100.0)
                for comm, values in losses.items() for seed in range(3)]
     records.append(dict(study_record("fp8", 0, 9.0, 0.5), flags=["--learning_rate=1"]))  # other group
+    records += [study_record("hadamard-nvfp4", s, v, 0.28) for s, v in ((0, 2.10), (1, 2.15))]
     fp8_budget, four_bit = study.answer(records).splitlines()[2:4]
     assert fp8_budget.startswith("| adamw | FP8 | fp8 | 3 | +0.0200 ± 0.0000 | "
                                  "+0.0100 ± 0.0000 | 0.500 | 1.00× | subspace: +0.0183 ± ")

@@ -639,7 +639,7 @@ def recommend(by_comm, name):
     """The method to run with a wire format (name: "FP8" or "4-bit"): among its methods with
     >= 2 seeds paired with fp32 and every run finite, the best is the one with the lowest mean
     gap to fp32 (on the seeds it shares with the format's plain method); the recommendation is the cheapest method (cost()) whose paired difference to
-    the best includes 0 at 95 % (the best itself when none does). Returns (recommended, best)
+    the best includes 0 at 95 % on every seed the best has (the best itself when none does). Returns (recommended, best)
     or None."""
     fp32 = by_comm.get("fp32", {})
     gaps = {c: paired(runs, fp32)[1] for c, runs in by_comm.items() if c != "fp32"}
@@ -658,9 +658,13 @@ def recommend(by_comm, name):
         return 0.0 if c == plain else mean_ci(paired(by_comm[c], by_comm[plain])[1])[0]
     best = min(fits, key=lambda c: (score(c), cost(c), c))
 
+    best_seeds = len(gaps[best])
+
     def as_good_as_best(c):
+        """Paired with the best on every seed the best was measured on (fewer seeds, a wider
+        interval, must not make a method look as good), and the difference includes 0."""
         seeds, diff = paired(by_comm[c], by_comm[best])
-        return c == best or (len(seeds) >= 2 and includes_zero(diff))
+        return c == best or (len(seeds) >= max(2, best_seeds) and includes_zero(diff))
     recommended = min((c for c in fits if as_good_as_best(c)),
                       key=lambda c: (cost(c), mean_ci(gaps[c])[0], c))
     return recommended, best
@@ -715,7 +719,7 @@ def answer(results, workers=32):
     rule = ("Run this: among the methods measured with that wire format (>= 2 seeds paired "
             "with fp32), the cheapest (Euclidean, then error feedback, then the Hadamard "
             "rotation, then a geometry) whose paired difference to the best one's gap includes 0 "
-            "at 95 % - with few seeds that is weak evidence of equality, so the best measured "
+            "at 95 % on every seed the best one has - with few seeds that is weak evidence of equality, so the best measured "
             f"method is shown beside it. W = {workers} ranks; seeds: those paired with fp32; "
             "ms/step: the study's simulated step against Euclidean on the same collective (the "
             "whole step, on a shared CPU: a rough guide, not a GPU timing).")
