@@ -1,6 +1,7 @@
 import os
 import socket
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -17,13 +18,18 @@ def free_port():
         return s.getsockname()[1]
 
 
-def _entry(rank, fn, world_size, port, args):
+def _entry(rank, fn, world_size, port, done_dir, args):
     # what torchrun would set
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
     import torch
     torch.set_num_threads(1)
     fn(rank, world_size, *args)
+    open(os.path.join(done_dir, f"rank{rank}.done"), "w").close()   # fn returned on this rank
+    # leave at once: the interpreter's teardown is where gloo's threads now and then abort
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(fn, world_size, *args):
@@ -31,20 +37,29 @@ def run_ranks(fn, world_size, *args):
     fn must live in an importable module (a test file is fine) and init its process group
     itself (train.train does) or through dist_init().
 
-    A Python error in any rank fails the test at once. A rank killed by a *signal* is run again,
-    once: gloo now and then aborts a process while it sets up its TCP pairs (SIGABRT,
-    "terminate called without an active exception"; cf. pytorch/gloo#514), which says nothing
-    about the code under test. A crash that repeats fails the test."""
+    A Python error in any rank fails the test at once. gloo now and then aborts a process while
+    it sets up or tears down its TCP pairs (SIGABRT, "terminate called without an active
+    exception"; cf. pytorch/gloo#514), which says nothing about the code under test: a rank
+    killed by a *signal* after fn returned on every rank is a finished run; one killed before
+    is run again, once, with the same arguments (safe for an abort at set-up, before fn wrote
+    anything). A crash that repeats fails the test."""
     for attempt in (1, 2):
-        try:
-            mp.start_processes(_entry, args=(fn, world_size, free_port(), args),
-                               nprocs=world_size, join=True, start_method="spawn")
-            return
-        except mp.ProcessExitedException as e:
-            if attempt == 2 or not e.signal_name:
-                raise
-            print(f"run_ranks: rank {e.error_index} died with {e.signal_name}; running "
-                  f"{fn.__name__} once more", file=sys.stderr)
+        with tempfile.TemporaryDirectory() as done_dir:
+            try:
+                mp.start_processes(_entry, args=(fn, world_size, free_port(), done_dir, args),
+                                   nprocs=world_size, join=True, start_method="spawn")
+                return
+            except mp.ProcessExitedException as e:
+                finished = all(os.path.exists(os.path.join(done_dir, f"rank{r}.done"))
+                               for r in range(world_size))
+                if e.signal_name and finished:      # died at teardown, after its work
+                    print(f"run_ranks: rank {e.error_index} died with {e.signal_name} after "
+                          f"{fn.__name__} returned on every rank", file=sys.stderr)
+                    return
+                if attempt == 2 or not e.signal_name:
+                    raise
+                print(f"run_ranks: rank {e.error_index} died with {e.signal_name}; running "
+                      f"{fn.__name__} once more", file=sys.stderr)
 
 
 @pytest.fixture(autouse=True)
