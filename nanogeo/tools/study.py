@@ -638,9 +638,10 @@ def wire_of(runs):
 def recommend(by_comm, name):
     """The method to run with a wire format (name: "FP8" or "4-bit"): among its methods with
     >= 2 seeds paired with fp32 and every run finite, the best is the one with the lowest mean
-    gap to fp32 (on the seeds it shares with the format's plain method); the recommendation is the cheapest method (cost()) whose paired difference to
-    the best includes 0 at 95 % on every seed the best has (the best itself when none does). Returns (recommended, best)
-    or None."""
+    gap to fp32 (on the seeds it shares with the format's plain method); the recommendation is
+    the cheapest method (cost()) whose paired difference to the best includes 0 at 95 % on
+    every seed the best has (the best itself when none does). Returns (recommended, best) or
+    None."""
     fp32 = by_comm.get("fp32", {})
     gaps = {c: paired(runs, fp32)[1] for c, runs in by_comm.items() if c != "fp32"}
     fits = [c for c, g in gaps.items() if len(g) >= 2 and all(map(math.isfinite, g))
@@ -719,8 +720,8 @@ def answer(results, workers=32):
     rule = ("Run this: among the methods measured with that wire format (>= 2 seeds paired "
             "with fp32), the cheapest (Euclidean, then error feedback, then the Hadamard "
             "rotation, then a geometry) whose paired difference to the best one's gap includes 0 "
-            "at 95 % on every seed the best one has - with few seeds that is weak evidence of equality, so the best measured "
-            f"method is shown beside it. W = {workers} ranks; seeds: those paired with fp32; "
+            "at 95 % on every seed the best one has - with few seeds that is weak evidence of "
+            f"equality, so the best measured method is shown beside it. W = {workers} ranks; seeds: those paired with fp32; "
             "ms/step: the study's simulated step against Euclidean on the same collective (the "
             "whole step, on a shared CPU: a rough guide, not a GPU timing).")
     return "\n".join(lines + [""] + notes + ([""] if notes else []) + [rule]) + "\n"
