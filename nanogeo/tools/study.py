@@ -737,7 +737,8 @@ def answers(results, workers=(32,)):
 
 def write_answer(results_path, readme, workers=(32,)):
     """Replace the README's text between the answer markers with answers(results_path's
-    records, workers); a ValueError naming the fix when the markers are missing."""
+    records, workers) and return that text; a ValueError naming the fix when the markers are
+    missing."""
     text = open(readme).read()
     head, begin, rest = text.partition(ANSWER_BEGIN)
     _, end, tail = rest.partition(ANSWER_END)
@@ -748,6 +749,7 @@ def write_answer(results_path, readme, workers=(32,)):
     with open(readme + ".tmp", "w") as f:
         f.write(f"{head}{ANSWER_BEGIN}\n{table_text}{ANSWER_END}{tail}")
     os.replace(readme + ".tmp", readme)
+    return table_text
 
 
 # -----------------------------------------------------------------------------
@@ -862,9 +864,9 @@ def main(argv=None):
         if len(set(workers)) < len(workers):
             parser.error(f"--answer_workers {args.answer_workers!r} names a W twice")
         try:
-            if args.readme:
-                write_answer(args.answer, args.readme, workers)
-            print(answers(json.load(open(args.answer)), workers), end="")
+            text = (write_answer(args.answer, args.readme, workers) if args.readme
+                    else answers(json.load(open(args.answer)), workers))
+            print(text, end="")
         except ValueError as e:
             parser.error(str(e))
         return
