@@ -279,13 +279,10 @@ def setup(cfg):
     optimizers = make_optimizers(cfg, raw_model, fused=device.type == "cuda")
     peaks = peak_lrs(optimizers)    # read before a checkpoint overwrites "lr" with its last value
     communicator, moments = make_communicator(cfg, raw_model, optimizers)
-    # simulated ranks go through the model together (nanogeo/dist/simulated.py): eagerly on the
-    # CPU, where a sequence's numbers do not depend on its batch; with --compile by one vmap
-    batched = None
-    if cfg.simulate_workers and cfg.compile:
-        batched = simulated.VmappedRanks(raw_model, params)
-    elif cfg.simulate_workers and device.type == "cpu":
-        batched = simulated.BatchedRanks(raw_model, model_lib.next_token_loss, rank_pass)
+    # simulated ranks go through the model together (nanogeo/dist/simulated.py), on the CPU, where a
+    # sequence's numbers do not depend on its batch, and eagerly (with --compile: one by one)
+    batched = (simulated.BatchedRanks(raw_model, model_lib.next_token_loss, rank_pass)
+               if cfg.simulate_workers and device.type == "cpu" and not cfg.compile else None)
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
                 else contextlib.nullcontext())
     start_step = 0
@@ -350,8 +347,7 @@ def forward_backward(run, step, collect):
                           batch_rng(cfg.seed, r, step, micro), run.device)
                 for micro in range(cfg.grad_accum)] for r in run.my_ranks]
     if run.batched is not None and not collect:
-        with run.autocast:
-            losses, worker_grads = run.batched.forward_backward(batches, cfg.grad_accum)
+        losses, worker_grads = run.batched.forward_backward(batches, cfg.grad_accum)
         return sum(loss.item() for loss in losses) / cfg.grad_accum, worker_grads, []
     forward = run.raw_model if collect else run.model   # a compiled graph never holds the hooks
     rank_losses, worker_grads, worker_moments = [], [], []

@@ -345,29 +345,6 @@ def test_batched_ranks_equal_each_ranks_own_pass(tie, grad_accum, one_thread, mo
                 p.add_(0.01 * torch.randn_like(p))
 
 
-@pytest.mark.parametrize("tie, grad_accum", [(False, 1), (True, 2)])
-def test_vmapped_ranks_close_to_each_ranks_own_pass(tie, grad_accum, one_thread):
-    """--compile's simulated ranks (VmappedRanks: one torch.func.vmap over the ranks, here
-    eager; train.py compiles it): every rank's losses and gradients those of its own pass up to
-    rounding - over micro-steps and a head tied to the embedding - but not bit for bit, which
-    is why it is not the default."""
-    model = Llama(ModelConfig(vocab_size=64, block_size=16, n_layer=2, n_embd=32, n_head=4,
-                              n_kv_head=2, tie_embeddings=tie))
-    params = [p for p in model.parameters() if p.requires_grad]
-    batches = random_batches(3, grad_accum, 64)
-    first_losses, grads = simulated.VmappedRanks(model, params, compile=False).forward_backward(
-        batches, grad_accum)
-    own = ranks_one_by_one(model, batches, grad_accum)
-    assert len(first_losses) == grad_accum and len(grads) == len(batches)
-    for a, b in zip(first_losses, own[0][0]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    for rank_grads, (_, own_grads) in zip(grads, own):
-        assert len(rank_grads) == len(own_grads)
-        for a, b in zip(rank_grads, own_grads):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
-    assert all(p.grad is None for p in model.parameters())
-
-
 class LogitsAndLoss(torch.nn.Module):
     """A model that returns logits only, as train.py's models do: (logits, loss)."""
 

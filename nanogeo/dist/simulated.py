@@ -148,44 +148,6 @@ class BatchedRanks:
         return rank_losses[0], rank_grads
 
 
-class VmappedRanks:
-    """--compile with simulated ranks: every rank's gradients from one compiled call,
-    torch.func.vmap over the ranks of grad(one rank's loss), the model run functionally on the
-    rank's micro-batch. The ranks' gradients come out stacked, (W, *shape) per parameter, with no
-    hooks and no per-rank products in Python. Not bit-equal to a real run (the compiled kernels
-    and the batched products round differently): for studies, where BENCHMARKS.md section 6
-    measures the difference over whole runs; the exact modes are the default.
-
-    model(x, y) returns (logits, loss); `params` are the model's trainable parameters in the
-    order the gradients are returned in (train.py's run.params). compile=False: the same vmap
-    eagerly (tests)."""
-
-    def __init__(self, model, params, compile=True):
-        names = {id(p): name for name, p in model.named_parameters()}
-        self.names = [names[id(p)] for p in params]
-        self.params = params
-
-        def rank_loss(weights, x, y):
-            return torch.func.functional_call(model, weights, (x, y))[1]
-
-        per_rank = torch.func.vmap(torch.func.grad_and_value(rank_loss), in_dims=(None, 0, 0))
-        self.per_rank = torch.compile(per_rank, dynamic=False) if compile else per_rank
-
-    def forward_backward(self, batches, grad_accum):
-        """batches[r][micro] = (x, y) of simulated rank r. Returns (rank 0's losses per
-        micro-step, [rank r's gradients in parameter order]), as BatchedRanks does."""
-        weights = {n: p.detach() for n, p in zip(self.names, self.params)}
-        first_losses, totals = [], None
-        for micro in range(grad_accum):
-            x = torch.stack([rank_batches[micro][0] for rank_batches in batches])   # (W, B, T)
-            y = torch.stack([rank_batches[micro][1] for rank_batches in batches])
-            grads, losses = self.per_rank(weights, x, y)        # {name: (W, *shape)}, (W,)
-            first_losses.append(losses[0])
-            stacked = [grads[n] / grad_accum for n in self.names]  # as (loss / grad_accum)
-            totals = stacked if totals is None else [a + b for a, b in zip(totals, stacked)]
-        return first_losses, [[g[r] for g in totals] for r in range(len(batches))]
-
-
 def same(tensors, others):
     """Bit for bit (None only where None)."""
     return len(tensors) == len(others) and all(
