@@ -210,8 +210,8 @@ def test_study_refuses_a_method_train_py_does_not_have(monkeypatch, capsys, tmp_
 
 def test_study_runs_a_grid_and_resumes(tiny_corpus, tmp_path, capsys):
     """Two methods x two seeds of simulated 2-rank runs; a second call skips all four. Each
-    record holds the whole command, the commit, preset, steps, learning rates and the bytes
-    per step averaged over the run."""
+    record holds the whole command, the commit and machine, preset, steps, learning rates and
+    the bytes per step averaged over the run."""
     extra = ["--preset=char-study", f"--data_dir={tiny_corpus}", "--max_iters=2", "--batch_size=2",
              "--block_size=16", "--eval_iters=1", "--eval_interval=2", "--warmup_iters=1", "--final_evals=2"]
     argv = ["--comms", "fp32,fp8", "--seeds", "0,1", "--workers", "2", "--out_dir",
@@ -225,6 +225,7 @@ def test_study_runs_a_grid_and_resumes(tiny_corpus, tmp_path, capsys):
         assert r["command"][:2] == ["train.py", "--simulate_workers=2"]
         assert r["command"][-len(extra):] == extra
         assert r["commit"] is None or (len(r["commit"]) == 40 and isinstance(r["dirty"], bool))
+        assert r["machine"] == study.machine()      # CPU model and torch version
         assert (r["preset"], r["steps"], r["learning_rates"]) == (
             "char-study", 2, {"learning_rate": 3e-3, "min_lr": 3e-4})
         assert [s for s, _ in r["final_val_losses"]] == [1, 2]

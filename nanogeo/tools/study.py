@@ -18,7 +18,8 @@ unfinished run starts again from step 0. Extra flags after `--` go to every run.
 
 What a run's record holds (out_dir/results.json, rewritten after every run): the whole command
 (train.py and every flag), the train flags its group shares (learning rates and the flags after
-`--`), the commit it ran at (git rev-parse HEAD, and whether tracked files had changes), its
+`--`), the commit it ran at (git rev-parse HEAD, and whether tracked files had changes) and the
+machine (CPU model and torch version: another CPU rounds differently, see machine()), its
 preset, steps and the learning rates train.py resolved; its final val loss (train.py's summary:
 the mean of the last --final_evals evaluations, 3 with --preset=char-study), the bytes each rank
 sent per step averaged over all steps (every collective of the gradient communication: the
@@ -28,7 +29,7 @@ the few-number all-reduces of the gain check, the finiteness flag and the geomet
 nor those every method shares), ms per step and the train-loss curve. Records are merged by
 their whole command: a call with other flags adds records beside the earlier ones, never
 mixes with them; records from before the command was stored are kept, on their own. (A run
-is not repeated for a new commit; each table's heading lists the commits of its runs.)
+is not repeated for a new commit or machine; each table's heading lists both.)
 
 Statistics (out_dir/study.md): per optimizer, W and set of train flags, every method's runs are
 compared with fp32's and the reference's runs of the same seeds (same initialisation, same
@@ -61,9 +62,11 @@ curves, mean over seeds with a min-max band.
 
 import argparse
 import fcntl
+import importlib.metadata
 import json
 import math
 import os
+import platform
 import random
 import subprocess
 import sys
@@ -162,10 +165,25 @@ def git_commit():
         return {"commit": None, "dirty": None}
 
 
+def machine():
+    """The CPU model and torch version runs ran on. Another CPU rounds differently: the same
+    300-step run ended up to 0.006 apart on two machines (BENCHMARKS.md section 6), as much as
+    a gap the study measures, so paired arms belong on one machine."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}; torch {importlib.metadata.version('torch')}"
+
+
 def provenance(path):
-    """The commit a finished run ran at (provenance.json; none for runs of older drivers)."""
+    """The commit and machine a finished run ran at (provenance.json; None where runs of older
+    drivers did not record them)."""
     file = os.path.join(path, "provenance.json")
-    return json.load(open(file)) if os.path.exists(file) else {"commit": None, "dirty": None}
+    found = json.load(open(file)) if os.path.exists(file) else {}
+    return {"commit": None, "dirty": None, "machine": None, **found}
 
 
 def record(run, summary, steps, geometry, nproc, cmd):
@@ -314,11 +332,12 @@ def heading(key, results):
     rows = [r for r in results if group(r) == key]
     commits = sorted({(r.get("commit") or "?")[:10] + ("+dirty" if r.get("dirty") else "")
                       for r in rows})
+    machines = sorted({r.get("machine") or "not recorded" for r in rows})
     ranks = "simulated" if simulated else "real"
     flag_text = ("train flags not recorded (records from an older driver)" if flags is None
                  else "train flags: " + (" ".join(f"`{f}`" for f in flags) or "none"))
     return [f"\n### {optimizer}, W = {workers} ({ranks} ranks)\n",
-            f"{flag_text}; commit {', '.join(commits)}\n"]
+            f"{flag_text}; commit {', '.join(commits)}; machine {' | '.join(machines)}\n"]
 
 
 def wire_cell(rows):
@@ -873,7 +892,7 @@ def main(argv=None):
     comms, runs = plan(parser, args, extra)
     reference = args.reference or next((c for c in comms if c in EUCLIDEAN), "fp8")
     os.makedirs(args.out_dir, exist_ok=True)
-    commit = git_commit()
+    commit = {**git_commit(), "machine": machine()}
     results, everything = [], []
     for k, run in enumerate(runs, 1):
         sweep = f" {run.sweep[0]}={run.sweep[1]}" if run.sweep else ""
