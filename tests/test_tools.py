@@ -1,4 +1,5 @@
 """Contracts of the measurement tools on small inputs: capture, bench, the study driver, smoke."""
+import importlib.metadata
 import json
 import math
 import os
@@ -206,6 +207,27 @@ def test_study_refuses_a_method_train_py_does_not_have(monkeypatch, capsys, tmp_
     with pytest.raises(SystemExit):
         study.main(["--comms", "fp32,int2", "--out_dir", str(tmp_path)])
     assert "method int2 needs train.py --comm=int2" in capsys.readouterr().err
+
+
+def test_study_records_the_machine(tmp_path, monkeypatch):
+    """machine(): the CPU's name, family and model (x86) or implementer and part (ARM), torch's
+    version and OMP_NUM_THREADS; no cpuinfo still names the platform. provenance() of a run
+    from before machines were recorded says None."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    x86, arm = tmp_path / "x86", tmp_path / "arm"
+    x86.write_text("processor\t: 0\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: AMD EPYC\n"
+                   "processor\t: 1\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: AMD EPYC\n")
+    arm.write_text("processor\t: 0\nBogoMIPS\t: 50.00\nCPU implementer\t: 0x41\n"
+                   "CPU part\t: 0xd0c\n")
+    torch_version = importlib.metadata.version("torch")
+    assert study.machine(x86) == (f"AMD EPYC cpu family 26 model 2, torch {torch_version}, "
+                                  "OMP_NUM_THREADS 1")
+    assert study.machine(arm).startswith("CPU implementer 0x41 CPU part 0xd0c, torch ")
+    assert study.machine(tmp_path / "none").split(",")[0].strip()     # platform's name
+    old = tmp_path / "old_run"
+    old.mkdir()
+    (old / "provenance.json").write_text('{"commit": "abc", "dirty": false}')
+    assert study.provenance(old) == {"commit": "abc", "dirty": False, "machine": None}
 
 
 def test_study_runs_a_grid_and_resumes(tiny_corpus, tmp_path, capsys):

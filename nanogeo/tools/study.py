@@ -165,17 +165,32 @@ def git_commit():
         return {"commit": None, "dirty": None}
 
 
-def machine():
-    """The CPU model and torch version runs ran on. Another CPU rounds differently: the same
-    300-step run ended up to 0.006 apart on two machines (BENCHMARKS.md section 6), as much as
-    a gap the study measures, so paired arms belong on one machine."""
-    cpu = platform.processor() or platform.machine()
+CPU_FIELDS = ("model name", "cpu family", "model", "CPU implementer", "CPU part")  # x86, ARM
+
+
+def machine(cpuinfo="/proc/cpuinfo"):
+    """The machine runs ran on: its CPU (name, family and model, or ARM's implementer and part),
+    the torch version and OMP_NUM_THREADS. Another CPU rounds differently: the same 300-step run
+    ended up to 0.006 apart on two machines at the same commit (BENCHMARKS.md section 14), as
+    much as a gap the study measures, so paired arms belong on one machine."""
+    fields = {}
     try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in CPU_FIELDS and value.strip():
+                    fields.setdefault(key.strip(), value.strip())
+    except OSError:
         pass
-    return f"{cpu}; torch {importlib.metadata.version('torch')}"
+    cpu = " ".join(fields[k] if k == "model name" else f"{k} {fields[k]}"
+                   for k in CPU_FIELDS if k in fields)
+    try:
+        version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    threads = os.environ.get("OMP_NUM_THREADS", "unset")
+    return (f"{cpu or platform.processor() or platform.machine() or 'unknown CPU'}, "
+            f"torch {version}, OMP_NUM_THREADS {threads}")
 
 
 def provenance(path):
@@ -337,7 +352,7 @@ def heading(key, results):
     flag_text = ("train flags not recorded (records from an older driver)" if flags is None
                  else "train flags: " + (" ".join(f"`{f}`" for f in flags) or "none"))
     return [f"\n### {optimizer}, W = {workers} ({ranks} ranks)\n",
-            f"{flag_text}; commit {', '.join(commits)}; machine {' | '.join(machines)}\n"]
+            f"{flag_text}; commit {', '.join(commits)}; machine {' / '.join(machines)}\n"]
 
 
 def wire_cell(rows):
