@@ -19,7 +19,7 @@ unfinished run starts again from step 0. Extra flags after `--` go to every run.
 What a run's record holds (out_dir/results.json, rewritten after every run): the whole command
 (train.py and every flag), the train flags its group shares (learning rates and the flags after
 `--`), the commit it ran at (git rev-parse HEAD, and whether tracked files had changes) and the
-machine (CPU model and torch version: another CPU rounds differently, see machine()), its
+machine (CPU, torch version, OMP_NUM_THREADS: another CPU rounds differently, machine()), its
 preset, steps and the learning rates train.py resolved; its final val loss (train.py's summary:
 the mean of the last --final_evals evaluations, 3 with --preset=char-study), the bytes each rank
 sent per step averaged over all steps (every collective of the gradient communication: the
@@ -222,7 +222,7 @@ def record(run, summary, steps, geometry, nproc, cmd):
                          for g in geometry] or None}
 
 
-def execute(run, nproc, out_dir, commit, label):
+def execute(run, nproc, out_dir, origin, label):
     """Run it unless it finished with this command before; returns (its record, what happened)."""
     cmd = command(run, nproc)
     done = finished(run.path, cmd)
@@ -235,7 +235,7 @@ def execute(run, nproc, out_dir, commit, label):
     with open(os.path.join(run.path, "command.json"), "w") as f:
         json.dump(cmd[1:], f)
     with open(os.path.join(run.path, "provenance.json"), "w") as f:
-        json.dump(commit, f)
+        json.dump(origin, f)
     with open(log_path, "a") as log:
         code = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
     done = finished(run.path, cmd)
@@ -907,13 +907,13 @@ def main(argv=None):
     comms, runs = plan(parser, args, extra)
     reference = args.reference or next((c for c in comms if c in EUCLIDEAN), "fp8")
     os.makedirs(args.out_dir, exist_ok=True)
-    commit = {**git_commit(), "machine": machine()}
+    origin = {**git_commit(), "machine": machine()}     # where the runs run: provenance.json
     results, everything = [], []
     for k, run in enumerate(runs, 1):
         sweep = f" {run.sweep[0]}={run.sweep[1]}" if run.sweep else ""
         label = (f"[{k}/{len(runs)}] {run.comm} {run.optimizer} W={run.workers or args.nproc} "
                  f"seed={run.seed}{sweep}")
-        result, state = execute(run, args.nproc, args.out_dir, commit, label)
+        result, state = execute(run, args.nproc, args.out_dir, origin, label)
         results.append(result)
         print(f"{label}: val {result['final_val_loss']:.4f} ({state})", flush=True)
         everything = write(results, args.out_dir, reference)
