@@ -74,6 +74,9 @@ PRESETS = {
     # character-level studies on a CPU (prepare_data.py --tokenizer char: 85 ids fit in 128)
     "char-study": dict(n_layer=2, n_embd=64, n_head=4, n_kv_head=2, block_size=64,
                        vocab_size=128),
+    # the same, twice as wide and deep: do the studies' answers hold for larger matrices?
+    "char-wide":  dict(n_layer=4, n_embd=128, n_head=4, n_kv_head=2, block_size=64,
+                       vocab_size=128),
     "llama-300m": dict(n_layer=18, n_embd=1024, n_head=16, n_kv_head=4, block_size=2048),
     "llama-600m": dict(n_layer=23, n_embd=1408, n_head=22, n_kv_head=2, block_size=2048),
     # the GeoFP8 paper's two models: full multi-head attention (no GQA), tied embeddings, its

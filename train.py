@@ -85,6 +85,8 @@ class TrainConfig:
     eval_interval: int = 100          # validation loss every N steps (and at the end)
     eval_iters: int = 10              # validation batches per rank
     final_evals: int = 1              # final val loss: mean of N evals over the last 10 % of steps
+    tail_evals: int = 0               # also the tail val loss: the mean of N evals over the last
+                                      # 20 % of steps, each on its own batches (0 = off)
     eval_every: int = 0               # downstream zero-shot eval (nanogeo.run.eval) every N steps
     eval_limit: int = 200             # ... on the first N documents of each task
     eval_tasks: str = "hellaswag,piqa,arc_easy"
@@ -118,6 +120,7 @@ class TrainConfig:
     error_feedback: bool = False      # add back each rank's own quantization error next step
     feedback_geo_only: bool = False   # ... on the geometry-aware matrices only (as published)
     stochastic_round: bool = False    # unbiased stochastic rounding instead of nearest
+    stochastic_stages: str = "both"   # ... in both stages, or only 1 (each rank's send) or 2
     # system
     simulate_workers: int = 0         # play W data-parallel ranks in this one process (0: off)
     device: str = "auto"              # auto | cpu | cuda
@@ -200,6 +203,17 @@ def final_eval_steps(cfg):
     (which one evaluation carries in full), not the sampling of the batches."""
     gap = max(1, round(0.1 * cfg.max_iters / max(1, cfg.final_evals - 1)))
     return sorted({max(1, cfg.max_iters - k * gap) for k in range(cfg.final_evals)})
+
+
+def tail_eval_steps(cfg):
+    """The steps whose validation losses the tail val loss averages (--tail_evals=N): N steps
+    spaced evenly back from the last over the last 20 % of the steps. Each of them evaluates its
+    own eval_iters batches, none of them the final val loss's: a second end point that averages
+    N times the tokens over a longer stretch of the run, to compare seeds with less noise."""
+    if not cfg.tail_evals:
+        return []
+    gap = max(1, round(0.2 * cfg.max_iters / cfg.tail_evals))
+    return sorted({max(1, cfg.max_iters - k * gap) for k in range(cfg.tail_evals)})
 
 
 def learning_rate(cfg, step):
@@ -303,9 +317,10 @@ def setup(cfg):
 
 
 @torch.no_grad()
-def evaluate(run):
+def evaluate(run, windows=0):
     """Mean validation loss over every data-parallel rank's fixed validation batches (the same
-    windows at every evaluation), identical on all ranks."""
+    windows at every evaluation; windows=j > 0: the j-th other set, for the tail val loss),
+    identical on all ranks."""
     cfg = run.cfg
     run.model.eval()
     per_rank = []
@@ -313,7 +328,7 @@ def evaluate(run):
         losses = []
         for k in range(cfg.eval_iters):
             x, y = get_batch(run.data["val"], cfg.batch_size, cfg.block_size,
-                             batch_rng(cfg.seed, r, 0, k, "val"), run.device)
+                             batch_rng(cfg.seed, r, windows, k, "val"), run.device)
             with run.autocast:
                 losses.append(run.model(x, y)[1].float())
         per_rank.append(torch.stack(losses).mean())
@@ -420,6 +435,7 @@ def train(cfg):
     val_loss = float("nan") if first_val is None else first_val    # resumed: not yet measured
     train_loss, t_start = float("nan"), time.time()
     final_steps, final_vals = final_eval_steps(cfg), []     # final_vals: [(step, val loss)]
+    tail_steps, tail_vals = tail_eval_steps(cfg), []        # ... of the tail val loss
     # the last step, kept to measure it against Euclidean FP8 at the end (compressed runs only)
     last_step = (summary.LastStep(run.communicator, run.data_parallel, bool(cfg.simulate_workers))
                  if run.communicator is not None else None)
@@ -429,6 +445,8 @@ def train(cfg):
         set_learning_rates(run.optimizers, run.peaks, lr, cfg.learning_rate)
         logged = done % cfg.log_interval == 0 or done == cfg.max_iters
         taken = take_step(run, step, logged, last_step if done == cfg.max_iters else None)
+        if done in tail_steps:  # (a skipped step too: the model as it is)
+            tail_vals.append((done, evaluate(run, windows=1 + tail_steps.index(done))))
         if taken is None:       # skipped: the final val loss still measures the model as it is
             if done in final_steps:
                 final_vals.append((done, evaluate(run)))
@@ -459,7 +477,7 @@ def train(cfg):
         log.print(last_step.report())
     result = log.finish(train_loss, final_vals or [(cfg.max_iters, val_loss)], first_val,
                         run.start_step, elapsed, runtime.parameter_checksum(run.params),
-                        run.saver.path)
+                        run.saver.path, tail_vals)
     if run.world_size > 1:
         dist.destroy_process_group()
     return result

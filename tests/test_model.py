@@ -164,4 +164,4 @@ def test_bad_model_config_is_rejected():
         ModelConfig(n_head=4, n_kv_head=3)
     with pytest.raises(ValueError, match="unknown model preset"):
         model_config("llama-7b")
-    assert set(PRESETS) == {"cpu-tiny", "char-study", "llama-300m", "llama-600m", "paper-300m", "paper-600m"}
+    assert set(PRESETS) == {"cpu-tiny", "char-study", "char-wide", "llama-300m", "llama-600m", "paper-300m", "paper-600m"}

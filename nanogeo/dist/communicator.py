@@ -45,6 +45,8 @@ class Options(compress.GeoOptions):
     top_k: int = 0                  # select="fragile": the top_k matrices by fraction of saturated
                                     # FP8 sums over the warmup steps (needs collective="fp8-sum")
     stochastic_round: bool = False  # stochastic rounding (two-stage collective only)
+    stochastic_stages: str = "both" # ... in both stages, or only "1" (each rank's send) or "2"
+                                    # (the re-quantized averaged shard)
     # ablations (nanogeo/dist/layers.py)
     whiten_factor: str = "lowrank"  # lowrank | lowrank-dense | full | diag | block
     whiten_block: int = 64          # block size of whiten_factor="block"
@@ -56,7 +58,8 @@ class Options(compress.GeoOptions):
     def choices(self):
         return {**super().choices(), "select": SELECTIONS, "collective": COLLECTIVES,
                 "sum_order": SUM_ORDERS, "whiten_factor": layers.WHITEN_FACTORS,
-                "basis": ("householder", "random")}
+                "basis": ("householder", "random"),
+                "stochastic_stages": tuple(collective.ROUNDING_STAGES)}
 
     def __post_init__(self):
         super().__post_init__()
@@ -65,6 +68,9 @@ class Options(compress.GeoOptions):
         if self.collective == "fp8-sum" and (self.fmt == "nvfp4" or self.stochastic_round):
             raise ValueError("the fp8-sum collective sums e4m3/e5m2 codes with nearest rounding; "
                              "use collective='two-stage' for nvfp4 or stochastic rounding")
+        if self.stochastic_stages != "both" and not self.stochastic_round:
+            raise ValueError("stochastic_stages chooses the stages that stochastic_round rounds "
+                             "stochastically: turn stochastic_round on too (--stochastic_round)")
         if self.full and self.basis != "householder":
             raise ValueError("full=True (exact bases) and basis='random' are two different "
                              "ablations; choose one")
@@ -133,7 +139,7 @@ class ProductionCommunicator(compress.Communicator):
             return means, nbytes, [local]
         means, nbytes, *local = collective.all_reduce_mean(
             tensors, opts.fmt, opts.block, self.group, opts.stochastic_round, self.rounding_seed(),
-            return_local=opts.error_feedback, timer=self.timer)
+            return_local=opts.error_feedback, timer=self.timer, stages=opts.stochastic_stages)
         return means, nbytes, local or None
 
     def _simulate(self, coords):
@@ -145,7 +151,7 @@ class ProductionCommunicator(compress.Communicator):
             return means, nbytes, local
         means, nbytes, *local = collective.simulate_mean(
             coords, opts.fmt, opts.block, opts.stochastic_round, self.rounding_seed(),
-            return_local=opts.error_feedback)
+            return_local=opts.error_feedback, stages=opts.stochastic_stages)
         return means, nbytes, local[0] if local else None
 
     def _round_trip(self, x):

@@ -220,7 +220,7 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
             coords.append(torch.cat([h, h.new_zeros(world * chunk[0] - shape[0], *shape[1:])]))
         opts = self.comm.opts
         streams = collective.streams(opts.stochastic_round, self.comm.rounding_seed(),
-                                     input_tensor.device)
+                                     input_tensor.device, opts.stochastic_stages)
         layout = row_chunks(tuple(chunk_shapes), self.fmt, self.block, world).with_streams(streams)
         send = compress.encode_shards(coords, layout, me)
         totals = [t.view(c) for t, c in zip(exchange_and_sum(send, layout, group), chunk_shapes)]

@@ -13,6 +13,7 @@ import compress
 import model as model_lib
 from nanogeo.dist.communicator import Options, COLLECTIVES, SUM_ORDERS
 from nanogeo.dist import layers
+from nanogeo.wire import collective
 
 
 class ConfigError(ValueError):
@@ -36,6 +37,11 @@ TRAIN_PRESETS = {
                        learning_rate=3e-3, min_lr=3e-4, muon_lr=3e-2, max_iters=2000,
                        warmup_iters=100, eval_interval=250, eval_iters=16, final_evals=3,
                        log_interval=50),
+    # char-study's loop for its wider sibling (transfer checks of the studies)
+    "char-wide": dict(data_dir="data/shakespeare_char", batch_size=4, block_size=64,
+                      learning_rate=3e-3, min_lr=3e-4, muon_lr=3e-2, max_iters=2000,
+                      warmup_iters=100, eval_interval=250, eval_iters=16, final_evals=3,
+                      log_interval=50),
     "llama-300m": dict(batch_size=4, block_size=2048, grad_accum=2, learning_rate=1.5e-3,
                        min_lr=1.5e-4, max_iters=20000, warmup_iters=1000, eval_interval=500,
                        eval_iters=20, ckpt_interval=1000),
@@ -59,7 +65,8 @@ TRAIN_CHOICES = {"comm": ("fp32", "bf16", "fp8", "geofp8", "subspace", "hadamard
                  "hadamard_sides": compress.HADAMARD_SIDES,
                  "geo_judge": compress.JUDGES, "preset": tuple(model_lib.PRESETS),
                  "optimizer": ("adamw", "muon"),
-                 "muon_adjust_lr": ("original", "match_rms_adamw")}
+                 "muon_adjust_lr": ("original", "match_rms_adamw"),
+                 "stochastic_stages": tuple(collective.ROUNDING_STAGES)}
 
 
 def parse_value(field, text):
@@ -120,6 +127,8 @@ def parse_config(argv, config_class, presets, choices, doc):
     for key in positive:
         if hasattr(config, key) and getattr(config, key) < 1:
             raise ConfigError(f"--{key} must be >= 1, got {getattr(config, key)}")
+    if getattr(config, "tail_evals", 0) < 0:
+        raise ConfigError(f"--tail_evals must be >= 0 (0: off), got {config.tail_evals}")
     if getattr(config, "learning_rate", 1) <= 0:  # every group's lr is a multiple of it
         raise ConfigError(f"--learning_rate must be > 0, got {config.learning_rate}")
     stray = [k for k in given if k.startswith("muon_")]

@@ -99,9 +99,11 @@ class RunLog:
         self.write({"step": done, "downstream": {
             t: {k: v for k, v in r.items() if not isinstance(v, list)} for t, r in scores.items()}})
 
-    def finish(self, train_loss, final_vals, first_val, start_step, elapsed, checksum, ckpt_path):
+    def finish(self, train_loss, final_vals, first_val, start_step, elapsed, checksum, ckpt_path,
+               tail_vals=()):
         """The closing summary line and record; returns the summary (tests and tools read it).
-        final_vals: [(step, val loss)] of the evaluations the final val loss is the mean of."""
+        final_vals: [(step, val loss)] of the evaluations the final val loss is the mean of;
+        tail_vals: those of the tail val loss (--tail_evals), if any."""
         steps_run = self.cfg.max_iters - start_step
         val_loss = sum(v for _, v in final_vals) / len(final_vals)
         mean_bytes = self.bytes_sent / max(1, self.steps_sent)
@@ -114,9 +116,14 @@ class RunLog:
                    "mean_wire_vs_bf16": (mean_bytes / self.bf16_bytes
                                          if self.data_parallel > 1 else None),
                    "config": asdict(self.cfg)}
+        if tail_vals:
+            summary["tail_val_loss"] = sum(v for _, v in tail_vals) / len(tail_vals)
+            summary["tail_val_losses"] = [list(e) for e in tail_vals]
         evals = f" (mean of {len(final_vals)} evaluations)" if len(final_vals) > 1 else ""
         self.print(f"summary | train loss {train_loss:.4f} | val loss {val_loss:.4f}{evals}"
                    + (f" (from {first_val:.4f})" if first_val is not None else "")
+                   + (f" | tail val loss {summary['tail_val_loss']:.4f} (mean of "
+                      f"{len(tail_vals)})" if tail_vals else "")
                    + f" | {summary['tokens_seen']:,} tokens | {elapsed:.1f}s "
                    f"({summary['ms_per_step']:.0f}ms/step) | checkpoint {ckpt_path}")
         self.write({"summary": summary})

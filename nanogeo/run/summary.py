@@ -65,7 +65,8 @@ def euclidean_twin(communicator):
     o = communicator.opts
     options = Options(geometry="euclidean", fmt=o.fmt, block=o.block, collective=o.collective,
                       sum_order=o.sum_order, scale_sync_every=o.scale_sync_every,
-                      stochastic_round=o.stochastic_round, seed=o.seed + 1,
+                      stochastic_round=o.stochastic_round,
+                      stochastic_stages=o.stochastic_stages, seed=o.seed + 1,
                       vocab_size=o.vocab_size)
     twin = ProductionCommunicator([(n, communicator.shapes[n]) for n in communicator.names],
                                   options, communicator.group)

@@ -98,7 +98,29 @@ COMMS = {"fp32": ["--comm=fp32"], "bf16": ["--comm=bf16"], "fp8": ["--comm=fp8"]
          "subspace-nvfp4": ["--comm=subspace", "--fmt=nvfp4"],
          # the geometry-agnostic control: a randomized Hadamard rotation (train.py --comm=hadamard)
          "hadamard": ["--comm=hadamard"], "hadamard-paper": ["--comm=hadamard", *PAPER_SUM],
-         "hadamard-nvfp4": ["--comm=hadamard", "--fmt=nvfp4"]}
+         "hadamard-nvfp4": ["--comm=hadamard", "--fmt=nvfp4"],
+         # 4 bits: the controls forced on every candidate matrix (no gain check), so that they
+         # act; 16-entry Walsh-Hadamard blocks, one per NVFP4 scaling block, as NVIDIA's NVFP4
+         # recipe applies them
+         "hadamard-nvfp4-all": ["--comm=hadamard", "--fmt=nvfp4", "--geo_layers=all"],
+         "hadamard16-nvfp4-all": ["--comm=hadamard", "--fmt=nvfp4", "--geo_layers=all",
+                                  "--hadamard_block=16"],
+         "subspace-nvfp4-all": ["--comm=subspace", "--fmt=nvfp4", "--geo_layers=all"],
+         # 4 bits: the 4-bit training recipes' levers, alone and with the rotation: unbiased
+         # stochastic rounding in both stages or one (1: each rank's send, whose errors average
+         # over W; 2: the re-quantized mean), error feedback, the rotation's rank and refresh
+         "nvfp4-sr": ["--comm=fp8", "--fmt=nvfp4", "--stochastic_round"],
+         "nvfp4-sr1": ["--comm=fp8", "--fmt=nvfp4", "--stochastic_round",
+                       "--stochastic_stages=1"],
+         "nvfp4-sr2": ["--comm=fp8", "--fmt=nvfp4", "--stochastic_round",
+                       "--stochastic_stages=2"],
+         "subspace-nvfp4-sr": ["--comm=subspace", "--fmt=nvfp4", "--stochastic_round"],
+         "subspace-nvfp4-ef": ["--comm=subspace", "--fmt=nvfp4", "--error_feedback"],
+         "subspace-nvfp4-r8": ["--comm=subspace", "--fmt=nvfp4", "--geo_rank=8"],
+         "subspace-nvfp4-r32": ["--comm=subspace", "--fmt=nvfp4", "--geo_rank=32"],
+         "subspace-nvfp4-refresh1": ["--comm=subspace", "--fmt=nvfp4", "--geo_refresh=1"],
+         "hadamard16-nvfp4-all-sr": ["--comm=hadamard", "--fmt=nvfp4", "--geo_layers=all",
+                                     "--hadamard_block=16", "--stochastic_round"]}
 EUCLIDEAN = ("fp8", "fp8-paper", "e5m2-tensor", "nvfp4")      # candidates for --reference
 SWEEPABLE = {"learning_rate": ("adamw", "muon"), "muon_lr": ("muon",)}  # flag: its optimizers
 LR_FIELDS = ("learning_rate", "min_lr", "muon_lr", "muon_adjust_lr")    # recorded from the config
@@ -211,6 +233,8 @@ def record(run, summary, steps, geometry, nproc, cmd):
                                and (run.optimizer == "muon" or not k.startswith("muon"))},
             "final_val_loss": summary["final_val_loss"],
             "final_val_losses": summary.get("final_val_losses"),
+            # the second end point (train.py --tail_evals), where the run measured it
+            "tail_val_loss": summary.get("tail_val_loss"),
             "final_train_loss": summary["final_train_loss"],
             "ms_per_step": summary["ms_per_step"],
             "mean_wire_bytes": summary.get("mean_wire_bytes"),
@@ -330,29 +354,33 @@ def fraction_cell(runs, fp32, ref):
 # tables
 
 def group(r):
-    """Runs compared with one another: same optimizer, W, kind of ranks and train flags (None:
-    a record from before the flags were stored)."""
+    """Runs compared with one another: same optimizer, W, kind of ranks, train flags (None: a
+    record from before the flags were stored) and machine (None: not recorded). Runs of two
+    machines are never paired: another CPU (or thread count) rounds differently, and over 300
+    steps that moves a 4-bit run as far as a method's effect (BENCHMARKS.md section 14)."""
     flags = r.get("flags")
-    return r["optimizer"], r["workers"], r.get("simulated", False), (
-        None if flags is None else tuple(flags))
+    return (r["optimizer"], r["workers"], r.get("simulated", False),
+            None if flags is None else tuple(flags), r.get("machine"))
 
 
 def group_order(key):
-    optimizer, workers, simulated, flags = key
-    return optimizer, workers, simulated, flags is not None, flags or ()
+    optimizer, workers, simulated, flags, machine = key
+    return optimizer, workers, simulated, flags is not None, flags or (), machine or ""
 
 
 def heading(key, results):
-    optimizer, workers, simulated, flags = key
+    optimizer, workers, simulated, flags, machine = key
     rows = [r for r in results if group(r) == key]
     commits = sorted({(r.get("commit") or "?")[:10] + ("+dirty" if r.get("dirty") else "")
                       for r in rows})
-    machines = sorted({r.get("machine") or "not recorded" for r in rows})
     ranks = "simulated" if simulated else "real"
     flag_text = ("train flags not recorded (records from an older driver)" if flags is None
                  else "train flags: " + (" ".join(f"`{f}`" for f in flags) or "none"))
+    mixed = (f" (**{len(commits)} commits**: pairs across them assume the code did not change "
+             "their numbers)" if len(commits) > 1 else "")
     return [f"\n### {optimizer}, W = {workers} ({ranks} ranks)\n",
-            f"{flag_text}; commit {', '.join(commits)}; machine {' / '.join(machines)}\n"]
+            f"{flag_text}; commit {', '.join(commits)}{mixed}; machine "
+            f"{machine or 'not recorded (pairs may mix machines)'}\n"]
 
 
 def wire_cell(rows):
@@ -580,7 +608,7 @@ def plot(results, out_dir):
     study = [r for r in results if not r.get("sweep")]
     keys = sorted({group(r) for r in study}, key=group_order)
     for key in keys:
-        optimizer, workers, simulated, _ = key
+        optimizer, workers, simulated, *_ = key
         fig, ax = plt.subplots(figsize=(7, 4))
         for comm in dict.fromkeys(r["comm"] for r in study):
             curves = [r["curve"] for r in study if r["comm"] == comm and group(r) == key]
@@ -622,12 +650,13 @@ ANSWER_BEGIN, ANSWER_END = "<!-- answer: begin -->", "<!-- answer: end -->"
 
 
 def cost(comm):
-    """How much a method adds to plain quantisation: 0 Euclidean, 1 error feedback, 2 the
-    Hadamard rotation (no statistics), 3 a geometry (statistics, refreshes, gain checks)."""
+    """How much a method adds to plain quantisation: 0 Euclidean, 1 error feedback or
+    stochastic rounding, 2 the Hadamard rotation (no statistics), 3 a geometry (statistics,
+    refreshes, gain checks)."""
     flags = COMMS[comm]
     kind = flags[0].partition("=")[2]
     if kind in ("fp32", "bf16", "fp8"):
-        return int("--error_feedback" in flags)
+        return int("--error_feedback" in flags or "--stochastic_round" in flags)
     return 2 if kind == "hadamard" else 3
 
 
@@ -642,8 +671,9 @@ def mean_ms(runs):
 
 def study_groups(results, workers):
     """{optimizer: {comm: {seed: record}}} of the study's runs at W = workers; per optimizer
-    the set of train flags with the most runs (a study has one, from --lr_from and --; a tie
-    goes to the first in group_order, so the table never depends on hashing)."""
+    the set of train flags and the machine with the most runs (a study has one set of flags,
+    from --lr_from and --, and runs every arm on one machine; a tie goes to the first in
+    group_order, so the table never depends on hashing)."""
     out = {}
     for optimizer in sorted({r["optimizer"] for r in results}):
         rows = [r for r in results if not r.get("sweep") and r["optimizer"] == optimizer
@@ -747,17 +777,25 @@ def answer(results, workers=32):
             row, row_notes = answer_row(optimizer, name, budget, by_comm)
             lines.append(row)
             notes += row_notes
-    unfinished = sorted({r["comm"] for runs in groups.values() for seed_runs in runs.values()
-                         for r in seed_runs.values() if not math.isfinite(r["final_val_loss"])})
+    used = [r for runs in groups.values() for seed_runs in runs.values()
+            for r in seed_runs.values()]
+    machines = sorted({r.get("machine") or "not recorded" for r in used})
+    if machines == ["not recorded"]:
+        notes.append("The runs' machine was not recorded: pairs may mix machines.")
+    else:
+        notes.append(f"Machine{'s' if len(machines) > 1 else ''} (each optimizer's runs on one): "
+                     f"{' / '.join(machines)}.")
+    unfinished = sorted({r["comm"] for r in used if not math.isfinite(r["final_val_loss"])})
     if unfinished:
         notes.append(f"Not finite in some run, so in no row: {', '.join(unfinished)}.")
     rule = ("Run this: among the methods measured with that wire format (>= 2 seeds paired "
-            "with fp32), the cheapest (Euclidean, then error feedback, then the Hadamard "
-            "rotation, then a geometry) whose paired difference to the best one's gap includes 0 "
-            "at 95 % on every seed the best one has - with few seeds that is weak evidence of "
-            f"equality, so the best measured method is shown beside it. W = {workers} ranks; seeds: those paired with fp32; "
-            "ms/step: the study's simulated step against Euclidean on the same collective (the "
-            "whole step, on a shared CPU: a rough guide, not a GPU timing).")
+            "with fp32), the cheapest (Euclidean, then error feedback or stochastic rounding, "
+            "then the Hadamard rotation, then a geometry) whose paired difference to the best "
+            "one's gap includes 0 at 95 % on every seed the best one has - with few seeds that "
+            "is weak evidence of equality, so the best measured method is shown beside it. "
+            f"W = {workers} ranks; seeds: those paired with fp32; ms/step: the study's simulated "
+            "step against Euclidean on the same collective (the whole step, on a shared CPU: a "
+            "rough guide, not a GPU timing).")
     return "\n".join(lines + [""] + notes + ([""] if notes else []) + [rule]) + "\n"
 
 
@@ -784,6 +822,16 @@ def write_answer(results_path, readme, workers=(32,)):
         f.write(f"{head}{ANSWER_BEGIN}\n{table_text}{ANSWER_END}{tail}")
     os.replace(readme + ".tmp", readme)
     return table_text
+
+
+def at_endpoint(results, endpoint):
+    """The records with their final_val_loss taken from one end point: "final" (train.py's
+    final val loss, as recorded) or "tail" (its tail val loss, --tail_evals; records without
+    one are left out)."""
+    if endpoint == "final":
+        return results
+    return [{**r, "final_val_loss": r["tail_val_loss"]} for r in results
+            if r.get("tail_val_loss") is not None]
 
 
 # -----------------------------------------------------------------------------
@@ -813,6 +861,9 @@ def parse_args(argv):
     parser.add_argument("--readme", default=None)
     parser.add_argument("--table", default=None, metavar="RESULTS", help="print study.md's "
                         "tables of a results.json again (no runs), e.g. with another --reference")
+    parser.add_argument("--endpoint", default="final", choices=("final", "tail"),
+                        help="--table compares the runs' final val loss (default) or their "
+                        "tail val loss (train.py --tail_evals)")
     parser.add_argument("--answer_workers", default=None, help="W of --answer's table (default "
                         "32); several (e.g. 32,64): one table per W, in that order")
     parser.add_argument("--out_dir", default="out/ablate")
@@ -875,7 +926,7 @@ def main(argv=None):
     parser, args, extra = parse_args(argv)
     if args.table:
         try:
-            results = json.load(open(args.table))
+            results = at_endpoint(json.load(open(args.table)), args.endpoint)
             print(table(results, args.reference or "fp8"), end="")
             history = gain_history(results)
             if history:

@@ -71,28 +71,36 @@ def rng(seed, rank, stage, device):
     return generator
 
 
-def streams(stochastic, seed, device):
-    """A layout's streams for this step (with_streams): rng of each (rank, stage); None: to
-    nearest."""
+ROUNDING_STAGES = {"both": (1, 2), "1": (1,), "2": (2,)}    # stochastic_stages -> the stages
+
+
+def streams(stochastic, seed, device, stages="both"):
+    """A layout's rounding for this step (with_streams): rng_for(rank, stage) -> (stochastic,
+    generator), stochastic from rng of (rank, stage) in the chosen `stages` ("both", "1": each
+    rank's own send, "2": the owner's re-quantization of the averaged shard), to nearest in the
+    other; None: every stage to nearest."""
     if not stochastic:
         return None
-    return lambda rank, stage: rng(seed, rank, stage, device)
+    chosen = ROUNDING_STAGES[stages]
+    return lambda rank, stage: ((True, rng(seed, rank, stage, device)) if stage in chosen
+                                else (False, None))
 
 
 def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, stochastic=False, seed=None,
-                    return_local=False, timer=compress.NO_TIMER):
-    """compress.all_reduce_mean with the packed layout, NVFP4 and stochastic rounding."""
+                    return_local=False, timer=compress.NO_TIMER, stages="both"):
+    """compress.all_reduce_mean with the packed layout, NVFP4 and stochastic rounding (in the
+    `stages` of streams())."""
     world = compress.world_size(group)
     bucket = shard_layout(tuple(tuple(t.shape) for t in tensors), fmt, block, world)
-    bucket = bucket.with_streams(streams(stochastic, seed, tensors[0].device))
+    bucket = bucket.with_streams(streams(stochastic, seed, tensors[0].device, stages))
     return compress.all_reduce_mean(tensors, group=group, return_local=return_local,
                                     layout=bucket, timer=timer)
 
 
 def simulate_mean(worker_tensors, fmt="e4m3", block=128, stochastic=False, seed=None,
-                  return_local=False):
+                  return_local=False, stages="both"):
     """compress.simulate_mean with the same forms: exactly all_reduce_mean's numerics."""
     bucket = shard_layout(tuple(tuple(t.shape) for t in worker_tensors[0]), fmt, block,
                           len(worker_tensors))
-    bucket = bucket.with_streams(streams(stochastic, seed, worker_tensors[0][0].device))
+    bucket = bucket.with_streams(streams(stochastic, seed, worker_tensors[0][0].device, stages))
     return compress.simulate_mean(worker_tensors, return_local=return_local, layout=bucket)

@@ -94,16 +94,18 @@ def sum_in_rank_order(copies):
 
 class PieceLayout(compress.ShardLayout):
     """compress.ShardLayout (piece by piece) with stochastic rounding: `rng_for(rank, stage)` ->
-    torch.Generator, set by with_streams on a copy for one step; None: to nearest. Serves row
+    (stochastic, torch.Generator), set by with_streams on a copy for one step; None: every stage
+    to nearest. Serves row
     and tensor scaling, and is the reference the packed form is tested against."""
     rng_for = None
 
     def with_streams(self, rng_for):
-        """A copy of this (cached) layout that rounds stochastically, each rank and stage from
-        its stream rng_for(rank, stage) (None: this layout itself, to nearest). rng_for must
-        return a new generator, seeded for that rank and stage, at every call: then every call of
-        the copy draws the same, and the simulator what the ranks draw (nanogeo.wire.collective.
-        streams; with seed=None it returns None, torch's global generator, which has neither)."""
+        """A copy of this (cached) layout that rounds as rng_for(rank, stage) says: (True, that
+        rank's and stage's stream) stochastically, (False, None) to nearest (None: this layout
+        itself, every stage to nearest). rng_for must return a new generator, seeded for that
+        rank and stage, at every call: then every call of the copy draws the same, and the
+        simulator what the ranks draw (nanogeo.wire.collective.streams; with seed=None the
+        generator is None, torch's global one, which has neither)."""
         if rng_for is None:
             return self
         rounded = copy.copy(self)
@@ -113,7 +115,7 @@ class PieceLayout(compress.ShardLayout):
     def rounding(self, whose):
         """(stochastic, generator) of rank whose[0] in stage whose[1]: a new generator from its
         stream at each stage call, drawn from piece after piece."""
-        return (False, None) if self.rng_for is None else (True, self.rng_for(*whose))
+        return (False, None) if self.rng_for is None else self.rng_for(*whose)
 
     def quantize_piece(self, values, p, rounding):
         return quantize(values.view(p.shape), self.fmt, p.block, *rounding)
