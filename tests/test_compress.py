@@ -148,14 +148,19 @@ def rank_tensors(rank):
     return [torch.randn(s, generator=g) * (1 + rank) for s in SHAPES]
 
 
+# (stochastic, stages): to nearest, stochastically in both stages, in one of them (NVFP4 only)
+ROUNDINGS = {"e4m3": ((False, "both"), (True, "both")), "e5m2": ((False, "both"), (True, "both")),
+             "nvfp4": ((False, "both"), (True, "both"), (True, "1"), (True, "2"))}
+
+
 def collective_rank(rank, world_size, out_path):
     dist.init_process_group("gloo")
     results = {}
     for fmt, block in CASES:
-        for stochastic in (False, True):
+        for stochastic, stages in ROUNDINGS[fmt]:
             means, sent = all_reduce_mean(rank_tensors(rank), fmt, block, stochastic=stochastic,
-                                          seed=5)
-            results[(fmt, str(block), stochastic)] = (means, sent)
+                                          seed=5, stages=stages)
+            results[(fmt, str(block), stochastic, stages)] = (means, sent)
     torch.save(results, f"{out_path}.{rank}")
     dist.destroy_process_group()
 
@@ -168,9 +173,10 @@ def test_collective_bit_identical_and_equal_to_simulator(world_size, tmp_path):
     workers = [rank_tensors(r) for r in range(world_size)]
     exact = [sum(w[k] for w in workers) / world_size for k in range(len(SHAPES))]
     for fmt, block in CASES:
-        for stochastic in (False, True):
-            key = (fmt, str(block), stochastic)
-            sim, sim_bytes = simulate_mean(workers, fmt, block, stochastic=stochastic, seed=5)
+        for stochastic, stages in ROUNDINGS[fmt]:
+            key = (fmt, str(block), stochastic, stages)
+            sim, sim_bytes = simulate_mean(workers, fmt, block, stochastic=stochastic, seed=5,
+                                           stages=stages)
             for r in range(world_size):
                 means, sent = results[r][key]
                 for m, s in zip(means, sim):
@@ -230,6 +236,27 @@ def test_a_stochastic_layout_draws_the_same_at_every_call(fmt):
     assert torch.equal(first, again) and not torch.equal(first, layout.encode(flats, 2))
     received = first[: layout.nbytes[0]].repeat(3)          # 3 copies of shard 0
     assert torch.equal(layout.reduce(received, 0), layout.reduce(received, 0))
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "nvfp4"])
+def test_stochastic_rounding_in_one_stage_only(fmt):
+    """stages="1" rounds each rank's send stochastically and the re-quantized mean to nearest;
+    stages="2" the other way round; "both" both (nanogeo.wire.collective.streams)."""
+    cpu = torch.device("cpu")
+    nearest = collective.layout(SHAPES, fmt, 128, 3)
+    ranks = [[torch.randn(math.prod(s), generator=torch.Generator().manual_seed(r))
+              for s in SHAPES] for r in range(3)]
+    flats = ranks[0]
+    # the 3 ranks' copies of shard 0: their mean lies off the grid
+    received = torch.cat([nearest.encode(f, r)[: nearest.nbytes[0]] for r, f in enumerate(ranks)])
+    for stages, send_random, mean_random in (("1", True, False), ("2", False, True),
+                                             ("both", True, True)):
+        rounded = nearest.with_streams(collective.streams(True, 7, cpu, stages))
+        assert torch.equal(rounded.encode(flats, 0), nearest.encode(flats, 0)) != send_random
+        assert (torch.equal(rounded.reduce(received, 0), nearest.reduce(received, 0))
+                != mean_random)
+    with pytest.raises(ValueError, match="turn stochastic_round on"):
+        Options(geometry="euclidean", stochastic_stages="1")
 
 
 def test_a_layout_refuses_a_format_it_does_not_code():

@@ -29,7 +29,8 @@ def hadamard_layer(shape, block=128, sides="right", seed=3):
 @pytest.mark.parametrize("shape, block, sides", [((64, 256), 128, "right"),
                                                  ((48, 192), 128, "both"),    # 192 = 128 + 64
                                                  ((37, 2736), 128, "both"),   # 21 x 128 + 32 + 16
-                                                 ((5, 7), 4, "right")])       # 4 + 2 + 1
+                                                 ((5, 7), 4, "right"),        # 4 + 2 + 1
+                                                 ((64, 200), 16, "both")])    # NVFP4's blocks
 def test_round_trip_is_exact_and_keeps_the_norm(shape, block, sides):
     G = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     layer = hadamard_layer(shape, block, sides)
@@ -142,6 +143,21 @@ def test_enters_only_after_a_measurement():
     assert coords == ["euclidean"] * 4 and comm.layers["layers.0.mlp.w1.weight"].gain < 1
     _, coords, _, _ = run(Options(geometry="hadamard", select="all"), outlier)
     assert coords == ["euclidean", "geo", "geo", "geo"]          # forced: at once, no measurement
+
+
+def test_forced_at_nvfp4_blocks_acts_on_every_step_after_the_first():
+    """The 4-bit control as NVIDIA's NVFP4 recipe applies it: 16-entry Walsh-Hadamard blocks,
+    one per NVFP4 scaling block, forced (select="all", no gain check): every step after the one
+    that draws the signs is sent in Hadamard coordinates, and the mean then differs from
+    Euclidean NVFP4's (the control acts) - on flush-prone blocks, closer to the exact mean."""
+    steps = flush_prone(world=4, steps=4)
+    euclid, _, _, _ = run(Options(geometry="euclidean", fmt="nvfp4"), steps)
+    errors, coords, comm, _ = run(Options(geometry="hadamard", fmt="nvfp4", select="all",
+                                          hadamard_block=16), steps)
+    assert coords == ["euclidean", "geo", "geo", "geo"]
+    assert errors[0] == euclid[0] and all(e != g for e, g in zip(errors[1:], euclid[1:]))
+    assert sum(errors[1:]) < sum(euclid[1:])
+    assert comm.layers["layers.0.mlp.w1.weight"].r == 16
 
 
 def test_state_dict_table_and_options():

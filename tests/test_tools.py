@@ -162,6 +162,24 @@ def test_study_records_with_other_flags_never_mix():
     assert "| fp32 | 1 | 1.9000 (one seed) |" in text and "| fp32 | 1 | 2.5000 (one seed) |" in text
 
 
+def test_study_never_pairs_runs_of_two_machines():
+    """Another CPU rounds differently: runs of two machines are two groups, each with its own
+    table (and its machine in the heading), never paired; a group of several commits says so;
+    the answer names the machine and takes the one with the most runs."""
+    here, there = "CPU A, torch 2.13.0, OMP_NUM_THREADS 1", "CPU B, torch 2.13.0, OMP_NUM_THREADS 1"
+    results = [dict(study_run("fp32", s, 2.0 + 0.01 * s), machine=here) for s in range(3)]
+    results += [dict(study_run("fp8", s, 2.1 + 0.01 * s), machine=there) for s in range(2)]
+    results += [dict(study_run("fp8", 2, 2.12), machine=here, commit="fedcba9876543210")]
+    text = study.table(results, "fp8")
+    assert text.count("### adamw, W = 4") == 2
+    assert f"machine {here}" in text and f"machine {there}" in text
+    assert "| fp8 | 1 | 2.1200 (one seed) | +0.1000 (one seed) |" in text     # paired on A
+    assert "| fp8 | 2 | 2.1050 ± 0.0635 | — |" in text                       # none on B
+    assert "(**2 commits**" in text
+    answer = study.answer(results, workers=4)
+    assert f"Machine (each optimizer's runs on one): {here}." in answer
+
+
 def test_study_sweep_summary_and_lr_from(tmp_path):
     """The best value: the lowest mean over the seeds every value has (a diverged value, nan,
     is worst); at an end of the grid it is flagged. --lr_from passes it to that optimizer's

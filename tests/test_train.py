@@ -280,6 +280,27 @@ def test_final_eval_steps_span_the_last_tenth():
     assert cfg.eval_iters * cfg.batch_size * cfg.block_size == 4 * 1024 and cfg.final_evals == 3
 
 
+def test_tail_evals_span_the_last_fifth_and_leave_the_run_unchanged(tiny_corpus, tmp_path):
+    """--tail_evals=N: a second end point, the mean of N evaluations over the last 20 % of the
+    steps, each on its own batches; evaluating changes nothing in the training itself."""
+    steps = lambda *flags: train.tail_eval_steps(parse_config(list(flags)))    # noqa: E731
+    assert steps("--max_iters=300", "--tail_evals=12") == list(range(245, 301, 5))
+    assert steps("--max_iters=300") == []
+    base = ["--max_iters=10", "--eval_interval=10", "--simulate_workers=2", "--comm=fp8",
+            "--fmt=nvfp4", "--final_evals=3"]
+    plain = train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "a", *base)))
+    tail = train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "b", *base,
+                                              "--tail_evals=2")))
+    assert tail["param_sha256"] == plain["param_sha256"]
+    assert tail["final_val_losses"] == plain["final_val_losses"] and "tail_val_loss" not in plain
+    assert [s for s, _ in tail["tail_val_losses"]] == [9, 10]
+    assert tail["tail_val_loss"] == sum(v for _, v in tail["tail_val_losses"]) / 2
+    # each on its own batches: step 10's tail evaluation is not its final one
+    assert tail["tail_val_losses"][-1][1] != tail["final_val_losses"][-1][1]
+    with pytest.raises(ConfigError, match="tail_evals"):
+        parse_config(["--tail_evals=-1"])
+
+
 def test_summary_averages_the_final_evaluations_and_every_steps_bytes(tiny_corpus, tmp_path):
     """--final_evals=3: the final val loss is the mean of the evaluations after steps 8, 9 and
     10. Bytes: every step's, the paper's collective with its scales' MAX all-reduce (one fp32
