@@ -55,7 +55,7 @@ warm-started subspace iteration on it (optionally an EMA of its covariance), fol
 Rayleigh-Ritz rotation, refreshes U and V every `geo_refresh` steps. The local gradient of a rank is
 never used, so every rank computes the same bases (production checks it). Under FSDP a rank
 holds only a block of rows of the mean; the same iteration runs with its partial products
-summed over ranks, and the decode needs one small r x n sum (nanogeo/dist/fsdp.py).
+summed over ranks, and the decode needs one small r x n sum (nanogeo/parallel/fsdp.py).
 
 Not every matrix gains (for either geometry): only nn.Linear weights are candidates (found by
 module type; embedding tables, tied heads, norms and biases stay Euclidean, an untied head by its
@@ -89,14 +89,14 @@ from nanogeo/; nanogeo/ builds on it, passing its own forms in where training at
                                   per bucket and stage) and stochastic rounding (wire/packing.py;
                                   compiled: wire/kernels.py), NVFP4 (wire/nvfp4.py)
     nanogeo/wire/fp8sum.py        the paper's collective: one FP8 all_reduce SUM
-    nanogeo/dist/communicator.py  ProductionCommunicator(Communicator): the paper's collective
+    nanogeo/parallel/communicator.py  ProductionCommunicator(Communicator): the paper's collective
                                   and profiled selection, K-FAC statistics averaged over ranks,
                                   finiteness and rank agreement, dense ablations, checkpoints
-    nanogeo/dist/layers.py        the layers' state for rank checks and checkpoints; dense factors
+    nanogeo/parallel/layers.py        the layers' state for rank checks and checkpoints; dense factors
                                   and bases (ablations)
-    nanogeo/dist/hooks.py         the K-FAC statistics (forward hooks), the optimizers' views
-    nanogeo/dist/update_error.py  the error AdamW and Muon see (section 4b)
-    nanogeo/dist/ddp.py, fsdp.py  the DDP comm hook and FSDP2's reduce-scatter (row blocks)
+    nanogeo/parallel/hooks.py         the K-FAC statistics (forward hooks), the optimizers' views
+    nanogeo/parallel/update_error.py  the error AdamW and Muon see (section 4b)
+    nanogeo/parallel/ddp.py, fsdp.py  the DDP comm hook and FSDP2's reduce-scatter (row blocks)
 """
 
 import contextlib

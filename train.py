@@ -44,7 +44,7 @@ import torch.distributed as dist
 import compress
 import model as model_lib
 from nanogeo.run import checkpoint, config, runlog, runtime, summary
-from nanogeo.dist import hooks, simulated
+from nanogeo.parallel import hooks, simulated
 from nanogeo.wire import kernels
 from nanogeo.run.config import ConfigError
 from nanogeo.run.runtime import RankMismatch
@@ -52,7 +52,7 @@ from nanogeo.run.runtime import RankMismatch
 from nanogeo.run.steps import (batch_rng, get_batch, make_optimizers, peak_lrs,
                                set_learning_rates, warmup_cosine)
 from prepare_data import ShardError, load_splits
-from nanogeo.dist.communicator import ProductionCommunicator
+from nanogeo.parallel.communicator import ProductionCommunicator
 
 
 # -----------------------------------------------------------------------------
@@ -293,7 +293,7 @@ def setup(cfg):
     optimizers = make_optimizers(cfg, raw_model, fused=device.type == "cuda")
     peaks = peak_lrs(optimizers)    # read before a checkpoint overwrites "lr" with its last value
     communicator, moments = make_communicator(cfg, raw_model, optimizers)
-    # simulated ranks go through the model together (nanogeo/dist/simulated.py), on the CPU, where a
+    # simulated ranks go through the model together (nanogeo/parallel/simulated.py), on the CPU, where a
     # sequence's numbers do not depend on its batch, and eagerly (with --compile: one by one)
     batched = (simulated.BatchedRanks(raw_model, model_lib.next_token_loss, rank_pass)
                if cfg.simulate_workers and device.type == "cpu" and not cfg.compile else None)

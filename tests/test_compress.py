@@ -8,8 +8,8 @@ import torch.distributed as dist
 import compress
 from compress import HouseholderBasis, decode_geo, encode_geo
 from conftest import run_ranks
-from nanogeo.dist import layers
-from nanogeo.dist.communicator import Options, ProductionCommunicator
+from nanogeo.parallel import layers
+from nanogeo.parallel.communicator import Options, ProductionCommunicator
 from nanogeo.run import summary
 from nanogeo.wire import collective, kernels, nvfp4, packing
 from nanogeo.wire.collective import (all_reduce_mean, dequantize, quantize, simulate_mean,
@@ -597,7 +597,7 @@ def test_state_dict_round_trip(options):
 
 def sharded_rank(rank, world_size, out):
     """Each rank holds a block of rows (FSDP's layout); results must match the whole-matrix ones."""
-    from nanogeo.dist import fsdp
+    from nanogeo.parallel import fsdp
     dist.init_process_group("gloo")
     m, n, r = 37, 24, 4                                 # 37 rows: uneven, padded blocks
     g = torch.Generator().manual_seed(0)

@@ -8,7 +8,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from conftest import GPT2Shaped, conv1d_weights, run_ranks
-from nanogeo.dist.ddp import GeoFP8HookState, geofp8_hook
+from nanogeo.parallel.ddp import GeoFP8HookState, geofp8_hook
 
 VOCAB, D = 300, 64
 

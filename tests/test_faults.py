@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 
 from conftest import run_ranks
-from nanogeo.dist import agreement, update_error
+from nanogeo.parallel import agreement, update_error
 from nanogeo.wire import collective, kernels
 from test_published import anisotropic_moment
-from nanogeo.dist.communicator import Options, ProductionCommunicator
+from nanogeo.parallel.communicator import Options, ProductionCommunicator
 
 
 def workers_at(step, world=2, shape=(48, 64)):

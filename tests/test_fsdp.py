@@ -50,7 +50,7 @@ def relative_error(ref_model, model):
 
 def fp8_rank(rank, world_size, out, fmt):
     """The parameter-agnostic FP8ReduceScatter on a plain encoder."""
-    from nanogeo.dist.fsdp import FP8ReduceScatter
+    from nanogeo.parallel.fsdp import FP8ReduceScatter
     ref, model = twins(encoder, world_size)
     comms = []
     for module in [*model.layers, model]:
@@ -84,7 +84,7 @@ def test_fsdp2_nvfp4_reduce_scatter(tmp_path):
 def geo_rank(rank, world_size, out, options):
     """GeoFP8ReduceScatter on an embedding + encoder + head, trained a few steps with SGD; the
     fp32 reference model is re-synced to it every step and both see the same batch."""
-    from nanogeo.dist.fsdp import use_geofp8
+    from nanogeo.parallel.fsdp import use_geofp8
     ref, model = twins(language_model, world_size)
     comms = use_geofp8(model, min_numel=1024, vocab_size=VOCAB, **options)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -103,7 +103,7 @@ def geo_rank(rank, world_size, out, options):
             for a, b in zip(ref.parameters(), model.parameters()):
                 a.copy_(b)
     coords = {n: c.comm.coords(n) for c in comms for n in c.names}
-    from nanogeo.dist import fsdp
+    from nanogeo.parallel import fsdp
     fresh = use_geofp8(twins(language_model, world_size, init=False)[1], min_numel=1024,
                        vocab_size=VOCAB, **options)
     fsdp.load_state_dict(fresh, fsdp.state_dict(comms))     # the geometry survives a restart
@@ -142,7 +142,7 @@ def test_fsdp2_geofp8_rejects_error_feedback(tmp_path):
 def reject_rank(rank, world_size, out):
     import pytest
     from torch.distributed.device_mesh import init_device_mesh
-    from nanogeo.dist.fsdp import use_geofp8
+    from nanogeo.parallel.fsdp import use_geofp8
     dist.init_process_group("gloo")
     model = shard(language_model(), init_device_mesh("cpu", (world_size,)))
     with pytest.raises(ValueError, match="error_feedback"):
@@ -154,7 +154,7 @@ def unaligned_rank(rank, world_size, out):
     """A matrix whose rank chunks (45 rows x 64) are not whole 128-element blocks: core
     scattering is turned off for it (with a notice), everything else as usual."""
     import warnings
-    from nanogeo.dist.fsdp import use_geofp8
+    from nanogeo.parallel.fsdp import use_geofp8
 
     def build():
         return nn.Sequential(nn.Linear(64, 90), nn.ReLU(), nn.Linear(90, 128), nn.ReLU(),
@@ -190,7 +190,7 @@ def resume_rank(rank, world_size, out):
     optimizer and reduce-scatters + load + three. The same parameters, bit for bit."""
     import io
     from torch.distributed.device_mesh import init_device_mesh
-    from nanogeo.dist import fsdp
+    from nanogeo.parallel import fsdp
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (world_size,))
     loss_fn = nn.CrossEntropyLoss()
@@ -248,6 +248,6 @@ def test_fsdp2_resume_on_a_gpt2_shaped_model_is_bit_identical(tmp_path):
 def test_row_scaling_of_a_one_dimensional_chunk_is_one_scale():
     """block='row' on a 1-D parameter (a bias, FP8ReduceScatter's flat rows): one scale per
     rank's chunk, as compress.ShardLayout does - not one per element."""
-    from nanogeo.dist.fsdp import row_chunks
+    from nanogeo.parallel.fsdp import row_chunks
     assert row_chunks(((1000,),), "e4m3", "row", 2).nbytes == [1004, 1004]
     assert row_chunks(((4, 250),), "e4m3", "row", 2).nbytes == [4 * 4 + 1000] * 2

@@ -16,7 +16,7 @@ import compress
 from compress import HadamardLayer
 from conftest import ROOT, run_ranks
 from nanogeo.run import config, summary
-from nanogeo.dist.communicator import Options, ProductionCommunicator
+from nanogeo.parallel.communicator import Options, ProductionCommunicator
 
 
 def hadamard_layer(shape, block=128, sides="right", seed=3):
@@ -189,7 +189,7 @@ def two_ranks(rank, world_size, out_path):
     Hadamard coordinates (forced) in FSDP2's reduce-scatter of a small language model, three
     steps against an fp32 twin (test_fsdp's models and helpers). One process group for both:
     each start of two processes costs seconds."""
-    from nanogeo.dist.fsdp import use_geofp8
+    from nanogeo.parallel.fsdp import use_geofp8
     from test_fsdp import VOCAB, language_model, relative_error, twins
     dist.init_process_group("gloo")
     steps = flush_prone(world_size, 4)
@@ -257,7 +257,7 @@ def test_two_ranks_agree_and_fsdp2_decodes_rows_locally(tmp_path):
 
 def test_fsdp2_refuses_the_rows_option():
     """hadamard_sides="both" mixes rows that FSDP keeps on different ranks."""
-    from nanogeo.dist.fsdp import GeoFP8ReduceScatter
+    from nanogeo.parallel.fsdp import GeoFP8ReduceScatter
     with pytest.raises(ValueError, match="hadamard_sides='right'"):
         GeoFP8ReduceScatter(torch.nn.Linear(4, 4), geometry="hadamard", hadamard_sides="both")
 

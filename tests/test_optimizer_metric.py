@@ -8,8 +8,8 @@ import torch
 
 import compress
 from nanogeo.tools import bytegpt, capture, fidelity, variants
-from nanogeo.dist import update_error
-from nanogeo.dist.communicator import Options, ProductionCommunicator
+from nanogeo.parallel import update_error
+from nanogeo.parallel.communicator import Options, ProductionCommunicator
 
 
 def torch_update(optimizer_class, hyper, state, grad):

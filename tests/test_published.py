@@ -7,10 +7,10 @@ import torch.nn as nn
 
 import compress
 from nanogeo.wire import fp8sum
-from nanogeo.dist import hooks
+from nanogeo.parallel import hooks
 from conftest import run_ranks
-from nanogeo.dist.communicator import Options, ProductionCommunicator
-from nanogeo.dist import layers
+from nanogeo.parallel.communicator import Options, ProductionCommunicator
+from nanogeo.parallel import layers
 
 
 def anisotropic_moment(d, seed=0, tokens=4096):

@@ -12,7 +12,7 @@ import train
 from conftest import ROOT, GPT2Shaped, run_ranks
 from model import Llama, ModelConfig, model_config, next_token_loss
 from nanogeo.run import config
-from nanogeo.dist import hooks, simulated
+from nanogeo.parallel import hooks, simulated
 from nanogeo.wire import kernels
 from train import ConfigError, parse_config
 
@@ -345,7 +345,7 @@ def random_batches(ranks, grad_accum, vocab, batch=2, block=16):
 
 @pytest.mark.parametrize("tie, grad_accum", [(False, 1), (True, 2)])
 def test_batched_ranks_equal_each_ranks_own_pass(tie, grad_accum, one_thread, monkeypatch):
-    """Simulated ranks through the model together (nanogeo.dist.simulated.BatchedRanks): every
+    """Simulated ranks through the model together (nanogeo.parallel.simulated.BatchedRanks): every
     rank's losses and gradients bit for bit those of its own pass - over uneven passes (2 + 1
     ranks), micro-steps, and a head tied to the embedding (two uses of one weight)."""
     monkeypatch.setattr(simulated, "PASS_TOKENS", 64)      # two ranks of 2 x 16 tokens a pass
@@ -408,7 +408,7 @@ def test_the_flags_that_are_options_fields():
     """One vocabulary: train.py's flags that name an Options field are copied into it by name
     (config.geo_options). A new flag of such a name joins silently - so the set is pinned here."""
     import dataclasses
-    from nanogeo.dist.communicator import Options
+    from nanogeo.parallel.communicator import Options
     shared = {f.name for f in dataclasses.fields(Options) if hasattr(train.TrainConfig(), f.name)}
     assert shared == {
         "fmt", "block", "collective", "sum_order", "scale_sync_every", "geo_layers", "geo_refresh",

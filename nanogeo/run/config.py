@@ -11,8 +11,8 @@ import sys
 
 import compress
 import model as model_lib
-from nanogeo.dist.communicator import Options, COLLECTIVES, SUM_ORDERS
-from nanogeo.dist import layers
+from nanogeo.parallel.communicator import Options, COLLECTIVES, SUM_ORDERS
+from nanogeo.parallel import layers
 from nanogeo.wire import collective
 
 

@@ -10,7 +10,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from nanogeo.dist import agreement
+from nanogeo.parallel import agreement
 from nanogeo.run.config import ConfigError
 
 
@@ -52,7 +52,7 @@ class RankMismatch(RuntimeError):
 
 def check_ranks_agree(params, step, device):
     """All ranks must hold bitwise-identical parameters: one all-reduce of a checksum checks it
-    (nanogeo.dist.agreement.same_on_every_rank)."""
+    (nanogeo.parallel.agreement.same_on_every_rank)."""
     checksum = torch.zeros((), dtype=torch.float64, device=device)
     for i, p in enumerate(params):
         checksum += p.detach().double().sum() * (1 + (i % 7) / 7)

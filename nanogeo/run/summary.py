@@ -18,7 +18,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from nanogeo.dist.communicator import Options, ProductionCommunicator
+from nanogeo.parallel.communicator import Options, ProductionCommunicator
 
 
 def layer_table(communicator, names=None):

@@ -18,7 +18,7 @@ overhead: GeoFP8's extra compute per step (encode, decode, basis refresh) over E
 flops: the same overhead, analytically, at a preset's shapes: 16 m n r flops per rotated matrix
   per step (encode + decode, both sides) plus the refresh, versus ~6 T N training flops.
 fsdp: the cpu-tiny Llama under FSDP2 (every block and the root fully_shard-ed) with fp32, Euclidean
-  FP8 and GeoFP8 reduce-scatter (nanogeo.dist.fsdp), from a checkpoint, on real batches: the gradient
+  FP8 and GeoFP8 reduce-scatter (nanogeo.parallel.fsdp), from a checkpoint, on real batches: the gradient
   error of each against fp32 over the last --last of --steps steps (transformer matrices and all
   tensors), bytes sent, and the backward time (which includes the reduce-scatters).
 accumulation: gradient accumulation through the DDP hook, with and without DDP's no_sync() on
@@ -54,7 +54,7 @@ from nanogeo.wire import collective, kernels
 from nanogeo.tools import perfmodel, smoke
 from nanogeo.run.steps import batch_rng, get_batch
 from prepare_data import load_splits
-from nanogeo.dist.communicator import Options, ProductionCommunicator
+from nanogeo.parallel.communicator import Options, ProductionCommunicator
 
 
 class StageTimer:
@@ -216,7 +216,7 @@ def fsdp_fidelity(checkpoint, steps, last, geo_rank, sides="auto", data_dir="dat
     Sequences of block_size tokens, or of the checkpoint's context length if shorter."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from nanogeo.dist.fsdp import use_geofp8
+    from nanogeo.parallel.fsdp import use_geofp8
     me, world = dist.get_rank(), dist.get_world_size()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mesh = init_device_mesh(device, (world,))
@@ -427,7 +427,7 @@ def accumulation_runs(seeds, steps, methods=("fp32", "fp8", "subspace")):
     from contextlib import nullcontext
     from torch.nn.parallel import DistributedDataParallel as DDP
     from nanogeo.tools.bytegpt import ByteGPT, ByteGPTConfig
-    from nanogeo.dist.ddp import GeoFP8HookState, geofp8_hook
+    from nanogeo.parallel.ddp import GeoFP8HookState, geofp8_hook
     rank = dist.get_rank()
     rows = []
     for seed in seeds:

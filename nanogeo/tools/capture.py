@@ -39,7 +39,7 @@ from nanogeo.tools import bytegpt
 from nanogeo.run import checkpoint, config
 from nanogeo.run.steps import (batch_rng, get_batch, make_optimizers, peak_lrs,
                                set_learning_rates, warmup_cosine)
-from nanogeo.dist import hooks
+from nanogeo.parallel import hooks
 
 
 @dataclass

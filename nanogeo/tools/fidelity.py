@@ -51,9 +51,9 @@ import sys
 import torch
 
 import compress
-from nanogeo.dist import hooks, update_error
+from nanogeo.parallel import hooks, update_error
 from nanogeo.wire import collective
-from nanogeo.dist.communicator import RENAMED, Options, ProductionCommunicator
+from nanogeo.parallel.communicator import RENAMED, Options, ProductionCommunicator
 
 PAPER_CODEC = dict(fmt="e5m2", block="tensor", collective="fp8-sum")
 METHODS = {  # name -> Options fields (None: the bf16 ring all-reduce)

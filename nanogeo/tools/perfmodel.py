@@ -73,7 +73,7 @@ import torch
 
 import compress
 import model as model_lib
-from nanogeo.dist.communicator import Options
+from nanogeo.parallel.communicator import Options
 
 # ----------------------------------------------------------------------------------------------
 # The machine

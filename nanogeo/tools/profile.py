@@ -36,8 +36,8 @@ import model as model_lib
 from prepare_data import ShardError
 from nanogeo.tools.capture import CaptureConfig, simulated_training
 from nanogeo.run import config
-from nanogeo.dist import hooks
-from nanogeo.dist.communicator import Options, ProductionCommunicator, SUM_ORDERS
+from nanogeo.parallel import hooks
+from nanogeo.parallel.communicator import Options, ProductionCommunicator, SUM_ORDERS
 
 
 @dataclass

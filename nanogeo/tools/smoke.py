@@ -35,7 +35,7 @@ import torch.distributed as dist
 import compress
 import model as model_lib
 from nanogeo.wire import collective, kernels, packing
-from nanogeo.dist.communicator import Options
+from nanogeo.parallel.communicator import Options
 
 
 def timed(fn, iters):
@@ -133,7 +133,7 @@ def check_transform(device, net, iters, geo_rank=16):
 def check_ddp(device):
     """The hook on the GPU side stream against plain DDP on one rank: equal within FP8 error."""
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from nanogeo.dist.ddp import GeoFP8HookState, geofp8_hook
+    from nanogeo.parallel.ddp import GeoFP8HookState, geofp8_hook
     torch.manual_seed(0)
     layer = torch.nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.0, batch_first=True)
     nets = []

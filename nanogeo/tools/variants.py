@@ -24,8 +24,8 @@ import math
 import sys
 
 from nanogeo.tools import fidelity
-from nanogeo.dist import update_error
-from nanogeo.dist.communicator import Options, ProductionCommunicator
+from nanogeo.parallel import update_error
+from nanogeo.parallel.communicator import Options, ProductionCommunicator
 
 
 def encodings(layer, round_trip):

@@ -2,7 +2,7 @@
 GeoFP8 for any DistributedDataParallel model, as a DDP communication hook.
 
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from nanogeo.dist.ddp import GeoFP8HookState, geofp8_hook
+    from nanogeo.parallel.ddp import GeoFP8HookState, geofp8_hook
 
     model = DDP(model)
     state = GeoFP8HookState(model)                                  # published GeoFP8, or
@@ -51,9 +51,9 @@ import torch
 import torch.distributed as dist
 
 import compress
-from nanogeo.dist import hooks
+from nanogeo.parallel import hooks
 from nanogeo.run import summary
-from nanogeo.dist.communicator import OLD_GEOMETRY, Options, ProductionCommunicator
+from nanogeo.parallel.communicator import OLD_GEOMETRY, Options, ProductionCommunicator
 
 
 def check_candidates(names, module):
@@ -82,7 +82,7 @@ class GeoFP8HookState:
         self.trainable = sum(p.requires_grad for p in self.names)     # what DDP's buckets hold
         self.linear = set(compress.linear_layers(module) if linear is None else linear)
         check_candidates(self.linear, module)
-        self.views = {}             # name -> nanogeo.dist.update_error.OptimizerView, from watch()
+        self.views = {}             # name -> nanogeo.parallel.update_error.OptimizerView, from watch()
         self.communicators = {}     # tuple of names -> ProductionCommunicator
         self.owner = {}             # name -> the key of the communicator holding its state
         self.iteration = 0          # backward passes completed: the one step counter
@@ -92,18 +92,18 @@ class GeoFP8HookState:
         self.moments = None         # the whitened layers' K-FAC statistics (geometry="geofp8")
         if self.options.geometry == "geofp8":
             if self.options.whiten_sides != "input":
-                raise ValueError("nanogeo.dist.ddp: the DDP hook whitens the input side only; "
+                raise ValueError("nanogeo.parallel.ddp: the DDP hook whitens the input side only; "
                                  "use whiten_sides='input'")
             candidates = [n for n, p in module.named_parameters()
                           if compress.exemption(n, tuple(p.shape), self.options, self.linear)
                           is None]
             if self.options.select == "fragile":
-                raise ValueError("nanogeo.dist.ddp: select='fragile' would pick top_k per bucket; "
+                raise ValueError("nanogeo.parallel.ddp: select='fragile' would pick top_k per bucket; "
                                  "profile with nanogeo.tools.profile and pass select='list', geo_layers=...")
             layers = compress.linear_layers(module, candidates)
             other = sorted(set(candidates) - set(layers))
             if other:
-                raise ValueError("nanogeo.dist.ddp: the published whitening needs nn.Linear layers "
+                raise ValueError("nanogeo.parallel.ddp: the published whitening needs nn.Linear layers "
                                  f"(their inputs' moments), not {other[0]}; use "
                                  "geometry='subspace' or 'hadamard' for other matrices")
             self.moments = hooks.KroneckerMoments(layers, self.collecting).attach()

@@ -31,7 +31,7 @@ import torch.nn as nn
 
 import compress
 import model as model_lib
-from nanogeo.dist import hooks
+from nanogeo.parallel import hooks
 
 # Tokens per batched pass: enough to pay the per-kernel overhead once for several ranks, few
 # enough that a pass's activations (and logits: tokens x vocabulary) stay small. char-study at

@@ -18,7 +18,7 @@ import functools
 import torch
 
 from compress import ring_allreduce_bytes
-from nanogeo.dist.update_error import OptimizerView
+from nanogeo.parallel.update_error import OptimizerView
 
 
 class KroneckerMoments:

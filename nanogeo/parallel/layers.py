@@ -1,5 +1,5 @@
 """
-The coordinate layers as production runs them (nanogeo.dist.communicator makes these):
+The coordinate layers as production runs them (nanogeo.parallel.communicator makes these):
 
   * compress.py's three - SubspaceLayer, WhitenedLayer, HadamardLayer - with what rank
     agreement, the broadcast and checkpoints need of them: tensors(), flags() / load_flags()

@@ -7,11 +7,11 @@ here is an override that calls it:
   * the wire: the packed stages, NVFP4 and stochastic rounding's streams (nanogeo.wire.collective),
     and the paper's collective, one FP8 all_reduce SUM with per-tensor scales
     (nanogeo.wire.fp8sum), with its fragility profile and the published top-k selection;
-  * across ranks: the K-FAC statistics averaged over the ranks (nanogeo.dist.hooks), one
+  * across ranks: the K-FAC statistics averaged over the ranks (nanogeo.parallel.hooks), one
     finiteness decision for all of them before the geometry moves, the check that every rank
-    holds the same geometry after a refresh (nanogeo.dist.agreement);
+    holds the same geometry after a refresh (nanogeo.parallel.agreement);
   * the layers' state for the rank checks and checkpoints, and the dense ablations
-    (nanogeo.dist.layers): whitening factors other than the low-rank one and
+    (nanogeo.parallel.layers): whitening factors other than the low-rank one and
     their EMA, exact or random subspace bases, the stale residual of the published defect (c);
   * checkpoints: state_dict / load_state_dict.
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 import compress
-from nanogeo.dist import agreement, hooks, layers
+from nanogeo.parallel import agreement, hooks, layers
 from nanogeo.wire import collective, fp8sum
 
 # options renamed to train.py's flag names (one vocabulary), and the whitening's old name
@@ -47,7 +47,7 @@ class Options(compress.GeoOptions):
     stochastic_round: bool = False  # stochastic rounding (two-stage collective only)
     stochastic_stages: str = "both" # ... in both stages, or only "1" (each rank's send) or "2"
                                     # (the re-quantized averaged shard)
-    # ablations (nanogeo/dist/layers.py)
+    # ablations (nanogeo/parallel/layers.py)
     whiten_factor: str = "lowrank"  # lowrank | lowrank-dense | full | diag | block
     whiten_block: int = 64          # block size of whiten_factor="block"
     factor_decay: float = 0.0       # EMA of the triangular factor itself (published: 0.95)
@@ -112,7 +112,7 @@ class ProductionCommunicator(compress.Communicator):
         self.saturation = None  # fp8-sum: running sum of each tensor's saturated fraction
         self.saturation_steps = 0
 
-    LAYERS = layers.LAYERS      # compress.py's layers, with their state (nanogeo.dist.layers)
+    LAYERS = layers.LAYERS      # compress.py's layers, with their state (nanogeo.parallel.layers)
 
     def _new_layer(self, name):
         shape, opts = self.shapes[name], self.opts

@@ -2,7 +2,7 @@
 GeoFP8 gradient reduce-scatter for FSDP2 (`fully_shard`), through its custom reduce-scatter API.
 
     from torch.distributed.fsdp import fully_shard
-    from nanogeo.dist.fsdp import use_geofp8, watch_optimizers
+    from nanogeo.parallel.fsdp import use_geofp8, watch_optimizers
 
     for block in model.layers:
         fully_shard(block)
@@ -66,11 +66,11 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 import compress
-from nanogeo.dist import hooks
+from nanogeo.parallel import hooks
 from nanogeo.run import summary
-from nanogeo.dist.ddp import check_candidates
+from nanogeo.parallel.ddp import check_candidates
 from nanogeo.wire import collective
-from nanogeo.dist.communicator import Options, ProductionCommunicator
+from nanogeo.parallel.communicator import Options, ProductionCommunicator
 
 CHECKED_TORCH = (2, 9)      # FSDP2's custom reduce-scatter and the internals below: 2.9 .. 2.13
 
@@ -81,17 +81,17 @@ def fsdp_params(module):
     2.13). [] for a module without parameters of its own."""
     version = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
     if version < CHECKED_TORCH:
-        raise RuntimeError(f"nanogeo.dist.fsdp needs torch >= {'.'.join(map(str, CHECKED_TORCH))} "
+        raise RuntimeError(f"nanogeo.parallel.fsdp needs torch >= {'.'.join(map(str, CHECKED_TORCH))} "
                            f"(FSDP2's custom reduce-scatter); this is {torch.__version__}")
     try:
         groups = module._get_fsdp_state()._fsdp_param_groups
         if len(groups) > 1:
-            raise ValueError("nanogeo.dist.fsdp: a module needs exactly one FSDP parameter group; "
+            raise ValueError("nanogeo.parallel.fsdp: a module needs exactly one FSDP parameter group; "
                              "call fully_shard(module) before use_geofp8")
         return [(p.sharded_param, tuple(p._orig_size), p.fsdp_placement.dim)
                 for group in groups for p in group.fsdp_params]
     except AttributeError as e:
-        raise RuntimeError(f"nanogeo.dist.fsdp: FSDP2's internals changed in torch {torch.__version__} "
+        raise RuntimeError(f"nanogeo.parallel.fsdp: FSDP2's internals changed in torch {torch.__version__} "
                            f"({e}); use a torch between 2.9 and 2.13") from None
 
 
@@ -153,7 +153,7 @@ def average(total, op, world):
         return total / world
     if op in (dist.ReduceOp.SUM, "sum"):
         return total
-    raise ValueError(f"nanogeo.dist.fsdp: unsupported reduce op {op}; "
+    raise ValueError(f"nanogeo.parallel.fsdp: unsupported reduce op {op}; "
                      "leave FSDP's gradient divide factor at its default")
 
 
@@ -166,21 +166,21 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
         options.setdefault("geometry", "subspace")   # the method built for FSDP's row shards
         if options.get("error_feedback") or options.get("full") or \
                 options.get("basis", "householder") != "householder":
-            raise ValueError("nanogeo.dist.fsdp: error_feedback, full and random bases are not "
+            raise ValueError("nanogeo.parallel.fsdp: error_feedback, full and random bases are not "
                              "supported with FSDP; drop those options")
         if options.get("geometry", "subspace") == "geofp8" or options.get("collective") == "fp8-sum":
-            raise ValueError("nanogeo.dist.fsdp: FSDP2 supports geometry='subspace', 'hadamard' or "
+            raise ValueError("nanogeo.parallel.fsdp: FSDP2 supports geometry='subspace', 'hadamard' or "
                              "'euclidean' with the two-stage collective; the published whitening "
-                             "runs under DDP (nanogeo.dist.ddp) or train.py")
+                             "runs under DDP (nanogeo.parallel.ddp) or train.py")
         if options.get("geometry") == "hadamard" and options.get("hadamard_sides") == "both":
-            raise ValueError("nanogeo.dist.fsdp: hadamard_sides='both' mixes rows that live on "
+            raise ValueError("nanogeo.parallel.fsdp: hadamard_sides='both' mixes rows that live on "
                              "different ranks; use hadamard_sides='right'")
         params = fsdp_params(module)
         if not params:
-            raise ValueError("nanogeo.dist.fsdp: the module has no FSDP parameters; call "
+            raise ValueError("nanogeo.parallel.fsdp: the module has no FSDP parameters; call "
                              "fully_shard(module) before use_geofp8")
         if any(dim != 0 for _, _, dim in params):
-            raise ValueError("nanogeo.dist.fsdp: only FSDP's default Shard(0) placement is supported; "
+            raise ValueError("nanogeo.parallel.fsdp: only FSDP's default Shard(0) placement is supported; "
                              "drop shard_placement_fn")
         names = {p: n for n, p in module.named_parameters(prefix=prefix)}
         self.names = [names[p] for p, _, _ in params]
@@ -199,7 +199,7 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
         if input_tensor.numel() != world * sum(math.prod(s) for s in chunk_shapes):
             self.fallbacks += 1                 # not every parameter got a gradient this time
             if self.fallbacks == 1:
-                warnings.warn("nanogeo.dist.fsdp: some parameters have no gradient; such calls "
+                warnings.warn("nanogeo.parallel.fsdp: some parameters have no gradient; such calls "
                               f"send Euclidean {self.fmt}, rounded to nearest (counted in "
                               "`fallbacks`)")
             return super().__call__(output_tensor, input_tensor, group, op, async_op)
@@ -251,7 +251,7 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
             layer = self.comm.layers.get(name)
             if layer is not None and layer.swaps is not None and rows * math.prod(shape[1:]) % block:
                 layer.swaps = None
-                warnings.warn(f"nanogeo.dist.fsdp: {name}: a rank's {rows} rows are not a whole number "
+                warnings.warn(f"nanogeo.parallel.fsdp: {name}: a rank's {rows} rows are not a whole number "
                               f"of {block}-element scaling blocks; core scattering is off for it")
 
     def _decode(self, names, means, blocks, world):
@@ -292,7 +292,7 @@ def use_geofp8(model, linear=None, **options):
             module.set_custom_reduce_scatter(comm)
             comms.append(comm)
     if not comms:
-        raise ValueError("nanogeo.dist.fsdp: no FSDP module with parameters; call fully_shard first")
+        raise ValueError("nanogeo.parallel.fsdp: no FSDP module with parameters; call fully_shard first")
     return comms
 
 
@@ -317,7 +317,7 @@ def load_state_dict(comms, state):
     saved = state["modules"]
     missing = [",".join(c.names) for c in comms if ",".join(c.names) not in saved]
     if missing:
-        raise ValueError(f"nanogeo.dist.fsdp: the saved state has no module with parameters "
+        raise ValueError(f"nanogeo.parallel.fsdp: the saved state has no module with parameters "
                          f"{missing[0][:80]}...; load it into the model it was saved from")
     for c in comms:
         c.comm.load_state_dict(saved[",".join(c.names)])

@@ -77,7 +77,7 @@ def verify_geometry(layers, group, step, device):
     if not bool(agree[:-1].all()):
         raise RuntimeError(f"GeoFP8: the ranks built geometries for different layers by step "
                            f"{step}; restart from the last checkpoint")
-    print(f"nanogeo.dist.agreement: warning: GeoFP8 geometry differs across ranks at step {step}; "
+    print(f"nanogeo.parallel.agreement: warning: GeoFP8 geometry differs across ranks at step {step}; "
           "using rank 0's", flush=True)
     broadcast_from_first(layers, group, device)
     return True
