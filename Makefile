@@ -14,7 +14,8 @@ ARGS   ?=
 # by one FP8 all_reduce; the 4 matrices whose FP8 sums saturate most during the first 10 steps
 # (the paper's profiler) go to whitened coordinates for good (enter/exit gain 0), with error
 # feedback on them and an EMA of the factors. It ends with the per-layer table, the wire ratio
-# and the last step's error against Euclidean FP8 on the same collective.
+# and the last step's error against Euclidean FP8 on the same collective, and against the
+# recommended FP8 (Euclidean e4m3 on the two-stage collective).
 # NCCL sums float8 only on compute capability 9.0 and newer (Hopper): on older GPUs the demo
 # runs the published whitening on the two-stage collective (its gain check chooses the layers).
 GPU_CC := $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d .)

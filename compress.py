@@ -1,109 +1,39 @@
 """
-GeoFP8: geometry-aware FP8 gradient communication, in one readable file.
+GeoFP8: geometry-aware FP8 gradient communication, in one file to read top to bottom.
 
-Two geometries live here side by side, behind one communicator:
+Data-parallel training averages W ranks' gradients every step; FP8 (a byte an element) instead
+of bf16 halves the bytes. FP8 is floating point: a block of values shares one fp32 scale that
+maps its largest magnitude onto the format's largest value, and each value keeps a precision of
+its own size (~6 % for e4m3). LLM weight gradients are anisotropic - a few directions carry most
+of the energy - so in their own coordinates every element's rounding error is set by the
+dominant part, and the small directions drown in it.
 
-  * the published GeoFP8 (arXiv 2607.07494; section 3b): each linear layer's gradient is sent
-    in the whitened coordinates of its K-FAC input factor, W~ = W_g F^-T with F F^T = A + damping,
-    A = E[a a^T] of the layer's inputs (low-rank + diagonal), and mapped back, W = W~ F^T;
-  * this project's variant, the two-sided subspace rotation (section 3), described first below;
+The idea (GeoFP8, arXiv 2607.07494): send each matrix in coordinates where its geometry is
+round, quantize there, average with the usual collective, and map back. The map is linear and
+the same on every rank, so averaging in coordinates and decoding once is exact. Two coordinate
+systems share one interface (encode, decode, refresh): the published whitening (section 3, the
+default), G~ = G F^-T with F F^T ~ A, the layer's K-FAC input second moment; and this
+project's two-sided rotation (section 4), H = P^T G Q toward the dominant singular directions
+of earlier averaged gradients. A matrix uses its coordinates only while they measurably lower
+the error as its optimizer sees it (section 5); one function decides, Communicator.decide
+(section 6); new geometry is measured on later gradients before it is used (do no harm).
 
-with a geometry-agnostic control beside them, the randomized Hadamard transform (section 3c:
-random signs, then Walsh-Hadamard blocks along each row; no statistics at all), and two
-collectives: this project's two-stage FP8 collective (section 2) and the paper's one
-all_reduce SUM of FP8 codes with one scale per tensor (nanogeo/wire/fp8sum.py).
+What the studies found (BENCHMARKS.md section 14): at FP8 the collective matters, not the
+geometry - the two-stage collective of section 2 with plain Euclidean FP8 trains as well as
+fp32; the geometry's measured room is 4 bits at many ranks.
 
-The problem
------------
-Data-parallel training averages the W ranks' gradients every step. Sending them in FP8 instead
-of bf16 halves the bytes. FP8 is floating point with 3 (e4m3) or 2 (e5m2) mantissa bits, so every
-element keeps ~6 % (e4m3) precision *of its own magnitude*, and a block of elements shares one
-fp32 scale that maps the block's largest magnitude onto the format's largest value.
-
-LLM weight gradients are strongly anisotropic: a few left/right singular directions carry most of
-the energy. In the original ("Euclidean") coordinates every element is the sum of a large
-dominant part and a small bulk part, so every element's rounding error is ~6 % of the *dominant*
-part, spread over all m*n elements and all directions - it swamps the small directions.
-
-The subspace rotation
----------------------
-Send the gradient G (m x n) in coordinates aligned with its dominant subspaces:
-
-    encode:  H = P^T G Q        P (m x m), Q (n x n) orthogonal, shared by all ranks
-    reduce:  the usual FP8 collective on H
-    decode:  G_mean = P H_mean Q^T
-
-P's first r columns span the top-r left singular subspace of recent *averaged* gradients, Q's
-the right one. The dominant energy of G lands in the r x r top-left corner of H, and, because we
-rotate the bases so that this corner is (nearly) diagonal for the latest mean gradient, each of
-the first r rows of H has one large entry. That entry is the amax of its scaling block - and the
-block amax is encoded *exactly* (it maps onto the format's max value by the fp32 scale). So the
-dominant energy travels almost without error, and everything else (the bulk, now in the rest of
-H) keeps FP8's relative precision of its *own* size. Because P and Q are orthogonal, the
-quantization error is not amplified on the way back: ||P E Q^T|| = ||E||. Because they are
-identical on every rank and the map is linear, reducing in coordinates and decoding once equals
-decoding each and reducing.
-
-P and Q are never formed: r Householder reflectors complete the r dominant vectors U to an
-orthogonal matrix, P = H_1 ... H_r = I - Y T Y^T (compact WY form, Y m x r, T r x r), so applying
-P or P^T costs ~4 m n r flops and O(m r) memory. Unlike a random or Hadamard rotation, the
-Householder completion leaves the complement close to the original axes, so axis-aligned
-structure (an outlier column) stays local where block scales handle it.
-
-Where the bases come from: every rank holds the same decoded mean gradient after each step. A
-warm-started subspace iteration on it (optionally an EMA of its covariance), followed by a
-Rayleigh-Ritz rotation, refreshes U and V every `geo_refresh` steps. The local gradient of a rank is
-never used, so every rank computes the same bases (production checks it). Under FSDP a rank
-holds only a block of rows of the mean; the same iteration runs with its partial products
-summed over ranks, and the decode needs one small r x n sum (nanogeo/parallel/fsdp.py).
-
-Not every matrix gains (for either geometry): only nn.Linear weights are candidates (found by
-module type; embedding tables, tied heads, norms and biases stay Euclidean, an untied head by its
-configured vocabulary size), small ones excepted, and each candidate switches to geometry-aware
-coordinates only while its codec error *as its optimizer sees it* (section 4b: AdamW's
-elementwise update, Muon's Newton-Schulz map) is measurably lower there, with hysteresis. Do no
-harm from the first step: a new geometry is measured on the next step's gradients (which did not
-build it) before it replaces the coordinates in use (section 5, "candidates").
-select="list" (and production's "fragile", the paper's profiled rule) choose which may
-switch; the same check still guards them, unless both gains are 0 (the paper's fixed choice;
-select="all" likewise).
-The subspace rotation also tries the column side alone (sides="auto"): rotating rows spreads
-error onto rows whose AdamW second moments may be tiny.
-
-The two-stage collective (this project's default, for every geometry)
----------------------------------------------------------------------
-    quantize this rank's tensors, cut into W shards  -> all_to_all (uint8, scales inline)
-    each rank decodes the W copies of its shard, sums them in fp32, divides by W
-    re-quantizes its averaged shard                  -> all_gather
-    every rank decodes the same bytes                -> bit-identical results everywhere
-Wire bytes per rank ~ 2 (W-1)/W N (1 + 4/block) versus 2 (W-1)/W N 2 for a bf16 ring all-reduce:
-~0.516x at block 128. `simulate_mean` runs exactly the same numerics in one process.
-
-Reading order: the codec (quantize/dequantize), the two-stage collective, the rotation, the
-whitening, the Hadamard control, geometry estimation, the optimizer's view of an error, and the
-communicator that train.py calls once per step. This file is the reference and imports nothing
-from nanogeo/; nanogeo/ builds on it, passing its own forms in where training at scale needs them:
-
-    nanogeo/wire/collective.py    the codec and collective as training runs them, through
-                                  ShardLayouts that override the stages: packed (one codec call
-                                  per bucket and stage) and stochastic rounding (wire/packing.py;
-                                  compiled: wire/kernels.py), NVFP4 (wire/nvfp4.py)
-    nanogeo/wire/fp8sum.py        the paper's collective: one FP8 all_reduce SUM
-    nanogeo/parallel/communicator.py  ProductionCommunicator(Communicator): the paper's collective
-                                  and profiled selection, K-FAC statistics averaged over ranks,
-                                  finiteness and rank agreement, dense ablations, checkpoints
-    nanogeo/parallel/layers.py        the layers' state for rank checks and checkpoints; dense factors
-                                  and bases (ablations)
-    nanogeo/parallel/hooks.py         the K-FAC statistics (forward hooks), the optimizers' views
-    nanogeo/parallel/update_error.py  the error AdamW and Muon see (section 4b)
-    nanogeo/parallel/ddp.py, fsdp.py  the DDP comm hook and FSDP2's reduce-scatter (row blocks)
+`python compress.py` (section 7) shows it work. This file imports nothing from nanogeo/, which
+runs the same algorithms at scale and passes its faster forms in: NVFP4, the paper's FP8-sum
+collective, stochastic rounding, error feedback, K-FAC hooks, a Hadamard control, DDP and
+FSDP2, checkpoints (docs/method.md has the map).
 """
 
-import contextlib
 import copy
-import functools
+import itertools
 import math
+import warnings
 import zlib
+from collections import namedtuple
 from dataclasses import dataclass, field
 
 import torch
@@ -111,53 +41,35 @@ import torch.distributed as dist
 
 
 # =============================================================================
-# 1. Codecs: FP8 (e4m3, e5m2) and NVFP4, with tensor / row / block scaling
+# 1. The codec: FP8 (e4m3, e5m2), one fp32 scale per block, row or tensor
 # =============================================================================
 
 FP8_FORMATS = {  # name -> (torch dtype, largest finite value)
     "e4m3": (torch.float8_e4m3fn, 448.0),
     "e5m2": (torch.float8_e5m2, 57344.0),
 }
-FORMATS = ("e4m3", "e5m2", "nvfp4")   # nvfp4: 4-bit values (a production codec, see above)
-NVFP4_BLOCK = 16        # NVFP4 always scales blocks of 16 values; `block` does not apply to it
 FP32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass
 class Quantized:
-    """A quantized tensor: `buffer` is the uint8 wire buffer (scales first, then the payload)."""
+    """A quantized tensor: `buffer` is the uint8 wire buffer (scales first, then the codes)."""
     buffer: torch.Tensor    # (nbytes,) uint8
     shape: torch.Size
     fmt: str
-    block: object           # int, "row" or "tensor"
+    block: object           # elements per scale group (int), "row" or "tensor"
 
     @property
     def nbytes(self) -> int:
         return self.buffer.numel()
 
 
-@functools.lru_cache(maxsize=None)
-def on_device(constant, device):
-    """A constant tensor (or tuple of tensors, or tuple of numbers) on `device`, made once: built
-    or copied from host memory at every call instead, each copy would make a GPU stream wait."""
-    if isinstance(constant, tuple) and isinstance(constant[0], torch.Tensor):
-        return tuple(t.to(device) for t in constant)
-    return torch.tensor(constant, device=device)
-
-
-def check_codec(fmt, block):
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    if fmt != "nvfp4" and not (block in ("row", "tensor") or (isinstance(block, int) and block > 0)):
-        raise ValueError(f"block must be a positive int, 'row' or 'tensor', got {block!r}")
-
-
 def check_fp8(fmt, block):
-    """This file's codec is FP8 (NVFP4 is a production codec)."""
-    check_codec(fmt, block)
     if fmt not in FP8_FORMATS:
-        raise ValueError(f"compress.py codes e4m3 and e5m2; {fmt} is nanogeo.wire's codec "
-                         "(nanogeo.wire.collective.quantize and .all_reduce_mean)")
+        raise ValueError(f"unknown format {fmt!r}: compress.py codes e4m3 and e5m2 "
+                         "(NVFP4: nanogeo.wire.collective)")
+    if not (block in ("row", "tensor") or (isinstance(block, int) and block > 0)):
+        raise ValueError(f"block must be a positive int, 'row' or 'tensor', got {block!r}")
 
 
 def scale_groups(x, block):
@@ -175,38 +87,17 @@ def scale_groups(x, block):
 
 
 def num_groups(shape, block):
-    numel = math.prod(shape)
     if block == "tensor":
         return 1
     if block == "row":
         return shape[0] if len(shape) >= 2 else 1
-    return -(-numel // block)
+    return -(-math.prod(shape) // block)
 
 
 def wire_nbytes(shape, fmt, block):
-    """Exact size of quantize(x of this shape).buffer."""
+    """Exact size of quantize(x of this shape).buffer: an fp32 scale per group, a byte a value."""
     numel = math.prod(shape)
-    if numel == 0:
-        return 0
-    return 4 * num_groups(shape, block) + numel  # fp32 scale per group + one byte per value
-
-
-def quantize(x, fmt="e4m3", block=128, encode_groups=None) -> Quantized:
-    """Quantize x into one uint8 wire buffer.
-
-    Each group (block of `block` flattened elements, a row, or the whole tensor) gets scale
-    s = fmax / amax; values are cast as torch casts x * s, saturated at +-fmax. Wire: [s per
-    group, fp32][one fp8 byte per element]. `encode_groups`: fp8_encode unless production passes
-    its stochastic rounding in (nanogeo/wire/packing.py).
-    """
-    check_fp8(fmt, block)
-    numel = x.numel()
-    if numel == 0:
-        return Quantized(torch.empty(0, dtype=torch.uint8, device=x.device), x.shape, fmt, block)
-    dtype, fmax = FP8_FORMATS[fmt]
-    scale, codes = (encode_groups or fp8_encode)(scale_groups(x, block), fmax, dtype)
-    buffer = torch.cat([scale.view(torch.uint8), codes.reshape(-1)[:numel]])
-    return Quantized(buffer, x.shape, fmt, block)
+    return 4 * num_groups(shape, block) + numel if numel else 0
 
 
 def scale_from_amax(amax, fmax):
@@ -220,24 +111,39 @@ def fp8_scale(groups, fmax):
     return scale, (groups * scale[:, None]).clamp(-fmax, fmax)
 
 
-def fp8_encode(groups, fmax, dtype):      # hot path (compiled in production)
-    """(G, L) fp32 -> scales (G,) fp32 and codes (G, L) uint8, round to nearest even."""
+def fp8_encode(groups, fmax, dtype):
+    """(G, L) fp32 -> scales (G,) fp32 and codes (G, L) uint8, rounded to nearest even."""
     scale, y = fp8_scale(groups, fmax)
     return scale, y.to(dtype).view(torch.uint8)
 
 
 def fp8_decode(codes, scale, group_len, dtype):
     """codes (numel,) uint8 and scales (G,) -> (numel,) fp32. The last group may be partial:
-    pad it, divide (G, L) by (G, 1), drop the padding. (The same as dividing by the scales
-    repeated per element, which torch 2.13's inductor miscompiles on CPU for a partial group.)"""
+    pad it, divide (G, L) by (G, 1), drop the padding."""
     values = codes.view(dtype).float()
     groups = torch.nn.functional.pad(values, (0, (-values.numel()) % group_len)).view(-1, group_len)
     return (groups / scale[:, None]).reshape(-1)[: values.numel()]
 
 
+def to_wire(scale, codes, x, fmt, block):
+    """x's scales (G,) and codes (G, L) as one wire buffer: [scales][codes, padding cut]."""
+    buffer = torch.cat([scale.view(torch.uint8), codes.reshape(-1)[: x.numel()]])
+    return Quantized(buffer, x.shape, fmt, block)
+
+
+def quantize(x, fmt="e4m3", block=128) -> Quantized:
+    """Each group gets the scale s = fmax / amax; values are cast as torch casts x * s,
+    saturated at +-fmax, so a finite input never decodes to NaN or inf."""
+    check_fp8(fmt, block)
+    if x.numel() == 0:
+        return Quantized(torch.empty(0, dtype=torch.uint8, device=x.device), x.shape, fmt, block)
+    dtype, fmax = FP8_FORMATS[fmt]
+    return to_wire(*fp8_encode(scale_groups(x, block), fmax, dtype), x, fmt, block)
+
+
 def as_float32(raw):
-    """uint8 bytes -> float32 values. A slice of a wire buffer may start at any byte offset,
-    and a tensor view needs 4-byte alignment, so copy when it is not aligned (scales only)."""
+    """uint8 bytes -> float32 values. A slice of a wire buffer may start at any byte offset, and
+    a tensor view needs 4-byte alignment, so copy when it is not aligned (scales only)."""
     return (raw if raw.storage_offset() % 4 == 0 else raw.clone()).view(torch.float32)
 
 
@@ -248,157 +154,134 @@ def dequantize(q: Quantized) -> torch.Tensor:
         return torch.zeros(q.shape, device=q.buffer.device)
     n_groups = num_groups(q.shape, q.block)
     dtype, _ = FP8_FORMATS[q.fmt]
-    scale = as_float32(q.buffer[: 4 * n_groups])
     group_len = numel // n_groups if q.block in ("row", "tensor") else q.block
+    scale = as_float32(q.buffer[: 4 * n_groups])
     return fp8_decode(q.buffer[4 * n_groups:], scale, group_len, dtype).view(q.shape)
 
 
 # =============================================================================
-# 2. The collective: quantize -> all_to_all -> fp32 reduce -> re-quantize -> all_gather
+# 2. The two-stage collective: quantize -> all_to_all -> fp32 sum -> re-quantize -> all_gather
 # =============================================================================
+#
+# Rank j owns the j-th share of every tensor, its shard. Stage 1: each rank quantizes its
+# gradients and sends every rank its shard (all_to_all). Stage 2: each rank decodes the W copies
+# of its shard, adds them in fp32 in rank order, divides by W and quantizes again. Stage 3:
+# all_gather; every rank decodes the same bytes, so every rank ends with the same bits. Bytes a
+# rank sends: ~2 (W - 1)/W N (1 + 4/block), 0.516x a bf16 ring all-reduce's at block 128. (The
+# paper's collective adds FP8 codes hop by hop instead: nanogeo/wire/fp8sum.py.)
 
 # one output tensor for the W inputs (torch 2.13 renamed all_gather_into_tensor)
 all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
-@dataclass
-class Piece:
-    """The part of one tensor that one rank owns in the reduce-scatter: a contiguous range of
-    whole scale groups, so that cutting into shards never changes what is quantized together."""
-    tensor: int     # index into the bucket
-    start: int      # flat element range [start, end)
-    end: int
-    shape: tuple    # how the piece is quantized (rows x row_len for row scaling, else flat)
-    block: object
+# The part of one tensor that one rank owns: a contiguous range of whole scale groups, so that
+# cutting into shards never changes what is quantized together. tensor: its index in the bucket;
+# [start, end): the flat element range; shape: how it is quantized ((rows, row_len) for row
+# scaling, else (end - start,)); block: its scale groups.
+Piece = namedtuple("Piece", "tensor start end shape block")
 
 
 class ShardLayout:
-    """How a bucket of tensors is cut into W shards, and the three stages on it. Rank j owns, of
-    every tensor, the j-th contiguous range of its scale groups (blocks or rows). With "tensor"
-    scaling each tensor is cut into W equal ranges, each with one scale (a single scale per
-    tensor would force one rank to own the whole tensor and unbalance the all_gather). A tensor's
-    groups left over after W equal counts (all of them, if it has fewer groups than ranks) go to
-    the ranks whose shards are lightest so far: the all_gather pads every shard to the largest,
-    so a small model at large W would otherwise pay for one rank's pile of remainders. The
-    layout depends only on the shapes and the wire's size of a piece (piece_nbytes: a packed
-    layout may cut differently, never inside a scale group), so every rank computes the same.
+    """How a bucket of tensors is cut into W shards (the same on every rank, from the shapes),
+    and the three stages (nanogeo.wire's layouts subclass it: packed, NVFP4, stochastic)."""
+    check_codec = staticmethod(check_fp8)       # the formats this layout's codec codes
 
-    The stages run piece by piece, through this file's FP8 codec, rounding to nearest.
-    Production's layouts (nanogeo/wire) subclass it: each stage on the whole bucket in one codec
-    call (packed: the same bytes as piece by piece, bit for bit), NVFP4, stochastic rounding
-    (the simulator drawing exactly what the ranks draw)."""
-    codec_check = staticmethod(check_fp8)   # its codec: FP8 (an NVFP4 layout checks its own)
+    def __init__(self, shapes, fmt, block, world_size):
+        self.check_codec(fmt, block)
+        self.shapes, self.fmt, self.block = [tuple(s) for s in shapes], fmt, block
+        self.world_size = world_size
+        self.pieces = self.cut()                                # pieces[j]: rank j's shard
+        self.nbytes = [sum(map(self.piece_nbytes, shard)) for shard in self.pieces]
 
-    def __init__(self, shapes, fmt, block, world_size, pieces=None):
-        self.codec_check(fmt, block)
-        self.shapes, self.fmt, self.world_size = [tuple(s) for s in shapes], fmt, world_size
-        self.block = block
-        self.pieces = self._cut(self.block) if pieces is None else pieces
-        self.nbytes = [sum(map(self.piece_nbytes, pieces)) for pieces in self.pieces]
+    def groups_of(self, shape):
+        """(elements per scale group, the pieces' block) of one tensor ("tensor" scaling: W
+        equal ranges with a scale each; one scale would make one rank own the whole tensor)."""
+        numel = math.prod(shape)
+        if isinstance(self.block, int):
+            return self.block, self.block
+        if self.block == "row" and len(shape) >= 2:
+            return (numel // shape[0] if shape[0] else 0), "row"
+        return -(-numel // self.world_size), "tensor"      # (also "row" of a 1-D tensor)
 
-    def _cut(self, block):
-        pieces = [[] for _ in range(self.world_size)]
-        load = [0] * self.world_size        # bytes each rank's shard holds so far
-        for t, shape in enumerate(self.shapes):
-            numel = math.prod(shape)
-            if isinstance(block, int):                      # blocks of `block` elements
-                group_len, piece_block = block, block
-            elif block == "row" and len(shape) >= 2:        # whole rows
-                group_len, piece_block = (numel // shape[0] if shape[0] else 0), "row"
-            else:  # "tensor" (or "row" of a 1-D tensor): one scale per tensor per shard
-                group_len, piece_block = -(-numel // self.world_size), "tensor"
-            n_groups = -(-numel // group_len) if group_len else 0
-            base, extra = divmod(n_groups, self.world_size)
-            # the `extra` groups left over go to the ranks that carry the fewest bytes so far (a
-            # tie to the lower rank): the all_gather pads every shard to the largest
-            lightest = set(sorted(range(self.world_size), key=lambda j: (load[j], j))[:extra])
-            first = 0
-            for j in range(self.world_size):
-                count = base + (j in lightest)
-                start, end = first * group_len, min(numel, (first + count) * group_len)
-                first += count
-                if end <= start:
-                    continue
-                piece_shape = (count, group_len) if piece_block == "row" else (end - start,)
-                pieces[j].append(Piece(t, start, end, piece_shape, piece_block))
-                load[j] += self.piece_nbytes(pieces[j][-1])
-        return pieces
-
-    # -- one piece through the codec -------------------------------------------------------------
-
-    def piece_nbytes(self, p):
-        """Wire bytes of one piece. (_cut calls it from __init__: it may use fmt, block and the
-        piece only.)"""
-        return wire_nbytes(p.shape, self.fmt, p.block)
-
-    def rounding(self, whose):
-        """How rank whose[0] rounds in stage whose[1], a token for quantize_piece: here to
-        nearest (None). A stochastic layout returns that rank's and stage's random stream, new
-        at each stage call."""
-        return None
-
-    def quantize_piece(self, values, p, rounding):
-        """One piece through the codec, rounding as self.rounding() said for this stage."""
-        return quantize(values.view(p.shape), self.fmt, p.block)
-
-    def dequantize_piece(self, buffer, p):
-        return dequantize(Quantized(buffer, p.shape, self.fmt, p.block))
-
-    def decode_pieces(self, buffer, pieces):
-        """The fp32 values of each piece packed in one buffer, in order (one call per piece)."""
-        out, offset = [], 0
-        for p in pieces:
-            nbytes = self.piece_nbytes(p)
-            out.append(self.dequantize_piece(buffer[offset: offset + nbytes], p))
-            offset += nbytes
+    def split(self, t, counts):
+        """Tensor t cut into contiguous ranges of counts[j] scale groups: [rank j's Piece, or
+        None where it is empty]."""
+        numel, (group_len, block) = math.prod(self.shapes[t]), self.groups_of(self.shapes[t])
+        out, first = [], 0
+        for count in counts:
+            start, end = first * group_len, min(numel, (first + count) * group_len)
+            first += count
+            shape = (count, group_len) if block == "row" else (end - start,)
+            out.append(Piece(t, start, end, shape, block) if end > start else None)
         return out
 
-    # -- the three stages ------------------------------------------------------------------------
-    # (a stochastic layout rounds stage 1 from its rank's stream, stage 2 from the stream of the
-    # shard's owner: rank j owns shard j)
+    def cut(self):
+        """Each tensor's n scale groups in W equal ranges, rank j the j-th (the first ranks one
+        more where W does not divide n)."""
+        W, pieces = self.world_size, [[] for _ in range(self.world_size)]
+        for t, shape in enumerate(self.shapes):
+            group_len, _ = self.groups_of(shape)
+            base, extra = divmod(-(-math.prod(shape) // group_len) if group_len else 0, W)
+            for j, piece in enumerate(self.split(t, [base + (j < extra) for j in range(W)])):
+                if piece:
+                    pieces[j].append(piece)
+        return pieces
+
+    def piece_nbytes(self, piece):
+        return wire_nbytes(piece.shape, self.fmt, piece.block)
+
+    def quantize_piece(self, values, piece):
+        """One piece through the codec: its wire bytes."""
+        return quantize(values.view(piece.shape), self.fmt, piece.block).buffer
+
+    def dequantize_piece(self, buffer, piece):
+        return dequantize(Quantized(buffer, piece.shape, self.fmt, piece.block))
 
     def encode(self, flats, rank=0):
         """Stage 1 on `rank`: its flat fp32 tensors -> one uint8 buffer, the W destination
         ranks' shards back to back (shard j is nbytes[j] bytes)."""
-        rounding = self.rounding((rank, 1))
-        return torch.cat([self.quantize_piece(flats[p.tensor][p.start:p.end], p, rounding).buffer
-                          for pieces in self.pieces for p in pieces])
+        return torch.cat([self.quantize_piece(flats[p.tensor][p.start:p.end], p)
+                          for shard in self.pieces for p in shard])
+
+    def decode_shard(self, buffer, shard):
+        """One shard's bytes -> the flat fp32 values of each of its pieces."""
+        out, offset = [], 0
+        for p in self.pieces[shard]:
+            nbytes = self.piece_nbytes(p)
+            out.append(self.dequantize_piece(buffer[offset: offset + nbytes], p).reshape(-1))
+            offset += nbytes
+        return out
 
     def sum_copies(self, received, shard):
-        """Decode the W received copies of one shard (back to back in `received`, in source-rank
-        order) and sum them in fp32, always in the same order: the simulator and every rank sum
-        identically. Returns one flat fp32 tensor per piece of the shard."""
+        """The W copies of a shard (back to back, in source-rank order), decoded and added in
+        fp32 in rank order: every rank and the simulator add alike. One tensor per piece."""
         total = None
         for one_copy in received.split(self.nbytes[shard]):
-            values = [v.reshape(-1) for v in self.decode_pieces(one_copy, self.pieces[shard])]
+            values = self.decode_shard(one_copy, shard)
             total = values if total is None else [a + b for a, b in zip(total, values)]
         return total
 
     def reduce(self, received, shard):
-        """Stage 2, on the rank that owns `shard`: sum_copies, divide by W, re-quantize.
-        Returns the shard's bytes."""
-        rounding = self.rounding((shard, 2))
-        parts = [self.quantize_piece(v / self.world_size, p, rounding).buffer
+        """Stage 2 on the owner of `shard`: the mean of its W copies, quantized again."""
+        parts = [self.quantize_piece(v / self.world_size, p)
                  for v, p in zip(self.sum_copies(received, shard), self.pieces[shard])]
         return torch.cat(parts) if parts else received.new_empty(0)
 
     def decode(self, buffer, stride=None):
-        """Stage 3: the W shards' bytes (shard j at j * stride, or back to back as stage 1
-        wrote them if stride=None) -> the bucket's values, flat fp32 in tensor order."""
-        starts = [0]
-        for shape in self.shapes:
-            starts.append(starts[-1] + math.prod(shape))
+        """Stage 3: the W shards' bytes (shard j at j * stride, or back to back as stage 1 wrote
+        them) -> the bucket's values, flat fp32 in tensor order."""
+        starts = [0, *itertools.accumulate(math.prod(s) for s in self.shapes)]
         flat, offset = torch.zeros(starts[-1], device=buffer.device), 0
         for j, pieces in enumerate(self.pieces):
             offset = j * stride if stride is not None else offset
             shard = buffer[offset: offset + self.nbytes[j]]
-            for p, values in zip(pieces, self.decode_pieces(shard, pieces)):
-                flat[starts[p.tensor] + p.start: starts[p.tensor] + p.end] = values.reshape(-1)
+            for p, values in zip(pieces, self.decode_shard(shard, j)):
+                flat[starts[p.tensor] + p.start: starts[p.tensor] + p.end] = values
             offset += self.nbytes[j]
         return flat
 
-    # the simulator's stage 1 for all W ranks, and their own round trips (a packed layout:
-    # one codec call for all of them)
+    # the simulator's stage 1 for all W ranks, and their own round trips (a packed layout does
+    # each in one codec call)
     def encode_ranks(self, rank_flats):
         """(W, bytes): row i = encode(rank_flats[i], i)."""
         return torch.stack([self.encode(flats, i) for i, flats in enumerate(rank_flats)])
@@ -406,14 +289,6 @@ class ShardLayout:
     def decode_ranks(self, sends):
         """(W, values): row i = decode(sends[i])."""
         return torch.stack([self.decode(send) for send in sends])
-
-
-@functools.lru_cache(maxsize=64)
-def shard_layout(shapes, fmt, block, world_size):
-    """The ShardLayout of a bucket, built once per (shapes, format, world size): it depends on
-    nothing else, and the collective asks for the same one every step. (Production's layouts
-    have their own cache: nanogeo.wire.collective.shard_layout.)"""
-    return ShardLayout(shapes, fmt, block, world_size)
 
 
 def encode_shards(tensors, layout, rank=0):
@@ -431,8 +306,7 @@ def split_tensors(flat, layout):
 
 
 def decode_shards(buffer, layout, stride=None):
-    """Stage 3: full fp32 tensors from the W shards' bytes in `buffer` (identical on all ranks):
-    shard j at j * stride, or back to back (stage 1's send buffer) if stride=None."""
+    """Stage 3: full fp32 tensors from the W shards' bytes in `buffer` (identical on all ranks)."""
     if not sum(layout.nbytes):
         return [torch.zeros(s, device=buffer.device) for s in layout.shapes]
     return split_tensors(layout.decode(buffer, stride), layout)
@@ -445,74 +319,40 @@ def collective_bytes(layout, rank):
     return stage1 + (layout.world_size - 1) * max(layout.nbytes)
 
 
-def ring_allreduce_bytes(numel, bytes_per_element, world_size):
-    """Bytes each rank sends in a ring all-reduce: reduce-scatter + all-gather, each moving
-    (W - 1) / W of the buffer: the bf16 baseline (2 bytes an element) that the two-stage
-    collective's bytes are compared with, and the paper's FP8-sum collective (1 byte; plus its
-    scales' MAX all-reduce)."""
-    return int(2 * (world_size - 1) * numel * bytes_per_element // world_size)
-
-
-class NoTimer:
-    """Times nothing: the default stage timer (a benchmark passes one that measures each stage;
-    a plain class, so states pickle)."""
-    @staticmethod
-    def stage(name):
-        return contextlib.nullcontext()
-
-
-NO_TIMER = NoTimer()
-
-
-def world_size(group=None):
-    """Ranks in the group (1 without torch.distributed)."""
-    return dist.get_world_size(group) if dist.is_initialized() else 1
-
-
-def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, return_local=False,
-                    layout=None, timer=NO_TIMER):
-    """The mean of `tensors` over the process group, through the two-stage FP8 collective.
-
-    Returns (means, nbytes) - or (means, nbytes, local) with return_local, where local is this
-    rank's own stage-1 reconstruction (for error feedback). Bit-identical on all ranks.
-    Production passes its forms in: `layout` (packed stages, NVFP4, stochastic rounding) and
-    `timer` (bench's stages).
-    """
-    world, me = world_size(group), (dist.get_rank(group) if dist.is_initialized() else 0)
-    layout = layout or shard_layout(tuple(tuple(t.shape) for t in tensors), fmt, block, world)
-    with timer.stage("quantize"):
-        send = encode_shards(tensors, layout, me)
+def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, return_local=False, layout=None):
+    """(The mean of `tensors` over the process group, bytes this rank sent), bit-identical on
+    every rank; return_local adds this rank's own round trip (what error feedback keeps).
+    `layout`: production's forms (nanogeo.wire: packed, NVFP4, stochastic rounding)."""
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    me = dist.get_rank(group) if dist.is_initialized() else 0
+    layout = layout or ShardLayout([t.shape for t in tensors], fmt, block, world)
+    send = encode_shards(tensors, layout, me)                               # stage 1
     local = decode_shards(send, layout) if return_local else None
     if world == 1:
         means, nbytes = decode_shards(layout.reduce(send, 0), layout), 0
     else:
-        own = layout.nbytes[me]
+        own, largest = layout.nbytes[me], max(layout.nbytes)
         recv = send.new_empty(world * own)                  # the W copies of this rank's shard
-        own_mean = send.new_zeros(max(layout.nbytes))       # its average, padded: all_gather
-        gathered = send.new_empty(world, max(layout.nbytes))    # needs equal sizes
-        with timer.stage("all_to_all"):
-            dist.all_to_all_single(recv, send, [own] * world, layout.nbytes, group=group)
-        with timer.stage("reduce"):
-            own_mean[:own] = layout.reduce(recv, me)
-        with timer.stage("all_gather"):         # row j of `gathered`: rank j's averaged shard
-            all_gather_flat(gathered.view(-1), own_mean, group=group)
-        with timer.stage("decode"):
-            means = decode_shards(gathered.view(-1), layout, stride=gathered.shape[1])
+        dist.all_to_all_single(recv, send, [own] * world, layout.nbytes, group=group)
+        own_mean = send.new_zeros(largest)      # padded to the largest: all_gather's sizes
+        own_mean[:own] = layout.reduce(recv, me)                            # stage 2
+        gathered = send.new_empty(world, largest)           # row j: rank j's averaged shard
+        all_gather_flat(gathered.view(-1), own_mean, group=group)
+        means = decode_shards(gathered.view(-1), layout, stride=largest)    # stage 3
         nbytes = collective_bytes(layout, me)
     return (means, nbytes, local) if return_local else (means, nbytes)
 
 
 def simulate_mean(worker_tensors, fmt="e4m3", block=128, return_local=False, layout=None):
-    """Exactly the numerics of all_reduce_mean, in one process: worker_tensors[i] is rank i's
-    list of tensors. Returns (means, bytes sent per rank on average[, per-worker local])."""
+    """Exactly all_reduce_mean's numerics for W ranks in one process (worker_tensors[i]: rank
+    i's tensors): (means, bytes a rank sends on average[, each rank's own round trip])."""
     world = len(worker_tensors)
-    shapes = tuple(tuple(t.shape) for t in worker_tensors[0])
-    layout = layout or shard_layout(shapes, fmt, block, world)
-    flats = [[t.reshape(-1).float() for t in ts] for ts in worker_tensors]
-    if not sum(layout.nbytes):          # only empty tensors
-        sends = flats[0][0].new_empty(world, 0, dtype=torch.uint8)
-    else:
-        sends = layout.encode_ranks(flats)                  # row i: rank i's bytes
+    layout = layout or ShardLayout([t.shape for t in worker_tensors[0]], fmt, block, world)
+    rank_flats = [[t.reshape(-1).float() for t in ts] for ts in worker_tensors]
+    if sum(layout.nbytes):
+        sends = layout.encode_ranks(rank_flats)                 # row i: rank i's stage 1
+    else:                                                       # only empty tensors
+        sends = rank_flats[0][0].new_empty(world, 0, dtype=torch.uint8)
     received = sends.split(layout.nbytes, dim=1)    # [j]: the W copies of shard j, (W, bytes)
     shards = [layout.reduce(received[j].reshape(-1), j) for j in range(world)]
     means = decode_shards(torch.cat(shards), layout)
@@ -525,24 +365,152 @@ def simulate_mean(worker_tensors, fmt="e4m3", block=128, return_local=False, lay
 
 
 # =============================================================================
-# 3. The transform: orthogonal bases completed from r vectors by Householder reflectors
+# 3. The published coordinates: whitening by the K-FAC input factor of each linear layer
 # =============================================================================
+#
+# A linear layer y = M a (M: d_out x d_in) has the weight gradient G = sum over tokens of
+# delta a^T; K-FAC approximates its Fisher by A (x) B, A = E[a a^T] (per token, uncentred) and
+# B = E[delta delta^T]. With F F^T = A + damping I: encode G~ = G F^-T (each row mixes along
+# d_in), decode G = G~ F^T. Not orthogonal: an error E in G~ returns as E F^T, small along input
+# directions of small variance, large along those of large variance - the paper's metric. The
+# published method whitens the input side with A^ = U diag(lam) U^T + D (top-r eigenpairs, D
+# the rest of A's diagonal, floored) by a dense Cholesky factor. A factor of A^ applies in
+# O(d_in r) a row instead: with K = D^-1/2 U diag(lam)^1/2 = Z diag(sigma) (thin SVD),
+# F = D^1/2 (I + Z diag((1 + sigma^2)^1/2 - 1) Z^T), F^-1 = (I + Z diag((1 + sigma^2)^-1/2 - 1)
+# Z^T) D^-1/2 - the same metric as Cholesky's (the factors differ by an orthogonal matrix), not
+# the same grid. A comes from forward pre-hooks on refresh steps, averaged over the ranks
+# (nanogeo/parallel/hooks.py), and an EMA smooths it across refreshes.
+
+WHITEN_SIDES = ("input", "output", "both")
+
+
+@dataclass
+class Whitening:
+    """One side's low-rank factor F (F F^T = A^ + damping I) in the form it is applied in:
+    sqrt_d (d,) = D^1/2, directions (d, r) = Z and the multipliers up = (1 + sigma^2)^1/2 - 1,
+    down = (1 + sigma^2)^-1/2 - 1 of the formula above."""
+    kind: str
+    size: int                   # d
+    sqrt_d: torch.Tensor = None
+    directions: torch.Tensor = None
+    up: torch.Tensor = None
+    down: torch.Tensor = None
+
+    def whiten(self, X):
+        """X F^-T for X (m, d): every row of X to whitened coordinates."""
+        Y = X / self.sqrt_d
+        return Y + ((Y @ self.directions) * self.down) @ self.directions.T
+
+    def unwhiten(self, X):
+        """X F^T for X (m, d): back to the original coordinates."""
+        return (X + ((X @ self.directions) * self.up) @ self.directions.T) * self.sqrt_d
+
+
+def top_eigenpairs(A, rank, floor):
+    """A^ = U diag(lam) U^T + diag(rest): the top-`rank` eigenpairs of A (d x d, symmetric;
+    eigenvalues clipped at 0) and the floored diagonal residual."""
+    values, vectors = torch.linalg.eigh(A)                             # ascending
+    U, lam = vectors[:, -rank:], values[-rank:].clamp(min=0)           # (d, r), (r,)
+    rest = (A.diagonal() - (U.pow(2) * lam).sum(1)).clamp(min=floor)   # (d,) diagonal residual
+    return U, lam, rest
+
+
+def whitening_factor(A, rank=32, damping=1e-3, floor=1e-3):
+    """The factor GeoFP8 whitens with, F F^T = A^ + damping I, for a second moment A (d x d):
+    computed in float64 (a nearly singular A needs it), returned in A's dtype."""
+    dtype = A.dtype
+    A = (A.double() + A.double().T) / 2
+    U, lam, rest = top_eigenpairs(A, min(rank, A.shape[0]), floor)
+    D = rest + damping
+    K = U * lam.sqrt() / D.sqrt()[:, None]                             # D^-1/2 U L^1/2
+    Z, sigma, _ = torch.linalg.svd(K, full_matrices=False)
+    return Whitening("lowrank", A.shape[0], sqrt_d=D.sqrt().to(dtype), directions=Z.to(dtype),
+                     up=((1 + sigma.pow(2)).sqrt() - 1).to(dtype),
+                     down=((1 + sigma.pow(2)).rsqrt() - 1).to(dtype))
+
+
+def whitened_sides(opts):
+    return ("input", "output") if opts.whiten_sides == "both" else (opts.whiten_sides,)
+
+
+@dataclass
+class WhitenedLayer:
+    """The whitened coordinates of one linear layer's weight: per whitened side ("input": A,
+    "output": B) the EMA of its second moment and that moment's factor."""
+    shape: tuple
+    opts: object = field(repr=False)    # the GeoOptions (whiten_rank, moment_decay, damping)
+    moments: dict = field(default_factory=dict)     # side -> EMA of A or B
+    factors: dict = field(default_factory=dict)     # side -> Whitening
+    use_geo: bool = False
+    gain: float = float("nan")          # last measured Euclidean error / whitened error
+    from_moments = True     # refreshed from K-FAC moments, and re-measured between refreshes
+
+    @classmethod
+    def create(cls, name, shape, opts):
+        return cls(shape, opts)
+
+    @property
+    def ready(self):
+        return bool(self.factors)
+
+    def encode(self, g):
+        """G~ = F_B^-1 G F_A^-T for the sides that have a factor."""
+        h = self.factors["input"].whiten(g) if "input" in self.factors else g
+        return self.factors["output"].whiten(h.T).T if "output" in self.factors else h
+
+    def decode(self, h):
+        """G = F_B G~ F_A^T."""
+        g = self.factors["output"].unwhiten(h.T).T if "output" in self.factors else h
+        return self.factors["input"].unwhiten(g) if "input" in self.factors else g
+
+    def refresh(self, moments):
+        """New factors from this step's second moments ({side: A or B}, the same on every rank),
+        smoothed by the EMA of the moments. New dicts: a copy of this layer (a proposal, section
+        7) must not change the layer in use."""
+        self.moments, self.factors = dict(self.moments), dict(self.factors)
+        for side, moment in moments.items():
+            old = self.moments.get(side)
+            self.moments[side] = (moment.float() if old is None else
+                                  self.opts.moment_decay * old + (1 - self.opts.moment_decay) * moment)
+            self.factors[side] = self.factor_of(side, self.moments[side])
+
+    def factor_of(self, side, moment):
+        """The factor of a smoothed moment (production adds dense kinds, for ablations)."""
+        return whitening_factor(moment, self.opts.whiten_rank, self.opts.damping)
+
+
+# =============================================================================
+# 4. This project's coordinates: a two-sided rotation toward the dominant subspaces
+# =============================================================================
+#
+#     encode:  H = P^T G Q        P (m x m), Q (n x n) orthogonal, the same on every rank
+#     decode:  G = P H Q^T
+#
+# P's first r columns span the top-r left singular subspace of recent *averaged* gradients, Q's
+# the right one, rotated so that H's r x r corner is nearly diagonal for the latest mean. The
+# dominant energy lands on r entries, each the largest of its scale group - which the format
+# encodes exactly - and the rest keeps FP8's precision of its *own* size. A rank's own gradient
+# has a full r x r core, so every core entry gets a scale group of its own ("core scattering", a
+# permutation). Orthogonal, so ||P E Q^T|| = ||E||: no error is amplified on the way back. P is
+# never formed: r reflectors complete U to P = R_1 ... R_r = I - Y T Y^T (~4 m n r flops to
+# apply), which leaves the complement near the original axes (an outlier column stays local, for
+# the block scales). Every rank holds the same decoded mean, so a subspace iteration on it,
+# warm-started from the current bases, gives every rank the same bases.
 
 @dataclass
 class HouseholderBasis:
-    """P = H_1 H_2 ... H_r = I - Y T Y^T, an m x m orthogonal matrix whose first r columns are
-    +-U (the r orthonormal columns it was built from). Y (m x r) holds the reflector vectors
-    (unit lower trapezoidal), T (r x r) is upper triangular: the compact WY form. Applying P or
-    P^T to an m x n matrix costs ~4 m n r flops; P itself (m x m) is never formed."""
+    """P = R_1 ... R_r = I - Y T Y^T, an m x m orthogonal matrix whose first r columns are +-U
+    (the r orthonormal columns it was built from): Y (m x r) the reflector vectors, T (r x r)
+    upper triangular."""
     Y: torch.Tensor
     T: torch.Tensor
 
     @classmethod
     def complete(cls, U):
-        a, tau = torch.geqrf(U)              # U = (H_1 ... H_r) R, reflectors stored below diag
+        a, tau = torch.geqrf(U)              # U = (R_1 ... R_r) R, reflectors stored below diag
         m, r = U.shape
         Y = torch.tril(a, -1) + torch.eye(m, r, device=U.device, dtype=U.dtype)
-        # T by LAPACK's larft recurrence, column by column: r small products on the device, no
+        # T by LAPACK's larft recurrence, column by column: small products on the device, no
         # host sync, and right when a reflector is the identity (tau = 0)
         YtY = Y.T @ Y
         T = torch.diag(tau)
@@ -570,8 +538,7 @@ def reflect(X, Y, T):
 
 
 def encode_geo(G, left, right):
-    """H = P^T G Q. `left`/`right`: HouseholderBasis (or any basis with its apply_t / apply: the
-    dense ablation bases), or None: that side stays as it is."""
+    """H = P^T G Q; `left` / `right` a basis (apply_t, apply), or None: that side stays."""
     H = left.apply_t(G) if left is not None else G
     return right.apply_t(H.T).T if right is not None else H        # G Q = (Q^T G^T)^T
 
@@ -583,12 +550,10 @@ def decode_geo(H, left, right):
 
 
 def core_swaps(shape, r, block):
-    """Flat index pairs (a, b) whose exchange gives every entry of the r x r core of H its own
-    scaling block. The block amax is the one value FP8 encodes exactly (it maps onto the format's
-    max), so a dominant coordinate alone in its block travels without error. The diagonal entry
-    of a core row keeps its place; the other core entries are exchanged with the first element
-    of blocks, from the end of H, that hold no core entry. A permutation is orthogonal, so it
-    is part of the change of coordinates; it is its own inverse. Empty with tensor scaling."""
+    """Flat index pairs (a, b) whose exchange gives every entry of H's r x r core its own scale
+    group (its amax, encoded exactly). A core row's diagonal entry keeps its place; the others
+    trade places with the first element of groups, from the end of H, that hold no core entry.
+    A permutation is orthogonal and its own inverse. None with tensor scaling."""
     m, n = shape
     if block == "tensor":
         return None
@@ -609,419 +574,241 @@ def swap_entries(H, swaps):
     """Exchange the flat entries swaps[0][k] <-> swaps[1][k] of H (a copy)."""
     if swaps is None:
         return H
-    a, b = on_device(swaps, H.device)
+    a, b = swaps
     flat = H.reshape(-1).clone()
     flat[a], flat[b] = flat[b], flat[a].clone()
     return flat.view(H.shape)
 
 
-# =============================================================================
-# 3b. The published transform: whitening by the K-FAC factors of a linear layer
-# =============================================================================
-#
-# GeoFP8 as published takes its geometry from K-FAC. For a linear layer y = W a (W: d_out x d_in)
-# the Fisher is approximated by A (x) G, with A = E[a a^T] the layer's input second moment
-# (d_in x d_in, uncentred, per token) and G = E[delta delta^T] on the output side. With a factor
-# F, F F^T = A + damping I, the gradient is sent in whitened coordinates and mapped back:
-#
-#     encode:  W~ = W_g F^-T       each row of W_g mixes along d_in (rows stay independent)
-#     decode:  W  = W~ F^T
-#
-# (output side: W~ = F_G^-1 W_g, W = F_G W~). Unlike the subspace rotation this map is not
-# orthogonal: an error E made in W~ returns as E F^T, so it is small along input directions of
-# small variance and large along those of large variance. The published deployment whitens only
-# the input side, with A low-rank + diagonal: A^ = U L U^T + D (top-r eigenpairs, D the rest of
-# A's diagonal, floored), and applies F by a dense triangular solve. A factor of A^ can instead
-# be applied in O(d_in r) per row: with K = D^-1/2 U L^1/2 = Q S (thin SVD, Q d_in x r),
-#
-#     F    = D^1/2 (I + Q ((1 + S^2)^1/2 - 1) Q^T)        (F F^T = D + U L U^T = A^)
-#     F^-1 = (I + Q ((1 + S^2)^-1/2 - 1) Q^T) D^-1/2
-#
-# Any two factors of A^ differ by an orthogonal matrix (F = L O), so the metric - and the norm
-# of every whitened row - is the same as with the Cholesky factor L; the quantization grid is not.
-
-WHITEN_SIDES = ("input", "output", "both")
-
-
-@dataclass
-class Whitening:
-    """One side's low-rank factor F (F F^T = A^ + damping I) in the form it is applied in:
-    sqrt_d (d,) = D^1/2, Q (d, r) and the r multipliers up = (1 + S^2)^1/2 - 1,
-    down = (1 + S^2)^-1/2 - 1 of the formula above. (Dense factors, for ablations and the
-    published artifact's dense Cholesky form: production.)"""
-    kind: str
-    size: int                   # d
-    sqrt_d: torch.Tensor = None
-    Q: torch.Tensor = None
-    up: torch.Tensor = None
-    down: torch.Tensor = None
-
-    def whiten(self, X):
-        """X F^-T for X (m, d): every row of X to whitened coordinates. F^-T = D^-1/2 M^-1,
-        M = I + Q diag(up) Q^T symmetric."""
-        Y = X / self.sqrt_d
-        return Y + ((Y @ self.Q) * self.down) @ self.Q.T
-
-    def unwhiten(self, X):
-        """X F^T for X (m, d): back to the original coordinates. F^T = M D^1/2: two thin
-        products, then a scaling."""
-        return (X + ((X @ self.Q) * self.up) @ self.Q.T) * self.sqrt_d
-
-    def dense(self):
-        """F as a dense (d, d) matrix: the reference the tests compare the applied form with."""
-        eye = torch.eye(self.size, dtype=self.sqrt_d.dtype, device=self.sqrt_d.device)
-        return torch.diag(self.sqrt_d) @ (eye + (self.Q * self.up) @ self.Q.T)
-
-    def tensors(self):
-        return {"sqrt_d": self.sqrt_d, "Q": self.Q, "up": self.up, "down": self.down}
-
-
-def top_eigenpairs(A, rank, floor):
-    """A^ = U diag(lam) U^T + diag(rest): the top-`rank` eigenpairs of A (d x d, symmetric;
-    eigenvalues clipped at 0) and the floored diagonal residual."""
-    values, vectors = torch.linalg.eigh(A)                             # ascending
-    U, lam = vectors[:, -rank:], values[-rank:].clamp(min=0)           # (d, r), (r,)
-    rest = (A.diagonal() - (U.pow(2) * lam).sum(1)).clamp(min=floor)   # (d,) diagonal residual
-    return U, lam, rest
-
-
-def whitening_factor(A, rank=32, damping=1e-3, floor=1e-3):
-    """The factor of a second moment A (d x d) that GeoFP8 whitens with, F F^T = A^ + damping I:
-    A^ = U L U^T + diag(max(diag(A - U L U^T), floor)) with the top-`rank` eigenpairs, applied
-    in O(d r) per row. Computed in float64 (the eigen-decomposition of a nearly singular A needs
-    it), returned in A's dtype. (Dense kinds - full, diag, block, and this A^ with a Cholesky
-    factor as the published artifact applies it: production.)"""
-    dtype = A.dtype
-    A = (A.double() + A.double().T) / 2
-    U, lam, rest = top_eigenpairs(A, min(rank, A.shape[0]), floor)
-    D = rest + damping
-    K = U * lam.sqrt() / D.sqrt()[:, None]                             # D^-1/2 U L^1/2
-    Q, S, _ = torch.linalg.svd(K, full_matrices=False)
-    return Whitening("lowrank", A.shape[0], sqrt_d=D.sqrt().to(dtype), Q=Q.to(dtype),
-                     up=((1 + S.pow(2)).sqrt() - 1).to(dtype),
-                     down=((1 + S.pow(2)).rsqrt() - 1).to(dtype))
-
-
-def linear_layers(model, names=None):
-    """{weight name: the nn.Linear owning it}, found by module type (never by name or shape).
-    Restricted to `names` if given. A weight shared with a non-linear module (a tied embedding)
-    is left out: its gradient is not W_g = sum delta a^T of one layer."""
-    owners = {}
-    for module in model.modules():
-        for param in module.parameters(recurse=False):
-            owners.setdefault(id(param), []).append(module)
-    found = {}
-    for name, param in model.named_parameters():
-        modules = owners.get(id(param), [])
-        if (len(modules) == 1 and isinstance(modules[0], torch.nn.Linear)
-                and param is modules[0].weight and (names is None or name in names)):
-            found[name] = modules[0]
-    return found
-
-
-# =============================================================================
-# 3c. A geometry-agnostic control: the randomized Hadamard transform
-# =============================================================================
-#
-# Is a layer's geometry worth its statistics? The control that answers it rotates without any:
-# the randomized Hadamard transform, the incoherence step of SDP4Bit's 4-bit gradient
-# all-reduce and of QuaRot-style quantisation. Each row of G (m x n) is multiplied by random
-# signs, S = diag(s) with s in {-1, +1}^n, then cut into blocks of b entries (b a power of two,
-# hadamard_block = 128), and each block is multiplied by the orthonormal Walsh-Hadamard matrix
-# H_b / sqrt(b) (Sylvester's construction: H_2k = [[H_k, H_k], [H_k, -H_k]], entries +-1):
-#
-#     encode:  H = G S B           B = diag(H_b, ..., H_b) / sqrt(b), block diagonal
-#     decode:  G = H B S           B is symmetric and orthogonal (B B = I), and S S = I
-#
-# Every output entry of a block is a sum of all b inputs with equal weights and random signs, so
-# one large entry - an outlier column of G, an outlier element - is spread evenly over its
-# block, 1/sqrt(b) of its size in each of b places, and the block's scale follows the block's
-# energy instead of its one largest entry ("incoherence"). That is what integer and 4-bit grids
-# need; FP8 already gives every small entry a relative precision of its own, and after the
-# transform each entry carries a share of the outlier's rounding error - on a synthetic outlier
-# column the e4m3 round trip gets worse, so here too the gain check decides, layer by layer.
-# What it cannot do is concentrate: the dominant directions of G are smeared like everything
-# else, where the subspace rotation (section 3) puts them on a few coordinates that travel
-# exactly.
-#
-# Why it is the control: no statistics, no refresh and no agreement between ranks beyond a
-# seed - the signs are drawn once per matrix on the CPU from the name's CRC and the run's seed,
-# so every rank draws the same ones. B S is orthogonal, so an error comes back with its norm
-# unchanged. Along the columns (hadamard_sides="right", the default) each row is transformed
-# alone: the coordinates are row-local, and under FSDP a rank decodes its own rows of the mean
-# with the same decode; hadamard_sides="both" also transforms every column (G^T the same way).
-#
-# A batched matmul (m n / b, b) @ (b, b) applies B: 2 b flops per entry and side, one GEMM on a
-# GPU, and on a CPU 3-4x faster than the log2(b) passes of the fast Walsh-Hadamard butterfly.
-# (A GPU that allows TF32 matmuls - train.py does - rounds the GEMM's inputs to 10 mantissa
-# bits, a relative 2^-11: the round trip is then exact to ~5e-4, some 50x below e4m3's rounding.)
-#
-# A dimension that is not a multiple of b: whole blocks of b first, then the remainder in
-# decreasing powers of two (2736 = 21 x 128 + 32 + 16, the paper's 300M down-projection). Every
-# coordinate is rotated and most of them in full blocks; the largest power of two dividing n
-# would give that matrix blocks of 16 throughout, and an unrotated tail would keep its outliers.
-
-HADAMARD_SIDES = ("right", "both")
-
-
-@functools.lru_cache(maxsize=None)
-def walsh_hadamard(size, device, dtype=torch.float32):
-    """The orthonormal Walsh-Hadamard matrix of a power-of-two size, H_size / sqrt(size):
-    symmetric and orthogonal, so its own inverse. Made once per size, device and dtype."""
-    H = torch.ones(1, 1, dtype=torch.float64)
-    while H.shape[0] < size:                    # Sylvester: entries stay exactly +-1
-        H = torch.cat([torch.cat([H, H], 1), torch.cat([H, -H], 1)])
-    return (H / math.sqrt(size)).to(device=device, dtype=dtype)
-
-
-@functools.lru_cache(maxsize=None)
-def hadamard_cuts(n, block):
-    """How a row of n entries is cut into Walsh-Hadamard blocks: ((width, b), ...), each width
-    a multiple of its block size b. Whole blocks of `block` first, then the remainder in
-    decreasing powers of two: 2736, 128 -> ((2688, 128), (32, 32), (16, 16))."""
-    whole, rest = n - n % block, n % block
-    cuts = [(whole, block)] if whole else []
-    while rest:
-        b = 1 << (rest.bit_length() - 1)        # the largest power of two <= rest
-        cuts.append((b, b))
-        rest -= b
-    return tuple(cuts)
-
-
-def block_hadamard(X, block):
-    """X B for X (m, n): every block of each row times the orthonormal Walsh-Hadamard matrix of
-    its size (hadamard_cuts), one batched matmul (m, width / b, b) @ (b, b) per block size."""
-    m, n = X.shape
-    cuts = hadamard_cuts(n, block)
-    parts = X.split([width for width, _ in cuts], dim=1)
-    out = [(part.reshape(m, width // b, b) @ walsh_hadamard(b, X.device, X.dtype)).reshape(m, width)
-           for part, (width, b) in zip(parts, cuts)]
-    return out[0] if len(out) == 1 else torch.cat(out, dim=1)
-
-
-def randomized_hadamard(X, signs, block):
-    """X S B: each row of X (m, n) times the random signs (n,), then block_hadamard."""
-    return block_hadamard(X * signs, block)
-
-
-def randomized_hadamard_inverse(Y, signs, block):
-    """Y B S, the inverse of randomized_hadamard (B B = I, S S = I)."""
-    return block_hadamard(Y, block) * signs
-
-
-def random_signs(n, generator):
-    """(n,) fp32 of +-1, each sign a fair coin from `generator`."""
-    return torch.randint(0, 2, (n,), generator=generator).float() * 2 - 1
-
-
-# =============================================================================
-# 4. Geometry estimation from decoded mean gradients
-# =============================================================================
-
 def orthonormal(A):
     return torch.linalg.qr(A).Q
 
 
-class AllRows:
-    """Where the rows of a gradient G (m x n) live while its geometry is estimated: here all of
-    them on every rank (DDP, train.py), so every method is the identity. Under FSDP each rank
-    holds a block of rows; the FSDP form passed in has the same methods, with the collectives
-    that sum partial products (G^T U = sum_j G_j^T U_j) and gather row blocks."""
-    sharded = False
-
-    def local(self, X):
-        """This rank's rows of a whole m x k matrix."""
-        return X
-
-    def sum(self, x):
-        """The sum over ranks of a partial product."""
-        return x
-
-    def sum_all(self, parts):
-        """sum() of several partial products."""
-        return parts
-
-    def gather(self, X_rows):
-        """The whole m x k matrix from every rank's block of rows."""
-        return X_rows
-
-
-ALL_ROWS = AllRows()
-
-
-def update_subspaces(G, U, V, left_energy, right_energy, decay=0.0, iters=1, rows=ALL_ROWS):
-    """One refresh of the dominant subspaces of G (m x n), warm-started from U (m x r), V (n x r).
-
-    With decay = 0 this is subspace iteration on G G^T and G^T G. With decay > 0 it iterates on
-    an exponential moving average of the covariances, C = decay * U diag(e) U^T + (1-decay) G G^T,
-    represented by the previous bases and their energies e (r numbers per side): memory stays
-    O(r (m + n)). A Rayleigh-Ritz step then rotates U and V so that U^T G V is diagonal, with
-    the largest entry first: in coordinates every dominant row of H has one large entry.
-    G may be this rank's block of rows only (FSDP); U and V are always whole.
-    Returns (U, V, left_energy, right_energy)."""
+def update_subspaces(G, U, V, left_energy, right_energy, decay=0.0, iters=1):
+    """One refresh of G's (m x n) dominant subspaces from U (m x r), V (n x r): subspace
+    iteration on G G^T and G^T G (decay > 0: on an EMA of them, C = decay U diag(e) U^T + (1 -
+    decay) G G^T, kept as the bases and their energies e), then a Rayleigh-Ritz rotation that
+    makes U^T G V diagonal, largest first. Returns (U, V, left_energy, right_energy)."""
     for _ in range(iters):
-        A = (1 - decay) * (G @ rows.sum(G.T @ rows.local(U)))          # rows of G G^T U
-        B = (1 - decay) * rows.sum(G.T @ (G @ V))                     # G^T G V
+        A = (1 - decay) * (G @ (G.T @ U))                               # G G^T U
+        B = (1 - decay) * (G.T @ (G @ V))                               # G^T G V
         if decay > 0:
-            A = A + decay * rows.local(U) * left_energy
-            B = B + decay * V * right_energy
-        U_new, V_new = orthonormal(rows.gather(A)), orthonormal(B)
-        # Rayleigh quotients of the (EMA) covariance in the new bases: the new energies
-        left_energy = ((1 - decay) * rows.sum(G.T @ rows.local(U_new)).pow(2).sum(0)
+            A, B = A + decay * U * left_energy, B + decay * V * right_energy
+        U_new, V_new = orthonormal(A), orthonormal(B)
+        # the EMA covariance's Rayleigh quotients in the new bases: the new energies
+        left_energy = ((1 - decay) * (G.T @ U_new).pow(2).sum(0)
                        + decay * ((U.T @ U_new).pow(2) * left_energy[:, None]).sum(0))
-        right_energy = ((1 - decay) * rows.sum((G @ V_new).pow(2).sum(0))
+        right_energy = ((1 - decay) * (G @ V_new).pow(2).sum(0)
                         + decay * ((V.T @ V_new).pow(2) * right_energy[:, None]).sum(0))
         U, V = U_new, V_new
-    a, _, bh = torch.linalg.svd(rows.sum(rows.local(U).T @ G @ V))    # r x r: negligible cost
+    a, _, bh = torch.linalg.svd(U.T @ G @ V)                            # r x r: negligible
     U, V = U @ a, V @ bh.T
-    left_energy = ((1 - decay) * rows.sum(G.T @ rows.local(U)).pow(2).sum(0)
+    left_energy = ((1 - decay) * (G.T @ U).pow(2).sum(0)
                    + decay * left_energy.sort(descending=True).values)
-    right_energy = ((1 - decay) * rows.sum((G @ V).pow(2).sum(0))
+    right_energy = ((1 - decay) * (G @ V).pow(2).sum(0)
                     + decay * right_energy.sort(descending=True).values)
     return U, V, left_energy, right_energy
 
 
-def initial_subspaces(G, r, seed, iters=4, rows=ALL_ROWS):
-    """Cold start: a randomized range finder (seeded identically on every rank) refined by a
-    few subspace iterations."""
+def initial_subspaces(G, r, seed, iters=4):
+    """Cold start: a randomized range finder (seeded alike on every rank), refined by a few
+    subspace iterations."""
     generator = torch.Generator(device="cpu").manual_seed(seed)
-    omega = torch.randn(G.shape[1], r, generator=generator).to(G)
-    U = orthonormal(rows.gather(G @ omega))
-    V = orthonormal(rows.sum(G.T @ rows.local(U)))
+    omega = torch.randn(G.shape[1], r, generator=generator).to(G.device, G.dtype)
+    U = orthonormal(G @ omega)
+    V = orthonormal(G.T @ U)
     zeros = torch.zeros(r, device=G.device, dtype=G.dtype)
-    return update_subspaces(G, U, V, zeros, zeros, decay=0.0, iters=iters, rows=rows)
+    return update_subspaces(G, U, V, zeros, zeros, decay=0.0, iters=iters)
+
+
+@dataclass
+class SubspaceLayer:
+    """The rotation's coordinates of one matrix: r (m + n) + 2 r^2 + 2 r numbers."""
+    shape: tuple
+    r: int                              # dominant directions per side
+    seed: int
+    opts: object = field(repr=False)    # the GeoOptions (decay, iters)
+    left_basis: HouseholderBasis = None     # P
+    right_basis: HouseholderBasis = None    # Q
+    left_energy: torch.Tensor = None    # (r,): the EMA covariances' energies in the bases
+    right_energy: torch.Tensor = None
+    use_geo: bool = False
+    gain: float = float("nan")          # last measured Euclidean error / rotated error
+    sides: str = "both"                 # the sides it rotates: both, left or right
+    transform: tuple = field(default=(None, None), repr=False)  # (P or None, Q or None)
+    swaps: tuple = field(default=None, repr=False)              # core_swaps, fixed by shape
+    from_moments = False                # refreshed from the decoded mean
+
+    @classmethod
+    def create(cls, name, shape, opts):
+        """r = geo_rank, at most half the smaller side; the seed from the name, alike on every
+        rank; the core's swaps for the codec's scale groups."""
+        r = min(opts.geo_rank, min(shape) // 2)
+        return cls(shape, r, seed=zlib.crc32(name.encode()), opts=opts,
+                   sides="both" if opts.sides == "auto" else opts.sides,
+                   swaps=core_swaps(shape, r, opts.scale_block) if opts.scatter_core else None)
+
+    @property
+    def ready(self):
+        return self.left_basis is not None
+
+    def encode(self, g, transform=None):
+        """H = P^T G Q, core scattered (or in the rotation `transform`: (P or None, Q or None))."""
+        transform = transform or self.transform
+        return swap_entries(encode_geo(g, *transform), self.swaps_for(transform))
+
+    def decode(self, h, transform=None):
+        transform = transform or self.transform
+        return decode_geo(swap_entries(h, self.swaps_for(transform)), *transform)
+
+    def swaps_for(self, transform):
+        """Core scattering applies when both sides rotate: only then does the dominant energy
+        gather in H's r x r corner (moved into a quiet row, a large value would set its scale)."""
+        return self.swaps if transform[0] is not None and transform[1] is not None else None
+
+    def rotation(self, sides=None):
+        """(P or None, Q or None) of the rotation of `sides` (default: the layer's own)."""
+        sides = sides or self.sides
+        return (self.left_basis if sides in ("both", "left") else None,
+                self.right_basis if sides in ("both", "right") else None)
+
+    def rotate_sides(self, sides):
+        self.sides, self.transform = sides, self.rotation(sides)
+
+    def dominant_subspaces(self, mean):
+        """(U, V): the top-r singular subspaces of the decoded mean, warm-started from the
+        bases in use (with their EMA)."""
+        if self.left_basis is None:
+            U, V, self.left_energy, self.right_energy = initial_subspaces(mean, self.r, self.seed)
+        else:
+            U, V, self.left_energy, self.right_energy = update_subspaces(
+                mean, self.left_basis.columns(), self.right_basis.columns(), self.left_energy,
+                self.right_energy, self.opts.decay, self.opts.iters)
+        return U, V
+
+    def refresh(self, mean):
+        """New bases from the decoded mean (the same on every rank)."""
+        U, V = self.dominant_subspaces(mean)
+        self.left_basis, self.right_basis = HouseholderBasis.complete(U), HouseholderBasis.complete(V)
+        self.transform = self.rotation()
+        if self.swaps is not None:      # once on the gradients' device: no copy at each step
+            self.swaps = tuple(s.to(mean.device) for s in self.swaps)
 
 
 # =============================================================================
-# 4b. The error the optimizer sees: what a gradient error does to the next update
-# =============================================================================
-# The relative L2 error of the averaged gradient is not what training feels. AdamW divides every
-# element by the root of its second moment, so an error on an element whose gradients are
-# usually tiny is magnified; a rotation spreads the quantisation error of a few large
-# coordinates over every element, including those. Muon orthogonalises the update, so what
-# matters is how an error moves the orthogonalised matrix. The per-layer decision (section 5)
-# therefore measures each codec's error through the optimizer that owns the layer, from the
-# optimizer's own state (identical on every rank under DDP): AdamW's elementwise update, exactly
-# (early on, and on quiet elements, an error as large as the gradient flips the update's sign:
-# a derivative cannot see that), and Muon's Newton-Schulz map to first order (the optimizer's
-# view of a layer is passed in by watch()).
-
-def error_measure(view, mean, rows=None, workers=1):
-    """delta -> the squared size of a gradient error delta (m, n) as the next update sees it:
-    through the optimizer's `view` of the layer (its .error(): at the decoded mean `mean`, one
-    worker's error scaled to its share of the mean of `workers`), or in plain L2 without one
-    (geo_judge="l2", or no watch()). Under FSDP (rows) only this rank's rows are measured; the
-    caller sums over the ranks."""
-    if view is not None:
-        return view.error(mean, rows, workers)
-    local = (ALL_ROWS if rows is None else rows).local
-    return lambda delta: local(delta).pow(2).sum()
-
-
-# =============================================================================
-# 5. The communicator: which tensors go geometry-aware, their state, one call per step
+# 5. The error the optimizer sees
 # =============================================================================
 #
-# Coordinates, one interface: each candidate matrix has a layer object - SubspaceLayer (the
-# rotation, section 3),
-# WhitenedLayer (the published whitening, section 3b) or HadamardLayer (the geometry-agnostic
-# control, section 3c) - with
-#     encode(g) -> h, decode(h) -> g      the change of coordinates and its inverse
-#     refresh(statistics)                 new geometry from statistics identical on every rank
-#                                         (the decoded mean / the averaged K-FAC moments; the
-#                                         Hadamard control draws its signs once, from a seed)
-#     ready, use_geo, gain                built yet? in use? last measured gain
-#     row_local                           decode acts on each row alone (FSDP decodes a rank's
-#                                         rows of the mean with it)
-# Euclidean coordinates are the identity: a tensor without a layer object, or whose layer is not
-# in use, is sent as it is.
+# Relative L2 error is not what training feels. AdamW divides each element by the root of its
+# second moment, so an error on a quiet element is magnified (and a rotation spreads the error of
+# a few large coordinates over every element); Muon orthogonalises, so what matters is how an
+# error moves the orthogonalised matrix. Each layer is judged by how much a codec error changes
+# its optimizer's next update, from the optimizer's own state. AdamW's, exactly, is below (an
+# error as large as a quiet element flips its sign: no derivative sees that); Muon's, to first
+# order, is nanogeo/parallel/update_error.py's.
 
-GEOMETRIES = ("geofp8", "subspace", "hadamard", "euclidean")
+def adamw_direction(g, state, betas, eps):
+    """AdamW's next update from the gradient g, in float64, without learning rate and weight
+    decay: m^ = (b1 m + (1 - b1) g) / c1, v^ = (b2 v + (1 - b2) g^2) / c2, u = m^ / (sqrt(v^) +
+    eps); `state`: the optimizer's state of the parameter (empty before its first step)."""
+    beta1, beta2 = betas
+    step = torch.as_tensor(state.get("step", 0), dtype=torch.float64, device=g.device) + 1
+    c1, c2 = 1 - beta1 ** step, 1 - beta2 ** step                       # no host sync
+    m, v = (state[k].double() if k in state else torch.zeros_like(g, dtype=torch.float64)
+            for k in ("exp_avg", "exp_avg_sq"))
+    g = g.double()
+    m_hat = (beta1 * m + (1 - beta1) * g) / c1
+    v_hat = (beta2 * v + (1 - beta2) * g * g) / c2
+    return m_hat / (v_hat.sqrt() + eps)
+
+
+def adamw_error(state, betas, eps, mean, workers=1):
+    """delta -> ||u(mean + s delta) - u(mean)||^2 / s^2, the squared change a gradient error makes
+    to AdamW's next update (u: adamw_direction). The gain check measures each worker's own error,
+    but the mean carries W of them averaged, s = 1 / sqrt(W) as large: AdamW is not linear, so
+    the error goes through at that size (and is scaled back, comparable to L2)."""
+    mean, spread = mean.double(), workers ** -0.5
+    base = adamw_direction(mean, state, betas, eps)
+    return lambda delta: ((adamw_direction(mean + spread * delta.double(), state, betas, eps)
+                           - base) / spread).pow(2).sum().float()
+
+
+# =============================================================================
+# 6. The communicator: which matrices go geometry-aware, one call per step
+# =============================================================================
+#
+# A matrix that may use a geometry has a layer (sections 3, 4) with encode, decode, refresh and
+# the decision's state: ready, use_geo, gain; any other tensor travels as it is. A step: every
+# worker's gradients into coordinates, through the collective, the mean back; then, where due,
+# the geometry: proposals measured and decided, new ones made. nanogeo/parallel/communicator.py
+# overrides the methods marked "seam".
+
+GEOMETRIES = ("geofp8", "subspace", "euclidean")
 SELECTIONS = ("gain", "all", "list")
 JUDGES = ("optimizer", "l2")
+SUBSPACE_SIDES = ("both", "left", "right", "auto")
 
 
 @dataclass
 class GeoOptions:
-    """The method's settings (production's Options adds its own: the
-    paper's collective, the profiled selection, stochastic rounding, dense ablations)."""
-    # geometry: "geofp8" - the published whitening by K-FAC factors (section 3b); "subspace" -
-    # this project's two-sided rotation toward dominant subspaces (section 3); "hadamard" - the
-    # randomized Hadamard transform, the geometry-agnostic control (section 3c); "euclidean" -
-    # plain FP8
-    geometry: str = "geofp8"
+    """The method's settings (nanogeo's Options adds production's)."""
+    geometry: str = "geofp8"        # geofp8 (section 3) | subspace (section 4) | euclidean
     fmt: str = "e4m3"
-    block: object = 128             # int, "row" or "tensor" (nvfp4 always uses 16)
-    geo_refresh: int = 0            # re-estimate the geometry every N steps (0: 50 geofp8, 4 the
-                                    # others; the Hadamard control is only re-judged)
-    geo_warmup: int = 0             # steps sent in Euclidean coordinates before GeoFP8 starts
-    # which matrices use it: "gain" (measured: the codec error must drop by geo_enter_gain), "all",
-    # "list" (the names in geo_layers, e.g. from the profiling tool)
-    select: str = "gain"
-    geo_layers: tuple = ()
-    geo_judge: str = "optimizer"    # gains in the error the layer's optimizer sees (section 4b;
-                                    # needs watch()) or in plain "l2" (ablation)
-    judge_every: int = 4            # geofp8: also re-measure the gains every N steps between
-                                    # refreshes (the subspace rotation measures at each refresh)
-    geo_enter_gain: float = 1.10    # switch a layer to geo when Euclid error / geo error >= this
-    geo_exit_gain: float = 1.00     # ... and back to Euclidean when it falls below this
-    min_numel: int = 4096           # smaller matrices are not worth a transform
-    vocab_size: int = 0             # matrices with a dimension of this size stay Euclidean
-    # whitening (published GeoFP8)
-    whiten_rank: int = 32           # r of the low-rank factor
-    whiten_sides: str = "input"     # "input" (published), "output", "both"
-    damping: float = 1e-3
-    moment_decay: float = 0.95      # EMA of the second moments across refreshes
-    # subspace rotation
-    geo_rank: int = 16              # r, per side, capped at min(m, n) // 2
-    decay: float = 0.0              # EMA of the covariance; 0 = bases from the latest mean only
-    iters: int = 1                  # subspace iterations per refresh
-    sides: str = "auto"             # per matrix both sides or the right (column) side only -
-                                    # which keeps every row's scale - whichever the gain check
-                                    # measures better; or fixed "both", "left", "right" (ablation)
-    scatter_core: bool = True       # give each core coordinate its own scaling block
-    # randomized Hadamard (the control)
-    hadamard_block: int = 128       # entries per Walsh-Hadamard block, a power of two
-    hadamard_sides: str = "right"   # "right": along each row (row-local), "both": columns too
-    # error feedback
-    error_feedback: bool = False    # keep each rank's stage-1 quantization error, add it back
-    feedback_geo_only: bool = False # ... only on the geometry-aware matrices (as published)
+    block: object = 128             # elements per scale group, "row" or "tensor"
+    geo_refresh: int = 0            # new geometry every N steps (0: 50 for geofp8, else 4)
+    geo_warmup: int = 0             # steps sent in Euclidean coordinates first
+    select: str = "gain"            # which matrices use it: gain (measured) | all | list
+    geo_layers: tuple = ()          # select="list": the names that may
+    geo_judge: str = "optimizer"    # the error as the optimizer sees it (section 5) | plain l2
+    judge_every: int = 4            # geofp8: re-measure the factors in use every N steps
+    geo_enter_gain: float = 1.10    # go geometry-aware when Euclidean error / its error >= this
+    geo_exit_gain: float = 1.00     # ... and back below this (both 0 with a list: fixed choice)
+    min_numel: int = 4096           # smaller matrices stay Euclidean
+    vocab_size: int = 0             # so do matrices with a dimension of this size
+    whiten_rank: int = 32           # geofp8: r of A's low-rank part
+    whiten_sides: str = "input"     # geofp8: input (published) | output | both
+    damping: float = 1e-3           # geofp8
+    moment_decay: float = 0.95      # geofp8: EMA of the moments across refreshes
+    geo_rank: int = 16              # subspace: r per side, at most min(m, n) // 2
+    decay: float = 0.0              # subspace: EMA of the covariances (0: the latest mean only)
+    iters: int = 1                  # subspace: iterations per refresh
+    sides: str = "auto"             # subspace: both | left | right | auto (both or right alone,
+                                    # the better measured; right keeps every row's scale)
+    scatter_core: bool = True       # subspace: each core entry in a scale group of its own
     seed: int = 0
 
     def choices(self):
         """{field: allowed values} of the string fields (a subclass adds its own)."""
-        return {"geometry": GEOMETRIES, "select": SELECTIONS, "geo_judge": JUDGES,
-                "sides": ("both", "left", "right", "auto"), "whiten_sides": WHITEN_SIDES,
-                "hadamard_sides": HADAMARD_SIDES}
+        return {"geometry": GEOMETRIES, "fmt": tuple(FP8_FORMATS), "select": SELECTIONS,
+                "geo_judge": JUDGES, "sides": SUBSPACE_SIDES, "whiten_sides": WHITEN_SIDES}
 
     def __post_init__(self):
-        check_codec(self.fmt, self.block)
         for key, allowed in self.choices().items():
             if getattr(self, key) not in allowed:
-                raise ValueError(f"{key} must be one of {', '.join(allowed)}, got {getattr(self, key)!r}")
+                raise ValueError(f"{key} must be one of {', '.join(allowed)}, got "
+                                 f"{getattr(self, key)!r}")
         if self.geo_refresh == 0:
             self.geo_refresh = 50 if self.geometry == "geofp8" else 4
         if min(self.geo_rank, self.geo_refresh, self.whiten_rank, self.judge_every) < 1:
             raise ValueError("geo_rank, whiten_rank, geo_refresh and judge_every must be >= 1")
-        if self.hadamard_block < 2 or self.hadamard_block & (self.hadamard_block - 1):
-            raise ValueError(f"hadamard_block must be a power of two >= 2 (e.g. 128), got "
-                             f"{self.hadamard_block}")
         self.geo_layers = tuple(self.geo_layers)
+
+    @property
+    def scale_block(self):
+        """The scale groups core scattering plans for (production: NVFP4's 16)."""
+        return self.block
 
 
 def exemption(name, shape, opts, linear=None):
-    """Why a tensor stays Euclidean (a short reason), or None if it is a GeoFP8 candidate.
-    `linear`: the names of the model's nn.Linear weights (linear_layers; module types, never
-    names or shapes) - embedding tables, tied heads and other parameters are not layer
-    gradients and stay Euclidean. None: the caller knows no roles, every matrix is a candidate."""
+    """Why a tensor stays Euclidean (a short reason), or None if it may use the geometry.
+    `linear`: the names of the model's nn.Linear weights, found by module type, never by name or
+    shape (nanogeo.parallel.hooks.linear_layers); None: every matrix may."""
     if opts.geometry == "euclidean":
         return "euclidean mode"
     if len(shape) != 2:
         return "not 2-D"
-    if opts.select == "list" and name not in opts.geo_layers:
-        return "not selected"
     if opts.select == "list":       # an explicit list (it still passes the gain check)
-        return None
+        return None if name in opts.geo_layers else "not selected"
     if linear is not None and name not in linear:
         return "not a linear layer"
     if opts.vocab_size and opts.vocab_size in shape:   # an untied output head
@@ -1031,558 +818,277 @@ def exemption(name, shape, opts, linear=None):
     return None
 
 
-def goes_geometry_aware(layer, opts, listed):
-    """The selection, for a candidate matrix whose gain (Euclidean error / geometry-aware error,
-    as its optimizer sees them) was just measured. select="all": always. Otherwise with
-    hysteresis: a Euclidean layer enters when its gain reaches geo_enter_gain, a geometry-aware
-    one stays while it keeps geo_exit_gain; with a list (select="list", production's "fragile")
-    only the `listed` layers may (both gains 0: the paper's fixed choice, even unmeasured)."""
-    if opts.select == "all":
-        return True
-    threshold = opts.geo_exit_gain if layer.use_geo else opts.geo_enter_gain
-    measured_better = layer.gain >= threshold or (math.isnan(layer.gain) and threshold <= 0)
-    return (opts.select == "gain" or listed) and measured_better
-
-
-@dataclass
-class SubspaceLayer:
-    """Subspace-rotation coordinates of one matrix: r (m + n) + 2 r^2 + 2 r numbers. The dominant
-    subspaces are kept only in Householder form (U = P[:, :r] up to signs), not a second time.
-    encode / decode map a gradient to coordinates and back; refresh updates the bases from a
-    decoded mean gradient (identical on every rank); state_dict / load_state_dict for resume."""
-    shape: tuple
-    r: int                              # dominant directions kept per side (geo_rank, capped)
-    seed: int
-    opts: object = field(repr=False)    # the GeoOptions (decay, iters)
-    left_basis: HouseholderBasis = None   # P, completed from the (m, r) dominant left subspace
-    right_basis: HouseholderBasis = None  # Q, from the (n, r) dominant right subspace
-    left_energy: torch.Tensor = None    # (r,)
-    right_energy: torch.Tensor = None   # (r,)
-    use_geo: bool = False
-    gain: float = float("nan")          # last measured Euclidean error / geo error
-    energy: object = float("nan")       # fraction of the mean's energy in the r x r core (a
-                                        # device scalar once measured: no host sync)
-    transform: tuple = field(default=(None, None), repr=False)  # (left, right), derived
-    swaps: tuple = field(default=None, repr=False)              # core_swaps, fixed by shape
-    sides: str = "both"                 # the sides rotated now (sides="auto": chosen by gain)
-    from_moments = False                # refreshed from the decoded mean, not K-FAC moments
-
-    @classmethod
-    def create(cls, name, shape, opts):
-        """The layer of weight `name`: r = geo_rank, at most half the smaller side."""
-        r = min(opts.geo_rank, min(shape) // 2)
-        layer = cls(shape, r, seed=zlib.crc32(name.encode()), opts=opts,
-                    sides="both" if opts.sides == "auto" else opts.sides)
-        if opts.scatter_core:
-            layer.swaps = core_swaps(shape, r, NVFP4_BLOCK if opts.fmt == "nvfp4" else opts.block)
-        return layer
-
-    @property
-    def ready(self):
-        return self.left_basis is not None
-
-    @property
-    def row_local(self):
-        """Only the column side rotates: decode acts on each row alone."""
-        return self.transform[0] is None
-
-    def encode(self, g, transform=None):
-        transform = transform or self.transform
-        return swap_entries(encode_geo(g, *transform), self.swaps_for(transform))
-
-    def decode(self, h, transform=None):
-        transform = transform or self.transform
-        return decode_geo(swap_entries(h, self.swaps_for(transform)), *transform)
-
-    def swaps_for(self, transform):
-        """Core scattering applies when both sides rotate: only then do the r x r dominant
-        coordinates gather in H's corner. (With one side, moving entries between rows would put
-        a large value into a quiet row's scaling block.)"""
-        return self.swaps if transform[0] is not None and transform[1] is not None else None
-
-    def bases(self):
-        """(P, Q), whole (ablations replace them by dense bases)."""
-        return self.left_basis, self.right_basis
-
-    def rotation(self, sides=None):
-        """(left, right) of the rotation of `sides` (default: the layer's own); None: a side
-        that is not rotated."""
-        sides = sides or self.sides
-        left, right = self.bases()
-        return (left if sides in ("both", "left") else None,
-                right if sides in ("both", "right") else None)
-
-    def rotate_sides(self, sides):
-        self.sides, self.transform = sides, self.rotation(sides)
-
-    def refresh(self, mean, rows=ALL_ROWS):
-        """New bases from the decoded mean (this rank's rows of it under FSDP)."""
-        if self.left_basis is None:
-            U, V, self.left_energy, self.right_energy = initial_subspaces(
-                mean, self.r, self.seed, rows=rows)
-        else:
-            U, V, self.left_energy, self.right_energy = update_subspaces(
-                mean, self.left_basis.columns(), self.right_basis.columns(),
-                self.left_energy, self.right_energy, self.opts.decay, self.opts.iters, rows)
-        self.left_basis = HouseholderBasis.complete(U)
-        self.right_basis = HouseholderBasis.complete(V)
-        self.transform = self.rotation()
-        total = rows.sum(mean.pow(2).sum())
-        core = rows.sum(rows.local(U).T @ mean @ V).pow(2).sum()   # sum over ranks, then square
-        self.energy = core / total.clamp(min=1e-30)               # stays on the device
-
-
-@dataclass
-class WhitenedLayer:
-    """Published-GeoFP8 coordinates of one linear layer's weight: the EMA second moments and the
-    factors of each whitened side ("input": A, d_in x d_in; "output": G, d_out x d_out). The
-    same interface as SubspaceLayer; refresh takes the layer's K-FAC statistics."""
-    shape: tuple
-    opts: object = field(repr=False)    # the GeoOptions (whiten_rank, moment_decay, damping)
-    moments: dict = field(default_factory=dict)     # side -> EMA of A or G
-    factors: dict = field(default_factory=dict)     # side -> Whitening
-    use_geo: bool = False
-    gain: float = float("nan")
-    energy: float = float("nan")                    # (subspace only)
-    sides = "both"                                  # (subspace only: no side is chosen here)
-    transform = ()                                  # (subspace only: no rotation)
-    from_moments = True     # refreshed from the K-FAC moments, and re-judged between refreshes
-
-    @classmethod
-    def create(cls, name, shape, opts):
-        """The layer of weight `name` (its factors come with the first statistics)."""
-        return cls(shape, opts)
-
-    @property
-    def ready(self):
-        return bool(self.factors)
-
-    @property
-    def r(self):
-        """r of its low-rank approximation: the factor's eigenpairs (whiten_rank)."""
-        return self.opts.whiten_rank
-
-    @property
-    def row_local(self):
-        """Only the input side is whitened (W~ = W_g F^-T): decode acts on each row alone."""
-        return "output" not in self.factors
-
-    def encode(self, g):
-        """W~ = F_G^-1 W_g F_A^-T for the sides that have a factor."""
-        h = self.factors["input"].whiten(g) if "input" in self.factors else g
-        return self.factors["output"].whiten(h.T).T if "output" in self.factors else h
-
-    def decode(self, h):
-        """W = F_G W~ F_A^T."""
-        g = self.factors["output"].unwhiten(h.T).T if "output" in self.factors else h
-        return self.factors["input"].unwhiten(g) if "input" in self.factors else g
-
-    def refresh(self, moments, rows=ALL_ROWS):
-        """New factors from this step's second moments ({side: A or G}, identical on every
-        rank), smoothed by the EMA of the moments. (`rows`: the interface's; K-FAC moments
-        are whole on every rank.)"""
-        opts = self.opts
-        # new dicts: a candidate (a copy of this layer) must not change the layer in use
-        self.moments, self.factors = dict(self.moments), dict(self.factors)
-        for side, moment in moments.items():
-            old = self.moments.get(side)
-            self.moments[side] = (moment.float() if old is None
-                                  else opts.moment_decay * old + (1 - opts.moment_decay) * moment)
-            self.factors[side] = self.factor_of(side, self.moments[side])
-
-    def factor_of(self, side, moment):
-        """The factor of one side's smoothed moment (production adds the dense kinds)."""
-        return whitening_factor(moment, self.opts.whiten_rank, self.opts.damping)
-
-
-@dataclass
-class HadamardLayer:
-    """Randomized-Hadamard coordinates of one matrix (section 3c), the geometry-agnostic
-    control: n random signs for the columns (and m for the rows with hadamard_sides="both"),
-    drawn from the layer's seed - no statistics. The same interface as SubspaceLayer: refresh()
-    draws the signs the first time and never changes them, so a refresh step only re-judges the
-    layer (the communicator proposes it again and the next step measures it)."""
-    shape: tuple
-    seed: int                           # zlib.crc32(name) + GeoOptions.seed
-    opts: object = field(repr=False)    # the GeoOptions (hadamard_block, hadamard_sides)
-    column_signs: torch.Tensor = None   # (n,) +-1: S of H = G S B
-    row_signs: torch.Tensor = None      # (m,) +-1, with hadamard_sides="both"
-    use_geo: bool = False
-    gain: float = float("nan")
-    energy: float = float("nan")        # (subspace only)
-    transform = ()                      # (subspace only: no Householder rotation)
-    swaps = None                        # (subspace only: no core scattering)
-    from_moments = False                # refresh() only draws the signs, once
-
-    @classmethod
-    def create(cls, name, shape, opts):
-        """Its signs' seed: the name's and the run's, the same on every rank."""
-        return cls(shape, zlib.crc32(name.encode()) + opts.seed, opts)
-
-    @property
-    def ready(self):
-        return self.column_signs is not None
-
-    @property
-    def sides(self):
-        return self.opts.hadamard_sides
-
-    @property
-    def r(self):
-        """The Walsh-Hadamard block size along each row (hadamard_block, or less for a narrow
-        matrix): what the layer table shows in its r column."""
-        return hadamard_cuts(self.shape[1], self.opts.hadamard_block)[0][1]
-
-    @property
-    def row_local(self):
-        return self.row_signs is None
-
-    def encode(self, g):
-        """H = G S B, then with row signs the same along the columns (on H^T)."""
-        h = randomized_hadamard(g, self.column_signs, self.opts.hadamard_block)
-        if self.row_signs is not None:
-            h = randomized_hadamard(h.T, self.row_signs, self.opts.hadamard_block).T
-        return h
-
-    def decode(self, h):
-        """G = H B S, after undoing the columns' transform if there is one."""
-        if self.row_signs is not None:
-            h = randomized_hadamard_inverse(h.T, self.row_signs, self.opts.hadamard_block).T
-        return randomized_hadamard_inverse(h, self.column_signs, self.opts.hadamard_block)
-
-    def refresh(self, mean, rows=ALL_ROWS):
-        """Draw the signs, the first time (after that there is nothing to refresh): from a CPU
-        generator seeded with the layer's seed, so every rank draws the same. `mean` (the
-        decoded mean, as the other geometries are refreshed from) gives only the device."""
-        if self.ready:
-            return
-        generator = torch.Generator(device="cpu").manual_seed(self.seed)
-        m, n = self.shape
-        self.column_signs = random_signs(n, generator).to(mean.device)
-        if self.opts.hadamard_sides == "both":
-            self.row_signs = random_signs(m, generator).to(mean.device)
-
-
 class Communicator:
-    """Gradient averaging through the two-stage collective for a fixed list of named tensors,
-    each matrix in Euclidean or geometry-aware coordinates, chosen by its measured gain.
+    """Averages a fixed list of named tensors through the two-stage collective, each matrix in
+    Euclidean or geometry-aware coordinates: reduce() over the process group, reduce_workers()
+    for W simulated workers. `moments`: the whitened layers' K-FAC statistics ({"input":
+    {name: A}}), averaged over the ranks, on the steps where wants_moments() is true."""
+    LAYERS = {"geofp8": WhitenedLayer, "subspace": SubspaceLayer}
 
-    `reduce(grads, moments)` averages across the process group in place (train.py, the DDP
-    hook); `reduce_workers(per_worker_grads, moments)` runs the identical numerics for W
-    simulated workers in one process (the fidelity tool, tests). Both return the bytes one rank
-    sends. `moments` are the whitened layers' K-FAC statistics (forward hooks) on the
-    steps where `wants_moments()` is true, already averaged over the ranks; the subspace
-    rotation and the Hadamard control need none. ProductionCommunicator (see above) adds what
-    training at scale needs around it."""
-    LAYERS = {"geofp8": WhitenedLayer, "subspace": SubspaceLayer, "hadamard": HadamardLayer}
-
-    def __init__(self, named_shapes, options=None, group=None, linear=None, timer=NO_TIMER):
-        self.opts = options or GeoOptions()
-        self.group = group
-        self.timer = timer          # a benchmark's stage timer: where the time goes
+    def __init__(self, named_shapes, options=None, group=None, linear=None):
+        self.opts, self.group = options or GeoOptions(), group
         self.names = [n for n, _ in named_shapes]
         self.shapes = {n: tuple(s) for n, s in named_shapes}
         self.index = {n: i for i, n in enumerate(self.names)}
-        self.reasons = {}
         self.kind = self.LAYERS.get(self.opts.geometry)     # the layer class (None: Euclidean)
-        self.layers = {}        # name -> the coordinates in use (measured, or Euclidean)
-        self.candidates = {}    # name -> a new geometry, not yet measured: not used (see _propose)
-        for n, shape in named_shapes:
-            reason = exemption(n, shape, self.opts, linear)
-            if reason:
-                self.reasons[n] = reason
-            else:
-                self.layers[n] = self._new_layer(n)
-        unknown = set(self.opts.geo_layers) - set(self.names) if self.opts.select == "list" else ()
-        if unknown:
-            raise ValueError(f"geo_layers names {len(unknown)} tensors this model does not have, "
-                             f"e.g. {sorted(unknown)[0]!r}: profile this model (nanogeo.tools.profile)")
-        # the whitening: layers refreshed from K-FAC moments, which the hooks must then collect
-        self.uses_moments = bool(self.layers) and self.kind.from_moments
-        self.views = {}         # name -> the optimizer's view of it (watch()); none: plain L2
+        self.layers = {n: self.make_layer(n) for n in self.names    # the coordinates in use
+                       if exemption(n, self.shapes[n], self.opts, linear) is None}
+        self.proposals = {}     # name -> new geometry, not yet measured, not yet used
         self.chosen = set(self.opts.geo_layers) if self.opts.select == "list" else set()
-        self.step = 0
-        self.residuals = {}     # worker index -> {name: fp32 residual}, with error feedback
-        self.across_ranks = False   # the latest step ran over the process group (set by
-        self.rows = {}              # reduce / reduce_workers / advance), and its FSDP row blocks
+        if self.chosen - set(self.names):
+            raise ValueError(f"geo_layers names tensors this model does not have, e.g. "
+                             f"{sorted(self.chosen - set(self.names))[0]!r}: list this model's")
+        self.uses_moments = bool(self.layers) and self.kind.from_moments
+        self.views = {}         # name -> its optimizer's view (watch()); none: plain L2
+        self.warned = False
+        self.step = 0           # steps taken
 
-    def _new_layer(self, name):
+    def make_layer(self, name):
+        """Seam: the layer object of a matrix that may use the geometry."""
         return self.kind.create(name, self.shapes[name], self.opts)
 
-    # -- coordinates ---------------------------------------------------------------------------
+    def watch(self, views):
+        """Judge each layer by the error its optimizer sees (section 5): {name: a view with
+        .error(mean, workers) -> (delta -> squared size)}, e.g. nanogeo.parallel.hooks'."""
+        self.views = dict(views)
+        return self
+
+    # -- coordinates -----------------------------------------------------------------------
 
     def is_geo(self, name):
+        """Is `name` sent in its geometry-aware coordinates now?"""
         layer = self.layers.get(name)
         return (layer is not None and layer.use_geo and layer.ready
                 and self.step > self.opts.geo_warmup)
 
-    def coords(self, name):
-        return "geo" if self.is_geo(name) else "euclidean"
-
     def to_coords(self, name, g):
         return self.layers[name].encode(g) if self.is_geo(name) else g
 
-    def from_coords(self, name, h):
-        return self.layers[name].decode(h) if self.is_geo(name) else h
+    def from_coords(self, name, c):
+        return self.layers[name].decode(c) if self.is_geo(name) else c
 
     def wants_moments(self):
-        """True on the steps whose K-FAC statistics the next reduce() refreshes the factors from
-        (the published method collects them on refresh steps only)."""
+        """Does the next step's reduce() refresh the whitening from K-FAC statistics?"""
         return self.uses_moments and self.step % self.opts.geo_refresh == 0
 
-    def moment_layers(self):
-        """Names of the weights whose layers' statistics the whitening needs."""
-        return list(self.layers) if self.uses_moments else []
-
-    def whitened_sides(self):
-        sides = self.opts.whiten_sides
-        return ("input", "output") if sides == "both" else (sides,)
-
-    def watch(self, views):
-        """Judge each layer by the error its optimizer sees: views =
-        {name: the optimizer's view of it} (section 4b). Without them a
-        layer's coordinates are chosen by plain L2 error."""
-        self.views = dict(views)
-        return self
-
-    # -- one step --------------------------------------------------------------------------------
+    # -- one step ----------------------------------------------------------------------------
 
     def reduce(self, grads, moments=None):
-        """Average grads (a list matching the names) across the group, in place. Returns the
+        """Average grads (matching self.names) over the process group, in place. Returns the
         bytes this rank sent."""
-        self.across_ranks = dist.is_initialized()
-        rank = dist.get_rank(self.group) if self.across_ranks else 0
-        means, nbytes = self._step({rank: grads}, self._exchange, moments)
+        across = dist.is_initialized()
+        rank = dist.get_rank(self.group) if across else 0
+        means, nbytes = self.communicate({rank: grads}, moments, across)
         for g, m in zip(grads, means):
             g.copy_(m)
         return nbytes
 
     def reduce_workers(self, worker_grads, moments=None):
-        """The same numerics for W simulated workers. Returns (means, bytes sent per rank)."""
-        self.across_ranks = False
-        return self._step(dict(enumerate(worker_grads)), self._simulate, moments)
+        """The same numerics for W simulated workers. Returns (means, bytes a rank sends)."""
+        return self.communicate(dict(enumerate(worker_grads)), moments, across_ranks=False)
 
-    def _step(self, worker_grads, collective, moments):
-        """One step for the workers this process holds ({index: gradients}: its rank, or every
-        simulated worker): into coordinates, through the collective, error feedback, back to
-        original coordinates, and on refresh steps the geometry. Returns (means, bytes sent)."""
-        with self.timer.stage("rotate"):
-            prepared = {w: self._prepare(g, w) for w, g in worker_grads.items()}
-        coords = {w: c for w, (_, c) in prepared.items()}
-        mean_coords, nbytes, local = collective(list(coords.values()))
-        if self.opts.error_feedback:
-            self._keep_residuals(coords, local, mean_coords)
-        with self.timer.stage("rotate"):
-            means = [self.from_coords(n, h) for n, h in zip(self.names, mean_coords)]
-        moments = self._average_moments(moments, mean_coords[0].device)
-        self.advance(dict(zip(self.names, means)), [g for g, _ in prepared.values()],
-                     self.across_ranks, moments=moments)
+    def communicate(self, worker_grads, moments, across_ranks):
+        """One step for the workers this process holds ({index: gradients}): into coordinates,
+        through the collective, the mean back, then the geometry. Returns (means, bytes)."""
+        sent = {w: self.outgoing(w, grads) for w, grads in worker_grads.items()}
+        coords = {w: [self.to_coords(n, g) for n, g in zip(self.names, gs)]
+                  for w, gs in sent.items()}
+        mean_coords, nbytes = self.collective(coords, across_ranks)
+        means = [self.from_coords(n, c) for n, c in zip(self.names, mean_coords)]
+        self.advance(dict(zip(self.names, means)), list(sent.values()), moments, across_ranks)
         return means, nbytes
 
-    def _has_feedback(self, name):
-        return self.opts.error_feedback and (not self.opts.feedback_geo_only or self.is_geo(name))
+    def outgoing(self, worker, grads):
+        """Seam: what a worker sends, in original coordinates (production adds error feedback)."""
+        return [g.float() for g in grads]
 
-    def _prepare(self, grads, worker):
-        """(gradients as sent, in original coordinates; the same in the coordinates in use)."""
-        residual = self.residuals.get(worker, {})
-        outgoing, coords = [], []
-        for n, g in zip(self.names, grads):
-            g = g.float()
-            if self._has_feedback(n) and n in residual:
-                g = g + residual[n]         # the residual, in original coordinates
-            outgoing.append(g)
-            coords.append(self.to_coords(n, g))
-        return outgoing, coords
+    def collective(self, coords, across_ranks):
+        """Seam: the collective on the tensors in coordinates ({worker: [tensors]}): over the
+        process group, or its simulator. Returns (means in coordinates, bytes a rank sends)."""
+        if across_ranks:
+            [tensors] = coords.values()
+            return all_reduce_mean(tensors, self.opts.fmt, self.opts.block, self.group)
+        return simulate_mean(list(coords.values()), self.opts.fmt, self.opts.block)
 
-    def _keep_residuals(self, coords, local, mean_coords):
-        """Error feedback: the part of each worker's gradient that the codec lost (coords: {worker:
-        its tensors in coordinates}, local: their own round trips), mapped back to original
-        coordinates - so a refresh of the geometry re-expresses it in the new ones at the next
-        encode (the published method keeps it in the old coordinates: defect c)."""
-        for (worker, in_coords), returned in zip(coords.items(), local):
-            self.residuals[worker] = {n: self._residual(n, c - back)
-                                      for n, c, back in zip(self.names, in_coords, returned)
-                                      if self._has_feedback(n)}
+    # -- the geometry --------------------------------------------------------------------------
 
-    def _residual(self, name, lost):
-        """What error feedback keeps of the codec's loss `lost` (in coordinates): the same in
-        original coordinates."""
-        return self.from_coords(name, lost)
+    def advance(self, means, sent, moments=None, across_ranks=False):
+        """Seam: count a finished step and update the geometry where it is due. means: {name:
+        decoded mean}; sent: each worker's gradients as sent; moments: K-FAC statistics collected
+        during the step; across_ranks: measurements are summed over the process group."""
+        if self.step % self.opts.geo_refresh:   # the whitening refreshes on its own steps only
+            moments = None
+        self.step += 1                          # from here on: steps taken, this one included
+        if self.layers and self.geometry_due(moments is not None):
+            self.update_geometry(means, sent, moments, across_ranks)
 
-    def _average_moments(self, moments, device):
-        """The K-FAC statistics the geometry is refreshed from must be the same on every rank:
-        across ranks, their mean over the group (equal weights: every rank runs the same number
-        of tokens; ProductionCommunicator weights by token counts)."""
-        if not self.across_ranks or moments is None:
-            return moments
-        world = world_size(self.group)          # (every rank collects every whitened layer)
-        return {side: {n: self._sum_over_ranks(moments[side][n].clone()) / world
-                       for n in self.moment_layers()} for side in self.whitened_sides()}
-
-    def _exchange(self, coords):
-        """The collective over the process group, for this rank's tensors (coords: [them]).
-        Returns (means in coordinates, bytes sent, [its local round trip] or None)."""
-        (tensors,), opts = coords, self.opts
-        means, nbytes, *local = all_reduce_mean(tensors, opts.fmt, opts.block, self.group,
-                                                return_local=opts.error_feedback, timer=self.timer)
-        return means, nbytes, local or None     # no extra decode without error feedback
-
-    def _simulate(self, coords):
-        """The collective's simulator for every worker's tensors (coords[i]: worker i's).
-        Returns (means in coordinates, bytes per rank, each worker's local round trip or None)."""
-        opts = self.opts
-        means, nbytes, *local = simulate_mean(coords, opts.fmt, opts.block,
-                                              return_local=opts.error_feedback)
-        return means, nbytes, local[0] if local else None
-
-    def _sum_over_ranks(self, t):
-        """In place: the sum of t over the process group when the step in progress ran across
-        it; a step of one process (or of simulated workers, summed already) leaves t as it is."""
-        if self.across_ranks:
-            dist.all_reduce(t, group=self.group)
-        return t
-
-    # -- the geometry, on refresh steps ----------------------------------------------------------
-
-    def advance(self, means, worker_grads, across_ranks=False, rows=None, moments=None):
-        """Count a finished step; on refresh steps update the geometry. `means` maps names to
-        decoded mean gradients - under FSDP only this rank's block of rows, described by
-        rows[name] (FSDP's row blocks; whole tensors otherwise). `worker_grads`: the
-        gradients this process sent (one list per simulated worker). across_ranks: the step
-        ran over the process group (so the gain measurements are summed over it)."""
-        whiten_now = self.step % self.opts.geo_refresh == 0 and moments is not None  # of this step
-        self.across_ranks, self.rows = across_ranks, rows or {}
-        self.step += 1
-        if self.layers and self._geometry_due(whiten_now):
-            self._update_geometry(means, worker_grads, moments, whiten_now)
-
-    def _geometry_due(self, whiten_now):
-        """Does this step touch the geometry (candidates to measure, a refresh, a re-judging)?
-        An opted-in layer's new geometry (in use unmeasured) is measured at the next step too."""
-        unmeasured = any(layer.ready and math.isnan(layer.gain) for layer in self.layers.values())
-        if self.candidates or unmeasured:
+    def geometry_due(self, fresh_moments):
+        """Proposals to measure, a geometry in use but unmeasured, a refresh, or (the whitening)
+        a re-measurement."""
+        if self.proposals or any(l.ready and math.isnan(l.gain) for l in self.layers.values()):
             return True
         if self.uses_moments:
-            return whiten_now or self.step % self.opts.judge_every == 0
+            return fresh_moments or self.step % self.opts.judge_every == 0
         return (self.step % self.opts.geo_refresh == 0
-                or any(not layer.ready for layer in self.layers.values()))
+                or not all(layer.ready for layer in self.layers.values()))
 
-    def _update_geometry(self, means, worker_grads, moments, whiten_now):
-        """Measure the candidates (and, for the whitening, re-judge the factors in use), then
-        propose new geometry where it is due. Returns True if new geometry was proposed."""
-        judged = [n for n, layer in self.layers.items() if n in self.candidates
+    def update_geometry(self, means, sent, moments, across_ranks):
+        """Seam: measure what is due (every proposal; the geometry in use where unmeasured, and
+        for the whitening at every check), then propose new geometry from this step's
+        statistics."""
+        judged = [n for n, layer in self.layers.items() if n in self.proposals
                   or (layer.ready and (self.uses_moments or math.isnan(layer.gain)))]
         if judged:
-            self._judge(judged, worker_grads, means)
-        if self.uses_moments:                   # statistics: the layer's K-FAC moments
-            statistics = ({n: self._statistics(n, moments) for n in self.layers}
-                          if whiten_now else {})
-            statistics = {n: stats for n, stats in statistics.items() if stats}
-        else:                                   # ... or its decoded mean gradient
-            statistics = {n: means[n] for n, layer in self.layers.items()
-                          if self.step % self.opts.geo_refresh == 0 or not layer.ready}
-        for n, stats in statistics.items():
-            self._propose(n, stats)
-        return bool(statistics)
+            self.judge(judged, means, sent, across_ranks)
+        for name, statistics in self.statistics(means, moments).items():
+            self.propose(name, statistics)
 
-    def _statistics(self, name, moments):
-        """{side: A or G} of a whitened layer from this step's averaged moments."""
-        return {side: moments[side][name] for side in self.whitened_sides()
-                if name in moments.get(side, {})}
+    def statistics(self, means, moments):
+        """{name: what its new geometry is built from}: the whitening's averaged K-FAC moments,
+        when given; the others' decoded mean every geo_refresh steps, or until they have one."""
+        if self.uses_moments:
+            found = {n: {side: moments[side][n] for side in whitened_sides(self.opts)
+                         if n in moments.get(side, {})} for n in self.layers} if moments else {}
+            return {n: stats for n, stats in found.items() if stats}
+        return {n: means[n] for n, layer in self.layers.items()
+                if self.step % self.opts.geo_refresh == 0 or not layer.ready}
 
-    # -- do no harm: new geometry is a candidate until measured ---------------------------------
-    #
-    # A geometry built from step t's statistics (the decoded mean, the K-FAC moments) has seen
-    # step t: judged on step t's gradients it looks better than it will be (in sample). So a new
-    # geometry is a *candidate*, kept beside the coordinates in use; the next step's gradients,
-    # which did not build it, measure it against Euclidean in the error the layer's optimizer
-    # sees, and only then does it replace the layer in use - geometry-aware if it measured
-    # better by geo_enter_gain, Euclidean otherwise. Until then the layer keeps coordinates that
-    # were measured (or Euclidean ones): from the first step and after every refresh.
-
-    def _propose(self, name, statistics):
-        """A candidate for `name`: the layer's geometry refreshed from this step's statistics (a
-        copy: refresh() assigns new tensors, never changes the old ones; it keeps use_geo, so
-        the hysteresis applies when it is measured). The explicit opt-ins take it at once: no
-        measurement could change their choice."""
-        candidate = copy.copy(self.layers[name])
-        candidate.gain = float("nan")          # not measured yet
-        candidate.refresh(statistics, self.rows.get(name, ALL_ROWS))
-        if self._opted_in(name):
-            candidate.use_geo = True
-            self.layers[name] = candidate
+    def propose(self, name, statistics):
+        """Seam: new geometry for `name`, a proposal until later gradients measure it (measured
+        on the gradients it was built from, it would look better than it is) - unless decide()
+        takes it unmeasured. A copy: refresh() assigns new tensors, the layer in use stays."""
+        proposal = copy.copy(self.layers[name])
+        proposal.gain = float("nan")                    # not measured yet
+        proposal.refresh(statistics)
+        if self.decide(name, proposal):
+            proposal.use_geo = True
+            self.layers[name] = proposal
         else:
-            self.candidates[name] = candidate
+            self.proposals[name] = proposal
 
-    def _opted_in(self, name):
-        """Geometry-aware whatever a measurement says: select="all", or a listed layer with
-        geo_enter_gain = geo_exit_gain = 0 (the paper's fixed choice)."""
+    def decide(self, name, layer):
+        """THE decision: does `name` send in `layer`'s coordinates from now on?
+          select="all": always - forced, unmeasured (a control that must act);
+          select="list" (production: "fragile"): only the listed, and with both gains 0 always
+            (the paper's fixed choice, unmeasured);
+          otherwise by the measured gain, Euclidean error / geometry-aware error as the layer's
+            optimizer sees them, with hysteresis: enter at geo_enter_gain, stay while the gain
+            is >= geo_exit_gain. Unmeasured (gain nan): not yet."""
         opts = self.opts
-        return opts.select == "all" or (name in self.chosen and opts.select != "gain"
-                                        and opts.geo_enter_gain <= 0 and opts.geo_exit_gain <= 0)
+        if opts.select == "all":
+            return True
+        listed = name in self.chosen
+        if opts.select != "gain" and (not listed or max(opts.geo_enter_gain, opts.geo_exit_gain) <= 0):
+            return listed
+        return layer.gain >= (opts.geo_exit_gain if layer.use_geo else opts.geo_enter_gain)
 
-    def _judge(self, names, worker_grads, means):
-        """Measure each layer's candidate (or, without one, the geometry in use) on this step's
-        gradients, decide its coordinates, and put the candidates in use."""
-        layers = {n: self.candidates.get(n, self.layers[n]) for n in names}
-        self._decide(layers, self._measure_gains(layers, worker_grads, means))
-        for n in names:
-            self.layers[n] = layers[n]
-            self.candidates.pop(n, None)
+    def judge(self, names, means, sent, across_ranks):
+        """Measure each layer's proposal (or, without one, its geometry in use) against
+        Euclidean on this step's gradients, decide, and put what was measured in use."""
+        layers = {n: self.proposals.pop(n, self.layers[n]) for n in names}
+        variants = self.variants()
+        errors = self.measure(layers, means, sent, across_ranks, variants)
+        for (name, layer), (euclid, *geos) in zip(layers.items(), errors.tolist()):
+            best = min(range(len(geos)), key=lambda k: geos[k])
+            if variants[best] is not None and variants[best] != layer.sides:
+                layer.rotate_sides(variants[best])
+            geo = geos[best]
+            layer.gain = math.sqrt(euclid / geo) if geo > 0 else (math.inf if euclid > 0 else 1.0)
+            layer.use_geo = self.decide(name, layer)
+            self.layers[name] = layer
 
-    def _round_trip(self, x):
-        return dequantize(quantize(x, self.opts.fmt, self.opts.block))
-
-    def _measure_gains(self, layers, worker_grads, means):
-        """(euclidean, geometry-aware) error of the gradients actually sent, with each layer's
-        geometry ({name: layer}), as the layer's optimizer sees it (error_measure) - measured on
-        each rank's own gradients, summed by one all-reduce, so every rank takes the same
-        decision."""
-        errors = []
-        variants = self._variants()
-        world = world_size(self.group) if self.across_ranks else 1
-        for n, layer in layers.items():
-            view = self.views.get(n) if self.opts.geo_judge == "optimizer" else None
-            seen = error_measure(view, means[n], self.rows.get(n), world * len(worker_grads))
-            for grads in worker_grads:
-                g = grads[self.index[n]].float()
-                errors.append(seen(self._round_trip(g) - g))
-                errors += [seen(self._through_codec(layer, g, sides) - g) for sides in variants]
-        errors = torch.stack(errors).double().view(len(layers), len(worker_grads), -1).sum(1)
-        self._sum_over_ranks(errors)
-        return errors.cpu()                                 # one transfer per measurement
-
-    def _variants(self):
-        """The geometry-aware codecs the gain check compares with Euclidean: the layer's own, or
-        with sides="auto" both rotations - both sides, and the column side alone, which keeps
-        every row's scale (an error spread over rows lands on rows AdamW divides by their own,
-        possibly tiny, second moments: BENCHMARKS.md section 12)."""
+    def variants(self):
+        """The geometry-aware codecs measured against Euclidean: the layer's own, or with
+        sides="auto" two rotations - both sides, and the column side alone, which keeps every
+        row's scale (an error spread over rows lands on rows AdamW may divide by a tiny root)."""
         auto = (self.opts.sides == "auto" and self.kind is not None
                 and issubclass(self.kind, SubspaceLayer))
         return ("both", "right") if auto else (None,)
 
-    def _through_codec(self, layer, g, sides=None):
-        """g through the codec in the layer's coordinates (sides=None) or in those of a
-        rotation of `sides`, back in original coordinates."""
+    def measure(self, layers, means, sent, across_ranks, variants):
+        """(layers, 1 + variants) float64 on the CPU: the squared codec error of Euclidean FP8
+        and of each geometry-aware codec, as each layer's optimizer sees it, summed over the
+        workers - and over the ranks, so that every rank decides alike."""
+        world = dist.get_world_size(self.group) if across_ranks else 1
+        errors = []
+        for name, layer in layers.items():
+            seen = self.error_seen(name, means[name], world * len(sent))
+            for grads in sent:
+                g = grads[self.index[name]].float()
+                errors.append(seen(self.round_trip(g) - g))
+                errors += [seen(self.through_codec(layer, g, sides) - g) for sides in variants]
+        errors = torch.stack(errors).double().view(len(layers), len(sent), -1).sum(1)
+        if across_ranks:
+            dist.all_reduce(errors, group=self.group)
+        return errors.cpu()                     # one transfer per measurement
+
+    def error_seen(self, name, mean, workers):
+        """Seam: delta -> the squared size of a gradient error as the layer's optimizer sees it
+        (its view, section 5), or in plain L2 - with a warning (once) when the optimizer's view
+        was asked for and no optimizer is watched."""
+        view = self.views.get(name) if self.opts.geo_judge == "optimizer" else None
+        if view is not None:
+            return view.error(mean, workers)
+        if self.opts.geo_judge == "optimizer" and not self.views and not self.warned:
+            self.warned = True
+            warnings.warn("GeoFP8: geo_judge='optimizer' but no optimizer is watched, so the "
+                          "layers are judged in plain L2: call watch() (the DDP hook: "
+                          "state.watch(optimizers)) or pass geo_judge='l2'", stacklevel=2)
+        return lambda delta: delta.pow(2).sum()
+
+    def round_trip(self, x):
+        """Seam: x through the codec and back."""
+        return dequantize(quantize(x, self.opts.fmt, self.opts.block))
+
+    def through_codec(self, layer, g, sides=None):
+        """g through the codec in the layer's coordinates, or those of a rotation of `sides`."""
         if sides is None:
-            return layer.decode(self._round_trip(layer.encode(g)))
+            return layer.decode(self.round_trip(layer.encode(g)))
         rotation = layer.rotation(sides)
-        return layer.decode(self._round_trip(layer.encode(g, rotation)), rotation)
+        return layer.decode(self.round_trip(layer.encode(g, rotation)), rotation)
 
-    def _decide(self, layers, errors):
-        """Hysteresis on the measured gain: enter geo at geo_enter_gain, leave below
-        geo_exit_gain. With a list of layers only the chosen may enter, and they leave too when
-        their geometry-aware error exceeds Euclidean's (both gains 0: never). With sides="auto"
-        each layer takes the better of its measured rotations."""
-        variants = self._variants()
-        for (n, layer), (euclid, *geos) in zip(layers.items(), errors.tolist()):
-            best = min(range(len(geos)), key=lambda k: geos[k])
-            geo = geos[best]
-            if variants[best] is not None and variants[best] != layer.sides:
-                layer.rotate_sides(variants[best])
-            layer.gain = (math.sqrt(euclid / geo) if geo > 0
-                          else (float("inf") if euclid > 0 else 1.0))
-            self._choose(n, layer)
 
-    def _choose(self, name, layer):
-        layer.use_geo = goes_geometry_aware(layer, self.opts, listed=name in self.chosen)
+# =============================================================================
+# 7. See it work: python compress.py
+# =============================================================================
+
+def planted_gradients(ranks, steps, d_out=96, d_in=128, tokens=64, seed=0):
+    """[(each rank's gradient, A)] per step of one linear layer, anisotropic as LLM layers are:
+    input variances falling over three decades along random directions (A far from round),
+    output errors along four directions every rank shares (a dominant subspace)."""
+    g = torch.Generator().manual_seed(seed)
+    mixing = orthonormal(torch.randn(d_in, d_in, generator=g)) * torch.logspace(0, -3, d_in).sqrt()
+    shared = 3 * orthonormal(torch.randn(d_out, 4, generator=g)).T                    # (4, d_out)
+    out = []
+    for _ in range(steps):
+        a = [torch.randn(tokens, d_in, generator=g) @ mixing.T for _ in range(ranks)]
+        delta = [torch.randn(tokens, 4, generator=g) @ shared
+                 + 0.3 * torch.randn(tokens, d_out, generator=g) for _ in range(ranks)]
+        out.append(([[d.T @ x / tokens] for d, x in zip(delta, a)],      # G = sum delta a^T
+                    sum(x.T @ x for x in a) / (tokens * ranks)))         # A = E[a a^T]
+    return out
+
+
+def demo(ranks=8, steps=12):
+    """Planted gradients through the two-stage e4m3 collective in each coordinate system: the
+    relative error of the mean, forced or as the gain check chose."""
+    print(f"{ranks} simulated ranks, a 96 x 128 linear layer, e4m3 blocks of 128; relative L2 "
+          f"error of the averaged gradient, mean of steps {steps - 5}-{steps}:")
+    data, baseline = planted_gradients(ranks, steps), None
+    for geometry, select in (("euclidean", "gain"), ("geofp8", "gain"), ("geofp8", "all"),
+                             ("subspace", "gain"), ("subspace", "all")):
+        comm = Communicator([("w", (96, 128))], GeoOptions(geometry=geometry, select=select,
+                                                            geo_judge="l2", min_numel=0))
+        errors = []
+        for grads, A in data:
+            mean, _ = comm.reduce_workers(grads, {"input": {"w": A}} if comm.wants_moments() else None)
+            exact = sum(w[0] for w in grads) / ranks
+            errors.append(((mean[0] - exact).norm() / exact.norm()).item())
+        baseline = baseline or sum(errors[-6:]) / 6
+        how = "forced" if select == "all" else ("used" if comm.is_geo("w") else "not used")
+        print(f"  {geometry:10s} {how:9s} {sum(errors[-6:]) / 6:.4f}  "
+              f"({sum(errors[-6:]) / 6 / baseline:.2f}x Euclidean)")
+
+
+if __name__ == "__main__":
+    demo()

@@ -41,11 +41,10 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-import compress
 import model as model_lib
 from nanogeo.run import checkpoint, config, runlog, runtime, summary
 from nanogeo.parallel import hooks, simulated
-from nanogeo.wire import kernels
+from nanogeo.wire import collective, kernels
 from nanogeo.run.config import ConfigError
 from nanogeo.run.runtime import RankMismatch
 # the pieces of a step the tools share (nanogeo/run/steps.py): batches, optimizers, the schedule
@@ -139,7 +138,7 @@ def parse_config(argv):
 # -----------------------------------------------------------------------------
 # gradient communication: the one seam
 
-ring_allreduce_bytes = compress.ring_allreduce_bytes   # 2 (W - 1) / W of the buffer per rank
+ring_allreduce_bytes = collective.ring_allreduce_bytes   # 2 (W - 1) / W of the buffer per rank
 GEO_COMMS = ("geofp8", "subspace", "hadamard")          # --comm values with per-layer coordinates
 
 
@@ -153,11 +152,11 @@ def make_communicator(cfg, model, optimizers):
     named = [(n, p.shape) for n, p in model.named_parameters() if p.requires_grad]
     options = config.geo_options(cfg, model.config.vocab_size)
     communicator = ProductionCommunicator(named, options,
-                                          linear=set(compress.linear_layers(model)))
+                                          linear=set(hooks.linear_layers(model)))
     communicator.watch(hooks.optimizer_views(optimizers, model))
     moments = None
     if communicator.moment_layers():
-        layers = compress.linear_layers(model, communicator.moment_layers())
+        layers = hooks.linear_layers(model, communicator.moment_layers())
         # its hooks are attached in train() for the forwards of refresh steps only
         moments = hooks.KroneckerMoments(layers, sides=communicator.whitened_sides())
     return communicator, moments

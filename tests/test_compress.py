@@ -196,9 +196,13 @@ def test_wire_bytes_ratio_to_bf16():
         assert per_rank / (2 * (world - 1) / world * n * 2) <= bound
 
 
-def test_layout_covers_every_element_once():
+@pytest.mark.parametrize("teaching", [False, True])
+def test_layout_covers_every_element_once(teaching):
     for fmt, block in CASES:
-        layout = collective.layout(SHAPES, fmt, block, 3)
+        if teaching and fmt == "nvfp4":
+            continue                        # compress.py's layout codes FP8
+        layout = (compress.ShardLayout(SHAPES, fmt, block, 3) if teaching
+                  else collective.layout(SHAPES, fmt, block, 3))
         for t, shape in enumerate(SHAPES):
             ranges = sorted((p.start, p.end) for pieces in layout.pieces for p in pieces
                             if p.tensor == t)
@@ -209,14 +213,14 @@ def test_layout_covers_every_element_once():
 def test_remainder_groups_go_to_the_lightest_shards():
     """A small model at many ranks: tensors with fewer scale groups than ranks. Handing each
     tensor's left-over groups to the ranks that hold the fewest bytes keeps every shard within one
-    group of the others (the all_gather pads every shard to the largest): the reference layout,
-    production's packed one and NVFP4's (groups of 16 values, 8 code bytes and a 1-byte scale,
+    group of the others (the all_gather pads every shard to the largest): production's
+    piece-by-piece layout (compress.py's teaching one splits plainly), its packed one and NVFP4's (groups of 16 values, 8 code bytes and a 1-byte scale,
     plus a 4-byte tensor scale per piece)."""
     blocks = [1, 3, 64, 2, 31, 1, 129, 7, 1, 65]          # per tensor, multiples of 128 values
     shapes = tuple((n * 128,) for n in blocks)
     for world in (8, 32, 64):
         for layout, group_len, slack in (
-                (compress.shard_layout(shapes, "e4m3", 128, world), 128, 4 + 128),
+                (packing.PieceLayout(shapes, "e4m3", 128, world), 128, 4 + 128),
                 (collective.layout(shapes, "e4m3", 128, world), 128, 4 + 128),
                 (collective.layout(shapes, "nvfp4", 128, world), 16, 9 + 4 * len(shapes))):
             held = [sum(-(-(p.end - p.start) // group_len) for p in pieces)
@@ -597,7 +601,7 @@ def test_state_dict_round_trip(options):
 
 def sharded_rank(rank, world_size, out):
     """Each rank holds a block of rows (FSDP's layout); results must match the whole-matrix ones."""
-    from nanogeo.parallel import fsdp
+    from nanogeo.parallel import rows as fsdp
     dist.init_process_group("gloo")
     m, n, r = 37, 24, 4                                 # 37 rows: uneven, padded blocks
     g = torch.Generator().manual_seed(0)
@@ -605,11 +609,11 @@ def sharded_rank(rank, world_size, out):
         + torch.randn(m, n, generator=g)
     rows = fsdp.RowBlocks(m)
     whole, sharded = (compress.initial_subspaces(G, r, seed=3),
-                      compress.initial_subspaces(rows.local(G), r, seed=3, rows=rows))
+                      fsdp.initial_subspaces_rows(rows.local(G), r, 3, rows))
     U, V = whole[0], whole[1]
     update_whole = compress.update_subspaces(G, U, V, whole[2], whole[3], decay=0.5)
-    update_sharded = compress.update_subspaces(rows.local(G), U, V, whole[2], whole[3], decay=0.5,
-                                               rows=rows)
+    update_sharded = fsdp.update_subspaces_rows(rows.local(G), U, V, whole[2], whole[3], 0.5, 1,
+                                                rows)
     left, right = compress.HouseholderBasis.complete(U), compress.HouseholderBasis.complete(V)
     swaps = compress.core_swaps((m, n), r, 16)
     H = compress.swap_entries(compress.encode_geo(G, left, right), swaps)

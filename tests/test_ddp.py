@@ -8,6 +8,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from conftest import GPT2Shaped, conv1d_weights, run_ranks
+from nanogeo.parallel import hooks
 from nanogeo.parallel.ddp import GeoFP8HookState, geofp8_hook
 
 VOCAB, D = 300, 64
@@ -94,9 +95,8 @@ def test_ddp_hook_on_a_gpt2_shaped_model(tmp_path):
     learned position table. By module type nothing is a candidate (no nn.Linear but the tied
     head): everything stays Euclidean. Named as candidates, the Conv1D matrices rotate; the
     tables and the tied head never do, and the ranks stay bit-identical."""
-    import compress
     net = build("gpt2")
-    assert compress.linear_layers(net) == {}               # the tied head is an embedding too
+    assert hooks.linear_layers(net) == {}               # the tied head is an embedding too
     out = str(tmp_path / "ddp")
     run_ranks(ddp_rank, 2, out, {"geometry": "subspace", "geo_rank": 8, "geo_warmup": 1,
                                  "model": "gpt2", "name_conv1d": True,
@@ -181,7 +181,7 @@ def resume_rank(rank, world_size, out, hook_options):
     geo = sum(c.is_geo(n) for c in state.communicators.values() for n in c.names)
     torch.save({"equal": torch.equal(straight, resumed), "steps": steps, "names": names,
                 "iteration": state.iteration, "geo": geo,
-                "pending": len(saved["hook"]["candidates"])}, f"{out}.{rank}")
+                "pending": len(saved["hook"]["proposals"])}, f"{out}.{rank}")
     dist.destroy_process_group()
 
 

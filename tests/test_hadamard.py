@@ -1,4 +1,4 @@
-"""The randomized Hadamard transform, the geometry-agnostic control (compress section 3c): exact
+"""The randomized Hadamard transform, the geometry-agnostic control (nanogeo/parallel/hadamard.py): exact
 and orthonormal, equal to its dense definition, the same on every rank, incoherent (it spreads
 an outlier), and used only where the gain check measured it better - like every geometry."""
 import json
@@ -12,8 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import compress
-from compress import HadamardLayer
+from nanogeo.parallel.hadamard import HadamardLayer, hadamard_cuts
 from conftest import ROOT, run_ranks
 from nanogeo.run import config, summary
 from nanogeo.parallel.communicator import Options, ProductionCommunicator
@@ -64,7 +63,7 @@ def test_transform_equals_its_dense_definition():
     Dr = dense_transform(both.row_signs, [8, 4])
     assert torch.equal(both.column_signs, right.column_signs)     # the same seed, the same draw
     assert torch.allclose(both.encode(G), Dr.T @ G @ Dc, atol=1e-6)
-    assert compress.hadamard_cuts(2736, 128) == ((2688, 128), (32, 32), (16, 16))
+    assert hadamard_cuts(2736, 128) == ((2688, 128), (32, 32), (16, 16))
 
 
 def test_spreads_an_outlier_column():
@@ -120,7 +119,7 @@ def run(options, steps, name="layers.0.mlp.w1.weight"):
         means, _ = comm.reduce_workers([[w] for w in workers])
         exact = sum(workers) / len(workers)
         errors.append(((means[0] - exact).norm() / exact.norm()).item())
-        proposed.append(name in comm.candidates)
+        proposed.append(name in comm.proposals)
     return errors, coords, comm, proposed
 
 

@@ -3,6 +3,7 @@ lazily; no import cycle among the repository's modules, static or inside a funct
 package never imports the top-level train.py."""
 import ast
 import os
+import re
 import subprocess
 import sys
 
@@ -56,28 +57,37 @@ def test_import_graph_has_no_cycle_and_compress_imports_nothing():
             visit(m)
 
 
-def test_compress_runs_every_geometry_without_nanogeo():
-    """The teaching communicator on its own: every coordinate system through its simulator, and
-    no nanogeo module loaded on the way (nothing imported lazily)."""
+def test_compress_runs_on_its_own():
+    """The teaching communicator on its own - each geometry through the simulator, forced, the
+    whitening from K-FAC moments - and `python compress.py`, the demo a reader runs first; no
+    nanogeo module loaded on the way (nothing imported lazily)."""
     code = """
-import sys, torch, compress
+import runpy, sys, torch, compress
 g = torch.Generator().manual_seed(0)
 workers = [[torch.randn(64, 96, generator=g) @ torch.diag(torch.logspace(-2, 1, 96))] for _ in range(4)]
-for geometry in ("subspace", "hadamard", "euclidean"):
-    opts = compress.GeoOptions(geometry=geometry, min_numel=16, select="all", error_feedback=True)
+moments = {"input": {"w": torch.eye(96) + 0.1}}
+for geometry in ("subspace", "geofp8", "euclidean"):
+    opts = compress.GeoOptions(geometry=geometry, min_numel=16, select="all", geo_judge="l2")
     comm = compress.Communicator([("w", (64, 96))], opts)
     for _ in range(6):
-        means, sent = comm.reduce_workers(workers)
+        means, sent = comm.reduce_workers(workers, moments if comm.wants_moments() else None)
     assert torch.isfinite(means[0]).all() and sent > 0
-    assert geometry == "euclidean" or comm.coords("w") == "geo"
-moments = {"input": {"w": torch.eye(96) + 0.1}}
-comm = compress.Communicator([("w", (64, 96))], compress.GeoOptions(min_numel=16, select="all"))
-for _ in range(3):
-    comm.reduce_workers(workers, moments if comm.wants_moments() else None)
-assert comm.coords("w") == "geo"
+    assert comm.is_geo("w") == (geometry != "euclidean"), geometry
+runpy.run_path("compress.py", run_name="__main__")
 assert not [m for m in sys.modules if m.startswith("nanogeo")], "compress.py loaded nanogeo"
 print("ok")
 """
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    assert out.returncode == 0 and out.stdout.splitlines()[-1] == "ok", out.stderr
+    demo = out.stdout.splitlines()[:-1]
+    assert demo[0].startswith("8 simulated ranks") and len(demo) == 6
+    rows = {}
+    for line in demo[1:]:       # "  geometry  used | not used | forced  error  (ratio)"
+        geometry, how, error = re.match(r"\s+(\w+)\s+(.+?)\s+([0-9.]+)\s+\(", line).groups()
+        rows[geometry, how] = float(error)
+    assert set(rows) == {("euclidean", "not used"), ("geofp8", "not used"),
+                         ("geofp8", "forced"), ("subspace", "used"), ("subspace", "forced")}
+    # on the planted gradients the rotation is measured better and used; the whitening is not
+    assert rows["subspace", "used"] < rows["euclidean", "not used"]
+    assert rows["geofp8", "not used"] == rows["euclidean", "not used"]

@@ -1,14 +1,15 @@
-"""The error the optimizer sees (compress section 4b) and GeoFP8's do-no-harm rule, on a model
+"""The error the optimizer sees (compress.py section 5) and GeoFP8's do-no-harm rule, on a model
 this project did not design (nanogeo.tools.bytegpt: GPT-2 style, byte vocabulary 256 < MLP width 768)."""
 
 import copy
+import warnings
 
 import pytest
 import torch
 
 import compress
 from nanogeo.tools import bytegpt, capture, fidelity, variants
-from nanogeo.parallel import update_error
+from nanogeo.parallel import hooks, update_error
 from nanogeo.parallel.communicator import Options, ProductionCommunicator
 
 
@@ -52,6 +53,57 @@ def test_adamw_update_error_matches_torchs_adamw():
             for d in deltas]
     assert estimate[0] / estimate[1] == pytest.approx(real[0] / real[1], rel=0.1)
     assert real[0] / real[1] > 1e3     # the same size of error, a thousand times the effect
+
+
+def test_compress_adamw_direction_is_torchs_adamw_step():
+    """compress.adamw_direction (the textbook form the gain check uses) is the step torch's
+    AdamW takes, per unit learning rate and without weight decay, from the same state."""
+    torch.manual_seed(1)
+    hyper = {"lr": 1.0, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
+    g = torch.randn(12, 20)
+    state = adam_state(12, 20, torch.zeros(12, dtype=torch.bool))
+    step = torch_update(torch.optim.AdamW, hyper, state, g)            # parameter change
+    u = compress.adamw_direction(g, state, hyper["betas"], hyper["eps"])
+    assert torch.allclose(u, -step.double(), rtol=1e-5, atol=1e-7)
+
+
+def test_the_optimizer_metric_without_an_optimizer_warns_once():
+    """geo_judge="optimizer" (the default) with no watch(): the layers are judged in plain L2,
+    and a warning says so once, naming the fix; watched (or geo_judge="l2"), none."""
+    g = torch.Generator().manual_seed(0)
+    workers = [[torch.randn(64, 96, generator=g)] for _ in range(2)]
+    comm = compress.Communicator([("w", (64, 96))], compress.GeoOptions(geometry="subspace",
+                                                                       min_numel=16))
+    with pytest.warns(UserWarning, match="no optimizer is watched.*call watch") as caught:
+        for _ in range(10):
+            comm.reduce_workers(workers)
+    assert len([w for w in caught if "watched" in str(w.message)]) == 1
+    quiet = compress.Communicator([("w", (64, 96))], compress.GeoOptions(
+        geometry="subspace", min_numel=16, geo_judge="l2"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(10):
+            quiet.reduce_workers(workers)
+
+
+def test_decide_is_the_one_decision():
+    """compress.Communicator.decide on every branch: forced (select="all"), a list (only the
+    listed; with both gains 0 the paper's fixed choice, unmeasured), the measured gain with
+    hysteresis (enter at 1.10, stay while >= 1.00; unmeasured: not yet)."""
+    def decide(select, gain, use_geo=False, name="a", gains=(1.10, 1.00)):
+        opts = compress.GeoOptions(geometry="subspace", select=select, min_numel=16,
+                                   geo_layers=("a",) if select == "list" else (),
+                                   geo_enter_gain=gains[0], geo_exit_gain=gains[1])
+        comm = compress.Communicator([("a", (32, 32)), ("b", (32, 32))], opts)
+        layer = comm.layers[name]
+        layer.gain, layer.use_geo = gain, use_geo
+        return comm.decide(name, layer)
+    nan = float("nan")
+    assert decide("all", nan) and decide("all", 0.5)
+    assert not decide("gain", nan) and not decide("gain", 1.05) and decide("gain", 1.10)
+    assert decide("gain", 1.05, use_geo=True) and not decide("gain", 0.99, use_geo=True)
+    assert decide("list", 1.2) and not decide("list", nan)
+    assert decide("list", nan, gains=(0, 0)) and decide("list", 0.5, gains=(0, 0))
 
 
 def test_muon_update_error_follows_torchs_muon():
@@ -136,7 +188,7 @@ def test_roles_come_from_module_types_not_names_or_shapes():
     net = bytegpt.ByteGPT(bytegpt.ByteGPTConfig(block_size=32, n_layer=1))
     opts = Options(geometry="subspace", vocab_size=net.config.vocab_size, min_numel=16)
     named = [(n, p.shape) for n, p in net.named_parameters()]
-    comm = ProductionCommunicator(named, opts, linear=set(compress.linear_layers(net)))
+    comm = ProductionCommunicator(named, opts, linear=set(hooks.linear_layers(net)))
     assert set(comm.layers) == {"h.0.attn.c_attn.weight", "h.0.attn.c_proj.weight",
                                 "h.0.mlp.c_fc.weight", "h.0.mlp.c_proj.weight"}
     assert comm.reasons["wpe.weight"] == comm.reasons["wte.weight"] == "not a linear layer"

@@ -179,7 +179,8 @@ def test_readme_commands_run_as_written(scratch):
 def test_make_train_runs_the_demo(scratch):
     """`make train` = the install, the bundled data and one torchrun line. That line, at toy
     size, trains with the published GeoFP8 and ends with what the demo is for: the per-layer
-    table, the wire ratio and the last step's error against Euclidean FP8."""
+    table, the wire ratio and the last step's error against Euclidean FP8 on the same collective
+    and, last before the summary, against the FP8 the README recommends (two-stage)."""
     if shutil.which("make") is None:
         pytest.skip("no make")
     dry = subprocess.run(["make", "-n", "-C", ROOT, "train", "VENV=venv", "NPROC=2"],
@@ -194,6 +195,8 @@ def test_make_train_runs_the_demo(scratch):
     assert "--comm=geofp8" in line and "--geo_layers=fragile:4" in line
     assert "GeoFP8 layers at step 4" in out and "wire" in out
     assert "Euclidean FP8, same collective" in out and out.rstrip().splitlines()[-1].startswith("summary")
+    assert out.rstrip().splitlines()[-2].startswith("  the recommended FP8 on the same gradients "
+                                                    "(Euclidean e4m3, blocks of 128, two-stage")
 
 
 def test_readme_answer_is_the_study_table():

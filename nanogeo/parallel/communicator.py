@@ -1,19 +1,23 @@
 """
 The communicator as training runs it: compress.Communicator (the method: coordinates, the
-two-stage collective, error feedback, refresh, the gain check) with what production adds around
-it - a subclass, so that compress.py stays the one statement of the method and every addition
-here is an override that calls it:
+two-stage collective, refresh, the gain check, the decision) with what production adds around
+it - a subclass that overrides compress.py's documented seams (make_layer, outgoing, collective,
+round_trip, error_seen, advance, update_geometry, propose), so that compress.py stays the one
+statement of the method:
 
   * the wire: the packed stages, NVFP4 and stochastic rounding's streams (nanogeo.wire.collective),
     and the paper's collective, one FP8 all_reduce SUM with per-tensor scales
     (nanogeo.wire.fp8sum), with its fragility profile and the published top-k selection;
+  * error feedback: each rank's own stage-1 rounding error, kept in original coordinates and
+    added back at the next step (the paper's missing ablation is Euclidean + error feedback);
   * across ranks: the K-FAC statistics averaged over the ranks (nanogeo.parallel.hooks), one
     finiteness decision for all of them before the geometry moves, the check that every rank
-    holds the same geometry after a refresh (nanogeo.parallel.agreement);
-  * the layers' state for the rank checks and checkpoints, and the dense ablations
-    (nanogeo.parallel.layers): whitening factors other than the low-rank one and
-    their EMA, exact or random subspace bases, the stale residual of the published defect (c);
-  * checkpoints: state_dict / load_state_dict.
+    holds the same geometry after a refresh (nanogeo.parallel.agreement), FSDP's row blocks;
+  * the layers' state for the rank checks and checkpoints, the Hadamard control and the dense
+    ablations (nanogeo.parallel.layers, .hadamard): whitening factors other than the low-rank
+    one and their EMA, exact or random subspace bases, the stale residual of the published
+    defect (c);
+  * a benchmark's stage timer, the layer table's reasons, checkpoints.
 
 Options are compress.GeoOptions plus the fields of this module's Options.
 """
@@ -22,10 +26,11 @@ import zlib
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 import compress
-from nanogeo.parallel import agreement, hooks, layers
-from nanogeo.wire import collective, fp8sum
+from nanogeo.parallel import agreement, hadamard, hooks, layers, update_error
+from nanogeo.wire import collective, fp8sum, nvfp4
 
 # options renamed to train.py's flag names (one vocabulary), and the whitening's old name
 RENAMED = {"refresh": "geo_refresh", "warmup": "geo_warmup", "judge": "geo_judge",
@@ -35,6 +40,7 @@ OLD_GEOMETRY = {"whiten": "geofp8"}
 COLLECTIVES = ("two-stage", "fp8-sum")
 SUM_ORDERS = ("ring", "tree")      # fp8-sum: the order NCCL adds in (nanogeo/wire/fp8sum.py)
 SELECTIONS = compress.SELECTIONS + ("fragile",)
+GEOMETRIES = compress.GEOMETRIES + ("hadamard",)
 
 
 @dataclass
@@ -47,6 +53,11 @@ class Options(compress.GeoOptions):
     stochastic_round: bool = False  # stochastic rounding (two-stage collective only)
     stochastic_stages: str = "both" # ... in both stages, or only "1" (each rank's send) or "2"
                                     # (the re-quantized averaged shard)
+    error_feedback: bool = False    # keep each rank's stage-1 quantization error, add it back
+    feedback_geo_only: bool = False # ... only on the geometry-aware matrices (as published)
+    # the Hadamard control (geometry="hadamard", nanogeo/parallel/hadamard.py)
+    hadamard_block: int = 128       # entries per Walsh-Hadamard block, a power of two
+    hadamard_sides: str = "right"   # "right": along each row (row-local), "both": columns too
     # ablations (nanogeo/parallel/layers.py)
     whiten_factor: str = "lowrank"  # lowrank | lowrank-dense | full | diag | block
     whiten_block: int = 64          # block size of whiten_factor="block"
@@ -56,13 +67,18 @@ class Options(compress.GeoOptions):
     stale_residual: bool = False    # keep the residual in the old coordinates (defect c)
 
     def choices(self):
-        return {**super().choices(), "select": SELECTIONS, "collective": COLLECTIVES,
-                "sum_order": SUM_ORDERS, "whiten_factor": layers.WHITEN_FACTORS,
-                "basis": ("householder", "random"),
-                "stochastic_stages": tuple(collective.ROUNDING_STAGES)}
+        return {**super().choices(), "geometry": GEOMETRIES, "fmt": collective.FORMATS,
+                "select": SELECTIONS, "collective": COLLECTIVES, "sum_order": SUM_ORDERS,
+                "whiten_factor": layers.WHITEN_FACTORS, "basis": ("householder", "random"),
+                "stochastic_stages": tuple(collective.ROUNDING_STAGES),
+                "hadamard_sides": hadamard.HADAMARD_SIDES}
 
     def __post_init__(self):
         super().__post_init__()
+        collective.check_codec(self.fmt, self.block)
+        if self.hadamard_block < 2 or self.hadamard_block & (self.hadamard_block - 1):
+            raise ValueError(f"hadamard_block must be a power of two >= 2 (e.g. 128), got "
+                             f"{self.hadamard_block}")
         if self.scale_sync_every < 1:
             raise ValueError("scale_sync_every must be >= 1")
         if self.collective == "fp8-sum" and (self.fmt == "nvfp4" or self.stochastic_round):
@@ -100,75 +116,172 @@ class Options(compress.GeoOptions):
         """The subspace rotation with dense bases (ablations: full=True or basis="random")."""
         return self.full or self.basis != "householder"
 
+    @property
+    def scale_block(self):
+        """NVFP4 always scales blocks of 16 values (`block` does not apply to it)."""
+        return nvfp4.NVFP4_BLOCK if self.fmt == "nvfp4" else self.block
+
 
 class ProductionCommunicator(compress.Communicator):
     """compress.Communicator with the production forms (module docstring). train.py, the DDP
     hook, FSDP2 and the tools use this one."""
+    LAYERS = layers.LAYERS      # compress.py's layers with their state, and the Hadamard control
 
-    def __init__(self, named_shapes, options=None, group=None, linear=None, timer=compress.NO_TIMER):
-        super().__init__(named_shapes, options or Options(), group, linear, timer)
+    def __init__(self, named_shapes, options=None, group=None, linear=None,
+                 timer=collective.NO_TIMER):
+        super().__init__(named_shapes, options or Options(), group, linear)
+        self.timer = timer          # a benchmark's stage timer: where the time goes
+        self.reasons = {n: compress.exemption(n, self.shapes[n], self.opts, linear)
+                        for n in self.names if n not in self.layers}    # why it stays Euclidean
+        self.residuals = {}     # worker index -> {name: fp32 residual}, with error feedback
+        self.rows = {}          # FSDP: name -> this rank's RowBlocks of its gradient
         self.rounding_stream = zlib.crc32("\0".join(self.names).encode())  # its own random draws
         self.skipped = 0        # geometry updates skipped for a non-finite mean
         self.saturation = None  # fp8-sum: running sum of each tensor's saturated fraction
         self.saturation_steps = 0
+        self.proposed = False   # the step in progress proposed new geometry (rank agreement)
 
-    LAYERS = layers.LAYERS      # compress.py's layers, with their state (nanogeo.parallel.layers)
-
-    def _new_layer(self, name):
+    def make_layer(self, name):
         shape, opts = self.shapes[name], self.opts
         if opts.geometry != "subspace" or not opts.dense_bases:
-            return super()._new_layer(name)
+            return super().make_layer(name)
         r = min(shape) if opts.full else min(opts.geo_rank, min(shape) // 2)
         return layers.DenseSubspaceLayer(shape, r, seed=zlib.crc32(name.encode()), opts=opts,
                                          sides="both" if opts.sides == "auto" else opts.sides)
 
-    # -- the wire --------------------------------------------------------------------------------
+    def coords(self, name):
+        """"geo" or "euclidean": the coordinates `name` is sent in now (logs and tables)."""
+        return "geo" if self.is_geo(name) else "euclidean"
+
+    def whitened_sides(self):
+        return compress.whitened_sides(self.opts)
+
+    def moment_layers(self):
+        """Names of the weights whose layers' K-FAC statistics the whitening needs."""
+        return list(self.layers) if self.uses_moments else []
+
+    def to_coords(self, name, g):
+        with self.timer.stage("rotate"):
+            return super().to_coords(name, g)
+
+    def from_coords(self, name, c):
+        with self.timer.stage("rotate"):
+            return super().from_coords(name, c)
+
+    # -- the K-FAC statistics, averaged over the ranks ----------------------------------------------
+
+    def reduce(self, grads, moments=None):
+        """compress.Communicator.reduce, with this rank's K-FAC statistics averaged over the
+        group (token-weighted, one all-reduce) first."""
+        if moments is not None and dist.is_initialized():
+            moments = hooks.average_moments(moments, self.moment_shapes(), self.whitened_sides(),
+                                            self.sum_over_ranks, grads[0].device)
+        return super().reduce(grads, moments)
+
+    def reduce_workers(self, worker_grads, moments=None):
+        """compress.Communicator.reduce_workers; `moments` may also be a list, each simulated
+        rank's statistics, averaged with the same arithmetic as over real ranks."""
+        if isinstance(moments, list):
+            moments = hooks.average_worker_moments(moments, self.moment_shapes(),
+                                                   self.whitened_sides(), worker_grads[0][0].device)
+        return super().reduce_workers(worker_grads, moments)
+
+    def moment_shapes(self):
+        return {n: self.shapes[n] for n in self.moment_layers()}
+
+    def sum_over_ranks(self, t):
+        dist.all_reduce(t, group=self.group)
+        return t
+
+    # -- the wire, and error feedback ------------------------------------------------------------
 
     def rounding_seed(self):
         """This step's stochastic-rounding seed, different for every tensor list (every DDP
         bucket, every FSDP module): buckets of the same layout must not round alike."""
         return (self.opts.seed * 7919 + self.step) * 2_147_483_659 + self.rounding_stream
 
-    def _exchange(self, coords):
-        (tensors,), opts = coords, self.opts
-        if opts.collective == "fp8-sum":
-            means, nbytes, local, saturated = fp8sum.all_reduce_fp8_sum(
-                tensors, opts.fmt, self.group, opts.sum_order, self._local_scales(),
-                self._profiling())
-            self._count_saturation(saturated)
-            return means, nbytes, [local]
-        means, nbytes, *local = collective.all_reduce_mean(
-            tensors, opts.fmt, opts.block, self.group, opts.stochastic_round, self.rounding_seed(),
-            return_local=opts.error_feedback, timer=self.timer, stages=opts.stochastic_stages)
-        return means, nbytes, local or None
+    def has_feedback(self, name):
+        return self.opts.error_feedback and (not self.opts.feedback_geo_only or self.is_geo(name))
 
-    def _simulate(self, coords):
-        opts = self.opts
+    def outgoing(self, worker, grads):
+        """Error feedback: each gradient plus the rank's residual of the last step, in original
+        coordinates (the stale-residual ablation adds it in coordinates: collective())."""
+        sent = super().outgoing(worker, grads)
+        residual = {} if self.opts.stale_residual else self.residuals.get(worker, {})
+        return [g + residual[n] if self.has_feedback(n) and n in residual else g
+                for n, g in zip(self.names, sent)]
+
+    def collective(self, coords, across_ranks):
+        """The wire as training runs it (exchange()), and error feedback's residuals from each
+        rank's own round trip of what it sent."""
+        if self.opts.stale_residual:        # defect (c): the residual added in coordinates
+            coords = {w: [c + self.residuals.get(w, {})[n] if self.has_feedback(n)
+                          and n in self.residuals.get(w, {}) else c
+                          for n, c in zip(self.names, cs)] for w, cs in coords.items()}
+        means, nbytes, local = self.exchange(coords, across_ranks)
+        if self.opts.error_feedback:
+            self.keep_residuals(coords, local, means)
+        return means, nbytes
+
+    def exchange(self, coords, across_ranks):
+        """(means in coordinates, bytes, [each worker's own round trip] or None): the paper's
+        FP8-sum collective or the two-stage one (packed, NVFP4, stochastic rounding), over the
+        group or simulated."""
+        opts, workers = self.opts, list(coords.values())
         if opts.collective == "fp8-sum":
-            means, nbytes, local, saturated = fp8sum.simulate_fp8_sum(
-                coords, opts.fmt, opts.sum_order, self._local_scales(), self._profiling())
-            self._count_saturation(saturated)
+            if across_ranks:
+                means, nbytes, local, saturated = fp8sum.all_reduce_fp8_sum(
+                    workers[0], opts.fmt, self.group, opts.sum_order, self.local_scales(),
+                    self.profiling())
+                local = [local]
+            else:
+                means, nbytes, local, saturated = fp8sum.simulate_fp8_sum(
+                    workers, opts.fmt, opts.sum_order, self.local_scales(), self.profiling())
+            self.count_saturation(saturated)
             return means, nbytes, local
+        rounding = (opts.stochastic_round, self.rounding_seed())
+        if across_ranks:
+            means, nbytes, *local = collective.all_reduce_mean(
+                workers[0], opts.fmt, opts.block, self.group, *rounding,
+                return_local=opts.error_feedback, timer=self.timer, stages=opts.stochastic_stages)
+            return means, nbytes, local or None
         means, nbytes, *local = collective.simulate_mean(
-            coords, opts.fmt, opts.block, opts.stochastic_round, self.rounding_seed(),
-            return_local=opts.error_feedback, stages=opts.stochastic_stages)
+            workers, opts.fmt, opts.block, *rounding, return_local=opts.error_feedback,
+            stages=opts.stochastic_stages)
         return means, nbytes, local[0] if local else None
 
-    def _round_trip(self, x):
+    def keep_residuals(self, coords, local, mean_coords):
+        """Each worker's loss to the codec (coords: {worker: its tensors in coordinates}, local:
+        their own round trips), kept in original coordinates, so a refresh of the geometry
+        re-expresses it at the next encode (the published method keeps it in the old
+        coordinates: defect c, stale_residual). A step whose mean is not finite (an fp16
+        GradScaler overflow; the optimizer skips it) keeps the old residual: chosen on the
+        device, no host sync."""
+        finite = agreement.all_finite(mean_coords)
+        for (worker, in_coords), returned in zip(coords.items(), local):
+            old = self.residuals.get(worker, {})
+            lost = {n: c - back for n, c, back in zip(self.names, in_coords, returned)
+                    if self.has_feedback(n)}
+            new = {n: d if self.opts.stale_residual else self.from_coords(n, d)
+                   for n, d in lost.items()}
+            self.residuals[worker] = {n: torch.where(finite, r, old.get(n, torch.zeros_like(r)))
+                                      for n, r in new.items()}
+
+    def round_trip(self, x):
         return collective.round_trip(x, self.opts.fmt, self.opts.block)
 
-    def _local_scales(self):
+    def local_scales(self):
         return self.opts.scale_sync_every > 1 and self.step % self.opts.scale_sync_every != 0
 
-    # -- the paper's profiled selection ------------------------------------------------------------
+    # -- the paper's profiled selection ----------------------------------------------------------
 
-    def _profiling(self):
+    def profiling(self):
         """Is the fragility profile taken this step? During the warmup for select="fragile",
         always in Euclidean mode (nanogeo.tools.profile)."""
         warmup = self.opts.select == "fragile" and self.step < self.opts.geo_warmup
         return warmup or self.opts.geometry == "euclidean"
 
-    def _count_saturation(self, saturated):
+    def count_saturation(self, saturated):
         """Add up the fragility profile (None: not taken). On the device: no host sync."""
         if saturated is not None:
             self.saturation = saturated if self.saturation is None else self.saturation + saturated
@@ -181,97 +294,83 @@ class ProductionCommunicator(compress.Communicator):
         scores = (self.saturation / self.saturation_steps).tolist()
         return dict(zip(self.names, scores))
 
-    def advance(self, means, worker_grads, across_ranks=False, rows=None, moments=None):
-        super().advance(means, worker_grads, across_ranks, rows, moments)
-        if self.layers and self.opts.select == "fragile" and self.step == self.opts.geo_warmup:
-            self._select_fragile()
-
-    def _select_fragile(self):
+    def select_fragile(self):
         """The published selection: the top_k matrices by mean fraction of saturated FP8 sums
-        over the profiled (warmup) steps may go geometry-aware, if their gain allows."""
+        over the profiled (warmup) steps are the list decide() lets use the geometry."""
         scores = self.fragility()
         ranked = sorted(self.layers, key=lambda n: -scores.get(n, 0.0))
         self.chosen = set(ranked[:self.opts.top_k])
         for n in ranked:
-            self._choose(n, self.layers[n])
+            self.layers[n].use_geo = self.decide(n, self.layers[n])
 
-    # -- across ranks ------------------------------------------------------------------------------
+    # -- the geometry: FSDP's rows, finiteness, rank agreement ---------------------------------------
 
-    def _average_moments(self, moments, device):
-        """The K-FAC statistics of every rank (this rank's, summed over the group; or a list of
-        each simulated worker's) -> their token-weighted mean, the same on every rank."""
-        if not (isinstance(moments, list) or (moments is not None and self.across_ranks)):
-            return moments
-        shapes = {n: self.shapes[n] for n in self.moment_layers()}
-        if isinstance(moments, list):
-            return hooks.average_worker_moments(moments, shapes, self.whitened_sides(), device)
-        return hooks.average_moments(moments, shapes, self.whitened_sides(),
-                                     self._sum_over_ranks, device)
+    def advance(self, means, sent, moments=None, across_ranks=False, rows=None):
+        """compress.Communicator.advance; `rows` (FSDP): {name: this rank's RowBlocks}, when
+        `means` holds only this rank's rows; then, after the warmup, the fragile selection."""
+        if rows:
+            self.rows = rows
+            for n, layer in [*self.layers.items(), *self.proposals.items()]:
+                layer.rows = rows.get(n)
+        super().advance(means, sent, moments, across_ranks)
+        if self.layers and self.opts.select == "fragile" and self.step == self.opts.geo_warmup:
+            self.select_fragile()
 
-    def _update_geometry(self, means, worker_grads, moments, whiten_now):
-        """Only from finite means and statistics (else counted in `skipped`); after a refresh
-        across ranks, check that every rank holds the same geometry."""
-        if not self._finite(means, moments):
+    def update_geometry(self, means, sent, moments, across_ranks):
+        """Only from finite means and statistics (else counted in `skipped`); after new geometry
+        across ranks, check that every rank holds the same."""
+        if not self.finite(means, moments, across_ranks):
             self.skipped += 1   # a non-finite mean (or statistic) must not reach the geometry
-            return False
+            return
+        self.proposed = False
         with self.timer.stage("geometry"):
-            refreshed = super()._update_geometry(means, worker_grads, moments, whiten_now)
-        if self.across_ranks and refreshed:
+            super().update_geometry(means, sent, moments, across_ranks)
+        if across_ranks and self.proposed:
             device = next(iter(means.values())).device
-            newest = [self.candidates.get(n, layer) for n, layer in self.layers.items()]
+            newest = [self.proposals.get(n, layer) for n, layer in self.layers.items()]
             agreement.verify_geometry(newest, self.group, self.step, device)
-        return refreshed
 
-    def _finite(self, means, moments):
+    def propose(self, name, statistics):
+        self.proposed = True
+        super().propose(name, statistics)
+
+    def finite(self, means, moments, across_ranks):
         """Are this step's means (and statistics) finite? One host sync, on geometry steps only.
-        The ranks decide together through one small all-reduce: under FSDP (rows) each holds
-        its own rows, and under DDP a rank whose copy went bad alone must not skip the geometry
-        steps (and their collectives) that the others run."""
+        The ranks decide together through one small all-reduce: under FSDP each holds its own
+        rows, and under DDP a rank whose copy went bad alone must not skip the geometry steps
+        (and their collectives) that the others run."""
         tensors = list(means.values())
         for side in ("input", "output"):
             tensors += list((moments or {}).get(side, {}).values())
-        bad = self._sum_over_ranks((~agreement.all_finite(tensors)).double())
+        bad = (~agreement.all_finite(tensors)).double()
+        if across_ranks:
+            self.sum_over_ranks(bad)
         return bad.item() == 0
 
-    # -- error feedback: a non-finite step keeps the old residual; the stale ablation ---------------
-
-    def _prepare(self, grads, worker):
-        if not self.opts.stale_residual:
-            return super()._prepare(grads, worker)
-        residual = self.residuals.pop(worker, {})      # defect (c): added in coordinates
-        outgoing, coords = super()._prepare(grads, worker)
-        self.residuals[worker] = residual
-        return outgoing, [c + residual[n] if self._has_feedback(n) and n in residual else c
-                          for n, c in zip(self.names, coords)]
-
-    def _residual(self, name, lost):
-        """The stale-residual ablation keeps the loss in the coordinates it was made in."""
-        return lost if self.opts.stale_residual else super()._residual(name, lost)
-
-    def _keep_residuals(self, coords, local, mean_coords):
-        """As compress.py's, but a step whose mean is not finite (an fp16 GradScaler overflow;
-        the optimizer skips it) keeps the old residual: chosen on the device, no host sync."""
-        old = {w: self.residuals.get(w, {}) for w in coords}
-        super()._keep_residuals(coords, local, mean_coords)
-        finite = agreement.all_finite(mean_coords)
-        for w in coords:
-            self.residuals[w] = {n: torch.where(finite, r, old[w].get(n, torch.zeros_like(r)))
-                                 for n, r in self.residuals[w].items()}
+    def error_seen(self, name, mean, workers):
+        """Under FSDP (rows) the error of this rank's rows only, as its optimizer sees them (or
+        in L2): the gain check's all-reduce adds the ranks' rows up."""
+        rows = self.rows.get(name)
+        if rows is None:
+            return super().error_seen(name, mean, workers)
+        view = self.views.get(name) if self.opts.geo_judge == "optimizer" else None
+        return update_error.UpdateError(view, mean, rows, workers)
 
     # -- checkpoints -------------------------------------------------------------------------------
 
     def state_dict(self):
-        layers = {n: layer.state_dict() for n, layer in self.layers.items() if layer.ready}
-        candidates = {n: layer.state_dict() for n, layer in self.candidates.items()}
+        layer_states = {n: layer.state_dict() for n, layer in self.layers.items() if layer.ready}
+        proposals = {n: layer.state_dict() for n, layer in self.proposals.items()}
         residuals = {w: dict(r) for w, r in self.residuals.items()}
-        return {"geometry": self.opts.geometry, "step": self.step, "layers": layers,
-                "candidates": candidates, "residuals": residuals, "chosen": sorted(self.chosen),
+        return {"geometry": self.opts.geometry, "step": self.step, "layers": layer_states,
+                "proposals": proposals, "residuals": residuals, "chosen": sorted(self.chosen),
                 "saturation": self.saturation, "saturation_steps": self.saturation_steps}
 
     def load_state_dict(self, state):
         saved = state.get("geometry", "subspace")       # checkpoints before the whitening existed
         saved = OLD_GEOMETRY.get(saved, saved)          # its name before
-        if (state["layers"] or state.get("candidates")) and saved != self.opts.geometry:
+        proposals = state.get("proposals", state.get("candidates", {}))    # (their old name)
+        if (state["layers"] or proposals) and saved != self.opts.geometry:
             raise ValueError(f"the communicator state is for geometry={saved!r}, not "
                              f"{self.opts.geometry!r}: resume with the same method")
         self.step = state["step"]
@@ -281,10 +380,10 @@ class ProductionCommunicator(compress.Communicator):
         self.chosen = set(state.get("chosen", self.chosen))
         for n, layer_state in state["layers"].items():
             self.layers[n].load_state_dict(layer_state)
-        self.candidates = {}                # (none in checkpoints from before they existed)
-        for n, layer_state in state.get("candidates", {}).items():
+        self.proposals = {}                 # (none in checkpoints from before they existed)
+        for n, layer_state in proposals.items():
             if n not in self.layers:
                 raise ValueError(f"the communicator state has new geometry for {n!r}, which is "
                                  "not a candidate matrix here: resume with the same model")
-            self.candidates[n] = copy.copy(self.layers[n])  # as _propose makes one (FSDP's
-            self.candidates[n].load_state_dict(layer_state)  # core-scattering choice included)
+            self.proposals[n] = copy.copy(self.layers[n])   # as propose() makes one (FSDP's
+            self.proposals[n].load_state_dict(layer_state)  # core-scattering choice included)

@@ -80,7 +80,7 @@ class GeoFP8HookState:
         self.module = module
         self.names = {p: n for n, p in module.named_parameters()}
         self.trainable = sum(p.requires_grad for p in self.names)     # what DDP's buckets hold
-        self.linear = set(compress.linear_layers(module) if linear is None else linear)
+        self.linear = set(hooks.linear_layers(module) if linear is None else linear)
         check_candidates(self.linear, module)
         self.views = {}             # name -> nanogeo.parallel.update_error.OptimizerView, from watch()
         self.communicators = {}     # tuple of names -> ProductionCommunicator
@@ -100,7 +100,7 @@ class GeoFP8HookState:
             if self.options.select == "fragile":
                 raise ValueError("nanogeo.parallel.ddp: select='fragile' would pick top_k per bucket; "
                                  "profile with nanogeo.tools.profile and pass select='list', geo_layers=...")
-            layers = compress.linear_layers(module, candidates)
+            layers = hooks.linear_layers(module, candidates)
             other = sorted(set(candidates) - set(layers))
             if other:
                 raise ValueError("nanogeo.parallel.ddp: the published whitening needs nn.Linear layers "
@@ -153,7 +153,7 @@ class GeoFP8HookState:
         rank = dist.get_rank(self.process_group) if dist.is_initialized() else 0
         return {"geometry": state["geometry"], "step": self.iteration,
                 "layers": {n: s for n, s in state["layers"].items() if n in names},
-                "candidates": {n: s for n, s in state["candidates"].items() if n in names},
+                "proposals": {n: s for n, s in state["proposals"].items() if n in names},
                 "residuals": {rank: {n: r for n, r in state["residuals"].items() if n in names}},
                 "chosen": state["chosen"]}
 
@@ -162,19 +162,20 @@ class GeoFP8HookState:
         PowerSGD's state. Residuals are this rank's own (save one file per rank)."""
         saved = self.saved or {"layers": {}, "residuals": {}, "chosen": ()}
         layers, residuals = dict(saved["layers"]), dict(saved["residuals"])   # then what ran since
-        candidates = dict(saved.get("candidates", {}))  # new geometry awaiting its measurement
+        # new geometry awaiting its measurement (checkpoints before the rename: "candidates")
+        proposals = dict(saved.get("proposals", saved.get("candidates", {})))
         chosen = set(self.options.geo_layers) | set(saved["chosen"])
         for comm, names in self._owned():
             state = comm.state_dict()
             layers.update((n, s) for n, s in state["layers"].items() if n in names)
             for n in names:                     # this bucket's view of n replaces the older one
-                candidates.pop(n, None)
-            candidates.update((n, s) for n, s in state["candidates"].items() if n in names)
+                proposals.pop(n, None)
+            proposals.update((n, s) for n, s in state["proposals"].items() if n in names)
             for residual in state["residuals"].values():
                 residuals.update((n, r) for n, r in residual.items() if n in names)
             chosen |= set(state["chosen"])
         return {"geometry": self.options.geometry, "iteration": self.iteration, "layers": layers,
-                "candidates": candidates, "residuals": residuals, "chosen": sorted(chosen)}
+                "proposals": proposals, "residuals": residuals, "chosen": sorted(chosen)}
 
     def load_state_dict(self, state):
         if OLD_GEOMETRY.get(state["geometry"], state["geometry"]) != self.options.geometry:
@@ -196,7 +197,7 @@ class GeoFP8HookState:
         return state
 
     def watch(self, optimizers):
-        """Judge each layer by the error its optimizer sees (compress section 4b): call once
+        """Judge each layer by the error its optimizer sees (compress.py section 5): call once
         after building the optimizers. Without it, coordinates are chosen by plain L2 error."""
         self.views = hooks.optimizer_views(optimizers, self.module)
         for comm in self.communicators.values():

@@ -38,7 +38,7 @@ and an m x r all-gather every `refresh` steps); every rank completes the same Ho
 The coordinates of each matrix are chosen as in DDP, by the codec error measured on each rank's
 own local gradient in both systems, all-reduced.
 
-The Hadamard control (geometry="hadamard", compress section 3c) fits the row shards as they
+The Hadamard control (geometry="hadamard", nanogeo/parallel/hadamard.py) fits the row shards as they
 are: along the columns it transforms each row alone, so a rank decodes its rows of the mean with
 the layer's own decode - no collective at all, and no statistics to refresh. Its rows option
 (hadamard_sides="both") mixes rows across the shards and is refused.
@@ -67,6 +67,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 import compress
 from nanogeo.parallel import hooks
+from nanogeo.parallel.rows import RowBlocks, decode_geo_rows, swap_entries_rows
 from nanogeo.run import summary
 from nanogeo.parallel.ddp import check_candidates
 from nanogeo.wire import collective
@@ -101,7 +102,7 @@ class FP8ReduceScatter(ReduceScatter):
     two parameters' shards). Counts the bytes it sends."""
 
     def __init__(self, fmt="e4m3", block=128):
-        compress.check_codec(fmt, block)
+        collective.check_codec(fmt, block)
         self.fmt, self.block = fmt, block
         self.bytes_sent = 0
 
@@ -244,7 +245,7 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
         a chunk is not a whole number of blocks the two grids differ and a scattered core entry
         could share a block: scattering is turned off for that matrix (one notice; the decode
         stays exact, the matrix only loses that refinement)."""
-        block = compress.NVFP4_BLOCK if self.fmt == "nvfp4" else self.block
+        block = self.comm.opts.scale_block
         if not isinstance(block, int):
             return                      # row / tensor scaling: nothing to align
         for name, shape, rows in zip(self.names, self.shapes, per_rank):
@@ -270,7 +271,7 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
         for layer in layers:  # the two small all-reduces' bytes (ring estimate), for logging
             small = (layer.r * layer.shape[1] if layer.transform[0] is not None else 0) + \
                 (2 * layer.swaps[0].numel() if layer.swaps_for(layer.transform) is not None else 0)
-            self.geometry_bytes += compress.ring_allreduce_bytes(small, 4, world)
+            self.geometry_bytes += collective.ring_allreduce_bytes(small, 4, world)
         return {**decoded, **dict(zip(names, G))}
 
     def table(self):
@@ -283,7 +284,7 @@ def use_geofp8(model, linear=None, **options):
     weight (found by module type; name a GPT-2 Conv1D's weights here to rotate them too); pass
     vocab_size to keep an untied output head Euclidean as well. Returns the reduce-scatters
     (their bytes_sent, geometry_bytes and table() are for logging; watch_optimizers)."""
-    linear = set(compress.linear_layers(model) if linear is None else linear)
+    linear = set(hooks.linear_layers(model) if linear is None else linear)
     check_candidates(linear, model)
     comms = []
     for prefix, module in model.named_modules():
@@ -297,7 +298,7 @@ def use_geofp8(model, linear=None, **options):
 
 
 def watch_optimizers(comms, optimizers, model):
-    """Judge each matrix by the error its optimizer sees (compress section 4b). Under FSDP each
+    """Judge each matrix by the error its optimizer sees (compress.py section 5). Under FSDP each
     rank weighs the rows it owns - its shard of AdamW's second moments against the same rows of
     its own gradient's codec error - and the gain check's all-reduce adds the ranks' row blocks
     up; Muon, which needs whole matrices, is judged in L2."""
@@ -321,98 +322,3 @@ def load_state_dict(comms, state):
                          f"{missing[0][:80]}...; load it into the model it was saved from")
     for c in comms:
         c.comm.load_state_dict(saved[",".join(c.names)])
-
-
-# -----------------------------------------------------------------------------
-# the subspace rotation on row blocks (FSDP's dim-0 shards)
-
-class RowBlocks(compress.AllRows):
-    """Where the rows of a gradient G (m x n) live while its geometry is estimated.
-
-    Under DDP (train.py) every rank holds all of G: compress.AllRows, whose methods are the
-    identity. Under FSDP each rank holds only a block of rows: rank j has rows [j c, (j + 1) c) of G, with
-    c = ceil(m / W) (FSDP's dim-0 sharding). The subspace iteration is then the same algebra with
-    two collectives: `sum` adds the rank's partial products (G^T U = sum_j G_j^T U_j is an n x r
-    all-reduce) and `gather` assembles an m x r matrix from its row blocks. Bases (U, V) are
-    always held whole, so every rank completes the same Householder basis from them."""
-
-    def __init__(self, m=None, group=None):
-        self.sharded = m is not None and dist.is_initialized() and dist.get_world_size(group) > 1
-        self.group = group
-        if self.sharded:
-            world, me = dist.get_world_size(group), dist.get_rank(group)
-            self.m, self.per_rank = m, -(-m // world)
-            self.start, self.end = min(m, me * self.per_rank), min(m, (me + 1) * self.per_rank)
-
-    def local(self, X):
-        """This rank's rows of a whole m x k matrix."""
-        return X[self.start: self.end] if self.sharded else X
-
-    def sum(self, x):
-        """The sum over ranks of a partial product (all ranks get the same result)."""
-        return self.sum_all([x])[0]
-
-    def sum_all(self, parts):
-        """sum() of several partial products (any shapes) with one all-reduce."""
-        if not self.sharded:
-            return parts
-        flat = torch.cat([p.reshape(-1) for p in parts])
-        dist.all_reduce(flat, group=self.group)
-        return [f.view(p.shape) for f, p in zip(flat.split([p.numel() for p in parts]), parts)]
-
-    def gather(self, X_rows):
-        """The whole m x k matrix from every rank's block of rows."""
-        if not self.sharded:
-            return X_rows
-        padded = X_rows.new_zeros(self.per_rank, X_rows.shape[1])
-        padded[: X_rows.shape[0]] = X_rows
-        blocks = [torch.empty_like(padded) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(blocks, padded, group=self.group)
-        return torch.cat(blocks)[: self.m]
-
-
-def decode_geo_rows(matrices):
-    """decode_geo when each rank holds only a block of rows of H (FSDP; see RowBlocks), for
-    Householder bases. `matrices` is a list of (H_rows, left, right, rows), typically all of one
-    FSDP module's rotated matrices. The right side acts on each row alone: K = H Q^T row by row.
-    The left side mixes rows only through r directions: (P K)_j = K_j - Y_j T (Y^T K), and
-    Y^T K (r x n) is the sum over ranks of Y_j^T K_j: r n numbers against the m n / W of the
-    block, summed for all the matrices in one all-reduce. Returns each matrix's rows of G."""
-    Ks = [right.apply(H.T).T if right is not None else H for H, _, right, _ in matrices]
-    lefts = [(k, rows.local(left.Y), left.T) for k, (_, left, _, rows) in enumerate(matrices)
-             if left is not None]                                  # Y_j: (rows here, r)
-    if lefts:
-        rows = matrices[0][3]
-        totals = rows.sum_all([Y.T @ Ks[k] for k, Y, _ in lefts])  # Y^T K of each, (r, n)
-        for (k, Y, T), YtK in zip(lefts, totals):
-            Ks[k] = Ks[k] - Y @ (T @ YtK)
-    return Ks
-
-
-def swap_entries_rows(matrices):
-    """swap_entries on this rank's block of rows of H (FSDP; see RowBlocks), for a list of
-    (H_rows, swaps, rows). A pair may join two blocks (core entries sit in the first rows,
-    their partners in the last), so every rank contributes the values at the swapped positions
-    it holds, one all-reduce (2 s numbers per matrix, all matrices at once) shares them, and
-    every rank writes each of its positions' partner value."""
-    out, writes, contributions, group_rows = [], [], [], None
-    for H_rows, swaps, rows in matrices:
-        if swaps is None or not rows.sharded:
-            out.append(compress.swap_entries(H_rows, swaps))
-            continue
-        first = rows.start * H_rows.shape[1]                # flat index of this block's start
-        positions = torch.cat(compress.on_device(swaps, H_rows.device))  # (2 s,): all a's, then all b's
-        held = (positions >= first) & (positions < first + H_rows.numel())
-        local = positions[held] - first                     # the swapped positions held here
-        flat = H_rows.reshape(-1).clone()
-        values = flat.new_zeros(positions.numel())
-        values[held] = flat[local]
-        out.append(flat.view(H_rows.shape))
-        writes.append((flat, held, local))
-        contributions.append(values)
-        group_rows = rows
-    if writes:
-        for (flat, held, local), values in zip(writes, group_rows.sum_all(contributions)):
-            partner = values.roll(values.numel() // 2)      # a_k <-> b_k
-            flat[local] = partner[held]
-    return out

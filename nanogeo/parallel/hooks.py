@@ -1,24 +1,43 @@
 """
 What GeoFP8 reads from the model and its optimizers, as torch hooks and adapters:
 
+  * linear_layers: the model's nn.Linear weights, found by module type (never by name or
+    shape): the matrices that may use a geometry, and the layers whose inputs K-FAC reads;
   * KroneckerMoments: the K-FAC statistics of linear layers (A = E[a a^T] of the inputs, G =
     E[delta delta^T] of the output gradients) that the published method whitens with, collected
-    by forward hooks (compress.py section 3b);
+    by forward hooks (compress.py section 3);
   * average_moments: those statistics averaged over the ranks (token-weighted, one
     all-reduce), so that every rank computes the same factors (ProductionCommunicator
     calls it; average_worker_moments does the same for simulated ranks; statistics_bytes
     counts what that all-reduce sends);
   * optimizer_views: each parameter's optimizer (AdamW or Muon) as an OptimizerView, so
     that the per-layer choice is judged by the error that optimizer sees (compress.py
-    section 4b).
+    section 5).
 """
 import contextlib
 import functools
 
 import torch
 
-from compress import ring_allreduce_bytes
 from nanogeo.parallel.update_error import OptimizerView
+from nanogeo.wire.collective import ring_allreduce_bytes
+
+
+def linear_layers(model, names=None):
+    """{weight name: the nn.Linear owning it}, found by module type (never by name or shape),
+    restricted to `names` if given. A weight shared with another module (a tied embedding) is
+    left out: its gradient is not one layer's sum of delta a^T."""
+    owners = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), []).append(module)
+    found = {}
+    for name, param in model.named_parameters():
+        modules = owners.get(id(param), [])
+        if (len(modules) == 1 and isinstance(modules[0], torch.nn.Linear)
+                and param is modules[0].weight and (names is None or name in names)):
+            found[name] = modules[0]
+    return found
 
 
 class KroneckerMoments:

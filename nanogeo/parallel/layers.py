@@ -1,9 +1,11 @@
 """
 The coordinate layers as production runs them (nanogeo.parallel.communicator makes these):
 
-  * compress.py's three - SubspaceLayer, WhitenedLayer, HadamardLayer - with what rank
-    agreement, the broadcast and checkpoints need of them: tensors(), flags() / load_flags()
-    (the decisions as numbers), state_dict() / load_state_dict();
+  * compress.py's two - SubspaceLayer, WhitenedLayer - and the Hadamard control
+    (nanogeo.parallel.hadamard), with what rank agreement, the broadcast, checkpoints, FSDP and
+    the layer table need of them: tensors(), flags() / load_flags() (the decisions as numbers),
+    state_dict() / load_state_dict(), row_local, r, sides; the rotation estimated on FSDP's
+    row blocks (nanogeo.parallel.rows) and its core energy;
 
   * the ablations: whitening factors other than the low-rank one compress.py applies in O(d r) per row -
     "lowrank-dense": the same low-rank + diagonal A^ with a dense Cholesky factor and a
@@ -22,6 +24,8 @@ from dataclasses import dataclass, field
 import torch
 
 import compress
+from nanogeo.parallel import rows as row_blocks
+from nanogeo.parallel.hadamard import HadamardLayer
 
 
 @dataclass
@@ -98,10 +102,25 @@ def whitening_factor(A, kind="lowrank", rank=32, block=64, damping=1e-3, floor=1
                        **{k: v.to(dtype) for k, v in factor.tensors().items()})
 
 
+LOWRANK_TENSORS = ("sqrt_d", "directions", "up", "down")     # compress.Whitening's
+
+
+def factor_tensors(factor):
+    """{name: tensor} of a factor of any kind (compress.Whitening or DenseFactor)."""
+    if isinstance(factor, DenseFactor):
+        return factor.tensors()
+    return {k: getattr(factor, k) for k in LOWRANK_TENSORS}
+
+
 def load_factor(state):
-    """A factor from its {"kind", "size", tensors...} (a whitened layer's state_dict)."""
-    kind = compress.Whitening if state["kind"] == "lowrank" else DenseFactor
-    return kind(**state)
+    """A factor from its {"kind", "size", tensors...} (a whitened layer's state_dict; a low-rank
+    factor saved before its Q was named `directions` loads too)."""
+    if state["kind"] != "lowrank":
+        return DenseFactor(**state)
+    state = dict(state)
+    if "Q" in state:
+        state["directions"] = state.pop("Q")
+    return compress.Whitening(**state)
 
 
 def dense_factor(A, kind, rank, block, damping, floor):
@@ -160,8 +179,41 @@ class JudgedLayer:
         self.use_geo, self.gain = bool(flags[0]), flags[2]
 
 
+UNSHARDED = row_blocks.RowBlocks()      # every rank holds every row (DDP, train.py)
+
+
+
+
 @dataclass
 class ProductionSubspaceLayer(compress.SubspaceLayer):
+    """Also: its bases estimated on FSDP's row blocks (`rows`, set by the communicator), the
+    core energy (the fraction of the mean's energy in the r x r core: the layer table's), and
+    the state rank agreement and checkpoints read."""
+    energy: object = float("nan")       # a device scalar once measured: no host sync
+    rows: object = field(default=None, repr=False)      # FSDP's RowBlocks of this matrix
+    @property
+    def row_local(self):
+        """Only the column side rotates: decode acts on each row alone."""
+        return self.transform[0] is None
+
+    def dominant_subspaces(self, mean):
+        """compress.py's subspace iteration, or its row form when `mean` is this rank's block of
+        rows (FSDP); then the core energy, summed over the ranks."""
+        rows = self.rows or UNSHARDED
+        if not rows.sharded:
+            U, V = super().dominant_subspaces(mean)
+        elif self.left_basis is None:
+            U, V, self.left_energy, self.right_energy = row_blocks.initial_subspaces_rows(
+                mean, self.r, self.seed, rows)
+        else:
+            U, V, self.left_energy, self.right_energy = row_blocks.update_subspaces_rows(
+                mean, self.left_basis.columns(), self.right_basis.columns(), self.left_energy,
+                self.right_energy, self.opts.decay, self.opts.iters, rows)
+        total = rows.sum(mean.pow(2).sum())
+        core = rows.sum(rows.local(U).T @ mean @ V).pow(2).sum()   # sum over ranks, then square
+        self.energy = core / total.clamp(min=1e-30)               # stays on the device
+        return U, V
+
     def tensors(self):
         return [self.left_basis.Y, self.left_basis.T, self.right_basis.Y, self.right_basis.T,
                 self.left_energy, self.right_energy]
@@ -187,6 +239,8 @@ class ProductionSubspaceLayer(compress.SubspaceLayer):
         self.right_basis = compress.HouseholderBasis(s["right_Y"], s["right_T"])
         self.left_energy, self.right_energy = s["left_energy"], s["right_energy"]
         self.energy = s["energy"]
+        if self.swaps is not None:      # on the bases' device, as refresh() leaves them
+            self.swaps = tuple(t.to(s["left_Y"].device) for t in self.swaps)
         self.rotate_sides(s.get("sides", self.sides))
 
 
@@ -194,7 +248,20 @@ class ProductionSubspaceLayer(compress.SubspaceLayer):
 class ProductionWhitenedLayer(JudgedLayer, compress.WhitenedLayer):
     """Also the factor kinds of Options.whiten_factor and the published EMA of the triangular factor
     (factor_decay; the low-rank form is not closed under blending, so it is smoothed through its
-    second moment only)."""
+    second moment only), and what the layer table and FSDP read."""
+    energy = float("nan")               # (the rotation's core energy: none here)
+    sides = "both"                      # (no side is chosen here)
+    transform = ()                      # (no rotation)
+
+    @property
+    def r(self):
+        """r of its low-rank approximation: the factor's eigenpairs (whiten_rank)."""
+        return self.opts.whiten_rank
+
+    @property
+    def row_local(self):
+        """Only the input side is whitened (G~ = G F^-T): decode acts on each row alone."""
+        return "output" not in self.factors
 
     def factor_of(self, side, moment):
         o = self.opts
@@ -205,11 +272,11 @@ class ProductionWhitenedLayer(JudgedLayer, compress.WhitenedLayer):
 
     def tensors(self):
         return ([m for m in self.moments.values()]
-                + [t for f in self.factors.values() for t in f.tensors().values()])
+                + [t for f in self.factors.values() for t in factor_tensors(f).values()])
 
     def state_dict(self):
         return {"moments": dict(self.moments), "use_geo": self.use_geo, "gain": self.gain,
-                "factors": {side: {"kind": f.kind, "size": f.size, **f.tensors()}
+                "factors": {side: {"kind": f.kind, "size": f.size, **factor_tensors(f)}
                             for side, f in self.factors.items()}}
 
     def load_state_dict(self, s):
@@ -218,22 +285,8 @@ class ProductionWhitenedLayer(JudgedLayer, compress.WhitenedLayer):
         self.factors = {side: load_factor(f) for side, f in s["factors"].items()}
 
 
-@dataclass
-class ProductionHadamardLayer(JudgedLayer, compress.HadamardLayer):
-    def tensors(self):
-        return [t for t in (self.column_signs, self.row_signs) if t is not None]
-
-    def state_dict(self):
-        return {"column_signs": self.column_signs, "row_signs": self.row_signs,
-                "use_geo": self.use_geo, "gain": self.gain}
-
-    def load_state_dict(self, s):
-        self.use_geo, self.gain = s["use_geo"], s["gain"]
-        self.column_signs, self.row_signs = s["column_signs"], s["row_signs"]
-
-
 LAYERS = {"geofp8": ProductionWhitenedLayer, "subspace": ProductionSubspaceLayer,
-          "hadamard": ProductionHadamardLayer}
+          "hadamard": HadamardLayer}
 
 
 @dataclass
@@ -244,17 +297,21 @@ class DenseSubspaceLayer(ProductionSubspaceLayer):
     compress.SubspaceLayer (they carry the warm start, the energies and the readiness)."""
     exact: tuple = field(default=None, repr=False)      # full=True: (U (m, m), V (n, n))
 
-    def bases(self):
+    def rotation(self, sides=None):
+        """The dense bases in place of the Householder ones, on the same sides."""
+        left, right = super().rotation(sides)
         if self.opts.full:
-            return tuple(DenseBasis(M) for M in self.exact)
-        device = self.left_basis.Y.device
-        return (DenseBasis(random_orthogonal(self.shape[0], self.seed, device)),
-                DenseBasis(random_orthogonal(self.shape[1], self.seed + 1, device)))
+            dense = tuple(DenseBasis(M) for M in self.exact)
+        else:
+            device = self.left_basis.Y.device
+            dense = (DenseBasis(random_orthogonal(self.shape[0], self.seed, device)),
+                     DenseBasis(random_orthogonal(self.shape[1], self.seed + 1, device)))
+        return (dense[0] if left is not None else None, dense[1] if right is not None else None)
 
-    def refresh(self, mean, rows=compress.ALL_ROWS):
+    def refresh(self, mean):
         if self.opts.full:
             self.exact = exact_bases(mean)
-        super().refresh(mean, rows)
+        super().refresh(mean)
 
     def tensors(self):
         return super().tensors() + list(self.exact or ())

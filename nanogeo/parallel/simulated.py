@@ -29,9 +29,9 @@ import functools
 import torch
 import torch.nn as nn
 
-import compress
 import model as model_lib
 from nanogeo.parallel import hooks
+from nanogeo.wire import collective
 
 # Tokens per batched pass: enough to pay the per-kernel overhead once for several ranks, few
 # enough that a pass's activations (and logits: tokens x vocabulary) stay small. char-study at
@@ -190,7 +190,7 @@ def reduce_gradients(params, worker_grads, method, communicator, worker_moments=
                 total = total + g.to(dtype)         # the all_reduce SUM, in the wire's dtype
             means.append(total.float() / world)
         numel = sum(g.numel() for g in worker_grads[0])
-        nbytes = compress.ring_allreduce_bytes(numel, dtype.itemsize, world) if world > 1 else 0
+        nbytes = collective.ring_allreduce_bytes(numel, dtype.itemsize, world) if world > 1 else 0
     else:   # worker_moments: each rank's whitening statistics, on the steps that collect them
         means, nbytes = communicator.reduce_workers(worker_grads, worker_moments or None)
         if worker_moments:      # ... averaged over the ranks by one more all-reduce

@@ -1,14 +1,16 @@
 """
 The error the optimizer sees: what a gradient error does to the next update, from the
-optimizer's own state - AdamW's elementwise update (exactly), Muon's Newton-Schulz map (to first
-order).
-compress.Communicator judges each layer's coordinates by it (through OptimizerView.error) (why: compress.py section
-4b, "The error the optimizer sees"); nanogeo.tools.fidelity and nanogeo.tools.variants report with it.
+optimizer's own state - AdamW's elementwise update, exactly (compress.py's adamw_direction, on
+this rank's shard of FSDP's state too), and Muon's Newton-Schulz map, to first order.
+compress.Communicator judges each layer's coordinates by it, through OptimizerView.error (why:
+compress.py section 5); nanogeo.tools.fidelity and nanogeo.tools.variants report with it.
 """
 import functools
 from dataclasses import dataclass
 
 import torch
+
+import compress
 
 
 @dataclass
@@ -24,7 +26,7 @@ class OptimizerView:
     def hyper(self):
         return self.read_hyper()
 
-    def error(self, mean, rows=None, workers=1):
+    def error(self, mean, workers=1, rows=None):
         """delta -> its squared size as this optimizer's next update sees it (UpdateError)."""
         return UpdateError(self, mean, rows, workers)
 
@@ -46,30 +48,12 @@ def local_tensor(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def adamw_update(view, g):
-    """The update AdamW's next step takes from gradient g (m, n), without lr and weight decay
-    (which move a parameter alike whatever the gradient), in float64: with
-        m^ = (b1 m + (1 - b1) g) / c1,  v^ = (b2 v + (1 - b2) g^2) / c2,  u = m^ / (sqrt(v^) + eps).
-    Exact, not linearised: early in training (v ~ the new g^2, u ~ sign(g)) and on quiet
-    elements an error as large as the gradient flips signs - no derivative sees that."""
-    state, (beta1, beta2), eps = view.read_state(), view.hyper["betas"], view.hyper["eps"]
-    step = torch.as_tensor(state.get("step", 0), dtype=torch.float64, device=g.device) + 1
-    c1, c2 = 1 - beta1 ** step, 1 - beta2 ** step                       # no host sync
-    m, v = (local_tensor(state[k]).double() if k in state else torch.zeros_like(g, dtype=torch.float64)
-            for k in ("exp_avg", "exp_avg_sq"))
-    g = g.double()
-    m_hat = (beta1 * m + (1 - beta1) * g) / c1
-    v_hat = (beta2 * v + (1 - beta2) * g * g) / c2
-    return m_hat / (v_hat.sqrt() + eps)
-
-
 class UpdateError:
     """Squared size of the change a gradient error makes to the next update of the optimizer
     in `view`, when the decoded mean gradient is `mean` (both (m, n)):
 
-        none   ||delta||^2          no optimizer (view None; compress.error_measure gives
-                                    the communicator this case without importing this file)
-        adamw  ||u(mean + delta) - u(mean)||^2      u: AdamW's update (adamw_update), exact
+        none   ||delta||^2          no optimizer (view None)
+        adamw  ||u(mean + delta) - u(mean)||^2      u: AdamW's update, exact (compress.adamw_error)
         muon   ||NS(X + c delta) - NS(X)||^2 / ...   X: the matrix Muon orthogonalises, c = dX/dg,
                                                     to first order
 
@@ -86,10 +70,10 @@ class UpdateError:
         self.rows = rows
         if self.kind == "muon" and rows is not None:
             self.kind = "none"
-        if self.kind == "adamw":
-            self.view, self.mean = view, mean.double()
-            self.spread = workers ** -0.5
-            self.base = adamw_update(view, self.mean)
+        if self.kind == "adamw":       # this rank's shard of FSDP's state, or all of it
+            state = {k: local_tensor(v) for k, v in view.read_state().items()}
+            self.adamw = compress.adamw_error(state, view.hyper["betas"], view.hyper["eps"], mean,
+                                              workers)
         elif self.kind == "muon":
             state, hyper = view.read_state(), view.hyper
             mu = hyper["momentum"]
@@ -106,8 +90,7 @@ class UpdateError:
         if self.rows is not None:
             delta = self.rows.local(delta)
         if self.kind == "adamw":
-            moved = adamw_update(self.view, self.mean + self.spread * delta.double())
-            return ((moved - self.base) / self.spread).pow(2).sum().float()
+            return self.adamw(delta)
         if self.kind == "muon":     # a directional derivative: a step small enough to be linear
             eps = (1e-3 * self.X.norm()).clamp(min=1e-12) / (self.c * delta).norm().clamp(min=1e-30)
             return (self.ns(self.X + eps * self.c * delta) - self.base).pow(2).sum() / eps ** 2

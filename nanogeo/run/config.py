@@ -12,7 +12,7 @@ import sys
 import compress
 import model as model_lib
 from nanogeo.parallel.communicator import Options, COLLECTIVES, SUM_ORDERS
-from nanogeo.parallel import layers
+from nanogeo.parallel import hadamard, layers
 from nanogeo.wire import collective
 
 
@@ -59,10 +59,10 @@ TRAIN_PRESETS = {
 }
 
 TRAIN_CHOICES = {"comm": ("fp32", "bf16", "fp8", "geofp8", "subspace", "hadamard"),
-                 "device": ("auto", "cpu", "cuda"), "fmt": compress.FORMATS,
+                 "device": ("auto", "cpu", "cuda"), "fmt": collective.FORMATS,
                  "collective": COLLECTIVES, "sum_order": SUM_ORDERS,
                  "whiten_factor": layers.WHITEN_FACTORS, "whiten_sides": compress.WHITEN_SIDES,
-                 "hadamard_sides": compress.HADAMARD_SIDES,
+                 "hadamard_sides": hadamard.HADAMARD_SIDES,
                  "geo_judge": compress.JUDGES, "preset": tuple(model_lib.PRESETS),
                  "optimizer": ("adamw", "muon"),
                  "muon_adjust_lr": ("original", "match_rms_adamw"),

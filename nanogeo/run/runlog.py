@@ -14,7 +14,7 @@ from dataclasses import asdict
 import torch.distributed as dist
 
 from nanogeo.run import runtime
-from compress import ring_allreduce_bytes
+from nanogeo.wire.collective import ring_allreduce_bytes
 
 
 class RunLog:

@@ -4,7 +4,8 @@ coordinates, measured gain and core energy; every other tensor with the reason i
 Euclidean), the memory its geometry holds, and, measured on the run's own last step, the error of
 the averaged gradient its communicator delivered, against the exact fp32 mean of the same
 gradients, next to Euclidean FP8 through the same collective (a stateless twin fed the same
-gradients). train.py prints it at the end of every run with --comm=fp8/geofp8/subspace/hadamard,
+gradients) and, for a run on another codec or collective, next to the FP8 the README
+recommends: Euclidean e4m3 (blocks of 128) on the two-stage collective. train.py prints it at the end of every run with --comm=fp8/geofp8/subspace/hadamard,
 after the per-layer table; LastStep keeps that step's gradients for it.
 
 The error is the relative L2 distance to the fp32 mean, over three sets of tensors: the
@@ -53,43 +54,58 @@ def geometry_state_bytes(communicator):
     """Memory held for geometry (reflectors, energies, moments, factors; dense bases in
     ablations) - in use and candidates awaiting their measurement - in bytes."""
     held = {}                                   # id -> tensor: each counted once
-    for layer in [*communicator.layers.values(), *communicator.candidates.values()]:
+    for layer in [*communicator.layers.values(), *communicator.proposals.values()]:
         tensors = layer.tensors() if layer.ready else []
         tensors += [basis.M for basis in layer.transform if hasattr(basis, "M")]  # DenseBasis
         held.update((id(t), t) for t in tensors if t is not None)
     return sum(t.numel() * t.element_size() for t in held.values())
 
 
-def euclidean_twin(communicator):
-    """A Euclidean communicator with the same codec and collective, without state."""
+# the FP8 the README recommends: Euclidean e4m3, blocks of 128, the two-stage collective
+RECOMMENDED = {"fmt": "e4m3", "block": 128, "collective": "two-stage", "stochastic_round": False}
+
+
+def euclidean_twin(communicator, **codec):
+    """A Euclidean communicator with the same codec and collective (or those in `codec`),
+    without state."""
     o = communicator.opts
-    options = Options(geometry="euclidean", fmt=o.fmt, block=o.block, collective=o.collective,
-                      sum_order=o.sum_order, scale_sync_every=o.scale_sync_every,
-                      stochastic_round=o.stochastic_round,
-                      stochastic_stages=o.stochastic_stages, seed=o.seed + 1,
-                      vocab_size=o.vocab_size)
+    same = dict(fmt=o.fmt, block=o.block, collective=o.collective, sum_order=o.sum_order,
+                scale_sync_every=o.scale_sync_every, stochastic_round=o.stochastic_round,
+                stochastic_stages=o.stochastic_stages)
+    options = Options(geometry="euclidean", seed=o.seed + 1, vocab_size=o.vocab_size,
+                      **{**same, **codec})
     twin = ProductionCommunicator([(n, communicator.shapes[n]) for n in communicator.names],
                                   options, communicator.group)
     twin.step = communicator.step - 1       # the step the last reduce ran at (scale syncing)
     return twin
 
 
-def exact_and_euclidean(communicator, local, world_size, simulated):
-    """(fp32 mean, Euclidean FP8 mean) of this step's gradients. local: this rank's tensors, or
-    with simulated ranks a list of every rank's."""
-    twin = euclidean_twin(communicator)
+def recommended(communicator):
+    """Does the run send something else than the recommended FP8's bytes?"""
+    o = communicator.opts
+    return any(getattr(o, k) != v for k, v in RECOMMENDED.items())
+
+
+def exact_and_twins(communicator, local, world_size, simulated):
+    """(fp32 mean, Euclidean mean through the same codec and collective, the recommended FP8's
+    mean or None where that is the run's own) of this step's gradients. local: this rank's
+    tensors, or with simulated ranks a list of every rank's."""
+    twins = [euclidean_twin(communicator)]
+    if recommended(communicator):
+        twins.append(euclidean_twin(communicator, **RECOMMENDED))
     if simulated:
         exact = [torch.stack(ts).mean(dim=0) for ts in zip(*local)]
-        euclid, _ = twin.reduce_workers([[g.clone() for g in w] for w in local])
-        return exact, euclid
-    flat = torch.cat([g.reshape(-1).float() for g in local])
-    if world_size > 1:
-        dist.all_reduce(flat, group=communicator.group)
-    exact = [t.view_as(g) for t, g in zip((flat / world_size).split([g.numel() for g in local]),
-                                          local)]
-    euclid = [g.clone() for g in local]
-    twin.reduce(euclid)
-    return exact, euclid
+        means = [twin.reduce_workers([[g.clone() for g in w] for w in local])[0] for twin in twins]
+    else:
+        flat = torch.cat([g.reshape(-1).float() for g in local])
+        if world_size > 1:
+            dist.all_reduce(flat, group=communicator.group)
+        exact = [t.view_as(g) for t, g in zip((flat / world_size).split([g.numel() for g in local]),
+                                              local)]
+        means = [[g.clone() for g in local] for _ in twins]
+        for twin, mean in zip(twins, means):
+            twin.reduce(mean)
+    return exact, means[0], (means[1] if len(means) > 1 else None)
 
 
 def relative_error(means, exact, keep):
@@ -102,7 +118,7 @@ def last_step_report(communicator, local, delivered, coords, world_size, simulat
     """The lines train.py prints: `delivered` is what the communicator returned on the last
     step (before clipping), `local` that step's gradients as for exact_and_euclidean, `coords`
     each tensor's coordinates on that step (communicator.coords, read before the reduce)."""
-    exact, euclid = exact_and_euclidean(communicator, local, world_size, simulated)
+    exact, euclid, best_fp8 = exact_and_twins(communicator, local, world_size, simulated)
     names = communicator.names
     sets = {"geometry-aware matrices": [c == "geo" for c in coords],
             "candidate matrices": [n in communicator.layers for n in names],
@@ -118,6 +134,13 @@ def last_step_report(communicator, local, delivered, coords, world_size, simulat
         ratio = ours / base if base > 0 else float("nan")      # nan: nothing to compare
         lines.append(f"  {label:24s} this run {cell(ours, '.4f')} | Euclidean FP8, same "
                      f"collective {cell(base, '.4f')} | ratio {cell(ratio, '.3f')}")
+    if best_fp8 is not None:
+        everything = sets["all tensors"]
+        ours, best = relative_error(delivered, exact, everything), relative_error(best_fp8, exact,
+                                                                                  everything)
+        lines.append(f"  the recommended FP8 on the same gradients (Euclidean e4m3, blocks of 128, "
+                     f"two-stage collective): all tensors {cell(best, '.4f')} | this run / it "
+                     f"{cell(ours / best if best > 0 else float('nan'), '.3f')}")
     return "\n".join(lines)
 
 

@@ -10,8 +10,10 @@ Benchmarks of the collective and of GeoFP8's compute cost. Not tests: numbers fo
     OMP_NUM_THREADS=1 python -m nanogeo.tools.bench step [--preset cpu-tiny --steps 10 --batch_size 8 --block_size 128]
 
 collective: each method on one bucket of N million fp32 gradient elements, shaped as square-ish
-  matrices (so GeoFP8 has something to rotate), timed with a per-stage breakdown (rotate =
-  geometry-aware encode + decode, geometry = the basis refresh) and the bytes each rank sent.
+  matrices (so GeoFP8 has something to rotate), timed with a per-stage breakdown (quantize,
+  reduce and decode: the codec's three stages; collectives: the all_to_all and all_gather, the
+  rest of the step; rotate = geometry-aware encode + decode, geometry = the basis refresh) and
+  the bytes each rank sent.
   Methods are compared as ratios within one run: this machine is noisy.
 overhead: GeoFP8's extra compute per step (encode, decode, basis refresh) over Euclidean FP8, on
   the real gradients of the cpu-tiny preset, relative to that preset's forward + backward.
@@ -49,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 import compress
+from nanogeo.parallel import hooks
 import model as model_lib
 from nanogeo.wire import collective, kernels
 from nanogeo.tools import perfmodel, smoke
@@ -122,7 +125,7 @@ def baseline_allreduce(grads, dtype, world):
     flat = flat.float().div_(world)
     for g, part in zip(grads, flat.split([g.numel() for g in grads])):
         g.copy_(part.view_as(g))
-    return compress.ring_allreduce_bytes(flat.numel(), dtype.itemsize, world)
+    return collective.ring_allreduce_bytes(flat.numel(), dtype.itemsize, world)
 
 
 def time_collective(sizes, iters, methods):
@@ -132,7 +135,7 @@ def time_collective(sizes, iters, methods):
     for size in sizes:
         shapes = bucket_shapes(size)
         numel = sum(math.prod(s) for s in shapes)
-        bf16_bytes = compress.ring_allreduce_bytes(numel, 2, world)
+        bf16_bytes = collective.ring_allreduce_bytes(numel, 2, world)
         for method in methods:
             opts = METHODS[method]
             timer = StageTimer()
@@ -155,6 +158,8 @@ def time_collective(sizes, iters, methods):
                     seconds.append(time.perf_counter() - t0)
             per_step = sorted(seconds)[len(seconds) // 2]  # median
             breakdown = {k: v / iters * 1000 for k, v in timer.seconds.items()}
+            if comm is not None:    # the all_to_all and all_gather: the rest of a mean step
+                breakdown["collectives"] = 1000 * sum(seconds) / iters - sum(breakdown.values())
             rows.append({"million_elements": size, "method": method, "world": world,
                          "ms": per_step * 1000, "bytes_sent": nbytes,
                          "bytes_vs_bf16": nbytes / bf16_bytes, "breakdown_ms": breakdown})
@@ -195,7 +200,7 @@ def measure_overhead(steps, preset="cpu-tiny", batch_size=8, block_size=128, ref
     for name, opts in (("fp8", Options(geometry="euclidean", vocab_size=cfg.vocab_size)),
                        ("subspace", Options(geometry="subspace", vocab_size=cfg.vocab_size,
                                             geo_refresh=refresh, geo_rank=geo_rank))):
-        comm = ProductionCommunicator(named, opts, linear=set(compress.linear_layers(net)))
+        comm = ProductionCommunicator(named, opts, linear=set(hooks.linear_layers(net)))
         comm.reduce_workers([grads])  # first bases
         t0 = time.perf_counter()
         for _ in range(steps):

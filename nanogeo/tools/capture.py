@@ -32,7 +32,6 @@ from dataclasses import dataclass
 
 import torch
 
-import compress
 import model as model_lib
 from prepare_data import ShardError, load_splits
 from nanogeo.tools import bytegpt
@@ -103,7 +102,7 @@ def simulated_training(cfg, record_from, collect_moments=False):
     recording = [False]
     # every linear layer but those with a vocabulary dimension (the head's G alone would be
     # vocab x vocab); the vocabulary size comes from the model's config
-    layers = {n: m for n, m in compress.linear_layers(model).items()
+    layers = {n: m for n, m in hooks.linear_layers(model).items()
               if mcfg.vocab_size not in m.weight.shape}
     moments = (hooks.KroneckerMoments(layers, lambda: recording[0], ("input", "output")).attach()
                if collect_moments else None)
@@ -187,7 +186,7 @@ def capture(cfg: CaptureConfig):
     names = {p: n for n, p in model.named_parameters()}
     optimizer_v = {names[p]: o.state[p]["exp_avg_sq"].clone() for o in adamw for p in o.state}
     data = {"steps": steps, "inputs": inputs, "outputs": outputs,
-            "vocab_size": model.config.vocab_size, "linear": list(compress.linear_layers(model))}
+            "vocab_size": model.config.vocab_size, "linear": list(hooks.linear_layers(model))}
     if cfg.keep == "all":   # the optimizer replays only on the whole model (clipping is global)
         data.update(optimizer=record, optimizer_v=optimizer_v, grad_clip=cfg.grad_clip)
     if cfg.quiet_rows > 0:

@@ -50,7 +50,6 @@ import sys
 
 import torch
 
-import compress
 from nanogeo.parallel import hooks, update_error
 from nanogeo.wire import collective
 from nanogeo.parallel.communicator import RENAMED, Options, ProductionCommunicator
@@ -115,7 +114,7 @@ def bf16_ring_mean(worker_grads):
             acc = (acc.float() + t.bfloat16().float()).bfloat16()
         means.append((acc.float() / len(tensors)).bfloat16().float())
     numel = sum(t.numel() for t in worker_grads[0])
-    return means, compress.ring_allreduce_bytes(numel, 2, len(worker_grads))
+    return means, collective.ring_allreduce_bytes(numel, 2, len(worker_grads))
 
 
 def tensor_bytes(layout, index):
@@ -150,7 +149,7 @@ def run_method(spec, steps, names, vocab_size, moments=None, linear=None, views=
                          "has no 'inputs'; capture one with `python -m nanogeo.tools.capture`")
     world = len(steps[0])
     if options.collective == "fp8-sum":   # one byte per element in a ring all-reduce
-        per_tensor = [compress.ring_allreduce_bytes(math.prod(s), 1, world) for s in shapes]
+        per_tensor = [collective.ring_allreduce_bytes(math.prod(s), 1, world) for s in shapes]
     else:
         layout = collective.shard_layout(tuple(tuple(s) for s in shapes), options.fmt,
                                          options.block, world)

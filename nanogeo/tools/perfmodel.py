@@ -72,6 +72,8 @@ from dataclasses import dataclass, asdict, replace
 import torch
 
 import compress
+from nanogeo.parallel import hooks
+from nanogeo.wire import nvfp4
 import model as model_lib
 from nanogeo.parallel.communicator import Options
 
@@ -161,7 +163,7 @@ def workload(model="llama-600m", tokens_per_gpu=8192, whitened_layers=13, **sett
     with torch.device("meta"):
         net = model_lib.Llama(cfg)
     opts = Options(vocab_size=cfg.vocab_size)
-    linear = set(compress.linear_layers(net))
+    linear = set(hooks.linear_layers(net))
     rotated = [tuple(p.shape) for name, p in net.named_parameters()
                if compress.exemption(name, tuple(p.shape), opts, linear) is None]
     name = model if isinstance(model, str) else f"{net.num_params() / 1e6:.0f}M"
@@ -215,7 +217,7 @@ def fp8_collective_seconds(numel, bytes_per_element, c: Cluster):
 def wire_bytes_per_element(fmt, block=128):
     """Bytes per element of the two-stage collective: codes plus one fp32 scale per block."""
     if fmt == "nvfp4":
-        return 0.5 + 1 / compress.NVFP4_BLOCK  # + 4 bytes per tensor piece, negligible
+        return 0.5 + 1 / nvfp4.NVFP4_BLOCK  # + 4 bytes per tensor piece, negligible
     return 1 + 4 / block
 
 

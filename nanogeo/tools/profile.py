@@ -62,7 +62,7 @@ def profile(cfg: ProfileConfig):
             cfg, cfg.train_steps, collect_moments=cfg.by == "gain"):
         if comm is None:
             named = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-            linear = set(compress.linear_layers(model))     # candidates, by module type
+            linear = set(hooks.linear_layers(model))     # candidates, by module type
             options = Options(
                 geometry=geometry, fmt=cfg.fmt, block="tensor", collective="fp8-sum",
                 sum_order=cfg.sum_order, geo_refresh=1, select="gain",

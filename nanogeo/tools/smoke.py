@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 import compress
+from nanogeo.parallel import hooks
 import model as model_lib
 from nanogeo.wire import collective, kernels, packing
 from nanogeo.parallel.communicator import Options
@@ -106,7 +107,7 @@ def check_codec(device, numel, iters, with_compiled=True):
 def rotated_shapes(net):
     opts = Options(geometry="subspace", vocab_size=net.config.vocab_size)
     return [tuple(p.shape) for n, p in net.named_parameters()
-            if compress.exemption(n, tuple(p.shape), opts, set(compress.linear_layers(net))) is None]
+            if compress.exemption(n, tuple(p.shape), opts, set(hooks.linear_layers(net))) is None]
 
 
 def check_transform(device, net, iters, geo_rank=16):

@@ -20,7 +20,7 @@ Every geometry row whitens all candidate matrices (select=all) so that each row 
 transform itself; the published deployment whitens a profiled subset (nanogeo.tools.profile).
 Factors come from the file's input (and output) second moments of earlier steps, exactly as in
 training (refresh every 50 steps: the first step's factors serve the steps after it). The last
-row is the geometry-agnostic control (compress section 3c): random signs and Walsh-Hadamard
+row is the geometry-agnostic control (nanogeo/parallel/hadamard.py): random signs and Walsh-Hadamard
 blocks of 128 along each row, no statistics - the paper has no number for it.
 """
 

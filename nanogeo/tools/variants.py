@@ -10,7 +10,7 @@ weighed by what the file's optimizer does with it in its next update (update_err
 from the optimizer state replayed on the exact means) and summed. Printed: each encoding's
 summed error relative to Euclidean's (as a ratio of root-sum-squares):
 
-    both     H = P^T G Q, the two-sided rotation (compress section 3)
+    both     H = P^T G Q, the two-sided rotation (compress.py section 4)
     right    H = G Q, the column side only: every row keeps its own scale
     core     only the r x r core rotated: C = U^T G V sent alongside R = G - U C V^T, which
              goes in original coordinates (r^2 extra numbers per matrix)
@@ -59,7 +59,7 @@ def compare(path, geo_rank=16):
                    vocab_size=data.get("vocab_size", 0))
     comm = ProductionCommunicator([(n, steps[0][0][n].shape) for n in names], opts,
                                   linear=set(data["linear"]) if "linear" in data else None)
-    round_trip = comm._round_trip
+    round_trip = comm.round_trip
     totals = {"euclidean": 0.0, "both": 0.0, "right": 0.0, "core": 0.0}
     for s, workers in enumerate(steps):
         if s > 0:                     # bases exist from the earlier steps' decoded means

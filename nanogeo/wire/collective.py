@@ -8,10 +8,13 @@ nanogeo's forms passed in.
     and stage: nanogeo/wire/packing.py, and NVFP4's own) for integer blocks, packing.PieceLayout
     (piece by piece) otherwise;
   * stochastic rounding's random streams: one per rank and stage, the simulator drawing exactly
-    what the ranks draw.
+    what the ranks draw;
+  * a benchmark's stage timer (TimedLayout), and the bytes of a ring all-reduce (the bf16
+    baseline every wire is compared with).
 
 The means are those of compress.all_reduce_mean, bit for bit (tests/test_compress.py).
 """
+import contextlib
 import functools
 
 import torch
@@ -19,13 +22,63 @@ import torch
 import compress
 from nanogeo.wire import nvfp4, packing
 
-FORMATS = compress.FORMATS
+FORMATS = (*compress.FP8_FORMATS, "nvfp4")
+
+
+def check_codec(fmt, block):
+    """A format of FORMATS and (but for NVFP4, which always scales 16 values) a valid block."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if fmt != "nvfp4":
+        compress.check_fp8(fmt, block)
+
+
+def ring_allreduce_bytes(numel, bytes_per_element, world_size):
+    """Bytes each rank sends in a ring all-reduce: reduce-scatter + all-gather, each moving
+    (W - 1) / W of the buffer: the bf16 baseline (2 bytes an element) that every wire is
+    compared with, and the paper's FP8-sum collective (1 byte; plus its scales' MAX all-reduce)."""
+    return int(2 * (world_size - 1) * numel * bytes_per_element // world_size)
+
+
+class NoTimer:
+    """Times nothing: the default stage timer (a benchmark passes one that measures each stage;
+    a plain class, so states pickle)."""
+    @staticmethod
+    def stage(name):
+        return contextlib.nullcontext()
+
+
+NO_TIMER = NoTimer()
+
+
+class TimedLayout:
+    """A layout whose codec stages a benchmark's timer measures: "quantize" (stage 1),
+    "reduce" (stage 2: decode the W copies, add, quantize again) and "decode" (stage 3); the
+    all_to_all and all_gather are the rest of the collective's time."""
+
+    def __init__(self, layout, timer):
+        self.layout, self.timer = layout, timer
+
+    def __getattr__(self, name):
+        return getattr(self.layout, name)
+
+    def encode(self, flats, rank=0):
+        with self.timer.stage("quantize"):
+            return self.layout.encode(flats, rank)
+
+    def reduce(self, received, shard):
+        with self.timer.stage("reduce"):
+            return self.layout.reduce(received, shard)
+
+    def decode(self, buffer, stride=None):
+        with self.timer.stage("decode"):
+            return self.layout.decode(buffer, stride)
 
 
 def quantize(x, fmt="e4m3", block=128, stochastic=False, generator=None):
     """compress.quantize for every format (NVFP4 ignores `block`: always 16), to nearest or
     stochastically."""
-    compress.check_codec(fmt, block)
+    check_codec(fmt, block)
     if fmt == "nvfp4":
         return nvfp4.quantize(x, stochastic, generator)
     return packing.quantize(x, fmt, block, stochastic, generator)
@@ -87,14 +140,16 @@ def streams(stochastic, seed, device, stages="both"):
 
 
 def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, stochastic=False, seed=None,
-                    return_local=False, timer=compress.NO_TIMER, stages="both"):
+                    return_local=False, timer=NO_TIMER, stages="both"):
     """compress.all_reduce_mean with the packed layout, NVFP4 and stochastic rounding (in the
-    `stages` of streams())."""
-    world = compress.world_size(group)
+    `stages` of streams()); a benchmark's `timer` times its codec stages."""
+    world = torch.distributed.get_world_size(group) if torch.distributed.is_initialized() else 1
     bucket = shard_layout(tuple(tuple(t.shape) for t in tensors), fmt, block, world)
     bucket = bucket.with_streams(streams(stochastic, seed, tensors[0].device, stages))
+    if timer is not NO_TIMER:
+        bucket = TimedLayout(bucket, timer)
     return compress.all_reduce_mean(tensors, group=group, return_local=return_local,
-                                    layout=bucket, timer=timer)
+                                    layout=bucket)
 
 
 def simulate_mean(worker_tensors, fmt="e4m3", block=128, stochastic=False, seed=None,

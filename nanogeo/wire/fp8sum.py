@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import compress
+from nanogeo.wire.collective import ring_allreduce_bytes
 
 FP8_MAX = {dtype: fmax for dtype, fmax in compress.FP8_FORMATS.values()}   # by torch dtype
 
@@ -138,8 +139,8 @@ def all_reduce_fp8_sum(tensors, fmt="e5m2", group=None, order="ring", local_scal
 def wire_bytes(numel, num_tensors, world, local_scales=False):
     """Bytes one rank sends: the codes' all_reduce and, unless every rank keeps its own scales,
     the amax MAX all-reduce before it (one fp32 per tensor). Ring estimates."""
-    scales = 0 if local_scales else compress.ring_allreduce_bytes(num_tensors, 4, world)
-    return compress.ring_allreduce_bytes(numel, 1, world) + scales
+    scales = 0 if local_scales else ring_allreduce_bytes(num_tensors, 4, world)
+    return ring_allreduce_bytes(numel, 1, world) + scales
 
 
 def simulate_fp8_sum(worker_tensors, fmt="e5m2", order="ring", local_scales=False, score=True):

@@ -21,8 +21,11 @@ import math
 import torch
 
 import compress
-from compress import NVFP4_BLOCK, Quantized, as_float32, num_groups, on_device, scale_groups
+from compress import Quantized, as_float32, num_groups, scale_groups
 from nanogeo.wire import packing
+from nanogeo.wire.packing import on_device
+
+NVFP4_BLOCK = 16        # NVFP4 always scales blocks of 16 values
 
 E2M1_MAX = 6.0
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the 8 magnitudes of a 4-bit e2m1 value
@@ -226,7 +229,7 @@ class Nvfp4Layout(packing.PieceLayout):
     """compress.ShardLayout with NVFP4 as the codec of each piece, piece by piece (the reference
     the packed form is tested against), to nearest or stochastically. Always blocks of 16
     (`block` does not apply)."""
-    codec_check = staticmethod(check_nvfp4)
+    check_codec = staticmethod(check_nvfp4)
 
     def __init__(self, shapes, fmt, block, world_size, pieces=None):
         super().__init__(shapes, fmt, NVFP4_BLOCK, world_size, pieces)
@@ -235,8 +238,8 @@ class Nvfp4Layout(packing.PieceLayout):
         """As quantize writes the piece on its own."""
         return wire_nbytes(p.shape)
 
-    def quantize_piece(self, values, p, rounding):
-        return quantize(values.view(p.shape), *rounding)
+    def quantize_piece(self, values, p, rounding=(False, None)):
+        return quantize(values.view(p.shape), *rounding).buffer
 
     def dequantize_piece(self, buffer, p):
         return dequantize(Quantized(buffer, p.shape, "nvfp4", NVFP4_BLOCK))

@@ -24,6 +24,7 @@ into tensors. Only views and host-side bookkeeping per piece. NVFP4's packed for
 """
 import copy
 import functools
+import math
 
 import torch
 
@@ -57,11 +58,24 @@ def stochastic_encode(groups, fmax, dtype, generator=None):
     return scale, stochastic_fp8(y, dtype, generator).view(torch.uint8)
 
 
+@functools.lru_cache(maxsize=None)
+def on_device(constant, device):
+    """A constant tensor (or tuple of tensors, or tuple of numbers) on `device`, made once: built
+    or copied from host memory at every call instead, each copy would make a GPU stream wait."""
+    if isinstance(constant, tuple) and isinstance(constant[0], torch.Tensor):
+        return tuple(t.to(device) for t in constant)
+    return torch.tensor(constant, device=device)
+
+
 def quantize(x, fmt="e4m3", block=128, stochastic=False, generator=None):
     """compress.quantize, to nearest or stochastically (from `generator`; None: torch's global
     stream)."""
-    encode = functools.partial(stochastic_encode, generator=generator) if stochastic else None
-    return compress.quantize(x, fmt, block, encode_groups=encode)
+    if not stochastic or x.numel() == 0:
+        return compress.quantize(x, fmt, block)
+    compress.check_fp8(fmt, block)
+    dtype, fmax = compress.FP8_FORMATS[fmt]
+    scale, codes = stochastic_encode(compress.scale_groups(x, block), fmax, dtype, generator)
+    return compress.to_wire(scale, codes, x, fmt, block)
 
 
 def pack_groups(groups, fmt, stochastic=False, generator=None):
@@ -93,11 +107,35 @@ def sum_in_rank_order(copies):
 
 
 class PieceLayout(compress.ShardLayout):
-    """compress.ShardLayout (piece by piece) with stochastic rounding: `rng_for(rank, stage)` ->
-    (stochastic, torch.Generator), set by with_streams on a copy for one step; None: every stage
-    to nearest. Serves row
-    and tensor scaling, and is the reference the packed form is tested against."""
+    """compress.ShardLayout as production runs it, piece by piece (row and tensor scaling, and
+    the reference the packed form is tested against):
+      * a balanced cut: a tensor's groups left over after W equal counts (all of them, if it has
+        fewer groups than ranks) go to the shards that carry the fewest bytes so far - the
+        all_gather pads every shard to the largest, so a small model at many ranks would
+        otherwise pay for one rank's pile of remainders. The cut depends only on the shapes and
+        a piece's wire size (never inside a scale group), so every rank computes the same;
+      * `pieces` given explicitly (FSDP's row chunks);
+      * stochastic rounding: rng_for(rank, stage) -> (stochastic, torch.Generator), set by
+        with_streams on a copy for one step; None: every stage to nearest."""
     rng_for = None
+
+    def __init__(self, shapes, fmt, block, world_size, pieces=None):
+        self.given = pieces
+        super().__init__(shapes, fmt, block, world_size)
+
+    def cut(self):
+        if self.given is not None:
+            return self.given
+        W, pieces, load = self.world_size, [[] for _ in range(self.world_size)], [0] * self.world_size
+        for t, shape in enumerate(self.shapes):
+            group_len, _ = self.groups_of(shape)
+            base, extra = divmod(-(-math.prod(shape) // group_len) if group_len else 0, W)
+            lightest = set(sorted(range(W), key=lambda j: (load[j], j))[:extra])  # ties: lower j
+            for j, piece in enumerate(self.split(t, [base + (j in lightest) for j in range(W)])):
+                if piece:
+                    pieces[j].append(piece)
+                    load[j] += self.piece_nbytes(piece)
+        return pieces
 
     def with_streams(self, rng_for):
         """A copy of this (cached) layout that rounds as rng_for(rank, stage) says: (True, that
@@ -117,8 +155,20 @@ class PieceLayout(compress.ShardLayout):
         stream at each stage call, drawn from piece after piece."""
         return (False, None) if self.rng_for is None else self.rng_for(*whose)
 
-    def quantize_piece(self, values, p, rounding):
-        return quantize(values.view(p.shape), self.fmt, p.block, *rounding)
+    def quantize_piece(self, values, p, rounding=(False, None)):
+        return quantize(values.view(p.shape), self.fmt, p.block, *rounding).buffer
+
+    # compress.ShardLayout's stages 1 and 2, each stage call rounding from one stream
+    def encode(self, flats, rank=0):
+        rounding = self.rounding((rank, 1))
+        return torch.cat([self.quantize_piece(flats[p.tensor][p.start:p.end], p, rounding)
+                          for shard in self.pieces for p in shard])
+
+    def reduce(self, received, shard):
+        rounding = self.rounding((shard, 2))
+        parts = [self.quantize_piece(v / self.world_size, p, rounding)
+                 for v, p in zip(self.sum_copies(received, shard), self.pieces[shard])]
+        return torch.cat(parts) if parts else received.new_empty(0)
 
 
 class PackedLayout(PieceLayout):
@@ -154,7 +204,7 @@ class PackedLayout(PieceLayout):
     def rows_in_wire_order(self, rows):
         """(R, numel) fp32 per tensor -> (R x groups, block): each row's pieces in wire order,
         each padded with zeros to whole groups."""
-        zero, parts = compress.on_device((0.0,) * self.block, rows[0].device), []
+        zero, parts = on_device((0.0,) * self.block, rows[0].device), []
         for t, start, end, pad in self.encode_order:
             parts.append(rows[t][:, start:end])
             if pad:
