@@ -90,6 +90,8 @@ class TrainConfig:
     eval_limit: int = 200             # ... on the first N documents of each task
     eval_tasks: str = "hellaswag,piqa,arc_easy"
     log_interval: int = 1
+    log_stages: bool = False          # on logged steps also the error of the mean by stage of
+                                      # the collective, against its sampling noise (summary.py)
     ckpt_interval: int = 0            # save every N steps; 0 = only at the end
     resume: bool = False              # continue from out_dir/ckpt.pt
     overwrite: bool = False           # allow replacing another run's checkpoint in out_dir
@@ -384,6 +386,7 @@ class Taken(NamedTuple):
     wire_bytes: float           # the gradient bytes this rank sent (simulated: the mean)
     as_sent: dict               # name -> the coordinates its gradient was sent in (logged
                                 # steps with a geometry), else None
+    stages: dict = None         # --log_stages on a logged step: summary.stage_errors
 
 
 def take_step(run, step, logged, last_step=None):
@@ -410,18 +413,26 @@ def take_step(run, step, logged, last_step=None):
                if logged and cfg.comm in GEO_COMMS else None)
     if last_step is not None:
         last_step.keep_sent(worker_grads, grads)
+    decompose = logged and cfg.log_stages and communicator is not None
+    if decompose:       # the error by stage: the gradients as they were (a reduce writes them)
+        communicator.decompose, before = True, worker_grads or [g.clone() for g in grads]
     if cfg.simulate_workers:
         wire_bytes = simulated.reduce_gradients(params, worker_grads, cfg.comm, communicator,
                                                 worker_moments)
     else:
         wire_bytes = reduce_gradients(params, cfg, communicator, run.world_size, moments)
     run.log.sent(wire_bytes)
+    stages = None
+    if decompose:
+        stages = summary.stage_errors(communicator, before, [p.grad for p in params],
+                                      run.world_size, bool(cfg.simulate_workers))
+        communicator.decompose = False
     if last_step is not None:
         last_step.keep_delivered(params)
     grad_norm = optimizer_step(params, run.optimizers, cfg.grad_clip)
     if cfg.check_every and run.world_size > 1 and (step + 1) % cfg.check_every == 0:
         runtime.check_ranks_agree(params, step + 1, run.device)
-    return Taken(loss, grad_norm, wire_bytes, as_sent)
+    return Taken(loss, grad_norm, wire_bytes, as_sent, stages)
 
 
 def train(cfg):
@@ -466,6 +477,9 @@ def train(cfg):
             log.step(done, train_loss, val_loss, lr, taken.grad_norm, dt, taken.wire_bytes)
             if taken.as_sent is not None:
                 log.geometry(done, run.communicator, taken.as_sent)
+            if taken.stages:
+                log.print(summary.stages_line(done, taken.stages))
+                log.write({"step": done, "stages": taken.stages})
         if cfg.eval_every and done % cfg.eval_every == 0:
             log.downstream(done, run.raw_model, run.device)
         if cfg.ckpt_interval and done % cfg.ckpt_interval == 0 and done < cfg.max_iters:

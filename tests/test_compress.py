@@ -263,6 +263,32 @@ def test_stochastic_rounding_in_one_stage_only(fmt):
         Options(geometry="euclidean", stochastic_stages="1")
 
 
+def test_stage_errors_measure_each_stage_against_the_sampling_noise():
+    """summary.stage_errors: stage 1 is the mean of every worker's own round trip (an exact
+    second stage), stage 2 the rest of the delivered mean's error; each against the mean's
+    sampling noise sum_w |g_w - m|^2 / (W (W - 1)), here recomputed by hand."""
+    g = torch.Generator().manual_seed(3)
+    workers = [[torch.randn(64, 96, generator=g) + 2, torch.randn(96, generator=g)]
+               for _ in range(4)]
+    comm = ProductionCommunicator([("w", (64, 96)), ("b", (96,))],
+                                  Options(geometry="euclidean", fmt="nvfp4"))
+    comm.decompose = True
+    means, _ = comm.reduce_workers(workers)
+    _, _, local = collective.simulate_mean(workers, "nvfp4", 128, return_local=True)
+    for k in range(2):
+        assert torch.allclose(comm.stage1[k], torch.stack([rt[k] for rt in local]).mean(0))
+    stages = summary.stage_errors(comm, workers, means, 1, simulated=True)
+    exact = [torch.stack(ts).mean(0) for ts in zip(*workers)]
+    noise = sum(float((w[k] - exact[k]).pow(2).sum()) for w in workers for k in range(2)) / 12
+    energy = lambda parts: sum(float(p.pow(2).sum()) for p in parts)      # noqa: E731
+    expected = {"stage1": energy(s - m for s, m in zip(comm.stage1, exact)),
+                "stage2": energy(d - s for d, s in zip(means, comm.stage1)),
+                "total": energy(d - m for d, m in zip(means, exact))}
+    for key, value in expected.items():
+        assert stages["l2"][key] == pytest.approx((value / noise) ** 0.5, rel=1e-5)
+    assert stages["l2"]["stage2"] > stages["l2"]["stage1"]    # at 4 bits the re-quantization
+
+
 def test_a_layout_refuses_a_format_it_does_not_code():
     with pytest.raises(ValueError, match="e4m3 and e5m2"):
         compress.ShardLayout(SHAPES, "nvfp4", 128, 3)      # compress.py's codec is FP8

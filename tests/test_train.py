@@ -301,6 +301,25 @@ def test_tail_evals_span_the_last_fifth_and_leave_the_run_unchanged(tiny_corpus,
         parse_config(["--tail_evals=-1"])
 
 
+def test_log_stages_splits_the_error_and_leaves_the_run_unchanged(tiny_corpus, tmp_path):
+    """--log_stages: on logged steps the error of the mean by stage (summary.stage_errors), in
+    the log and log.jsonl, for L2 and each optimizer; measuring changes nothing in the run."""
+    base = ["--max_iters=6", "--eval_interval=6", "--log_interval=3", "--simulate_workers=4",
+            "--comm=subspace", "--fmt=nvfp4", "--geo_warmup=1", "--optimizer=muon",
+            "--muon_lr=3e-2"]
+    plain = train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "a", *base)))
+    staged = train.train(parse_config(tiny_args(tiny_corpus, tmp_path / "b", *base,
+                                                "--log_stages")))
+    assert staged["param_sha256"] == plain["param_sha256"]
+    records = [json.loads(l)["stages"] for l in open(tmp_path / "b" / "log.jsonl")
+               if '"stages"' in l]
+    assert len(records) == 2 and set(records[0]) == {"l2", "adamw", "muon"}
+    for r in records:           # total = stage 1 + stage 2 as vectors: the triangle inequality
+        for s in r.values():
+            assert abs(s["total"] - s["stage1"]) <= s["stage2"] * (1 + 1e-6) + 1e-9
+            assert s["stage2"] <= (s["total"] + s["stage1"]) * (1 + 1e-6) + 1e-9
+
+
 def test_summary_averages_the_final_evaluations_and_every_steps_bytes(tiny_corpus, tmp_path):
     """--final_evals=3: the final val loss is the mean of the evaluations after steps 8, 9 and
     10. Bytes: every step's, the paper's collective with its scales' MAX all-reduce (one fp32

@@ -140,6 +140,8 @@ class ProductionCommunicator(compress.Communicator):
         self.saturation = None  # fp8-sum: running sum of each tensor's saturated fraction
         self.saturation_steps = 0
         self.proposed = False   # the step in progress proposed new geometry (rank agreement)
+        self.decompose = False  # keep this step's stage-1 mean (nanogeo.run.summary.stage_errors)
+        self.stage1 = None      # ... each worker's own round trip, averaged, original coordinates
 
     def make_layer(self, name):
         shape, opts = self.shapes[name], self.opts
@@ -218,15 +220,19 @@ class ProductionCommunicator(compress.Communicator):
             coords = {w: [c + self.residuals.get(w, {})[n] if self.has_feedback(n)
                           and n in self.residuals.get(w, {}) else c
                           for n, c in zip(self.names, cs)] for w, cs in coords.items()}
-        means, nbytes, local = self.exchange(coords, across_ranks)
+        keep_local = self.opts.error_feedback or self.decompose
+        means, nbytes, local = self.exchange(coords, across_ranks, keep_local)
         if self.opts.error_feedback:
             self.keep_residuals(coords, local, means)
+        if self.decompose:      # the mean an exact second stage would deliver (this rank's share)
+            self.stage1 = [self.from_coords(n, torch.stack([rt[i] for rt in local]).mean(0))
+                           for i, n in enumerate(self.names)]
         return means, nbytes
 
-    def exchange(self, coords, across_ranks):
-        """(means in coordinates, bytes, [each worker's own round trip] or None): the paper's
-        FP8-sum collective or the two-stage one (packed, NVFP4, stochastic rounding), over the
-        group or simulated."""
+    def exchange(self, coords, across_ranks, keep_local=False):
+        """(means in coordinates, bytes, [each worker's own round trip] or None without
+        keep_local): the paper's FP8-sum collective or the two-stage one (packed, NVFP4,
+        stochastic rounding), over the group or simulated."""
         opts, workers = self.opts, list(coords.values())
         if opts.collective == "fp8-sum":
             if across_ranks:
@@ -243,10 +249,10 @@ class ProductionCommunicator(compress.Communicator):
         if across_ranks:
             means, nbytes, *local = collective.all_reduce_mean(
                 workers[0], opts.fmt, opts.block, self.group, *rounding,
-                return_local=opts.error_feedback, timer=self.timer, stages=opts.stochastic_stages)
+                return_local=keep_local, timer=self.timer, stages=opts.stochastic_stages)
             return means, nbytes, local or None
         means, nbytes, *local = collective.simulate_mean(
-            workers, opts.fmt, opts.block, *rounding, return_local=opts.error_feedback,
+            workers, opts.fmt, opts.block, *rounding, return_local=keep_local,
             stages=opts.stochastic_stages)
         return means, nbytes, local[0] if local else None
 

@@ -170,3 +170,77 @@ class LastStep:
     def report(self):
         return last_step_report(self.communicator, self.local, self.delivered, self.coords,
                                 self.world_size, simulated=self.simulated)
+
+
+# -----------------------------------------------------------------------------
+# the error of a step split by stage of the two-stage collective (train.py --log_stages)
+
+def mean_over_ranks(tensors, group, world_size):
+    """The mean over the process group of each tensor (one all-reduce of them all)."""
+    flat = torch.cat([t.reshape(-1).float() for t in tensors])
+    if world_size > 1:
+        dist.all_reduce(flat, group=group)
+    return [t.view_as(s) for t, s in zip((flat / world_size).split([t.numel() for t in tensors]),
+                                         tensors)]
+
+
+def stage_errors(communicator, sent, delivered, world_size, simulated, noise_samples=4):
+    """One step's communication error split by stage of the two-stage collective, each part
+    against the sampling noise of the mean, in plain L2 and as each optimizer sees it:
+
+        stage 1  the mean of every rank's own round trip minus the exact mean: the error an
+                 exact (fp32) second stage would leave - each rank's rounding, averaged over W;
+        stage 2  the delivered mean minus that: the re-quantization of the averaged shards;
+        total    delivered - exact = stage 1 + stage 2.
+
+    The mean's sampling noise, sum_w ||g_w - m||^2 / (W (W - 1)), is what a communication error
+    competes with: at a ratio near 1 it acts like a batch about half as large. Returns, per metric
+    ("l2"; "adamw" and "muon" over the matrices each optimizer owns, through its view of the
+    exact mean, the noise from up to `noise_samples` ranks' deviations), {"stage1", "stage2",
+    "total"}: sqrt(error energy / noise energy), and for "l2" also "of_mean", |total| / |mean|.
+    sent: the step's gradients before communication (each simulated rank's, or this rank's);
+    delivered: the decoded means; communicator.stage1 from a step run with decompose=True."""
+    group = communicator.group
+    if simulated:
+        W, workers = len(sent), sent
+        exact = [torch.stack(ts).float().mean(0) for ts in zip(*sent)]
+        stage1 = communicator.stage1
+    else:
+        W, workers = world_size, [sent]
+        exact = mean_over_ranks(sent, group, world_size)
+        stage1 = mean_over_ranks(communicator.stage1, group, world_size)
+    if W < 2:
+        return None                         # one rank: no sampling noise to compare with
+    parts = {n: (s - m, d - s, d - m) for n, m, s, d in zip(communicator.names, exact, stage1,
+                                                             delivered)}
+    energy = {}                             # metric -> [stage 1, stage 2, total, noise]
+    for i, (n, m) in enumerate(zip(communicator.names, exact)):
+        # a rank's deviation / sqrt(W - 1): a vector the size of the mean's sampling noise
+        deviations = [(w[i].float() - m) / math.sqrt(W - 1) for w in workers]
+        noise = sum(float(d.pow(2).sum()) for d in deviations) / len(deviations)
+        add(energy, "l2", [float(p.pow(2).sum()) for p in parts[n]] + [noise])
+        view = communicator.views.get(n)
+        if view is not None:
+            seen, sample = view.error(m, 1), deviations[:noise_samples]
+            noise = sum(float(seen(d)) for d in sample) / len(sample)
+            add(energy, view.kind, [float(seen(p)) for p in parts[n]] + [noise])
+    if not simulated:                       # this rank's noise sample: the mean over ranks
+        for values in energy.values():
+            values[3] = float(mean_over_ranks([torch.tensor(values[3])], group, world_size)[0])
+    out = {kind: {k: math.sqrt(v / e[3]) if e[3] > 0 else float("nan")
+                  for k, v in zip(("stage1", "stage2", "total"), e)} for kind, e in energy.items()}
+    mean_energy = sum(float(m.pow(2).sum()) for m in exact)
+    out["l2"]["of_mean"] = math.sqrt(energy["l2"][2] / mean_energy) if mean_energy else float("nan")
+    return out
+
+
+def add(energy, kind, values):
+    energy[kind] = [a + b for a, b in zip(energy.get(kind, [0.0] * 4), values)]
+
+
+def stages_line(done, stages):
+    """The log line of a step's stage_errors: each part of the error / the sampling noise."""
+    parts = " | ".join(f"{kind} {s['stage1']:.3f} + {s['stage2']:.3f} -> {s['total']:.3f}"
+                       for kind, s in stages.items())
+    return (f"step {done} | error of the mean / its sampling noise, stage 1 + stage 2 -> total: "
+            f"{parts}")

@@ -172,7 +172,7 @@ def finished(path, cmd):
     if not records or "config" not in records[-1].get("summary", {}):
         return None
     return (records[-1]["summary"], [r for r in records if "loss" in r],
-            [r for r in records if "geometry_at" in r])
+            [r for r in records if "geometry_at" in r], [r for r in records if "stages" in r])
 
 
 def git_commit():
@@ -223,7 +223,7 @@ def provenance(path):
     return {"commit": None, "dirty": None, "machine": None, **found}
 
 
-def record(run, summary, steps, geometry, nproc, cmd):
+def record(run, summary, steps, geometry, stages, nproc, cmd):
     config = summary["config"]              # as train.py resolved it: preset, flags, defaults
     return {"comm": run.comm, "optimizer": run.optimizer, "workers": run.workers or nproc,
             "simulated": bool(run.workers), "seed": run.seed,
@@ -243,7 +243,9 @@ def record(run, summary, steps, geometry, nproc, cmd):
             # which candidate layers were in geometry-aware coordinates at each logged step
             "geometry": [(g["geometry_at"], sorted(n for n, (coords, _) in g["coords"].items()
                                                    if coords.startswith("geo")))
-                         for g in geometry] or None}
+                         for g in geometry] or None,
+            # train.py --log_stages: the error of the mean by stage, per logged step
+            "stages": [(s["step"], s["stages"]) for s in stages] or None}
 
 
 def execute(run, nproc, out_dir, origin, label):
