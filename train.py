@@ -119,7 +119,9 @@ class TrainConfig:
     hadamard_block: int = 128         # hadamard: entries per Walsh-Hadamard block (a power of two)
     hadamard_sides: str = "right"     # hadamard: right (along each row) | both (the columns too)
     error_feedback: bool = False      # add back each rank's own quantization error next step
-    feedback_geo_only: bool = False   # ... on the geometry-aware matrices only (as published)
+    feedback_stages: str = "1"        # ... of stage 1 | 2 (each averaged shard's re-quantization,
+                                      # kept by its owner) | both
+    feedback_geo_only: bool = False   # ... stage 1 on the geometry-aware matrices only (published)
     stochastic_round: bool = False    # unbiased stochastic rounding instead of nearest
     stochastic_stages: str = "both"   # ... in both stages, or only 1 (each rank's send) or 2
     # system

@@ -217,13 +217,14 @@ def crashing_rank(rank, world_size, argv, result_dir, crash_at):
         json.dump(result, f)
 
 
-def test_two_rank_resume_with_error_feedback_is_exact(tiny_corpus, tmp_path):
-    """Error feedback keeps one residual per rank; each rank checkpoints its own (residuals-
-    rankR-stepS.pt next to ckpt.pt), so a 2-rank run that crashed at step 4 and resumed from
-    step 3 ends bit-identical to an uninterrupted one. A resume on another world size or
-    without the residual files is refused."""
+@pytest.mark.parametrize("stages", ["1", "both"])
+def test_two_rank_resume_with_error_feedback_is_exact(tiny_corpus, tmp_path, stages):
+    """Error feedback keeps one residual per rank (stage 2's: the rank's own shard's, beside);
+    each rank checkpoints its own (residuals-rankR-stepS.pt next to ckpt.pt), so a 2-rank run
+    that crashed at step 4 and resumed from step 3 ends bit-identical to an uninterrupted one.
+    A resume on another world size or without the residual files is refused."""
     extra = ("--max_iters=6", "--ckpt_interval=3", "--comm=subspace", "--geo_rank=4",
-             "--geo_warmup=1", "--error_feedback")
+             "--geo_warmup=1", "--error_feedback", f"--feedback_stages={stages}")
     run_ranks(crashing_rank, 2, tiny_args(tiny_corpus, tmp_path / "a", *extra), str(tmp_path), None)
     whole = json.load(open(tmp_path / "rank0.json"))
     b = tmp_path / "b"

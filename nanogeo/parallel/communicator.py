@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 import compress
 from nanogeo.parallel import agreement, hadamard, hooks, layers, update_error
-from nanogeo.wire import collective, fp8sum, nvfp4
+from nanogeo.wire import collective, fp8sum, nvfp4, packing
 
 # options renamed to train.py's flag names (one vocabulary), and the whitening's old name
 RENAMED = {"refresh": "geo_refresh", "warmup": "geo_warmup", "judge": "geo_judge",
@@ -41,6 +41,7 @@ COLLECTIVES = ("two-stage", "fp8-sum")
 SUM_ORDERS = ("ring", "tree")      # fp8-sum: the order NCCL adds in (nanogeo/wire/fp8sum.py)
 SELECTIONS = compress.SELECTIONS + ("fragile",)
 GEOMETRIES = compress.GEOMETRIES + ("hadamard",)
+FEEDBACK_STAGES = ("1", "2", "both")
 
 
 @dataclass
@@ -54,7 +55,9 @@ class Options(compress.GeoOptions):
     stochastic_stages: str = "both" # ... in both stages, or only "1" (each rank's send) or "2"
                                     # (the re-quantized averaged shard)
     error_feedback: bool = False    # keep each rank's stage-1 quantization error, add it back
-    feedback_geo_only: bool = False # ... only on the geometry-aware matrices (as published)
+    feedback_stages: str = "1"      # ... of stage 1; "2": instead the owner's re-quantization
+                                    # error of each averaged shard; "both"
+    feedback_geo_only: bool = False # stage 1 only on the geometry-aware matrices (as published)
     # the Hadamard control (geometry="hadamard", nanogeo/parallel/hadamard.py)
     hadamard_block: int = 128       # entries per Walsh-Hadamard block, a power of two
     hadamard_sides: str = "right"   # "right": along each row (row-local), "both": columns too
@@ -71,6 +74,7 @@ class Options(compress.GeoOptions):
                 "select": SELECTIONS, "collective": COLLECTIVES, "sum_order": SUM_ORDERS,
                 "whiten_factor": layers.WHITEN_FACTORS, "basis": ("householder", "random"),
                 "stochastic_stages": tuple(collective.ROUNDING_STAGES),
+                "feedback_stages": FEEDBACK_STAGES,
                 "hadamard_sides": hadamard.HADAMARD_SIDES}
 
     def __post_init__(self):
@@ -84,6 +88,11 @@ class Options(compress.GeoOptions):
         if self.collective == "fp8-sum" and (self.fmt == "nvfp4" or self.stochastic_round):
             raise ValueError("the fp8-sum collective sums e4m3/e5m2 codes with nearest rounding; "
                              "use collective='two-stage' for nvfp4 or stochastic rounding")
+        if self.feedback_stages != "1" and not (self.error_feedback
+                                                and self.collective == "two-stage"):
+            raise ValueError("feedback_stages chooses the stages of the two-stage collective that "
+                             "error_feedback keeps residuals for: turn error_feedback on "
+                             "(--error_feedback), on collective='two-stage'")
         if self.stochastic_stages != "both" and not self.stochastic_round:
             raise ValueError("stochastic_stages chooses the stages that stochastic_round rounds "
                              "stochastically: turn stochastic_round on too (--stochastic_round)")
@@ -203,7 +212,21 @@ class ProductionCommunicator(compress.Communicator):
         return (self.opts.seed * 7919 + self.step) * 2_147_483_659 + self.rounding_stream
 
     def has_feedback(self, name):
-        return self.opts.error_feedback and (not self.opts.feedback_geo_only or self.is_geo(name))
+        """Does stage 1's error feedback keep a residual for `name`?"""
+        o = self.opts
+        return (o.error_feedback and o.feedback_stages != "2"
+                and (not o.feedback_geo_only or self.is_geo(name)))
+
+    def stage2_feedback(self):
+        """Stage 2's error feedback (packing.ShardFeedback), or None."""
+        on = self.opts.error_feedback and self.opts.feedback_stages != "1"
+        return packing.ShardFeedback(self.residuals) if on else None
+
+    def coordinates_in_use(self):
+        """What identifies the coordinates every matrix is sent in now (the tensors of each
+        geometry in use): stage 2's residual, made in them, is dropped when they change."""
+        return tuple(tuple(map(id, self.layers[n].tensors())) if self.is_geo(n) else ()
+                     for n in self.layers)
 
     def outgoing(self, worker, grads):
         """Error feedback: each gradient plus the rank's residual of the last step, in original
@@ -220,9 +243,9 @@ class ProductionCommunicator(compress.Communicator):
             coords = {w: [c + self.residuals.get(w, {})[n] if self.has_feedback(n)
                           and n in self.residuals.get(w, {}) else c
                           for n, c in zip(self.names, cs)] for w, cs in coords.items()}
-        keep_local = self.opts.error_feedback or self.decompose
-        means, nbytes, local = self.exchange(coords, across_ranks, keep_local)
-        if self.opts.error_feedback:
+        stage1 = self.opts.error_feedback and self.opts.feedback_stages != "2"
+        means, nbytes, local = self.exchange(coords, across_ranks, stage1 or self.decompose)
+        if stage1:
             self.keep_residuals(coords, local, means)
         if self.decompose:      # the mean an exact second stage would deliver (this rank's share)
             self.stage1 = [self.from_coords(n, torch.stack([rt[i] for rt in local]).mean(0))
@@ -246,14 +269,14 @@ class ProductionCommunicator(compress.Communicator):
             self.count_saturation(saturated)
             return means, nbytes, local
         rounding = (opts.stochastic_round, self.rounding_seed())
+        wire = dict(return_local=keep_local, stages=opts.stochastic_stages,
+                    feedback=self.stage2_feedback())
         if across_ranks:
             means, nbytes, *local = collective.all_reduce_mean(
-                workers[0], opts.fmt, opts.block, self.group, *rounding,
-                return_local=keep_local, timer=self.timer, stages=opts.stochastic_stages)
+                workers[0], opts.fmt, opts.block, self.group, *rounding, timer=self.timer, **wire)
             return means, nbytes, local or None
-        means, nbytes, *local = collective.simulate_mean(
-            workers, opts.fmt, opts.block, *rounding, return_local=keep_local,
-            stages=opts.stochastic_stages)
+        means, nbytes, *local = collective.simulate_mean(workers, opts.fmt, opts.block, *rounding,
+                                                         **wire)
         return means, nbytes, local[0] if local else None
 
     def keep_residuals(self, coords, local, mean_coords):
@@ -272,6 +295,8 @@ class ProductionCommunicator(compress.Communicator):
                    for n, d in lost.items()}
             self.residuals[worker] = {n: torch.where(finite, r, old.get(n, torch.zeros_like(r)))
                                       for n, r in new.items()}
+            if packing.ShardFeedback.KEY in old:    # stage 2's, kept beside
+                self.residuals[worker][packing.ShardFeedback.KEY] = old[packing.ShardFeedback.KEY]
 
     def round_trip(self, x):
         return collective.round_trip(x, self.opts.fmt, self.opts.block)
@@ -318,7 +343,11 @@ class ProductionCommunicator(compress.Communicator):
             self.rows = rows
             for n, layer in [*self.layers.items(), *self.proposals.items()]:
                 layer.rows = rows.get(n)
+        before = self.coordinates_in_use() if self.stage2_feedback() else None
         super().advance(means, sent, moments, across_ranks)
+        if before is not None and self.coordinates_in_use() != before:
+            for residual in self.residuals.values():   # stage 2's: made in the old coordinates
+                residual.pop(packing.ShardFeedback.KEY, None)
         if self.layers and self.opts.select == "fragile" and self.step == self.opts.geo_warmup:
             self.select_fragile()
 

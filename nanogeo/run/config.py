@@ -11,7 +11,7 @@ import sys
 
 import compress
 import model as model_lib
-from nanogeo.parallel.communicator import Options, COLLECTIVES, SUM_ORDERS
+from nanogeo.parallel.communicator import Options, COLLECTIVES, FEEDBACK_STAGES, SUM_ORDERS
 from nanogeo.parallel import hadamard, layers
 from nanogeo.wire import collective
 
@@ -66,7 +66,8 @@ TRAIN_CHOICES = {"comm": ("fp32", "bf16", "fp8", "geofp8", "subspace", "hadamard
                  "geo_judge": compress.JUDGES, "preset": tuple(model_lib.PRESETS),
                  "optimizer": ("adamw", "muon"),
                  "muon_adjust_lr": ("original", "match_rms_adamw"),
-                 "stochastic_stages": tuple(collective.ROUNDING_STAGES)}
+                 "stochastic_stages": tuple(collective.ROUNDING_STAGES),
+                 "feedback_stages": FEEDBACK_STAGES}
 
 
 def parse_value(field, text):

@@ -120,7 +120,17 @@ COMMS = {"fp32": ["--comm=fp32"], "bf16": ["--comm=bf16"], "fp8": ["--comm=fp8"]
          "subspace-nvfp4-r32": ["--comm=subspace", "--fmt=nvfp4", "--geo_rank=32"],
          "subspace-nvfp4-refresh1": ["--comm=subspace", "--fmt=nvfp4", "--geo_refresh=1"],
          "hadamard16-nvfp4-all-sr": ["--comm=hadamard", "--fmt=nvfp4", "--geo_layers=all",
-                                     "--hadamard_block=16", "--stochastic_round"]}
+                                     "--hadamard_block=16", "--stochastic_round"],
+         # error feedback on stage 2 (each averaged shard's re-quantization, kept by its owner),
+         # the stage --log_stages finds largest at 4 bits; and on both stages
+         "nvfp4-ef2": ["--comm=fp8", "--fmt=nvfp4", "--error_feedback", "--feedback_stages=2"],
+         "nvfp4-ef12": ["--comm=fp8", "--fmt=nvfp4", "--error_feedback",
+                        "--feedback_stages=both"],
+         "subspace-nvfp4-ef2": ["--comm=subspace", "--fmt=nvfp4", "--error_feedback",
+                                "--feedback_stages=2"],
+         "hadamard16-nvfp4-all-ef2": ["--comm=hadamard", "--fmt=nvfp4", "--geo_layers=all",
+                                      "--hadamard_block=16", "--error_feedback",
+                                      "--feedback_stages=2"]}
 EUCLIDEAN = ("fp8", "fp8-paper", "e5m2-tensor", "nvfp4")      # candidates for --reference
 SWEEPABLE = {"learning_rate": ("adamw", "muon"), "muon_lr": ("muon",)}  # flag: its optimizers
 LR_FIELDS = ("learning_rate", "min_lr", "muon_lr", "muon_adjust_lr")    # recorded from the config

@@ -51,6 +51,19 @@ class NoTimer:
 NO_TIMER = NoTimer()
 
 
+class FeedbackLayout:
+    """A layout whose stage 2 keeps error feedback's residual in a packing.ShardFeedback."""
+
+    def __init__(self, layout, feedback):
+        self.layout, self.feedback = layout, feedback
+
+    def __getattr__(self, name):
+        return getattr(self.layout, name)
+
+    def reduce(self, received, shard):
+        return self.layout.reduce(received, shard, self.feedback)
+
+
 class TimedLayout:
     """A layout whose codec stages a benchmark's timer measures: "quantize" (stage 1),
     "reduce" (stage 2: decode the W copies, add, quantize again) and "decode" (stage 3); the
@@ -140,12 +153,15 @@ def streams(stochastic, seed, device, stages="both"):
 
 
 def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, stochastic=False, seed=None,
-                    return_local=False, timer=NO_TIMER, stages="both"):
+                    return_local=False, timer=NO_TIMER, stages="both", feedback=None):
     """compress.all_reduce_mean with the packed layout, NVFP4 and stochastic rounding (in the
-    `stages` of streams()); a benchmark's `timer` times its codec stages."""
+    `stages` of streams()), stage 2's error feedback (`feedback`: a packing.ShardFeedback);
+    a benchmark's `timer` times its codec stages."""
     world = torch.distributed.get_world_size(group) if torch.distributed.is_initialized() else 1
     bucket = shard_layout(tuple(tuple(t.shape) for t in tensors), fmt, block, world)
     bucket = bucket.with_streams(streams(stochastic, seed, tensors[0].device, stages))
+    if feedback is not None:
+        bucket = FeedbackLayout(bucket, feedback)
     if timer is not NO_TIMER:
         bucket = TimedLayout(bucket, timer)
     return compress.all_reduce_mean(tensors, group=group, return_local=return_local,
@@ -153,9 +169,11 @@ def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, stochastic=False
 
 
 def simulate_mean(worker_tensors, fmt="e4m3", block=128, stochastic=False, seed=None,
-                  return_local=False, stages="both"):
+                  return_local=False, stages="both", feedback=None):
     """compress.simulate_mean with the same forms: exactly all_reduce_mean's numerics."""
     bucket = shard_layout(tuple(tuple(t.shape) for t in worker_tensors[0]), fmt, block,
                           len(worker_tensors))
     bucket = bucket.with_streams(streams(stochastic, seed, worker_tensors[0][0].device, stages))
+    if feedback is not None:
+        bucket = FeedbackLayout(bucket, feedback)
     return compress.simulate_mean(worker_tensors, return_local=return_local, layout=bucket)

@@ -268,9 +268,15 @@ class Nvfp4PackedLayout(Nvfp4Layout, packing.PackedLayout):
         run = self.shards[shard]
         return packing.sum_in_rank_order(run.decode(received.view(self.world_size, run.nbytes)))
 
-    def reduce(self, received, shard):
-        return self.shards[shard].encode(self.sum_groups(received, shard) / self.world_size,
-                                         *self.rounding((shard, 2)))
+    def reduce(self, received, shard, feedback=None):
+        run = self.shards[shard]
+        means = self.sum_groups(received, shard) / self.world_size
+        if feedback is not None:                # (as packing.PieceLayout.reduce)
+            means = feedback.add(shard, means)
+        out = run.encode(means, *self.rounding((shard, 2)))
+        if feedback is not None:
+            feedback.keep(shard, means, run.decode(out.view(1, -1))[0])
+        return out
 
     def decode(self, buffer, stride=None):
         """Stage 3 (as packing.PackedLayout.decode): shard j at j * stride, or back to back."""

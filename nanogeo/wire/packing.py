@@ -106,6 +106,33 @@ def sum_in_rank_order(copies):
     return total
 
 
+class ShardFeedback:
+    """Error feedback on stage 2: the owner of each shard keeps what re-quantizing its averaged
+    shard lost and adds it to that shard's mean at the next step, so over steps the delivered
+    means add up to the exact stage-1 means (the error does not accumulate). Kept in the
+    layout's own form of the shard (a tensor, or a list with one per piece) as
+    residuals[shard][KEY], beside the owner's stage-1 residuals (so checkpoints keep it with
+    them): a rank holds only its own shard's, 1/W of the bucket. A non-finite loss is kept as 0."""
+    KEY = "stage 2"         # not a parameter name (those are dotted identifiers)
+
+    def __init__(self, residuals):
+        self.residuals = residuals          # {rank: {name: residual}}
+
+    def add(self, shard, means):
+        residual = self.residuals.get(shard, {}).get(self.KEY)
+        if residual is None:
+            return means
+        if isinstance(means, list):
+            return [m + r for m, r in zip(means, residual)]
+        return means + residual
+
+    def keep(self, shard, means, decoded):
+        finite = functools.partial(torch.nan_to_num, nan=0.0, posinf=0.0, neginf=0.0)
+        lost = ([finite(m - d) for m, d in zip(means, decoded)] if isinstance(means, list)
+                else finite(means - decoded))
+        self.residuals.setdefault(shard, {})[self.KEY] = lost
+
+
 class PieceLayout(compress.ShardLayout):
     """compress.ShardLayout as production runs it, piece by piece (row and tensor scaling, and
     the reference the packed form is tested against):
@@ -164,11 +191,18 @@ class PieceLayout(compress.ShardLayout):
         return torch.cat([self.quantize_piece(flats[p.tensor][p.start:p.end], p, rounding)
                           for shard in self.pieces for p in shard])
 
-    def reduce(self, received, shard):
+    def reduce(self, received, shard, feedback=None):
+        """Stage 2; with `feedback` (ShardFeedback) the shard's residual is added to the mean
+        before it is quantized, and what this quantization loses is kept for the next step."""
         rounding = self.rounding((shard, 2))
-        parts = [self.quantize_piece(v / self.world_size, p, rounding)
-                 for v, p in zip(self.sum_copies(received, shard), self.pieces[shard])]
-        return torch.cat(parts) if parts else received.new_empty(0)
+        means = [v / self.world_size for v in self.sum_copies(received, shard)]
+        if feedback is not None:
+            means = feedback.add(shard, means)
+        parts = [self.quantize_piece(v, p, rounding) for v, p in zip(means, self.pieces[shard])]
+        out = torch.cat(parts) if parts else received.new_empty(0)
+        if feedback is not None:
+            feedback.keep(shard, means, self.decode_shard(out, shard))
+        return out
 
 
 class PackedLayout(PieceLayout):
@@ -234,10 +268,16 @@ class PackedLayout(PieceLayout):
     def sum_copies(self, received, shard):
         return self.piece_values(self.sum_groups(received, shard), self.pieces[shard])
 
-    def reduce(self, received, shard):
-        """Stage 2: the summed shard divided by W, back to wire bytes."""
-        return pack_groups(self.sum_groups(received, shard) / self.world_size, self.fmt,
-                           *self.rounding((shard, 2)))
+    def reduce(self, received, shard, feedback=None):
+        """Stage 2: the summed shard divided by W, back to wire bytes (with `feedback`, as
+        PieceLayout.reduce)."""
+        means = self.sum_groups(received, shard) / self.world_size
+        if feedback is not None:
+            means = feedback.add(shard, means)
+        out = pack_groups(means, self.fmt, *self.rounding((shard, 2)))
+        if feedback is not None:
+            feedback.keep(shard, means, unpack_groups(out, self.block, self.fmt))
+        return out
 
     def piece_values(self, total, pieces):
         """sum_groups()'s result as one flat fp32 view per piece of the shard."""
