@@ -180,6 +180,22 @@ def test_study_never_pairs_runs_of_two_machines():
     assert f"Machine (each optimizer's runs on one): {here}." in answer
 
 
+def test_study_stage_table_and_sensitivity():
+    """--stages: the stage ratios averaged over the logged steps after the first quarter and
+    over the seeds; --sensitivity: the same runs of two results files, their differences."""
+    stages = {"l2": {"stage1": 0.2, "stage2": 0.8, "total": 0.9}}
+    late = {"l2": {"stage1": 0.4, "stage2": 1.0, "total": 1.1}}
+    run = dict(study_run("nvfp4", 0, 2.0), steps=100, stages=[(25, stages), (50, late),
+                                                              (100, late)])
+    assert "| nvfp4 | 4 | l2 | 0.400 | 1.000 | 1.100 | 2 |" in study.stage_table([run])
+    assert study.stage_table([study_run("fp32", 0, 2.0)]) == ""
+    a = [dict(study_run("nvfp4", s, 2.0 + s / 100), steps=300) for s in range(2)]
+    b = [dict(r, final_val_loss=r["final_val_loss"] + d) for r, d in zip(a, (0.01, -0.03))]
+    text = study.sensitivity(a, b + [dict(study_run("fp32", 0, 1.0), steps=300)])
+    assert "| nvfp4 | adamw | 4 | 2 | 0.0200 | 0.0300 | -0.0100, +0.0300 |" in text
+    assert "| fp32 |" not in text                               # in one file only
+
+
 def test_study_sweep_summary_and_lr_from(tmp_path):
     """The best value: the lowest mean over the seeds every value has (a diverged value, nan,
     is worst); at an end of the grid it is flagged. --lr_from passes it to that optimizer's

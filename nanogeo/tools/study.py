@@ -836,6 +836,50 @@ def write_answer(results_path, readme, workers=(32,)):
     return table_text
 
 
+def stage_table(results):
+    """Markdown: per method and W, the error of the mean by stage (train.py --log_stages) as a
+    ratio to the mean's sampling noise, in L2 and as each optimizer sees it - the mean over the
+    logged steps after the first quarter of the run (the warm-up's first steps are not
+    representative) and over the seeds."""
+    cells = {}
+    for r in results:
+        late = [stages for step, stages in r.get("stages") or [] if step > r["steps"] // 4]
+        for stages in late:
+            for metric, parts in stages.items():
+                key = (r["comm"], r["workers"], metric)
+                cells.setdefault(key, []).append(parts)
+    if not cells:
+        return ""
+    lines = ["| method | W | metric | stage 1 | stage 2 | total | logged steps |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for (comm, workers, metric), parts in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0])):
+        mean = {k: sum(p[k] for p in parts) / len(parts) for k in ("stage1", "stage2", "total")}
+        lines.append(f"| {comm} | {workers} | {metric} | {mean['stage1']:.3f} | "
+                     f"{mean['stage2']:.3f} | {mean['total']:.3f} | {len(parts)} |")
+    return "\n".join(lines) + "\n"
+
+
+def sensitivity(results, other):
+    """Markdown: the same runs (method, optimizer, W, seed, steps) in two results files - two
+    thread counts, compiled or not, two machines - and how far apart their final val losses
+    ended: per method the mean and the largest |difference| over the seeds both have."""
+    def key(r):
+        return r["comm"], r["optimizer"], r["workers"], r["seed"], r["steps"]
+    theirs = {key(r): r for r in other if not r.get("sweep")}
+    by_comm = {}
+    for r in results:
+        if not r.get("sweep") and key(r) in theirs:
+            diff = r["final_val_loss"] - theirs[key(r)]["final_val_loss"]
+            by_comm.setdefault((r["comm"], r["optimizer"], r["workers"]), []).append(diff)
+    lines = ["| method | optimizer | W | seeds | mean abs difference | largest abs difference | "
+             "differences |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for (comm, optimizer, workers), diffs in sorted(by_comm.items()):
+        lines.append(f"| {comm} | {optimizer} | {workers} | {len(diffs)} | "
+                     f"{sum(map(abs, diffs)) / len(diffs):.4f} | {max(map(abs, diffs)):.4f} | "
+                     + ", ".join(f"{d:+.4f}" for d in diffs) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def at_endpoint(results, endpoint):
     """The records with their final_val_loss taken from one end point: "final" (train.py's
     final val loss, as recorded) or "tail" (its tail val loss, --tail_evals; records without
@@ -873,6 +917,11 @@ def parse_args(argv):
     parser.add_argument("--readme", default=None)
     parser.add_argument("--table", default=None, metavar="RESULTS", help="print study.md's "
                         "tables of a results.json again (no runs), e.g. with another --reference")
+    parser.add_argument("--stages", default=None, metavar="RESULTS", help="print the error of "
+                        "the mean by stage of runs with train.py --log_stages (no runs)")
+    parser.add_argument("--sensitivity", default=None, nargs=2, metavar="RESULTS",
+                        help="print how far the same runs in two results files ended apart "
+                        "(two thread counts, compiled or not, two machines)")
     parser.add_argument("--endpoint", default="final", choices=("final", "tail"),
                         help="--table compares the runs' final val loss (default) or their "
                         "tail val loss (train.py --tail_evals)")
@@ -936,6 +985,13 @@ def plan(parser, args, extra):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     parser, args, extra = parse_args(argv)
+    if args.stages or args.sensitivity:
+        try:
+            print(stage_table(json.load(open(args.stages))) if args.stages else
+                  sensitivity(*(json.load(open(f)) for f in args.sensitivity)), end="")
+        except (OSError, ValueError, KeyError) as e:
+            parser.error(f"--stages / --sensitivity: {e}")
+        return
     if args.table:
         try:
             results = at_endpoint(json.load(open(args.table)), args.endpoint)
