@@ -238,8 +238,9 @@ class ShardLayout:
         return dequantize(Quantized(buffer, piece.shape, self.fmt, piece.block))
 
     def encode(self, flats, rank=0):
-        """Stage 1 on `rank`: its flat fp32 tensors -> one uint8 buffer, the W destination
-        ranks' shards back to back (shard j is nbytes[j] bytes)."""
+        """Stage 1: a rank's flat fp32 tensors -> one uint8 buffer, the W destination ranks'
+        shards back to back (shard j is nbytes[j] bytes). (`rank`: whose; a stochastic layout
+        draws from that rank's random stream.)"""
         return torch.cat([self.quantize_piece(flats[p.tensor][p.start:p.end], p)
                           for shard in self.pieces for p in shard])
 
@@ -274,8 +275,8 @@ class ShardLayout:
         flat, offset = torch.zeros(starts[-1], device=buffer.device), 0
         for j, pieces in enumerate(self.pieces):
             offset = j * stride if stride is not None else offset
-            shard = buffer[offset: offset + self.nbytes[j]]
-            for p, values in zip(pieces, self.decode_shard(shard, j)):
+            shard_bytes = buffer[offset: offset + self.nbytes[j]]
+            for p, values in zip(pieces, self.decode_shard(shard_bytes, j)):
                 flat[starts[p.tensor] + p.start: starts[p.tensor] + p.end] = values
             offset += self.nbytes[j]
         return flat
@@ -466,7 +467,7 @@ class WhitenedLayer:
     def refresh(self, moments):
         """New factors from this step's second moments ({side: A or B}, the same on every rank),
         smoothed by the EMA of the moments. New dicts: a copy of this layer (a proposal, section
-        7) must not change the layer in use."""
+        6) must not change the layer in use."""
         self.moments, self.factors = dict(self.moments), dict(self.factors)
         for side, moment in moments.items():
             old = self.moments.get(side)
@@ -822,7 +823,7 @@ class Communicator:
     """Averages a fixed list of named tensors through the two-stage collective, each matrix in
     Euclidean or geometry-aware coordinates: reduce() over the process group, reduce_workers()
     for W simulated workers. `moments`: the whitened layers' K-FAC statistics ({"input":
-    {name: A}}), averaged over the ranks, on the steps where wants_moments() is true."""
+    {name: A}}), on the steps where wants_moments() is true."""
     LAYERS = {"geofp8": WhitenedLayer, "subspace": SubspaceLayer}
 
     def __init__(self, named_shapes, options=None, group=None, linear=None):
@@ -874,17 +875,33 @@ class Communicator:
     # -- one step ----------------------------------------------------------------------------
 
     def reduce(self, grads, moments=None):
-        """Average grads (matching self.names) over the process group, in place. Returns the
-        bytes this rank sent."""
+        """Average grads (matching self.names) over the process group, in place; `moments`:
+        this rank's K-FAC statistics, averaged here first. Returns the bytes this rank sent."""
         across = dist.is_initialized()
         rank = dist.get_rank(self.group) if across else 0
+        if moments is not None and across:
+            moments = self.average_moments(moments)
         means, nbytes = self.communicate({rank: grads}, moments, across)
         for g, m in zip(grads, means):
             g.copy_(m)
         return nbytes
 
+    def average_moments(self, moments):
+        """Seam: the mean over the group of every rank's K-FAC statistics, so that every rank
+        builds the same factors (equal weights: every rank ran as many tokens; production
+        weights by the token counts)."""
+        world = dist.get_world_size(self.group)
+        out = {side: {} for side in whitened_sides(self.opts)}
+        for side, by_name in out.items():
+            for name, moment in moments.get(side, {}).items():
+                by_name[name] = moment.clone()
+                dist.all_reduce(by_name[name], group=self.group)
+                by_name[name] /= world
+        return out
+
     def reduce_workers(self, worker_grads, moments=None):
-        """The same numerics for W simulated workers. Returns (means, bytes a rank sends)."""
+        """The same numerics for W simulated workers (moments: already over all of them).
+        Returns (means, bytes a rank sends)."""
         return self.communicate(dict(enumerate(worker_grads)), moments, across_ranks=False)
 
     def communicate(self, worker_grads, moments, across_ranks):

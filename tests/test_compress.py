@@ -1,4 +1,5 @@
 """compress.py: codecs, the collective, the transform, GeoFP8 selection."""
+import copy
 import math
 
 import pytest
@@ -610,6 +611,22 @@ def test_distributed_communicator_matches_simulator(options, tmp_path):
             assert coords == sim.coords("a.weight")
         assert (ranks[0][step][1] + ranks[1][step][1]) / 2 == sent
     assert ranks[0][-1][2] == "geo" or options.geometry == "euclidean"
+
+
+def test_stage_two_residual_is_dropped_when_the_coordinates_change():
+    """Stage 2's residual is made in the coordinates in use: same_coordinates tells a refresh
+    (new bases) and a change of rotated sides apart from a copy of the same geometry."""
+    from nanogeo.parallel.communicator import same_coordinates
+    _, comm = run_steps(Options(geometry="subspace", geo_rank=8, select="all", geo_warmup=0),
+                        planted_workers(128, 96, 2, 3))
+    before = comm.coordinates_in_use()
+    assert same_coordinates(before, comm.coordinates_in_use())
+    layer = comm.layers["layers.0.mlp.w1.weight"]
+    comm.layers["layers.0.mlp.w1.weight"] = copy.copy(layer)          # a copy: the same tensors
+    assert same_coordinates(before, comm.coordinates_in_use())
+    layer.rotate_sides("right" if layer.sides == "both" else "both")
+    comm.layers["layers.0.mlp.w1.weight"] = layer
+    assert not same_coordinates(before, comm.coordinates_in_use())
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "nvfp4"])

@@ -79,6 +79,13 @@ def ddp_rank(rank, world_size, out, hook_options):
     dist.destroy_process_group()
 
 
+def test_the_hook_refuses_stage_two_feedback():
+    """The hook's state keeps stage-1 residuals by parameter name; stage 2's (per shard) would
+    be lost in its state_dict: refused, naming the fix."""
+    with pytest.raises(ValueError, match="feedback_stages='1'"):
+        GeoFP8HookState(nn.Linear(8, 8), error_feedback=True, feedback_stages="2")
+
+
 def test_ddp_hook_matches_fp32_ddp_within_fp8_error(tmp_path):
     out = str(tmp_path / "ddp")
     run_ranks(ddp_rank, 2, out, {"geometry": "subspace", "geo_rank": 8, "geo_warmup": 1})

@@ -357,15 +357,17 @@ def test_state_dict_round_trip_whitening_and_fp8_sum():
             comm.state_dict())
 
 
-def moments_rank(rank, world_size, out):
+def moments_rank(rank, world_size, out, teaching=False):
     """Two ranks, different data, a model we did not write: every rank must end up with the same
     (averaged) input moments and factors, equal to the mean of both ranks' own moments."""
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(24, 64), nn.GELU(), nn.Linear(64, 24), nn.LayerNorm(24))
     named = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-    comm = ProductionCommunicator(named, Options(geometry="geofp8", min_numel=16, whiten_rank=4))
-    layers = hooks.linear_layers(model, comm.moment_layers())
+    kind, options = ((compress.Communicator, compress.GeoOptions) if teaching
+                     else (ProductionCommunicator, Options))
+    comm = kind(named, options(geometry="geofp8", min_numel=16, whiten_rank=4))
+    layers = hooks.linear_layers(model, [n for n in comm.layers])
     assert set(layers) == {"0.weight", "2.weight"}          # found by module type
     stats = hooks.KroneckerMoments(layers, comm.wants_moments).attach()
     g = torch.Generator().manual_seed(100 + rank)
@@ -385,11 +387,13 @@ def moments_rank(rank, world_size, out):
     dist.destroy_process_group()
 
 
-def test_input_moments_identical_on_every_rank(tmp_path):
-    """ProductionCommunicator averages each rank's statistics over the ranks (token-weighted)
-    before any factor is built (compress.Communicator takes them averaged already)."""
+@pytest.mark.parametrize("teaching", [False, True])
+def test_input_moments_identical_on_every_rank(tmp_path, teaching):
+    """Every rank's statistics are averaged over the ranks before any factor is built:
+    token-weighted by ProductionCommunicator, with equal weights by compress.Communicator on
+    its own (here both ranks ran 40 tokens, so the two means are the same)."""
     out = str(tmp_path / "moments")
-    run_ranks(moments_rank, 2, out)
+    run_ranks(moments_rank, 2, out, teaching)
     r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
     assert set(r0["moments"]) == {"0.weight", "2.weight"}
     for n in r0["moments"]:

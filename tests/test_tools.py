@@ -187,7 +187,7 @@ def test_study_stage_table_and_sensitivity():
     late = {"l2": {"stage1": 0.4, "stage2": 1.0, "total": 1.1}}
     run = dict(study_run("nvfp4", 0, 2.0), steps=100, stages=[(25, stages), (50, late),
                                                               (100, late)])
-    assert "| nvfp4 | 4 | l2 | 0.400 | 1.000 | 1.100 | 2 |" in study.stage_table([run])
+    assert "| adamw | nvfp4 | 4 | l2 | 0.400 | 1.000 | 1.100 | 2 |" in study.stage_table([run])
     assert study.stage_table([study_run("fp32", 0, 2.0)]) == ""
     a = [dict(study_run("nvfp4", s, 2.0 + s / 100), steps=300) for s in range(2)]
     b = [dict(r, final_val_loss=r["final_val_loss"] + d) for r, d in zip(a, (0.01, -0.03))]

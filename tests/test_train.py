@@ -301,6 +301,16 @@ def test_tail_evals_span_the_last_fifth_and_leave_the_run_unchanged(tiny_corpus,
         parse_config(["--tail_evals=-1"])
 
 
+def test_the_last_step_report_for_stochastic_rounding_in_one_stage(tiny_corpus, tmp_path, capsys):
+    """The end-of-run report compares with the recommended FP8 (to nearest, both stages) also
+    when the run rounds stochastically in one stage only."""
+    result = train.train(parse_config(tiny_args(
+        tiny_corpus, tmp_path / "out", "--max_iters=2", "--eval_interval=2", "--comm=fp8",
+        "--fmt=nvfp4", "--simulate_workers=2", "--stochastic_round", "--stochastic_stages=1")))
+    assert "the recommended FP8 on the same gradients" in capsys.readouterr().out
+    assert result["final_val_loss"] > 0
+
+
 def test_log_stages_splits_the_error_and_leaves_the_run_unchanged(tiny_corpus, tmp_path):
     """--log_stages: on logged steps the error of the mean by stage (summary.stage_errors), in
     the log and log.jsonl, for L2 and each optimizer; measuring changes nothing in the run."""

@@ -1,9 +1,10 @@
 """
 The communicator as training runs it: compress.Communicator (the method: coordinates, the
 two-stage collective, refresh, the gain check, the decision) with what production adds around
-it - a subclass that overrides compress.py's documented seams (make_layer, outgoing, collective,
-round_trip, error_seen, advance, update_geometry, propose), so that compress.py stays the one
-statement of the method:
+it - a subclass that overrides compress.py's documented seams (make_layer, average_moments,
+outgoing, collective, round_trip, error_seen, advance, update_geometry, propose; and, for a
+benchmark's timer, to_coords and from_coords; reduce_workers for each simulated rank's K-FAC
+statistics), so that compress.py stays the one statement of the method:
 
   * the wire: the packed stages, NVFP4 and stochastic rounding's streams (nanogeo.wire.collective),
     and the paper's collective, one FP8 all_reduce SUM with per-tensor scales
@@ -131,6 +132,14 @@ class Options(compress.GeoOptions):
         return nvfp4.NVFP4_BLOCK if self.fmt == "nvfp4" else self.block
 
 
+def same_coordinates(before, after):
+    """Are two coordinates_in_use() the same: every geometry made of the same tensor objects, on
+    the same sides?"""
+    return all((a is None) == (b is None) and (a is None or (
+        a[1] == b[1] and len(a[0]) == len(b[0]) and all(x is y for x, y in zip(a[0], b[0]))))
+        for a, b in zip(before, after))
+
+
 class ProductionCommunicator(compress.Communicator):
     """compress.Communicator with the production forms (module docstring). train.py, the DDP
     hook, FSDP2 and the tools use this one."""
@@ -181,13 +190,11 @@ class ProductionCommunicator(compress.Communicator):
 
     # -- the K-FAC statistics, averaged over the ranks ----------------------------------------------
 
-    def reduce(self, grads, moments=None):
-        """compress.Communicator.reduce, with this rank's K-FAC statistics averaged over the
-        group (token-weighted, one all-reduce) first."""
-        if moments is not None and dist.is_initialized():
-            moments = hooks.average_moments(moments, self.moment_shapes(), self.whitened_sides(),
-                                            self.sum_over_ranks, grads[0].device)
-        return super().reduce(grads, moments)
+    def average_moments(self, moments):
+        """Token-weighted, over a fixed list of (side, layer) slots, in one all-reduce (a rank
+        that collected nothing for a layer adds zero tokens)."""
+        return hooks.average_moments(moments, self.moment_shapes(), self.whitened_sides(),
+                                     self.sum_over_ranks, hooks.moments_device(moments))
 
     def reduce_workers(self, worker_grads, moments=None):
         """compress.Communicator.reduce_workers; `moments` may also be a list, each simulated
@@ -223,10 +230,11 @@ class ProductionCommunicator(compress.Communicator):
         return packing.ShardFeedback(self.residuals) if on else None
 
     def coordinates_in_use(self):
-        """What identifies the coordinates every matrix is sent in now (the tensors of each
-        geometry in use): stage 2's residual, made in them, is dropped when they change."""
-        return tuple(tuple(map(id, self.layers[n].tensors())) if self.is_geo(n) else ()
-                     for n in self.layers)
+        """What the coordinates every matrix is sent in now are made of (the tensors and the
+        rotated sides of each geometry in use; the objects, not their ids): stage 2's residual,
+        made in them, is dropped when they change (same_coordinates)."""
+        return [(self.layers[n].tensors(), self.layers[n].sides) if self.is_geo(n) else None
+                for n in self.layers]
 
     def outgoing(self, worker, grads):
         """Error feedback: each gradient plus the rank's residual of the last step, in original
@@ -243,9 +251,9 @@ class ProductionCommunicator(compress.Communicator):
             coords = {w: [c + self.residuals.get(w, {})[n] if self.has_feedback(n)
                           and n in self.residuals.get(w, {}) else c
                           for n, c in zip(self.names, cs)] for w, cs in coords.items()}
-        stage1 = self.opts.error_feedback and self.opts.feedback_stages != "2"
-        means, nbytes, local = self.exchange(coords, across_ranks, stage1 or self.decompose)
-        if stage1:
+        keep_stage1 = self.opts.error_feedback and self.opts.feedback_stages != "2"
+        means, nbytes, local = self.exchange(coords, across_ranks, keep_stage1 or self.decompose)
+        if keep_stage1:
             self.keep_residuals(coords, local, means)
         if self.decompose:      # the mean an exact second stage would deliver (this rank's share)
             self.stage1 = [self.from_coords(n, torch.stack([rt[i] for rt in local]).mean(0))
@@ -343,9 +351,10 @@ class ProductionCommunicator(compress.Communicator):
             self.rows = rows
             for n, layer in [*self.layers.items(), *self.proposals.items()]:
                 layer.rows = rows.get(n)
-        before = self.coordinates_in_use() if self.stage2_feedback() else None
+        stage2 = self.opts.error_feedback and self.opts.feedback_stages != "1"
+        before = self.coordinates_in_use() if stage2 else None
         super().advance(means, sent, moments, across_ranks)
-        if before is not None and self.coordinates_in_use() != before:
+        if stage2 and not same_coordinates(before, self.coordinates_in_use()):
             for residual in self.residuals.values():   # stage 2's: made in the old coordinates
                 residual.pop(packing.ShardFeedback.KEY, None)
         if self.layers and self.opts.select == "fragile" and self.step == self.opts.geo_warmup:

@@ -20,8 +20,8 @@ factor, refresh, warmup, error_feedback, vocab_size (keeps an untied output head
 
 Which matrices may go geometry-aware: the weights of nn.Linear modules (found by module type;
 embedding tables and tied heads stay Euclidean), and of those the ones whose measured error -
-as their optimizer sees it, after `state.watch(optimizers)` - drops by enough (compress section
-4b). Without watch() the check measures plain L2 error, which can mislead under AdamW.
+as their optimizer sees it, after `state.watch(optimizers)` - drops by enough (compress.py section
+5). Without watch() the check measures plain L2 error, which can mislead under AdamW.
 
 The published method (geometry="geofp8") needs each linear layer's input second moment: the
 state registers a forward pre-hook on every nn.Linear whose weight is a candidate (found by module
@@ -90,6 +90,9 @@ class GeoFP8HookState:
         self.bytes_sent = 0         # since the last reset_bytes()
         self.streams = {}           # CUDA device -> the hook's side stream
         self.moments = None         # the whitened layers' K-FAC statistics (geometry="geofp8")
+        if self.options.feedback_stages != "1":
+            raise ValueError("nanogeo.parallel.ddp: the DDP hook keeps error feedback's stage-1 "
+                             "residuals only; use feedback_stages='1' (train.py runs stage 2's)")
         if self.options.geometry == "geofp8":
             if self.options.whiten_sides != "input":
                 raise ValueError("nanogeo.parallel.ddp: the DDP hook whitens the input side only; "

@@ -173,6 +173,9 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
             raise ValueError("nanogeo.parallel.fsdp: FSDP2 supports geometry='subspace', 'hadamard' or "
                              "'euclidean' with the two-stage collective; the published whitening "
                              "runs under DDP (nanogeo.parallel.ddp) or train.py")
+        if options.get("stochastic_stages", "both") == "2":
+            raise ValueError("nanogeo.parallel.fsdp: FSDP's reduce-scatter has no second stage to "
+                             "round stochastically; use stochastic_stages='both' or '1'")
         if options.get("geometry") == "hadamard" and options.get("hadamard_sides") == "both":
             raise ValueError("nanogeo.parallel.fsdp: hadamard_sides='both' mixes rows that live on "
                              "different ranks; use hadamard_sides='right'")

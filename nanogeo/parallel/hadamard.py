@@ -153,7 +153,6 @@ class HadamardLayer:
             self.row_signs = random_signs(self.shape[0], generator).to(mean.device)
 
 
-
     # what rank agreement and checkpoints read (nanogeo.parallel.agreement, layers)
     def tensors(self):
         return [t for t in (self.column_signs, self.row_signs) if t is not None]

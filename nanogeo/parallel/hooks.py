@@ -165,6 +165,15 @@ def statistics_bytes(communicator, world_size):
     return ring_allreduce_bytes(numel, 4, world_size) if slots else 0
 
 
+def moments_device(moments):
+    """The device the statistics are on (the current GPU, or the CPU, where a rank has none)."""
+    for side in ("input", "output"):
+        for moment in moments.get(side, {}).values():
+            return moment.device
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+
+
 def average_moments(moments, shapes, sides, all_reduce, device):
     """The token-weighted mean over ranks of every rank's K-FAC statistics, in one all-reduce
     over a fixed list of (side, layer) slots - the same list on every rank, whatever each rank

@@ -12,7 +12,7 @@ The coordinate layers as production runs them (nanogeo.parallel.communicator mak
     triangular solve (what the published artifact does; its factor EMA, factor_decay, applies to
     it), "full": A itself, "diag": A's diagonal, "block": A's diagonal blocks;
   * dense bases for the subspace rotation - exact singular bases (full=True) and a random
-    rotation (basis="random"): DenseSubspaceLayer, a compress.SubspaceLayer whose bases() are
+    rotation (basis="random"): DenseSubspaceLayer, a compress.SubspaceLayer whose rotation() uses
     dense m x m and n x n matrices.
 
 The dense kinds exist to measure what the low-rank approximations and the Householder completion
@@ -180,8 +180,6 @@ class JudgedLayer:
 
 
 UNSHARDED = row_blocks.RowBlocks()      # every rank holds every row (DDP, train.py)
-
-
 
 
 @dataclass

@@ -62,7 +62,8 @@ def geometry_state_bytes(communicator):
 
 
 # the FP8 the README recommends: Euclidean e4m3, blocks of 128, the two-stage collective
-RECOMMENDED = {"fmt": "e4m3", "block": 128, "collective": "two-stage", "stochastic_round": False}
+RECOMMENDED = {"fmt": "e4m3", "block": 128, "collective": "two-stage", "stochastic_round": False,
+               "stochastic_stages": "both"}
 
 
 def euclidean_twin(communicator, **codec):
@@ -80,8 +81,8 @@ def euclidean_twin(communicator, **codec):
     return twin
 
 
-def recommended(communicator):
-    """Does the run send something else than the recommended FP8's bytes?"""
+def other_than_recommended(communicator):
+    """Does the run send another codec or collective than the recommended FP8?"""
     o = communicator.opts
     return any(getattr(o, k) != v for k, v in RECOMMENDED.items())
 
@@ -91,7 +92,7 @@ def exact_and_twins(communicator, local, world_size, simulated):
     mean or None where that is the run's own) of this step's gradients. local: this rank's
     tensors, or with simulated ranks a list of every rank's."""
     twins = [euclidean_twin(communicator)]
-    if recommended(communicator):
+    if other_than_recommended(communicator):
         twins.append(euclidean_twin(communicator, **RECOMMENDED))
     if simulated:
         exact = [torch.stack(ts).mean(dim=0) for ts in zip(*local)]
@@ -118,7 +119,7 @@ def last_step_report(communicator, local, delivered, coords, world_size, simulat
     """The lines train.py prints: `delivered` is what the communicator returned on the last
     step (before clipping), `local` that step's gradients as for exact_and_euclidean, `coords`
     each tensor's coordinates on that step (communicator.coords, read before the reduce)."""
-    exact, euclid, best_fp8 = exact_and_twins(communicator, local, world_size, simulated)
+    exact, euclid, recommended = exact_and_twins(communicator, local, world_size, simulated)
     names = communicator.names
     sets = {"geometry-aware matrices": [c == "geo" for c in coords],
             "candidate matrices": [n in communicator.layers for n in names],
@@ -134,10 +135,10 @@ def last_step_report(communicator, local, delivered, coords, world_size, simulat
         ratio = ours / base if base > 0 else float("nan")      # nan: nothing to compare
         lines.append(f"  {label:24s} this run {cell(ours, '.4f')} | Euclidean FP8, same "
                      f"collective {cell(base, '.4f')} | ratio {cell(ratio, '.3f')}")
-    if best_fp8 is not None:
+    if recommended is not None:
         everything = sets["all tensors"]
-        ours, best = relative_error(delivered, exact, everything), relative_error(best_fp8, exact,
-                                                                                  everything)
+        ours = relative_error(delivered, exact, everything)
+        best = relative_error(recommended, exact, everything)
         lines.append(f"  the recommended FP8 on the same gradients (Euclidean e4m3, blocks of 128, "
                      f"two-stage collective): all tensors {cell(best, '.4f')} | this run / it "
                      f"{cell(ours / best if best > 0 else float('nan'), '.3f')}")
@@ -189,9 +190,11 @@ def stage_errors(communicator, sent, delivered, world_size, simulated, noise_sam
     against the sampling noise of the mean, in plain L2 and as each optimizer sees it:
 
         stage 1  the mean of every rank's own round trip minus the exact mean: the error an
-                 exact (fp32) second stage would leave - each rank's rounding, averaged over W;
-        stage 2  the delivered mean minus that: the re-quantization of the averaged shards;
-        total    delivered - exact = stage 1 + stage 2.
+                 exact (fp32) second stage would leave - each rank's rounding, averaged over W
+                 (with stage-1 error feedback, also the residual it carried in);
+        stage 2  the delivered mean minus that: the re-quantization of the averaged shards (on
+                 the paper's fp8-sum collective: the FP8 sum's re-roundings hop by hop);
+        total    delivered - exact = stage 1 + stage 2 (as vectors).
 
     The mean's sampling noise, sum_w ||g_w - m||^2 / (W (W - 1)), is what a communication error
     competes with: at a ratio near 1 it acts like a batch about half as large. Returns, per metric
@@ -199,7 +202,8 @@ def stage_errors(communicator, sent, delivered, world_size, simulated, noise_sam
     exact mean, the noise from up to `noise_samples` ranks' deviations), {"stage1", "stage2",
     "total"}: sqrt(error energy / noise energy), and for "l2" also "of_mean", |total| / |mean|.
     sent: the step's gradients before communication (each simulated rank's, or this rank's);
-    delivered: the decoded means; communicator.stage1 from a step run with decompose=True."""
+    delivered: the decoded means; communicator.stage1 from a step run with decompose=True. The
+    energies are summed on the device and read once (logged steps only)."""
     group = communicator.group
     if simulated:
         W, workers = len(sent), sent
@@ -211,36 +215,39 @@ def stage_errors(communicator, sent, delivered, world_size, simulated, noise_sam
         stage1 = mean_over_ranks(communicator.stage1, group, world_size)
     if W < 2:
         return None                         # one rank: no sampling noise to compare with
-    parts = {n: (s - m, d - s, d - m) for n, m, s, d in zip(communicator.names, exact, stage1,
-                                                             delivered)}
-    energy = {}                             # metric -> [stage 1, stage 2, total, noise]
-    for i, (n, m) in enumerate(zip(communicator.names, exact)):
+    energy = {}                             # metric -> [stage 1, stage 2, total, noise, mean]
+    for i, (n, m, s, d) in enumerate(zip(communicator.names, exact, stage1, delivered)):
+        parts = (s - m, d - s, d - m)
         # a rank's deviation / sqrt(W - 1): a vector the size of the mean's sampling noise
         deviations = [(w[i].float() - m) / math.sqrt(W - 1) for w in workers]
-        noise = sum(float(d.pow(2).sum()) for d in deviations) / len(deviations)
-        add(energy, "l2", [float(p.pow(2).sum()) for p in parts[n]] + [noise])
+        noise = torch.stack([x.pow(2).sum() for x in deviations]).mean()
+        add(energy, "l2", [p.pow(2).sum() for p in parts] + [noise, m.pow(2).sum()])
         view = communicator.views.get(n)
         if view is not None:
             seen, sample = view.error(m, 1), deviations[:noise_samples]
-            noise = sum(float(seen(d)) for d in sample) / len(sample)
-            add(energy, view.kind, [float(seen(p)) for p in parts[n]] + [noise])
-    if not simulated:                       # this rank's noise sample: the mean over ranks
-        for values in energy.values():
-            values[3] = float(mean_over_ranks([torch.tensor(values[3])], group, world_size)[0])
-    out = {kind: {k: math.sqrt(v / e[3]) if e[3] > 0 else float("nan")
-                  for k, v in zip(("stage1", "stage2", "total"), e)} for kind, e in energy.items()}
-    mean_energy = sum(float(m.pow(2).sum()) for m in exact)
-    out["l2"]["of_mean"] = math.sqrt(energy["l2"][2] / mean_energy) if mean_energy else float("nan")
+            noise = torch.stack([seen(x).float() for x in sample]).mean()
+            add(energy, view.kind, [seen(p).float() for p in parts] + [noise, noise * 0])
+    kinds = list(energy)
+    table = torch.stack([torch.stack([torch.as_tensor(v).float() for v in energy[k]])
+                         for k in kinds])                       # (metrics, 5), on the device
+    if not simulated:                       # each rank's noise sample: their mean
+        table[:, 3] = mean_over_ranks([table[:, 3].contiguous()], group, world_size)[0]
+    rows = dict(zip(kinds, table.tolist()))                     # the one host sync
+    out = {kind: {k: math.sqrt(v / noise) if noise > 0 else float("nan")
+                  for k, v in (("stage1", e1), ("stage2", e2), ("total", e))}
+           for kind, (e1, e2, e, noise, _) in rows.items()}
+    total, mean = rows["l2"][2], rows["l2"][4]
+    out["l2"]["of_mean"] = math.sqrt(total / mean) if mean > 0 else float("nan")
     return out
 
 
 def add(energy, kind, values):
-    energy[kind] = [a + b for a, b in zip(energy.get(kind, [0.0] * 4), values)]
+    energy[kind] = [a + b for a, b in zip(energy.get(kind, [0.0] * len(values)), values)]
 
 
 def stages_line(done, stages):
     """The log line of a step's stage_errors: each part of the error / the sampling noise."""
-    parts = " | ".join(f"{kind} {s['stage1']:.3f} + {s['stage2']:.3f} -> {s['total']:.3f}"
+    parts = " | ".join(f"{kind} {s['stage1']:.3f}, {s['stage2']:.3f}, {s['total']:.3f}"
                        for kind, s in stages.items())
-    return (f"step {done} | error of the mean / its sampling noise, stage 1 + stage 2 -> total: "
+    return (f"step {done} | error of the mean / its sampling noise - stage 1, stage 2, total: "
             f"{parts}")

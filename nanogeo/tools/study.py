@@ -846,15 +846,15 @@ def stage_table(results):
         late = [stages for step, stages in r.get("stages") or [] if step > r["steps"] // 4]
         for stages in late:
             for metric, parts in stages.items():
-                key = (r["comm"], r["workers"], metric)
+                key = (r["optimizer"], r["workers"], r["comm"], metric)
                 cells.setdefault(key, []).append(parts)
     if not cells:
         return ""
-    lines = ["| method | W | metric | stage 1 | stage 2 | total | logged steps |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    for (comm, workers, metric), parts in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0])):
+    lines = ["| optimizer | method | W | metric | stage 1 | stage 2 | total | logged steps |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for (optimizer, workers, comm, metric), parts in sorted(cells.items()):
         mean = {k: sum(p[k] for p in parts) / len(parts) for k in ("stage1", "stage2", "total")}
-        lines.append(f"| {comm} | {workers} | {metric} | {mean['stage1']:.3f} | "
+        lines.append(f"| {optimizer} | {comm} | {workers} | {metric} | {mean['stage1']:.3f} | "
                      f"{mean['stage2']:.3f} | {mean['total']:.3f} | {len(parts)} |")
     return "\n".join(lines) + "\n"
 
@@ -862,7 +862,8 @@ def stage_table(results):
 def sensitivity(results, other):
     """Markdown: the same runs (method, optimizer, W, seed, steps) in two results files - two
     thread counts, compiled or not, two machines - and how far apart their final val losses
-    ended: per method the mean and the largest |difference| over the seeds both have."""
+    ended: per method the mean and the largest |difference| over the seeds both have. (Pass
+    files of one study each: a run met twice in a file counts once, the later record.)"""
     def key(r):
         return r["comm"], r["optimizer"], r["workers"], r["seed"], r["steps"]
     theirs = {key(r): r for r in other if not r.get("sweep")}

@@ -127,10 +127,19 @@ class ShardFeedback:
         return means + residual
 
     def keep(self, shard, means, decoded):
-        finite = functools.partial(torch.nan_to_num, nan=0.0, posinf=0.0, neginf=0.0)
-        lost = ([finite(m - d) for m, d in zip(means, decoded)] if isinstance(means, list)
-                else finite(means - decoded))
-        self.residuals.setdefault(shard, {})[self.KEY] = lost
+        """This step's loss - unless the shard's mean is not finite (an fp16 overflow: the
+        optimizer skips the step), then the old residual, as stage 1's feedback does; chosen on
+        the device, no host sync."""
+        as_list = isinstance(means, list)
+        means, decoded = (means, decoded) if as_list else ([means], [decoded])
+        ends = [torch.stack(torch.aminmax(m)) for m in means if m.numel()]
+        if not ends:
+            return
+        finite = torch.isfinite(torch.cat(ends)).all()
+        old = self.residuals.get(shard, {}).get(self.KEY)
+        old = [torch.zeros_like(m) for m in means] if old is None else old if as_list else [old]
+        lost = [torch.where(finite, m - d, o) for m, d, o in zip(means, decoded, old)]
+        self.residuals.setdefault(shard, {})[self.KEY] = lost if as_list else lost[0]
 
 
 class PieceLayout(compress.ShardLayout):
@@ -249,8 +258,8 @@ class PackedLayout(PieceLayout):
         """Stage 1 of R simulated ranks in one call: rank_flats[i] = rank i's flat fp32 tensors
         -> (R, bytes), row i = encode(rank_flats[i], i). Every group is quantized on its own, so
         stacking the ranks changes no byte (nearest rounding; stochastic rounding draws from
-        each rank's own stream: rank by rank)."""
-        if self.rng_for is not None:
+        each rank's own stream: rank by rank, where stage 1 rounds stochastically)."""
+        if self.rounding((0, 1))[0]:
             return super().encode_ranks(rank_flats)
         rows = [torch.stack(column) for column in zip(*rank_flats)]     # (R, numel) per tensor
         return pack_groups(self.rows_in_wire_order(rows), self.fmt).view(len(rank_flats), -1)
