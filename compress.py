@@ -585,30 +585,14 @@ def orthonormal(A):
     return torch.linalg.qr(A).Q
 
 
-def update_subspaces(G, U, V, left_energy, right_energy, decay=0.0, iters=1):
+def update_subspaces(G, U, V, iters=1):
     """One refresh of G's (m x n) dominant subspaces from U (m x r), V (n x r): subspace
-    iteration on G G^T and G^T G (decay > 0: on an EMA of them, C = decay U diag(e) U^T + (1 -
-    decay) G G^T, kept as the bases and their energies e), then a Rayleigh-Ritz rotation that
-    makes U^T G V diagonal, largest first. Returns (U, V, left_energy, right_energy)."""
+    iteration on G G^T and G^T G, then a Rayleigh-Ritz rotation that makes U^T G V diagonal,
+    largest first. (nanogeo's layer can smooth the covariances over refreshes instead.)"""
     for _ in range(iters):
-        A = (1 - decay) * (G @ (G.T @ U))                               # G G^T U
-        B = (1 - decay) * (G.T @ (G @ V))                               # G^T G V
-        if decay > 0:
-            A, B = A + decay * U * left_energy, B + decay * V * right_energy
-        U_new, V_new = orthonormal(A), orthonormal(B)
-        # the EMA covariance's Rayleigh quotients in the new bases: the new energies
-        left_energy = ((1 - decay) * (G.T @ U_new).pow(2).sum(0)
-                       + decay * ((U.T @ U_new).pow(2) * left_energy[:, None]).sum(0))
-        right_energy = ((1 - decay) * (G @ V_new).pow(2).sum(0)
-                        + decay * ((V.T @ V_new).pow(2) * right_energy[:, None]).sum(0))
-        U, V = U_new, V_new
+        U, V = orthonormal(G @ (G.T @ U)), orthonormal(G.T @ (G @ V))  # G G^T U, G^T G V
     a, _, bh = torch.linalg.svd(U.T @ G @ V)                            # r x r: negligible
-    U, V = U @ a, V @ bh.T
-    left_energy = ((1 - decay) * (G.T @ U).pow(2).sum(0)
-                   + decay * left_energy.sort(descending=True).values)
-    right_energy = ((1 - decay) * (G @ V).pow(2).sum(0)
-                    + decay * right_energy.sort(descending=True).values)
-    return U, V, left_energy, right_energy
+    return U @ a, V @ bh.T
 
 
 def initial_subspaces(G, r, seed, iters=4):
@@ -617,9 +601,7 @@ def initial_subspaces(G, r, seed, iters=4):
     generator = torch.Generator(device="cpu").manual_seed(seed)
     omega = torch.randn(G.shape[1], r, generator=generator).to(G.device, G.dtype)
     U = orthonormal(G @ omega)
-    V = orthonormal(G.T @ U)
-    zeros = torch.zeros(r, device=G.device, dtype=G.dtype)
-    return update_subspaces(G, U, V, zeros, zeros, decay=0.0, iters=iters)
+    return update_subspaces(G, U, orthonormal(G.T @ U), iters)
 
 
 @dataclass
@@ -628,11 +610,9 @@ class SubspaceLayer:
     shape: tuple
     r: int                              # dominant directions per side
     seed: int
-    opts: object = field(repr=False)    # the GeoOptions (decay, iters)
+    opts: object = field(repr=False)    # the GeoOptions (iters, scatter_core, sides)
     left_basis: HouseholderBasis = None     # P
     right_basis: HouseholderBasis = None    # Q
-    left_energy: torch.Tensor = None    # (r,): the EMA covariances' energies in the bases
-    right_energy: torch.Tensor = None
     use_geo: bool = False
     gain: float = float("nan")          # last measured Euclidean error / rotated error
     sides: str = "both"                 # the sides it rotates: both, left or right
@@ -678,14 +658,11 @@ class SubspaceLayer:
 
     def dominant_subspaces(self, mean):
         """(U, V): the top-r singular subspaces of the decoded mean, warm-started from the
-        bases in use (with their EMA)."""
+        bases in use."""
         if self.left_basis is None:
-            U, V, self.left_energy, self.right_energy = initial_subspaces(mean, self.r, self.seed)
-        else:
-            U, V, self.left_energy, self.right_energy = update_subspaces(
-                mean, self.left_basis.columns(), self.right_basis.columns(), self.left_energy,
-                self.right_energy, self.opts.decay, self.opts.iters)
-        return U, V
+            return initial_subspaces(mean, self.r, self.seed)
+        return update_subspaces(mean, self.left_basis.columns(), self.right_basis.columns(),
+                                self.opts.iters)
 
     def refresh(self, mean):
         """New bases from the decoded mean (the same on every rank)."""
@@ -771,7 +748,6 @@ class GeoOptions:
     damping: float = 1e-3           # geofp8
     moment_decay: float = 0.95      # geofp8: EMA of the moments across refreshes
     geo_rank: int = 16              # subspace: r per side, at most min(m, n) // 2
-    decay: float = 0.0              # subspace: EMA of the covariances (0: the latest mean only)
     iters: int = 1                  # subspace: iterations per refresh
     sides: str = "auto"             # subspace: both | left | right | auto (both or right alone,
                                     # the better measured; right keeps every row's scale)

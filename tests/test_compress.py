@@ -449,13 +449,30 @@ def test_subspace_iteration_finds_planted_subspace():
     U0 = compress.orthonormal(torch.randn(120, 4))
     V0 = compress.orthonormal(torch.randn(80, 4))
     G = U0 @ torch.diag(torch.tensor([10.0, 8, 6, 4])) @ V0.T + 0.01 * torch.randn(120, 80)
-    U, V, left_energy, _ = compress.initial_subspaces(G, 4, seed=1)
+    U, V = compress.initial_subspaces(G, 4, seed=1)
     assert torch.linalg.svdvals(U.T @ U0).min() > 0.999
     assert torch.linalg.svdvals(V.T @ V0).min() > 0.999
     core = U.T @ G @ V  # Rayleigh-Ritz: diagonal, largest first
     assert (core - torch.diag(core.diagonal())).abs().max() < 1e-3
     assert torch.allclose(core.diagonal().abs(), torch.tensor([10.0, 8, 6, 4]), atol=0.05)
 
+
+
+def test_production_row_form_is_compress_iteration_number_for_number():
+    """nanogeo's layer estimates its bases with rows.py's form (FSDP row blocks, an optional EMA
+    of the covariances); on a whole matrix at decay 0 it must be compress.py's iteration, bit for
+    bit, so the two communicators rotate alike."""
+    from nanogeo.parallel import rows as fsdp
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(5)
+    G = torch.randn(40, 6, generator=g) @ torch.randn(6, 30, generator=g) + torch.randn(40, 30, generator=g)
+    U, V = compress.initial_subspaces(G, 4, seed=2)
+    U2, V2, e_left, e_right = fsdp.initial_subspaces_rows(G, 4, 2, fsdp.RowBlocks())
+    assert torch.equal(U, U2) and torch.equal(V, V2)
+    G = G + 0.1 * torch.randn(40, 30, generator=g)
+    U, V = compress.update_subspaces(G, U, V, iters=2)
+    U2, V2, _, _ = fsdp.update_subspaces_rows(G, U2, V2, e_left, e_right, 0.0, 2, fsdp.RowBlocks())
+    assert torch.equal(U, U2) and torch.equal(V, V2)
 
 # ---------------------------------------------------------------------------- GeoFP8
 
@@ -679,10 +696,11 @@ def sharded_rank(rank, world_size, out):
     G = torch.randn(m, r, generator=g) @ torch.randn(r, n, generator=g) * 5 \
         + torch.randn(m, n, generator=g)
     rows = fsdp.RowBlocks(m)
-    whole, sharded = (compress.initial_subspaces(G, r, seed=3),
+    whole, sharded = (fsdp.initial_subspaces_rows(G, r, 3, fsdp.RowBlocks()),
                       fsdp.initial_subspaces_rows(rows.local(G), r, 3, rows))
     U, V = whole[0], whole[1]
-    update_whole = compress.update_subspaces(G, U, V, whole[2], whole[3], decay=0.5)
+    update_whole = fsdp.update_subspaces_rows(G, U, V, whole[2], whole[3], 0.5, 1,
+                                              fsdp.RowBlocks())
     update_sharded = fsdp.update_subspaces_rows(rows.local(G), U, V, whole[2], whole[3], 0.5, 1,
                                                 rows)
     left, right = compress.HouseholderBasis.complete(U), compress.HouseholderBasis.complete(V)

@@ -67,6 +67,7 @@ class Options(compress.GeoOptions):
     whiten_block: int = 64          # block size of whiten_factor="block"
     factor_decay: float = 0.0       # EMA of the triangular factor itself (published: 0.95)
     full: bool = False              # exact dense eigenbases (reference / ablation)
+    decay: float = 0.0              # subspace: EMA of the covariances (0: the latest mean only)
     basis: str = "householder"      # "householder" or "random" (dense random rotation)
     stale_residual: bool = False    # keep the residual in the old coordinates (defect c)
 

@@ -184,9 +184,12 @@ UNSHARDED = row_blocks.RowBlocks()      # every rank holds every row (DDP, train
 
 @dataclass
 class ProductionSubspaceLayer(compress.SubspaceLayer):
-    """Also: its bases estimated on FSDP's row blocks (`rows`, set by the communicator), the
+    """Also: its bases estimated on FSDP's row blocks (`rows`, set by the communicator) and from
+    an EMA of the covariances across refreshes (Options.decay; the energies below carry it), the
     core energy (the fraction of the mean's energy in the r x r core: the layer table's), and
     the state rank agreement and checkpoints read."""
+    left_energy: torch.Tensor = None    # (r,): the EMA covariances' energies in the bases
+    right_energy: torch.Tensor = None
     energy: object = float("nan")       # a device scalar once measured: no host sync
     rows: object = field(default=None, repr=False)      # FSDP's RowBlocks of this matrix
     @property
@@ -195,12 +198,11 @@ class ProductionSubspaceLayer(compress.SubspaceLayer):
         return self.transform[0] is None
 
     def dominant_subspaces(self, mean):
-        """compress.py's subspace iteration, or its row form when `mean` is this rank's block of
-        rows (FSDP); then the core energy, summed over the ranks."""
+        """compress.py's subspace iteration in its row form (the same numbers when this rank
+        holds every row; under FSDP `mean` is this rank's block of rows) with the covariances'
+        EMA; then the core energy, summed over the ranks."""
         rows = self.rows or UNSHARDED
-        if not rows.sharded:
-            U, V = super().dominant_subspaces(mean)
-        elif self.left_basis is None:
+        if self.left_basis is None:
             U, V, self.left_energy, self.right_energy = row_blocks.initial_subspaces_rows(
                 mean, self.r, self.seed, rows)
         else:

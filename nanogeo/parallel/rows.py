@@ -112,11 +112,13 @@ def swap_entries_rows(matrices):
 
 
 def update_subspaces_rows(G, U, V, left_energy, right_energy, decay, iters, rows):
-    """compress.update_subspaces when G is this rank's block of rows of the mean (FSDP): every
-    product that runs over the rows is summed over the ranks (rows.sum), every m x r result
-    gathered whole before it is orthonormalised (rows.gather), and this rank's rows of a whole
-    m x r matrix are rows.local(U). Returns (U, V, left_energy, right_energy), the same on every
-    rank."""
+    """compress.update_subspaces with two additions. An EMA of the covariances across refreshes
+    (decay > 0: C = decay U diag(e) U^T + (1 - decay) G G^T, kept as the bases and their energies
+    e; decay = 0 is compress.py's iteration, number for number). And G may be this rank's block
+    of rows of the mean (FSDP): every product that runs over the rows is summed over the ranks
+    (rows.sum), every m x r result gathered whole before it is orthonormalised (rows.gather), and
+    this rank's rows of a whole m x r matrix are rows.local(U). Returns (U, V, left_energy,
+    right_energy), the same on every rank."""
     for _ in range(iters):
         A = (1 - decay) * (G @ rows.sum(G.T @ rows.local(U)))          # rows of G G^T U
         B = (1 - decay) * rows.sum(G.T @ (G @ V))                     # G^T G V
