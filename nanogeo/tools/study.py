@@ -683,9 +683,10 @@ def mean_ms(runs):
 
 def study_groups(results, workers):
     """{optimizer: {comm: {seed: record}}} of the study's runs at W = workers; per optimizer
-    the set of train flags and the machine with the most runs (a study has one set of flags,
-    from --lr_from and --, and runs every arm on one machine; a tie goes to the first in
-    group_order, so the table never depends on hashing)."""
+    one set of train flags and one machine (a study has one set of flags, from --lr_from and --,
+    and runs every arm on one machine): the group with the most runs among those whose machine
+    was recorded (the others' pairs may mix machines), or among all when none was; a tie goes to
+    the first in group_order, so the table never depends on hashing."""
     out = {}
     for optimizer in sorted({r["optimizer"] for r in results}):
         rows = [r for r in results if not r.get("sweep") and r["optimizer"] == optimizer
@@ -693,7 +694,7 @@ def study_groups(results, workers):
         if not rows:
             continue
         keys = [group(r) for r in rows]
-        main = min(set(keys), key=lambda k: (-keys.count(k), group_order(k)))
+        main = min(set(keys), key=lambda k: (k[-1] is None, -keys.count(k), group_order(k)))
         for r in rows:
             if group(r) == main:
                 out.setdefault(optimizer, {}).setdefault(r["comm"], {})[r["seed"]] = r
