@@ -588,7 +588,8 @@ def orthonormal(A):
 def update_subspaces(G, U, V, iters=1):
     """One refresh of G's (m x n) dominant subspaces from U (m x r), V (n x r): subspace
     iteration on G G^T and G^T G, then a Rayleigh-Ritz rotation that makes U^T G V diagonal,
-    largest first. (nanogeo's layer can smooth the covariances over refreshes instead.)"""
+    largest first. Returns the new (U, V). (nanogeo's layer can also smooth the covariances over
+    refreshes: Options.decay.)"""
     for _ in range(iters):
         U, V = orthonormal(G @ (G.T @ U)), orthonormal(G.T @ (G @ V))  # G G^T U, G^T G V
     a, _, bh = torch.linalg.svd(U.T @ G @ V)                            # r x r: negligible
@@ -606,7 +607,7 @@ def initial_subspaces(G, r, seed, iters=4):
 
 @dataclass
 class SubspaceLayer:
-    """The rotation's coordinates of one matrix: r (m + n) + 2 r^2 + 2 r numbers."""
+    """The rotation's coordinates of one matrix: r (m + n) + 2 r^2 numbers."""
     shape: tuple
     r: int                              # dominant directions per side
     seed: int

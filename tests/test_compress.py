@@ -457,15 +457,14 @@ def test_subspace_iteration_finds_planted_subspace():
     assert torch.allclose(core.diagonal().abs(), torch.tensor([10.0, 8, 6, 4]), atol=0.05)
 
 
-
 def test_production_row_form_is_compress_iteration_number_for_number():
     """nanogeo's layer estimates its bases with rows.py's form (FSDP row blocks, an optional EMA
     of the covariances); on a whole matrix at decay 0 it must be compress.py's iteration, bit for
     bit, so the two communicators rotate alike."""
     from nanogeo.parallel import rows as fsdp
-    torch.set_num_threads(1)
     g = torch.Generator().manual_seed(5)
-    G = torch.randn(40, 6, generator=g) @ torch.randn(6, 30, generator=g) + torch.randn(40, 30, generator=g)
+    G = (torch.randn(40, 6, generator=g) @ torch.randn(6, 30, generator=g)
+         + torch.randn(40, 30, generator=g))
     U, V = compress.initial_subspaces(G, 4, seed=2)
     U2, V2, e_left, e_right = fsdp.initial_subspaces_rows(G, 4, 2, fsdp.RowBlocks())
     assert torch.equal(U, U2) and torch.equal(V, V2)
@@ -473,6 +472,23 @@ def test_production_row_form_is_compress_iteration_number_for_number():
     U, V = compress.update_subspaces(G, U, V, iters=2)
     U2, V2, _, _ = fsdp.update_subspaces_rows(G, U2, V2, e_left, e_right, 0.0, 2, fsdp.RowBlocks())
     assert torch.equal(U, U2) and torch.equal(V, V2)
+
+
+def test_production_subspace_layer_refreshes_as_the_teaching_one():
+    """The same wiring at the layer level: two refreshes (cold start, then warm) give the same
+    Householder bases in compress.SubspaceLayer and nanogeo's ProductionSubspaceLayer."""
+    from nanogeo.parallel.communicator import Options
+    from nanogeo.parallel.layers import ProductionSubspaceLayer
+    g = torch.Generator().manual_seed(6)
+    teaching = compress.SubspaceLayer.create("w", (48, 40), compress.GeoOptions(geometry="subspace"))
+    production = ProductionSubspaceLayer.create("w", (48, 40), Options(geometry="subspace"))
+    for _ in range(2):
+        mean = torch.randn(48, 5, generator=g) @ torch.randn(5, 40, generator=g)
+        teaching.refresh(mean)
+        production.refresh(mean)
+        for a, b in ((teaching.left_basis, production.left_basis),
+                     (teaching.right_basis, production.right_basis)):
+            assert torch.equal(a.Y, b.Y) and torch.equal(a.T, b.T)
 
 # ---------------------------------------------------------------------------- GeoFP8
 

@@ -177,10 +177,11 @@ def test_study_never_pairs_runs_of_two_machines():
     assert "| fp8 | 2 | 2.1050 ± 0.0635 | — |" in text                       # none on B
     assert "(**2 commits**" in text
     answer = study.answer(results, workers=4)
-    assert f"Machine (each optimizer's runs on one): {here}." in answer
+    assert f"adamw: runs of one machine, {here}." in answer
     # more runs of an unrecorded machine (records of an older driver) do not outvote them
     older = [dict(study_run(c, s, 2.0), machine=None) for c in ("fp32", "fp8") for s in range(5)]
-    assert f"Machine (each optimizer's runs on one): {here}." in study.answer(older + results, 4)
+    assert f"adamw: runs of one machine, {here}." in study.answer(older + results, 4)
+    assert "adamw: machine not recorded: pairs may mix machines." in study.answer(older, 4)
 
 
 def test_study_stage_table_and_sensitivity():

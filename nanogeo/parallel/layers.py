@@ -4,8 +4,9 @@ The coordinate layers as production runs them (nanogeo.parallel.communicator mak
   * compress.py's two - SubspaceLayer, WhitenedLayer - and the Hadamard control
     (nanogeo.parallel.hadamard), with what rank agreement, the broadcast, checkpoints, FSDP and
     the layer table need of them: tensors(), flags() / load_flags() (the decisions as numbers),
-    state_dict() / load_state_dict(), row_local, r, sides; the rotation estimated on FSDP's
-    row blocks (nanogeo.parallel.rows) and its core energy;
+    state_dict() / load_state_dict(), row_local, r, sides; the rotation estimated in
+    nanogeo.parallel.rows' form (FSDP's row blocks, an optional EMA of the covariances; on a whole
+    matrix without the EMA, compress.py's iteration number for number) and its core energy;
 
   * the ablations: whitening factors other than the low-rank one compress.py applies in O(d r) per row -
     "lowrank-dense": the same low-rank + diagonal A^ with a dense Cholesky factor and a
@@ -16,8 +17,8 @@ The coordinate layers as production runs them (nanogeo.parallel.communicator mak
     dense m x m and n x n matrices.
 
 The dense kinds exist to measure what the low-rank approximations and the Householder completion
-cost or gain (BENCHMARKS.md sections 11-12, nanogeo.tools.tables); training uses compress.py's
-own forms.
+cost or gain (BENCHMARKS.md sections 11-12, nanogeo.tools.tables); training uses the low-rank
+whitening and the Householder rotation.
 """
 from dataclasses import dataclass, field
 
@@ -294,7 +295,7 @@ class DenseSubspaceLayer(ProductionSubspaceLayer):
     """The subspace rotation with dense bases in place of the Householder completion: full=True,
     the complete singular bases of the latest mean (kept in `exact`; r = min(m, n)), or
     basis="random", a seeded random rotation. The Householder bases are still estimated as in
-    compress.SubspaceLayer (they carry the warm start, the energies and the readiness)."""
+    ProductionSubspaceLayer (they carry the warm start, the energies and the readiness)."""
     exact: tuple = field(default=None, repr=False)      # full=True: (U (m, m), V (n, n))
 
     def rotation(self, sides=None):

@@ -9,7 +9,8 @@ gathered whole (RowBlocks). The bases U and V are always held whole, so every ra
 same Householder bases. The decode of a rank's rows needs one small r x n all-reduce
 (decode_geo_rows), and core scattering a few values exchanged across blocks
 (swap_entries_rows).
-nanogeo.parallel.layers.SubspaceLayer uses the row forms when its `rows` are sharded.
+nanogeo.parallel.layers.ProductionSubspaceLayer always uses the row forms (with RowBlocks(), whose
+methods are the identity, when a rank holds every row).
 """
 import torch
 import torch.distributed as dist
@@ -141,7 +142,8 @@ def update_subspaces_rows(G, U, V, left_energy, right_energy, decay, iters, rows
 
 
 def initial_subspaces_rows(G, r, seed, rows, iters=4):
-    """compress.initial_subspaces on this rank's rows (FSDP): the same seeded range finder."""
+    """compress.initial_subspaces in the row form (this rank's rows under FSDP): the same seeded
+    range finder. Returns (U, V, left_energy, right_energy)."""
     generator = torch.Generator(device="cpu").manual_seed(seed)
     omega = torch.randn(G.shape[1], r, generator=generator).to(G.device, G.dtype)
     U = compress.orthonormal(rows.gather(G @ omega))

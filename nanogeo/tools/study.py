@@ -792,12 +792,10 @@ def answer(results, workers=32):
             notes += row_notes
     used = [r for runs in groups.values() for seed_runs in runs.values()
             for r in seed_runs.values()]
-    machines = sorted({r.get("machine") or "not recorded" for r in used})
-    if machines == ["not recorded"]:
-        notes.append("The runs' machine was not recorded: pairs may mix machines.")
-    else:
-        notes.append(f"Machine{'s' if len(machines) > 1 else ''} (each optimizer's runs on one): "
-                     f"{' / '.join(machines)}.")
+    for optimizer, by_comm in groups.items():
+        machine = next(iter(next(iter(by_comm.values())).values())).get("machine")
+        notes.append(f"{optimizer}: " + (f"runs of one machine, {machine}." if machine else
+                                         "machine not recorded: pairs may mix machines."))
     unfinished = sorted({r["comm"] for r in used if not math.isfinite(r["final_val_loss"])})
     if unfinished:
         notes.append(f"Not finite in some run, so in no row: {', '.join(unfinished)}.")
