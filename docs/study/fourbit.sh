@@ -12,11 +12,11 @@
 # Parts 1 and 2 ran at commit b9807e5, parts 3 to 5 at 0949502; the two commits give the same
 # numbers (part 5's recheck: fp32 seeds 0 and 1 and NVFP4 seed 1 at both, the results in
 # docs/study/fourbit/recheck.json; NVFP4 seed 0 too, in part 4: --log_stages leaves a run unchanged).
-# (Parts 3 and W = 64's fp8 ran into their own out_dirs at 0949502; their records are merged into
-# docs/study/fourbit/results.json: same flags and machine, so one group with part 1.)
-# Planned but not run (CPU time): W = 64 seeds 8-11, the controls at W = 64, W = 32 with W = 64's
-# global batch, W = 128 training runs, stochastic rounding in stage 1 or both stages, the
-# rotation's rank and refresh, the wider model (char-wide).
+# (Parts 3, W = 64's fp8 and W = 64's Hadamard-16 ran into their own out_dirs at 0949502; their
+# records are merged into docs/study/fourbit/results.json: same flags and machine, one group.)
+# Planned but not run (CPU time): W = 64 seeds 8-11, W = 64's other controls and levers, W = 32
+# with W = 64's global batch, W = 128 training runs with their own fp32, stochastic rounding in
+# stage 1 or both stages, the rotation's rank and refresh, the wider model (char-wide).
 set -e
 export OMP_NUM_THREADS=1
 LANE=${LANE:-ab}
@@ -39,12 +39,18 @@ esac
 case $LANE in *a*)
 study --comms hadamard16-nvfp4-all,subspace-nvfp4-all,hadamard-nvfp4-all --workers 32 --seeds 0,1,2,3,4,5 --out_dir out/fourbit -- $FLAGS ;;
 esac
+case $LANE in *b*)
+study --comms hadamard16-nvfp4-all --workers 64 --seeds 0,1,2,3 --out_dir out/fourbit -- $FLAGS ;;
+esac
 
 # 3. the levers on stage 2 (the re-quantized mean, the larger error: part 4): error feedback
 #    alone and with the rotation, stochastic rounding; W = 32, 6 seeds, paired with part 1's fp32
 #    and NVFP4
 case $LANE in *b*)
 study --comms nvfp4-ef2,subspace-nvfp4-ef2,nvfp4-sr2 --workers 32 --seeds 0,1,2,3,4,5 --out_dir out/fourbit -- $FLAGS ;;
+esac
+case $LANE in *a*)
+study --comms nvfp4-ef2 --workers 64 --seeds 0,1,2,3 --out_dir out/fourbit -- $FLAGS ;;
 esac
 
 # 4. mechanism: the error of the mean by stage (--log_stages), against its sampling noise
