@@ -490,6 +490,7 @@ def test_production_subspace_layer_refreshes_as_the_teaching_one():
                      (teaching.right_basis, production.right_basis)):
             assert torch.equal(a.Y, b.Y) and torch.equal(a.T, b.T)
 
+
 # ---------------------------------------------------------------------------- GeoFP8
 
 def planted_workers(m, n, world, steps, rank=8, strength=0.9, seed=0):

@@ -793,7 +793,8 @@ def answer(results, workers=32):
     used = [r for runs in groups.values() for seed_runs in runs.values()
             for r in seed_runs.values()]
     for optimizer, by_comm in groups.items():
-        machine = next(iter(next(iter(by_comm.values())).values())).get("machine")
+        # every run of a group shares its machine (the machine is part of the group)
+        machine = next(r.get("machine") for runs in by_comm.values() for r in runs.values())
         notes.append(f"{optimizer}: " + (f"runs of one machine, {machine}." if machine else
                                          "machine not recorded: pairs may mix machines."))
     unfinished = sorted({r["comm"] for r in used if not math.isfinite(r["final_val_loss"])})
