@@ -1,0 +1,39 @@
+#!/bin/bash
+# The namesake study (issue 44): does geometry-aware FP8 beat Euclidean FP8 on the two-stage
+# collective, and which 4-bit method to run - at >= 24 seeds, every arm of a seed on one machine,
+# back to back. Resumable: a finished run is skipped, so run this again to continue. From the
+# repository root, after `python prepare_data.py --tokenizer char`. Results: out/namesake/results.json
+# (copied to docs/study/namesake/results.json as they come), pooled with the 4-bit study's
+# (docs/study/fourbit/results.json, another machine, seeds 0-11) by
+#   python -m nanogeo.tools.study --answer docs/study/namesake/results.json,docs/study/fourbit/results.json ...
+# Seeds 12-35 here, so no seed number is shared with the 4-bit study's machine: each seed is a
+# block of its own, its arms paired on one CPU.
+#
+# LANE=a (seeds 12-23) or LANE=b (seeds 24-35) runs one half: two processes, one per core of a
+# 2-core machine, sharing out/namesake (its results.json is locked). The same flags as the
+# 4-bit study (fourbit.sh), Muon at its tuned rate (muon_lr 3e-2, docs/study/sweep.md), so that
+# the two studies' runs fall into one group per machine and their seeds can be pooled.
+set -e
+export OMP_NUM_THREADS=1
+LANE=${LANE:-ab}
+FLAGS="--preset=char-study --max_iters=300 --eval_interval=300 --log_interval=25 --tail_evals=12 --muon_lr=3e-2"
+OUT=${OUT:-out/namesake}
+study() { python -m nanogeo.tools.study --optimizers muon --out_dir $OUT "$@"; }
+seeds() { case $1 in a) echo 12,13,14,15,16,17,18,19,20,21,22,23 ;;
+                    b) echo 24,25,26,27,28,29,30,31,32,33,34,35 ;; esac; }
+lanes() { case $LANE in *a*) echo a ;; esac; case $LANE in *b*) echo b ;; esac; }
+
+# 1. FP8, Muon, W = 32: fp32, bf16, Euclidean FP8 (two-stage e4m3), the rotation and the
+#    published whitening on it - the README's first sentence
+for lane in $(lanes); do
+  study --comms fp32,bf16,fp8,subspace,geofp8 --workers 32 --seeds $(seeds $lane) -- $FLAGS
+done
+# 2. 4 bits, Muon, W = 32: NVFP4, the rotation on it, stage-2 error feedback (paired with 1's
+#    fp32 and bf16)
+for lane in $(lanes); do
+  study --comms nvfp4,subspace-nvfp4,nvfp4-ef2 --workers 32 --seeds $(seeds $lane) -- $FLAGS
+done
+# 3. FP8, Muon, W = 64, 12 seeds: the five arms of 1
+for lane in $(lanes); do
+  study --comms fp32,bf16,fp8,subspace,geofp8 --workers 64 --seeds $(seeds $lane | cut -d, -f1-6) -- $FLAGS
+done
