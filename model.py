@@ -24,6 +24,8 @@ What makes it "Llama" rather than GPT-2:
 
 Presets (parameter counts with the GPT-2 vocabulary padded to 50304):
   cpu-tiny    ~ 13.7M  (6.4M of it the two vocab matrices)  for CI and the 2-core CPU demo
+  char-study  ~ 0.12M  128 character ids, 2 x 64: the convergence studies and the tests
+  char-wide   ~ 0.8M   the same, 4 x 128: do the studies' answers hold for larger matrices?
   llama-300m  ~ 302M   untied embeddings, GQA
   llama-600m  ~ 608M   untied embeddings, GQA
   paper-300m  ~ 354M   the GeoFP8 paper's 300M model: 24 x 1024, FFN 2736, 16 heads, no GQA,

@@ -59,7 +59,7 @@ from nanogeo.parallel.communicator import ProductionCommunicator
 
 @dataclass
 class TrainConfig:
-    preset: str = "cpu-tiny"          # cpu-tiny | char-study | llama-300m | llama-600m | paper-*
+    preset: str = "cpu-tiny"          # a model.PRESETS name: cpu-tiny, char-study, char-wide, llama-*, paper-*
     data_dir: str = "data/shakespeare"
     out_dir: str = "out"
     # schedule
