@@ -357,10 +357,10 @@ def test_summary_averages_the_final_evaluations_and_every_steps_bytes(tiny_corpu
 
 
 def ranks_one_by_one(model, batches, grad_accum):
-    """Each rank's own pass (train.rank_pass): its losses and gradients."""
+    """Each rank's own pass (train.forward_backward): its losses and gradients."""
     out = []
     for rank_batches in batches:
-        losses = train.rank_pass(model, rank_batches, grad_accum)
+        losses = train.forward_backward(model, rank_batches, grad_accum)
         out.append((losses, [p.grad for p in model.parameters()]))
         model.zero_grad(set_to_none=True)
     return out
@@ -381,7 +381,7 @@ def test_batched_ranks_equal_each_ranks_own_pass(tie, grad_accum, one_thread, mo
     model = Llama(ModelConfig(vocab_size=64, block_size=16, n_layer=2, n_embd=32, n_head=4,
                               n_kv_head=2, tie_embeddings=tie))
     batches = random_batches(3, grad_accum, 64)
-    batched = simulated.BatchedRanks(model, next_token_loss, train.rank_pass)
+    batched = simulated.BatchedRanks(model, next_token_loss, train.forward_backward)
     for _ in range(2):      # the first call checks against rank 0's own pass, the second not
         first_losses, grads = batched.forward_backward(batches, grad_accum)
         assert batched.agrees is True
@@ -413,7 +413,7 @@ def test_batched_ranks_fall_back_where_a_batch_changes_a_rank(one_thread, capsys
     rows - is noticed on the first step and played one rank at a time, still bit-exact."""
     model = LogitsAndLoss(GPT2Shaped(vocab=64, d=32, heads=4, layers=1, positions=16))
     batches = random_batches(3, 1, 64)
-    batched = simulated.BatchedRanks(model, next_token_loss, train.rank_pass)
+    batched = simulated.BatchedRanks(model, next_token_loss, train.forward_backward)
     first_losses, grads = batched.forward_backward(batches, 1)
     assert batched.agrees is False and "one by one" in capsys.readouterr().out
     own = ranks_one_by_one(model, batches, 1)
