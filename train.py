@@ -31,7 +31,6 @@ One log line per step, pipe-separated; the same numbers go to out_dir/log.jsonl.
 """
 
 import contextlib
-import dataclasses
 import os
 import sys
 import time
@@ -365,11 +364,11 @@ def train(cfg):
     my_ranks = data_parallel_ranks(cfg, rank, world_size)
     data_parallel = len(my_ranks) * world_size
     torch.manual_seed(cfg.seed)  # same seed on every rank: identical initial parameters
+    # torchrun --max-restarts brought us back: resume if rank 0 sees a checkpoint (cfg.resume)
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if restarts and checkpoint.resume_candidates(cfg.out_dir):
-        cfg = dataclasses.replace(cfg, resume=True)     # torchrun --max-restarts brought us back
     # checked before anything is built: fail in a second, not after a minute
-    ckpt, resumed_from = checkpoint.open_checkpoint(cfg, data_parallel, device, master=rank == 0)
+    cfg, ckpt, resumed_from = checkpoint.open_checkpoint(cfg, data_parallel, device,
+                                                         master=rank == 0, restarted=restarts > 0)
     log = runlog.RunLog(cfg, master=rank == 0)
 
     mcfg = model_lib.model_config(cfg.preset, block_size=cfg.block_size)
