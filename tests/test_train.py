@@ -449,3 +449,38 @@ def test_the_flags_that_are_options_fields():
     opts = config.geo_options(cfg, vocab_size=100)
     assert (opts.geometry, opts.geo_refresh, opts.whiten_factor, opts.vocab_size) == (
         "geofp8", 7, "diag", 100)
+
+
+def test_the_loop_reads_nothing_on_an_unlogged_step(tiny_corpus, tmp_path, monkeypatch):
+    """On a GPU every host read of a device tensor is a sync. train.py's own code reads the loss
+    on logged steps only and times (clock(): a sync on a GPU) only logged steps: its reads and
+    clocks are as many in 8 steps as in 4 with the one logged step (the skip-on-non-finite
+    decision, one read a step, is runtime.gradients_finite's)."""
+    reads, clocks = [], []
+    here = os.path.abspath(train.__file__)
+    for name in ("item", "tolist", "__float__", "__bool__", "cpu"):
+        def counted(self, *args, _original=getattr(torch.Tensor, name), **kwargs):
+            if os.path.abspath(sys._getframe(1).f_code.co_filename) == here:
+                reads.append(sys._getframe(1).f_code.co_name)
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    clock = train.clock
+    monkeypatch.setattr(train, "clock", lambda device: clocks.append(device) or clock(device))
+    counts = []
+    for steps in (4, 8):
+        reads.clear()
+        clocks.clear()
+        train.train(parse_config(tiny_args(tiny_corpus, tmp_path / str(steps), "--comm=fp8",
+                                           f"--max_iters={steps}", f"--log_interval={steps}",
+                                           f"--eval_interval={steps}")))
+        counts.append((sorted(reads), len(clocks)))
+    assert counts[0] == counts[1] == (["evaluate", "evaluate", "mean_loss", "mean_loss"], 2)
+
+
+def test_clock_waits_for_the_gpu(monkeypatch):
+    """A logged step's time is read once the device has done its work (a CUDA sync)."""
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    train.clock(torch.device("cpu"))
+    train.clock(torch.device("cuda", 0))
+    assert synced == [torch.device("cuda", 0)]
