@@ -362,15 +362,17 @@ def test_a_kept_checkpoint_is_a_copy_where_there_are_no_hard_links(tmp_path, mon
     assert (tmp_path / "ckpt.pt").read_bytes() == b"the step-3 checkpoint"
 
 
-def own_disk_rank(rank, world_size, argv, result_dir, elastic):
+def own_disk_rank(rank, world_size, argv, result_dir, elastic, shared=False):
     """train.py on one of two ranks that each see only their own out_dir (two nodes without a
-    shared filesystem); a hang ends the process after a minute (faulthandler), failing the test."""
+    shared filesystem; shared: argv's out_dir); its ConfigError, if any, to rankR.json. A hang
+    ends the process after a minute (faulthandler), failing the test."""
     import faulthandler
     faulthandler.dump_traceback_later(60, exit=True)
     if elastic:
         os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"
+    own = [] if shared else [f"--out_dir={result_dir}/rank{rank}"]
     try:
-        train.train(train.parse_config([*argv, f"--out_dir={result_dir}/rank{rank}"]))
+        train.train(train.parse_config([*argv, *own]))
         error = None
     except train.ConfigError as e:
         error = str(e)
@@ -394,3 +396,18 @@ def test_resume_without_a_shared_filesystem_fails_fast_on_every_rank(tiny_corpus
         assert error == (f"rank 1 cannot see {tmp_path / 'rank1' / 'ckpt.pt'}, which rank 0 "
                          "resumes from: a resume needs --out_dir on a filesystem that every rank "
                          "shares (on several nodes: a shared mount; docs/guide.md)")
+
+
+def test_a_missing_residual_file_stops_every_rank(tiny_corpus, tmp_path):
+    """With --error_feedback each rank resumes its own residual file, looking for it alone (no
+    rank needs another's file on its disk); a missing one stops every rank, naming it."""
+    argv = tiny_args(tiny_corpus, tmp_path / "out", "--max_iters=2", "--comm=fp8",
+                     "--error_feedback")
+    run_ranks(crashing_rank, 2, argv, str(tmp_path), None)
+    missing = tmp_path / "out" / "residuals-rank00001-step0000002.pt"
+    os.remove(missing)
+    run_ranks(own_disk_rank, 2, [*argv, "--max_iters=3", "--resume"], str(tmp_path), False, True)
+    for rank in (0, 1):
+        assert json.load(open(tmp_path / f"rank{rank}.json"))["error"] == (
+            f"{missing} is missing: with --error_feedback every rank resumes its own residual; "
+            "restore the file or start a new run")
