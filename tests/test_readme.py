@@ -194,7 +194,8 @@ RANK_SIGNAL = re.compile(r"Signal \d+ \(SIG\w+\) received by PID \d+")
 def why(done):
     """The line of a failed command's output that says why: a one-line error of ours, the signal
     a rank died of (torchrun's report), the exception a traceback ends with; else its last line."""
-    lines = [line.strip() for line in (done.stdout + "\n" + done.stderr).splitlines() if line.strip()]
+    lines = [line.strip() for line in (done.stdout + "\n" + done.stderr).splitlines()
+             if line.strip()]
     for pattern in (r"^[\w./-]+: error: ", RANK_SIGNAL.pattern, r"^[\w.]+(Error|Exception)\b",
                     r"^\(killed after"):
         hits = [line for line in lines if re.search(pattern, line)]
@@ -224,7 +225,7 @@ def test_readme_commands_run_as_written(scratch):
                 shutil.copy(scratch / src, scratch / dest)
         start = time.time()
         done = shell(scratch, f"{command} {toy}")
-        if done.returncode != 0 and command.startswith("torchrun") and RANK_SIGNAL.search(done.stderr):
+        if done.returncode and command.startswith("torchrun") and RANK_SIGNAL.search(done.stderr):
             print(f"{where}: a rank died of a signal ({why(done)}); once more", file=sys.stderr)
             again = " --overwrite=true" if " train.py" in command else ""
             done = shell(scratch, f"{command} {toy}{again}")

@@ -51,7 +51,8 @@ class SimulatedRanks:
     rank, and a compiled graph never holds the hooks: those steps run raw_model)."""
 
     def __init__(self, raw_model, model, own_pass, moments=None, batched=True):
-        self.raw_model, self.model, self.own_pass, self.moments = raw_model, model, own_pass, moments
+        self.raw_model, self.model, self.own_pass = raw_model, model, own_pass
+        self.moments = moments
         self.params = [p for p in raw_model.parameters() if p.requires_grad]
         self.batched = (BatchedRanks(raw_model, model_lib.next_token_loss, own_pass) if batched
                         else None)
@@ -226,7 +227,8 @@ def average(worker_grads, method, communicator, worker_stats=None):
                 total = total + g.to(dtype)         # the all_reduce SUM, in the wire's dtype
             means.append(total.float() / world)
         numel = sum(g.numel() for g in worker_grads[0])
-        return means, collective.ring_allreduce_bytes(numel, dtype.itemsize, world) if world > 1 else 0
+        nbytes = collective.ring_allreduce_bytes(numel, dtype.itemsize, world) if world > 1 else 0
+        return means, nbytes
     means, nbytes = communicator.reduce_workers(worker_grads, worker_stats or None)
     if worker_stats:            # ... averaged over the ranks by one more all-reduce
         nbytes += hooks.statistics_bytes(communicator, world)

@@ -140,9 +140,9 @@ def require_shared(out_dir, names):
     missing = [p for p in paths if not os.path.exists(p)]
     blind = [(r, m) for r, m in enumerate(on_every_rank_gathered(missing)) if m]
     if blind:
-        ranks = ", ".join(str(r) for r, _ in blind)
-        raise ConfigError(f"rank {ranks} cannot see {blind[0][1][0]}, which rank 0 resumes "
-                          f"from: {SHARED}")
+        ranks = ("rank " if len(blind) == 1 else "ranks ") + ", ".join(str(r) for r, _ in blind)
+        raise ConfigError(f"{ranks} cannot see {blind[0][1][0]}, which rank 0 resumes from: "
+                          f"{SHARED}")
 
 
 def first_intact(paths, device):
