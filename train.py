@@ -31,12 +31,10 @@ One log line per step, pipe-separated; the same numbers go to out_dir/log.jsonl.
 """
 
 import contextlib
-import dataclasses
 import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -167,10 +165,19 @@ def make_communicator(cfg, model, optimizers):
 
 
 @torch.no_grad()
-def reduce_gradients(params, cfg, communicator, world_size, moments=None):
+def reduce_gradients(params, cfg, communicator, world_size, stats=None, workers=None):
     """Average the .grad of params across all ranks, in place. Returns the bytes this rank sent.
 
-    Called once per optimizer step, after the last micro-step's backward."""
+    Called once per optimizer step, after the last micro-step's backward. `stats`: the published
+    GeoFP8's K-FAC statistics of this step's forwards, on its refresh steps. With
+    --simulate_workers, `workers` holds every simulated rank's gradients (and `stats` each rank's
+    statistics): this process plays them all, and simulated.average takes the collective's place
+    with the same numerics."""
+    if workers is not None:
+        means, nbytes = simulated.average(workers, cfg.comm, communicator, stats)
+        for p, mean in zip(params, means):
+            p.grad = mean
+        return nbytes
     grads = [p.grad for p in params]
     if cfg.comm in ("fp32", "bf16"):
         if world_size == 1:
@@ -187,9 +194,7 @@ def reduce_gradients(params, cfg, communicator, world_size, moments=None):
             g.copy_(flat[offset: offset + g.numel()].view_as(g))
             offset += g.numel()
         return ring_allreduce_bytes(flat.numel(), dtype.itemsize, world_size)
-    # The published GeoFP8 refreshes its factors from its layers' input statistics, which
-    # forward pre-hooks (`moments`) collected during this step's forward passes on refresh steps.
-    stats = moments.take() if moments is not None and communicator.wants_moments() else None
+    # the published GeoFP8 refreshes its factors from its layers' input statistics ...
     nbytes = communicator.reduce(grads, stats)
     if stats is not None:       # ... averaged over the ranks by one more all-reduce
         nbytes += hooks.statistics_bytes(communicator, world_size)
@@ -250,41 +255,120 @@ def data_parallel_ranks(cfg, rank, world_size):
     return list(range(cfg.simulate_workers)) if cfg.simulate_workers else [rank]
 
 
-@dataclass
-class Run:
-    """Everything `setup` builds before the first step, in one place for the loop."""
-    cfg: TrainConfig            # the flags (resume=True after an elastic restart)
-    rank: int
-    world_size: int             # processes
-    data_parallel: int          # data-parallel ranks: processes, or simulated ranks
-    my_ranks: list              # the data-parallel ranks this process computes
-    device: torch.device
-    data: dict                  # {"train", "val"}: token arrays
-    raw_model: torch.nn.Module
-    model: torch.nn.Module      # raw_model, or its torch.compile
-    params: list                # the parameters the gradients are averaged for
-    optimizers: list
-    peaks: list                 # each param group's peak lr (peak_lrs)
-    communicator: object        # None for fp32 and bf16 (see make_communicator)
-    moments: object             # the published GeoFP8's K-FAC statistics, or None
-    batched: object             # simulated ranks through the model together, or None
-    autocast: object            # bf16 autocast on a GPU, nothing on the CPU
-    log: runlog.RunLog
-    saver: checkpoint.Checkpointer
-    start_step: int             # 0, or the step of the checkpoint resumed from
+def forward_backward(model, batches, grad_accum, autocast=contextlib.nullcontext()):
+    """One rank's micro-steps, forward and backward. .grad accumulates locally: nothing is
+    communicated until the last micro-step. Returns the micro-steps' losses, on the device."""
+    losses = []
+    for x, y in batches:
+        with autocast:
+            _, loss = model(x, y)                   # x, y: (B, T)
+        (loss / grad_accum).backward()
+        losses.append(loss.detach())
+    return losses
 
 
-def setup(cfg):
-    """Ranks, the checkpoint to resume from, data, model, optimizers, communicator, the log."""
+def mean_loss(losses):
+    """The mean of a step's micro-step losses, read on the host (logged steps only: a sync)."""
+    return sum(torch.stack(losses).tolist()) / len(losses)
+
+
+def clock(device):
+    """time.time() once the device has done the work queued so far. On a GPU a host sync: only
+    the logged steps are timed, every other step runs without one."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.time()
+
+
+@torch.no_grad()
+def evaluate(model, val, cfg, my_ranks, device, autocast, windows=0):
+    """Mean validation loss over every data-parallel rank's fixed validation batches (the same
+    windows at every evaluation; windows=j > 0: the j-th other set, for the tail val loss),
+    identical on all ranks."""
+    model.eval()
+    per_rank = []
+    for r in my_ranks:
+        losses = []
+        for k in range(cfg.eval_iters):
+            x, y = get_batch(val, cfg.batch_size, cfg.block_size,
+                             batch_rng(cfg.seed, r, windows, k, "val"), device)
+            with autocast:
+                losses.append(model(x, y)[1].float())
+        per_rank.append(torch.stack(losses).mean())
+    loss = torch.stack(per_rank).sum()
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    if world_size > 1:
+        dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+    model.train()
+    return (loss / (len(my_ranks) * world_size)).item()
+
+
+class Diagnostics:
+    """What a step reports besides its loss, measured around its reduce (nanogeo/run/summary.py)
+    and off on most steps: on logged steps the coordinates each candidate layer's gradient was
+    sent in and, with --log_stages, the error of the mean by stage of the collective; on the last
+    step its gradients, for the end-of-run comparison against Euclidean FP8.
+
+        with diagnostics.around_reduce(done, logged, grads, workers, params):
+            ... the reduce ...
+        diagnostics.log(done, log)      # after the step's log line
+    """
+
+    def __init__(self, cfg, communicator, world_size, data_parallel):
+        self.cfg, self.communicator, self.world_size = cfg, communicator, world_size
+        # the last step, kept to measure it against Euclidean FP8 at the end (compressed runs)
+        self.last_step = (summary.LastStep(communicator, data_parallel, bool(cfg.simulate_workers))
+                          if communicator is not None else None)
+        self.as_sent = self.stages = None
+
+    @contextlib.contextmanager
+    def around_reduce(self, done, logged, grads, workers, params):
+        cfg, communicator = self.cfg, self.communicator
+        last = self.last_step if done == cfg.max_iters else None
+        # the coordinates this step's gradients are sent in (the reduce may change them after)
+        self.as_sent = ({n: communicator.coords(n) for n in communicator.layers}
+                        if logged and cfg.comm in GEO_COMMS else None)
+        if last is not None:
+            last.keep_sent(workers or [], grads)
+        decompose = logged and cfg.log_stages and communicator is not None
+        if decompose:   # the error by stage: the gradients as they were (a reduce writes them)
+            communicator.decompose, before = True, workers or [g.clone() for g in grads]
+        yield
+        self.stages = None
+        if decompose:
+            self.stages = summary.stage_errors(communicator, before, [p.grad for p in params],
+                                               self.world_size, bool(cfg.simulate_workers))
+            communicator.decompose = False
+        if last is not None:
+            last.keep_delivered(params)
+
+    def log(self, done, log):
+        """The logged step's records: its geometry (log.jsonl) and, with --log_stages, a line."""
+        if self.as_sent is not None:
+            log.geometry(done, self.communicator, self.as_sent)
+        if self.stages:
+            log.print(summary.stages_line(done, self.stages))
+            log.write({"step": done, "stages": self.stages})
+
+    def finish(self, log):
+        """The end of the run: the last step against Euclidean FP8, if it was taken."""
+        if self.last_step is not None and self.last_step.taken():
+            log.print(self.last_step.report())
+
+
+def train(cfg):
+    """Train as the flags say; returns the run's summary (nanogeo/run/runlog.py, RunLog.finish).
+    First everything is built, then each step runs forward/backward, reduce_gradients (the
+    communication), optimizer_step, and evaluates, logs and saves as the flags say."""
     rank, world_size, _, device = runtime.setup_distributed(cfg)
     my_ranks = data_parallel_ranks(cfg, rank, world_size)
     data_parallel = len(my_ranks) * world_size
     torch.manual_seed(cfg.seed)  # same seed on every rank: identical initial parameters
+    # torchrun --max-restarts brought us back: resume if rank 0 sees a checkpoint (cfg.resume)
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if restarts and checkpoint.resume_candidates(cfg.out_dir):
-        cfg = dataclasses.replace(cfg, resume=True)     # torchrun --max-restarts brought us back
     # checked before anything is built: fail in a second, not after a minute
-    ckpt, resumed_from = checkpoint.open_checkpoint(cfg, data_parallel, device, master=rank == 0)
+    cfg, ckpt, resumed_from = checkpoint.open_checkpoint(cfg, data_parallel, device,
+                                                         master=rank == 0, restarted=restarts > 0)
     log = runlog.RunLog(cfg, master=rank == 0)
 
     mcfg = model_lib.model_config(cfg.preset, block_size=cfg.block_size)
@@ -296,10 +380,11 @@ def setup(cfg):
     optimizers = make_optimizers(cfg, raw_model, fused=device.type == "cuda")
     peaks = peak_lrs(optimizers)    # read before a checkpoint overwrites "lr" with its last value
     communicator, moments = make_communicator(cfg, raw_model, optimizers)
-    # simulated ranks go through the model together (nanogeo/parallel/simulated.py), on the CPU, where a
-    # sequence's numbers do not depend on its batch, and eagerly (with --compile: one by one)
-    batched = (simulated.BatchedRanks(raw_model, model_lib.next_token_loss, rank_pass)
-               if cfg.simulate_workers and device.type == "cpu" and not cfg.compile else None)
+    # simulated ranks: one process plays them all (nanogeo/parallel/simulated.py); batched
+    # through the model together on the CPU and eagerly (with --compile: one by one)
+    ranks = (simulated.SimulatedRanks(raw_model, model, forward_backward, moments,
+                                      batched=device.type == "cpu" and not cfg.compile)
+             if cfg.simulate_workers else None)
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
                 else contextlib.nullcontext())
     start_step = 0
@@ -314,186 +399,85 @@ def setup(cfg):
     saver = checkpoint.Checkpointer(cfg, mcfg, data_parallel, rank, world_size,
                                     last_step=start_step if in_place else None)
     log.start(raw_model, params, world_size, device, data_parallel)
-    return Run(cfg, rank, world_size, data_parallel, my_ranks, device, data, raw_model, model,
-               params, optimizers, peaks, communicator, moments, batched, autocast, log, saver,
-               start_step)
 
+    def val_loss_now(windows=0):
+        return evaluate(model, data["val"], cfg, my_ranks, device, autocast, windows)
 
-@torch.no_grad()
-def evaluate(run, windows=0):
-    """Mean validation loss over every data-parallel rank's fixed validation batches (the same
-    windows at every evaluation; windows=j > 0: the j-th other set, for the tail val loss),
-    identical on all ranks."""
-    cfg = run.cfg
-    run.model.eval()
-    per_rank = []
-    for r in run.my_ranks:
-        losses = []
-        for k in range(cfg.eval_iters):
-            x, y = get_batch(run.data["val"], cfg.batch_size, cfg.block_size,
-                             batch_rng(cfg.seed, r, windows, k, "val"), run.device)
-            with run.autocast:
-                losses.append(run.model(x, y)[1].float())
-        per_rank.append(torch.stack(losses).mean())
-    loss = torch.stack(per_rank).sum()
-    if run.world_size > 1:
-        dist.all_reduce(loss, op=dist.ReduceOp.SUM)
-    run.model.train()
-    return (loss / (len(run.my_ranks) * run.world_size)).item()
+    def batches(r, step):       # rank r's micro-batches: a pure function of (seed, r, step)
+        return [get_batch(data["train"], cfg.batch_size, cfg.block_size,
+                          batch_rng(cfg.seed, r, step, micro), device)
+                for micro in range(cfg.grad_accum)]
 
-
-def rank_pass(forward, rank_batches, grad_accum, autocast=contextlib.nullcontext()):
-    """One rank's micro-steps, forward and backward. .grad accumulates locally: nothing is
-    communicated until the last micro-step. Returns the micro-steps' losses."""
-    losses = []
-    for x, y in rank_batches:
-        with autocast:
-            _, loss = forward(x, y)
-        (loss / grad_accum).backward()
-        losses.append(loss.detach())
-    return losses
-
-
-def forward_backward(run, step, collect):
-    """Every micro-step of this step for each of run.my_ranks. Returns (the first rank's mean
-    loss, each simulated rank's gradients, each simulated rank's K-FAC statistics); for a real
-    rank the gradients stay in .grad and the lists are empty. `collect`: the hooks collect K-FAC
-    statistics in this step's forwards, which then run eagerly and rank by rank. Otherwise
-    simulated ranks go through the model together (run.batched, bit-equal to one by one)."""
-    cfg = run.cfg
-    batches = [[get_batch(run.data["train"], cfg.batch_size, cfg.block_size,
-                          batch_rng(cfg.seed, r, step, micro), run.device)
-                for micro in range(cfg.grad_accum)] for r in run.my_ranks]
-    if run.batched is not None and not collect:
-        losses, worker_grads = run.batched.forward_backward(batches, cfg.grad_accum)
-        return sum(loss.item() for loss in losses) / cfg.grad_accum, worker_grads, []
-    forward = run.raw_model if collect else run.model   # a compiled graph never holds the hooks
-    rank_losses, worker_grads, worker_moments = [], [], []
-    for rank_batches in batches:
-        rank_losses.append(rank_pass(forward, rank_batches, cfg.grad_accum, run.autocast))
-        if cfg.simulate_workers:        # take this rank's gradients; the next starts at 0
-            worker_grads.append([p.grad for p in run.params])
-            for p in run.params:
-                p.grad = None
-            if collect:
-                worker_moments.append(run.moments.take())
-    return (sum(loss.item() for loss in rank_losses[0]) / cfg.grad_accum, worker_grads,
-            worker_moments)
-
-
-class Taken(NamedTuple):
-    """What take_step reports of a step it took."""
-    loss: float                 # this rank's training loss (ranks differ)
-    grad_norm: torch.Tensor     # on the device: read (a host sync) on logged steps only
-    wire_bytes: float           # the gradient bytes this rank sent (simulated: the mean)
-    as_sent: dict               # name -> the coordinates its gradient was sent in (logged
-                                # steps with a geometry), else None
-    stages: dict = None         # --log_stages on a logged step: summary.stage_errors
-
-
-def take_step(run, step, logged, last_step=None):
-    """One optimizer step: forward and backward on every micro-batch, the gradients averaged
-    across ranks (the communication), clipped and applied. Returns a Taken; None if some rank's
-    gradient was not finite, the step then skipped on every rank alike. With `last_step`
-    (summary.LastStep) the gradients are kept for the end-of-run comparison."""
-    cfg, communicator, moments, params = run.cfg, run.communicator, run.moments, run.params
-    # on the published GeoFP8's refresh steps, hooks collect the whitened layers' input statistics
-    collect = moments is not None and communicator.wants_moments()
-    with moments.attached() if collect else contextlib.nullcontext():
-        loss, worker_grads, worker_moments = forward_backward(run, step, collect)
-    grads = [g for w in worker_grads for g in w] or [p.grad for p in params]
-    if not runtime.gradients_finite(grads, run.world_size):
-        # skipped on every rank alike; geometry and error-feedback state stay untouched
-        run.log.print(f"step {step + 1}: warning: non-finite gradient on some rank; step skipped")
-        if collect:
-            moments.take()      # this step's statistics go with it
-        for o in run.optimizers:
-            o.zero_grad(set_to_none=True)
-        return None
-    # the coordinates this step's gradients are sent in (the reduce may change them after)
-    as_sent = ({n: communicator.coords(n) for n in communicator.layers}
-               if logged and cfg.comm in GEO_COMMS else None)
-    if last_step is not None:
-        last_step.keep_sent(worker_grads, grads)
-    decompose = logged and cfg.log_stages and communicator is not None
-    if decompose:       # the error by stage: the gradients as they were (a reduce writes them)
-        communicator.decompose, before = True, worker_grads or [g.clone() for g in grads]
-    if cfg.simulate_workers:
-        wire_bytes = simulated.reduce_gradients(params, worker_grads, cfg.comm, communicator,
-                                                worker_moments)
-    else:
-        wire_bytes = reduce_gradients(params, cfg, communicator, run.world_size, moments)
-    run.log.sent(wire_bytes)
-    stages = None
-    if decompose:
-        stages = summary.stage_errors(communicator, before, [p.grad for p in params],
-                                      run.world_size, bool(cfg.simulate_workers))
-        communicator.decompose = False
-    if last_step is not None:
-        last_step.keep_delivered(params)
-    grad_norm = optimizer_step(params, run.optimizers, cfg.grad_clip)
-    if cfg.check_every and run.world_size > 1 and (step + 1) % cfg.check_every == 0:
-        runtime.check_ranks_agree(params, step + 1, run.device)
-    return Taken(loss, grad_norm, wire_bytes, as_sent, stages)
-
-
-def train(cfg):
-    """Train as the flags say; returns the run's summary (nanogeo/run/runlog.py, RunLog.finish).
-    setup, then per step: the learning rate, take_step, evaluation, logging, checkpoints."""
-    run = setup(cfg)
-    cfg, log = run.cfg, run.log
-    first_val = None if run.start_step else evaluate(run)
+    first_val = None if start_step else val_loss_now()
     log.first_eval(first_val)
     val_loss = float("nan") if first_val is None else first_val    # resumed: not yet measured
-    train_loss, t_start = float("nan"), time.time()
+    losses, t_start = None, time.time()     # losses: the last step's, on the device
     final_steps, final_vals = final_eval_steps(cfg), []     # final_vals: [(step, val loss)]
     tail_steps, tail_vals = tail_eval_steps(cfg), []        # ... of the tail val loss
-    # the last step, kept to measure it against Euclidean FP8 at the end (compressed runs only)
-    last_step = (summary.LastStep(run.communicator, run.data_parallel, bool(cfg.simulate_workers))
-                 if run.communicator is not None else None)
-    for step in range(run.start_step, cfg.max_iters):
-        t0, done = time.time(), step + 1
-        lr = learning_rate(cfg, step)
-        set_learning_rates(run.optimizers, run.peaks, lr, cfg.learning_rate)
+    diagnostics = Diagnostics(cfg, communicator, world_size, data_parallel)
+    for step in range(start_step, cfg.max_iters):
+        done = step + 1
         logged = done % cfg.log_interval == 0 or done == cfg.max_iters
-        taken = take_step(run, step, logged, last_step if done == cfg.max_iters else None)
-        if done in tail_steps:  # (a skipped step too: the model as it is)
-            tail_vals.append((done, evaluate(run, windows=1 + tail_steps.index(done))))
-        if taken is None:       # skipped: the final val loss still measures the model as it is
-            if done in final_steps:
-                final_vals.append((done, evaluate(run)))
-            continue
-        train_loss = taken.loss
-        if run.device.type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.time() - t0
+        t0 = clock(device) if logged else None
+        lr = learning_rate(cfg, step)
+        set_learning_rates(optimizers, peaks, lr, cfg.learning_rate)
 
+        # forward and backward on every micro-batch. On the published GeoFP8's refresh steps,
+        # hooks collect the whitened layers' input statistics (eagerly: raw_model).
+        collect = moments is not None and communicator.wants_moments()
+        with moments.attached() if collect else contextlib.nullcontext():
+            if ranks is None:   # .grad holds this rank's gradient
+                step_losses = forward_backward(raw_model if collect else model,
+                                               batches(rank, step), cfg.grad_accum, autocast)
+                workers, stats = None, moments.take() if collect else None
+            else:               # every simulated rank's gradients, apart
+                step_losses, workers, stats = ranks.forward_backward(
+                    [batches(r, step) for r in my_ranks], cfg.grad_accum, autocast, collect)
+        grads = [g for w in workers for g in w] if workers else [p.grad for p in params]
+        # the step's one host read: skipped on every rank alike if some rank's gradient is not
+        # finite (geometry and error-feedback state stay untouched, the statistics go with it)
+        taken = runtime.gradients_finite(grads, world_size)
+        if taken:
+            losses = step_losses
+            with diagnostics.around_reduce(done, logged, grads, workers, params):
+                wire_bytes = reduce_gradients(params, cfg, communicator, world_size, stats, workers)
+            grad_norm = optimizer_step(params, optimizers, cfg.grad_clip)
+            log.sent(wire_bytes)
+            if cfg.check_every and world_size > 1 and done % cfg.check_every == 0:
+                runtime.check_ranks_agree(params, done, device)
+        else:
+            log.print(f"step {done}: warning: non-finite gradient on some rank; step skipped")
+            for o in optimizers:
+                o.zero_grad(set_to_none=True)
+        dt = clock(device) - t0 if logged else None
+
+        if done in tail_steps:  # (a skipped step too: the model as it is)
+            tail_vals.append((done, val_loss_now(windows=1 + tail_steps.index(done))))
+        if not taken:           # skipped: the final val loss still measures the model as it is
+            if done in final_steps:
+                final_vals.append((done, val_loss_now()))
+            continue
         if done % cfg.eval_interval == 0 or done in final_steps:
-            val_loss = evaluate(run)
+            val_loss = val_loss_now()
             if done in final_steps:
                 final_vals.append((done, val_loss))
             if cfg.comm in GEO_COMMS and done > cfg.geo_warmup:
-                log.print(f"GeoFP8 layers at step {done}:\n"
-                          f"{summary.layer_table(run.communicator)}")
+                log.print(f"GeoFP8 layers at step {done}:\n{summary.layer_table(communicator)}")
         if logged:
-            log.step(done, train_loss, val_loss, lr, taken.grad_norm, dt, taken.wire_bytes)
-            if taken.as_sent is not None:
-                log.geometry(done, run.communicator, taken.as_sent)
-            if taken.stages:
-                log.print(summary.stages_line(done, taken.stages))
-                log.write({"step": done, "stages": taken.stages})
+            log.step(done, mean_loss(losses), val_loss, lr, grad_norm, dt, wire_bytes)
+            diagnostics.log(done, log)
         if cfg.eval_every and done % cfg.eval_every == 0:
-            log.downstream(done, run.raw_model, run.device)
+            log.downstream(done, raw_model, device)
         if cfg.ckpt_interval and done % cfg.ckpt_interval == 0 and done < cfg.max_iters:
-            run.saver.save(done, run.raw_model, run.optimizers, run.communicator)
-    run.saver.save(cfg.max_iters, run.raw_model, run.optimizers, run.communicator)
+            saver.save(done, raw_model, optimizers, communicator)
+    saver.save(cfg.max_iters, raw_model, optimizers, communicator)
     elapsed = time.time() - t_start     # the training, without the comparison below
-    if last_step is not None and last_step.taken():     # the last step against Euclidean FP8
-        log.print(last_step.report())
+    diagnostics.finish(log)
+    train_loss = mean_loss(losses) if losses is not None else float("nan")
     result = log.finish(train_loss, final_vals or [(cfg.max_iters, val_loss)], first_val,
-                        run.start_step, elapsed, runtime.parameter_checksum(run.params),
-                        run.saver.path, tail_vals)
-    if run.world_size > 1:
+                        start_step, elapsed, runtime.parameter_checksum(params), saver.path,
+                        tail_vals)
+    if world_size > 1:
         dist.destroy_process_group()
     return result
 

@@ -360,3 +360,54 @@ def test_a_kept_checkpoint_is_a_copy_where_there_are_no_hard_links(tmp_path, mon
     assert sorted(os.listdir(tmp_path)) == ["ckpt-0000003.pt", "ckpt.pt"]
     assert (tmp_path / "ckpt-0000003.pt").read_bytes() == b"the step-3 checkpoint"
     assert (tmp_path / "ckpt.pt").read_bytes() == b"the step-3 checkpoint"
+
+
+def own_disk_rank(rank, world_size, argv, result_dir, elastic, shared=False):
+    """train.py on one of two ranks that each see only their own out_dir (two nodes without a
+    shared filesystem; shared: argv's out_dir); its ConfigError, if any, to rankR.json. A hang
+    ends the process after a minute (faulthandler), failing the test."""
+    import faulthandler
+    faulthandler.dump_traceback_later(60, exit=True)
+    if elastic:
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"
+    own = [] if shared else [f"--out_dir={result_dir}/rank{rank}"]
+    try:
+        train.train(train.parse_config([*argv, *own]))
+        error = None
+    except train.ConfigError as e:
+        error = str(e)
+    with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"error": error}, f)
+
+
+@pytest.mark.parametrize("elastic", [False, True])
+def test_resume_without_a_shared_filesystem_fails_fast_on_every_rank(tiny_corpus, tmp_path,
+                                                                      elastic):
+    """Two ranks, each with its own disk: rank 0's out_dir holds a checkpoint, rank 1's is
+    empty. A resume (--resume, or an elastic restart) stops on both ranks with one line naming
+    the shared-filesystem requirement - before, rank 1 took the fresh-run branch (or failed to
+    load) while rank 0 waited for it in a collective."""
+    argv = tiny_args(tiny_corpus, tmp_path / "rank0", "--max_iters=2")
+    train.train(train.parse_config(argv))
+    run_ranks(own_disk_rank, 2, [a for a in argv if not a.startswith("--out_dir")]
+              + ([] if elastic else ["--resume"]), str(tmp_path), elastic)
+    for rank in (0, 1):
+        error = json.load(open(tmp_path / f"rank{rank}.json"))["error"]
+        assert error == (f"rank 1 cannot see {tmp_path / 'rank1' / 'ckpt.pt'}, which rank 0 "
+                         "resumes from: a resume needs --out_dir on a filesystem that every rank "
+                         "shares (on several nodes: a shared mount; docs/guide.md)")
+
+
+def test_a_missing_residual_file_stops_every_rank(tiny_corpus, tmp_path):
+    """With --error_feedback each rank resumes its own residual file, looking for it alone (no
+    rank needs another's file on its disk); a missing one stops every rank, naming it."""
+    argv = tiny_args(tiny_corpus, tmp_path / "out", "--max_iters=2", "--comm=fp8",
+                     "--error_feedback")
+    run_ranks(crashing_rank, 2, argv, str(tmp_path), None)
+    missing = tmp_path / "out" / "residuals-rank00001-step0000002.pt"
+    os.remove(missing)
+    run_ranks(own_disk_rank, 2, [*argv, "--max_iters=3", "--resume"], str(tmp_path), False, True)
+    for rank in (0, 1):
+        assert json.load(open(tmp_path / f"rank{rank}.json"))["error"] == (
+            f"{missing} is missing: with --error_feedback every rank resumes its own residual; "
+            "restore the file or start a new run")

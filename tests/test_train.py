@@ -357,10 +357,10 @@ def test_summary_averages_the_final_evaluations_and_every_steps_bytes(tiny_corpu
 
 
 def ranks_one_by_one(model, batches, grad_accum):
-    """Each rank's own pass (train.rank_pass): its losses and gradients."""
+    """Each rank's own pass (train.forward_backward): its losses and gradients."""
     out = []
     for rank_batches in batches:
-        losses = train.rank_pass(model, rank_batches, grad_accum)
+        losses = train.forward_backward(model, rank_batches, grad_accum)
         out.append((losses, [p.grad for p in model.parameters()]))
         model.zero_grad(set_to_none=True)
     return out
@@ -381,7 +381,7 @@ def test_batched_ranks_equal_each_ranks_own_pass(tie, grad_accum, one_thread, mo
     model = Llama(ModelConfig(vocab_size=64, block_size=16, n_layer=2, n_embd=32, n_head=4,
                               n_kv_head=2, tie_embeddings=tie))
     batches = random_batches(3, grad_accum, 64)
-    batched = simulated.BatchedRanks(model, next_token_loss, train.rank_pass)
+    batched = simulated.BatchedRanks(model, next_token_loss, train.forward_backward)
     for _ in range(2):      # the first call checks against rank 0's own pass, the second not
         first_losses, grads = batched.forward_backward(batches, grad_accum)
         assert batched.agrees is True
@@ -413,7 +413,7 @@ def test_batched_ranks_fall_back_where_a_batch_changes_a_rank(one_thread, capsys
     rows - is noticed on the first step and played one rank at a time, still bit-exact."""
     model = LogitsAndLoss(GPT2Shaped(vocab=64, d=32, heads=4, layers=1, positions=16))
     batches = random_batches(3, 1, 64)
-    batched = simulated.BatchedRanks(model, next_token_loss, train.rank_pass)
+    batched = simulated.BatchedRanks(model, next_token_loss, train.forward_backward)
     first_losses, grads = batched.forward_backward(batches, 1)
     assert batched.agrees is False and "one by one" in capsys.readouterr().out
     own = ranks_one_by_one(model, batches, 1)
@@ -449,3 +449,38 @@ def test_the_flags_that_are_options_fields():
     opts = config.geo_options(cfg, vocab_size=100)
     assert (opts.geometry, opts.geo_refresh, opts.whiten_factor, opts.vocab_size) == (
         "geofp8", 7, "diag", 100)
+
+
+def test_the_loop_reads_nothing_on_an_unlogged_step(tiny_corpus, tmp_path, monkeypatch):
+    """On a GPU every host read of a device tensor is a sync. train.py's own code reads the loss
+    on logged steps only and times (clock(): a sync on a GPU) only logged steps: its reads and
+    clocks are as many in 8 steps as in 4 with the one logged step (the skip-on-non-finite
+    decision, one read a step, is runtime.gradients_finite's)."""
+    reads, clocks = [], []
+    here = os.path.abspath(train.__file__)
+    for name in ("item", "tolist", "__float__", "__bool__", "cpu"):
+        def counted(self, *args, _original=getattr(torch.Tensor, name), **kwargs):
+            if os.path.abspath(sys._getframe(1).f_code.co_filename) == here:
+                reads.append(sys._getframe(1).f_code.co_name)
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    clock = train.clock
+    monkeypatch.setattr(train, "clock", lambda device: clocks.append(device) or clock(device))
+    counts = []
+    for steps in (4, 8):
+        reads.clear()
+        clocks.clear()
+        train.train(parse_config(tiny_args(tiny_corpus, tmp_path / str(steps), "--comm=fp8",
+                                           f"--max_iters={steps}", f"--log_interval={steps}",
+                                           f"--eval_interval={steps}")))
+        counts.append((sorted(reads), len(clocks)))
+    assert counts[0] == counts[1] == (["evaluate", "evaluate", "mean_loss", "mean_loss"], 2)
+
+
+def test_clock_waits_for_the_gpu(monkeypatch):
+    """A logged step's time is read once the device has done its work (a CUDA sync)."""
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    train.clock(torch.device("cpu"))
+    train.clock(torch.device("cuda", 0))
+    assert synced == [torch.device("cuda", 0)]

@@ -1,13 +1,13 @@
 """
-train.py --simulate_workers=W: one process plays W data-parallel ranks. BatchedRanks computes
-every simulated rank's gradients, reduce_gradients averages them through exactly the numerics a
-W-rank run's collective applies, so a study of many ranks runs on one machine
-(tests/test_train.py: bit-equal to a real 2-rank gloo run).
+train.py --simulate_workers=W: one process plays W data-parallel ranks. SimulatedRanks computes
+every simulated rank's gradients and keeps them apart; average() averages them through exactly
+the numerics a W-rank run's collective applies (train.reduce_gradients calls it), so a study of
+many ranks runs on one machine (tests/test_train.py: bit-equal to a real 2-rank gloo run).
 
-The ranks in a few batched passes, bit for bit. Ranks differ only by their data, so their
-micro-batches can go through the model together, (n B, T) for n ranks, instead of n passes of
-(B, T): the per-call overhead of a small model's hundreds of small kernels is paid once a pass.
-Nothing changes a rank's numbers:
+The ranks in a few batched passes, bit for bit (BatchedRanks). Ranks differ only by their data,
+so their micro-batches can go through the model together, (n B, T) for n ranks, instead of n
+passes of (B, T): the per-call overhead of a small model's hundreds of small kernels is paid once
+a pass. Nothing changes a rank's numbers:
   * every op before the loss acts on each sequence alone (matmuls row by row, attention per
     sequence, norms per token), and on the CPU its result for one sequence does not depend on
     how many others share the call;
@@ -40,12 +40,48 @@ from nanogeo.wire import collective
 PASS_TOKENS = 2048
 
 
+class SimulatedRanks:
+    """The W data-parallel ranks one process plays. forward_backward runs each rank's micro-steps
+    as a real rank would (own_pass: train.forward_backward) and returns each rank's gradients
+    apart, with .grad left empty; average() then stands in for the collective.
+
+    Ranks go through the model together (BatchedRanks, bit-equal to one by one) on the CPU, where
+    a sequence's numbers do not depend on its batch, and eagerly; one by one on a GPU, with
+    --compile, and on the steps whose forwards collect K-FAC statistics (the hooks' sums are per
+    rank, and a compiled graph never holds the hooks: those steps run raw_model)."""
+
+    def __init__(self, raw_model, model, own_pass, moments=None, batched=True):
+        self.raw_model, self.model, self.own_pass = raw_model, model, own_pass
+        self.moments = moments
+        self.params = [p for p in raw_model.parameters() if p.requires_grad]
+        self.batched = (BatchedRanks(raw_model, model_lib.next_token_loss, own_pass) if batched
+                        else None)
+
+    def forward_backward(self, batches, grad_accum, autocast, collect=False):
+        """batches[r][micro] = (x, y) of simulated rank r. Returns (rank 0's losses per
+        micro-step, [rank r's gradients in parameter order], [rank r's K-FAC statistics] if
+        `collect` else None)."""
+        if self.batched is not None and not collect:
+            losses, grads = self.batched.forward_backward(batches, grad_accum)
+            return losses, grads, None
+        model = self.raw_model if collect else self.model
+        rank_losses, rank_grads, rank_stats = [], [], []
+        for rank_batches in batches:
+            rank_losses.append(self.own_pass(model, rank_batches, grad_accum, autocast))
+            rank_grads.append([p.grad for p in self.params])
+            for p in self.params:       # the next rank starts at 0
+                p.grad = None
+            if collect:
+                rank_stats.append(self.moments.take())
+        return rank_losses[0], rank_grads, rank_stats if collect else None
+
+
 class BatchedRanks:
     """Forward/backward of simulated ranks in batched passes (see the module docstring).
 
     model(x) returns (logits, None); loss_fn(logits, y) is the loss model(x, y) returns;
-    own_pass(model, rank_batches, grad_accum) is what one real rank runs (train.rank_pass: its
-    losses, its gradients left in .grad), used once to check the batched pass against it."""
+    own_pass(model, rank_batches, grad_accum) is what one real rank runs (train.forward_backward:
+    its losses, its gradients left in .grad), used once to check the batched pass against it."""
 
     def __init__(self, model, loss_fn, own_pass):
         self.model, self.loss_fn, self.own_pass = model, loss_fn, own_pass
@@ -173,13 +209,14 @@ def rank_parameter_grads(module, own, inputs, out_grads, n):
 
 
 @torch.no_grad()
-def reduce_gradients(params, worker_grads, method, communicator, worker_moments=None):
-    """train.reduce_gradients for W simulated ranks (method: --comm): set each param's .grad
-    to the mean of their gradients (worker_grads[i]: rank i's, in params order), through exactly
-    the numerics of the collective a W-rank run uses: the same sum in the wire's dtype for fp32 /
-    bf16 (equal, bit for bit, to a 2-rank gloo run), the collective's simulator for the
-    compressed methods. Returns the bytes each rank would send (with the whitening statistics'
-    all-reduce on the steps that average them, as train.reduce_gradients counts them)."""
+def average(worker_grads, method, communicator, worker_stats=None):
+    """The mean of W simulated ranks' gradients (worker_grads[i]: rank i's, in parameter order)
+    through exactly the numerics of the collective a W-rank run uses (method: --comm): the same
+    sum in the wire's dtype for fp32 / bf16 (equal, bit for bit, to a 2-rank gloo run), the
+    collective's simulator for the compressed methods. worker_stats: each rank's whitening
+    statistics, on the steps that collect them. Returns (the means, the bytes each rank would
+    send, with the statistics' all-reduce on the steps that average them, as a real rank counts
+    them). train.reduce_gradients, for a process that plays every rank."""
     world = len(worker_grads)
     if method in ("fp32", "bf16"):
         dtype = torch.float32 if method == "fp32" else torch.bfloat16
@@ -191,10 +228,8 @@ def reduce_gradients(params, worker_grads, method, communicator, worker_moments=
             means.append(total.float() / world)
         numel = sum(g.numel() for g in worker_grads[0])
         nbytes = collective.ring_allreduce_bytes(numel, dtype.itemsize, world) if world > 1 else 0
-    else:   # worker_moments: each rank's whitening statistics, on the steps that collect them
-        means, nbytes = communicator.reduce_workers(worker_grads, worker_moments or None)
-        if worker_moments:      # ... averaged over the ranks by one more all-reduce
-            nbytes += hooks.statistics_bytes(communicator, world)
-    for p, mean in zip(params, means):
-        p.grad = mean
-    return nbytes
+        return means, nbytes
+    means, nbytes = communicator.reduce_workers(worker_grads, worker_stats or None)
+    if worker_stats:            # ... averaged over the ranks by one more all-reduce
+        nbytes += hooks.statistics_bytes(communicator, world)
+    return means, nbytes

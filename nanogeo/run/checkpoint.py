@@ -14,12 +14,18 @@ run: --resume warns, naming it, keeps it as ckpt.pt.damaged and continues from t
 ckpt-STEP.pt that loads (a missing ckpt.pt too, with a warning). Every rank tries the same files
 in the same order and a file counts only if it loads on every rank, so all ranks resume from the
 same step. With none that loads, --resume stops with one line naming them all.
+
+Every rank reads the same files, so --resume needs out_dir on a filesystem that every rank
+shares (on several nodes: a shared mount). Rank 0 decides what there is to resume and every rank
+follows it; a rank that does not see rank 0's files stops the run on every rank with one line
+naming that requirement, instead of taking another branch than rank 0 (which would hang in the
+next collective).
 """
 import contextlib
 import os
 import re
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 import torch.distributed as dist
@@ -51,13 +57,17 @@ RESUME_MUST_MATCH = ("preset", "optimizer", "comm", "fmt", "block", "collective"
                      "error_feedback", "feedback_stages")
 
 
-def open_checkpoint(cfg, world_size, device, master):
-    """(checkpoint, its path) to resume from, after checking that it is this run's; (None,
-    None) for a fresh run. A fresh run with --overwrite first moves the checkpoints there aside
-    (ckpt.pt to ckpt.pt.old, ckpt-STEP.pt to ckpt-STEP.pt.old), so that neither an elastic
+def open_checkpoint(cfg, world_size, device, master, restarted=False):
+    """(cfg, checkpoint, its path) to resume from, after checking that it is this run's; (cfg,
+    None, None) for a fresh run. `restarted`: torchrun --max-restarts brought the ranks back, and
+    the run resumes (cfg.resume set) if out_dir holds a checkpoint - as rank 0 sees it: every
+    rank takes rank 0's decision. A fresh run with --overwrite first moves the checkpoints there
+    aside (ckpt.pt to ckpt.pt.old, ckpt-STEP.pt to ckpt-STEP.pt.old), so that neither an elastic
     restart before its first save nor a fallback from a damaged ckpt.pt resumes the replaced
     run, and no save of this run removes the replaced run's files."""
     names = on_every_rank(resume_candidates(cfg.out_dir) if master else None)
+    if restarted and names:
+        cfg = replace(cfg, resume=True)
     if not cfg.resume:
         if names and not cfg.overwrite:
             raise ConfigError(f"{cfg.out_dir} already holds another run's checkpoint; pass --resume "
@@ -72,7 +82,8 @@ def open_checkpoint(cfg, world_size, device, master):
                     os.remove(os.path.join(cfg.out_dir, name))
         if dist.is_initialized():
             dist.barrier()          # no rank looks for a checkpoint before it is moved
-        return None, None
+        return cfg, None, None
+    require_shared(cfg.out_dir, names)
     path = ckpt_path(cfg)
     if not names:
         raise ConfigError(f"--resume but {path} does not exist; drop --resume to start fresh")
@@ -88,7 +99,7 @@ def open_checkpoint(cfg, world_size, device, master):
         for bad, why in unreadable:
             print(f"train.py: warning: {bad} does not load ({why}); kept as {keep_damaged(bad)}; "
                   f"resuming from {chosen}", flush=True)
-    return ckpt, chosen
+    return cfg, ckpt, chosen
 
 
 def resume_candidates(out_dir):
@@ -107,6 +118,31 @@ def on_every_rank(value):
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def on_every_rank_gathered(value):
+    """[each rank's value], on every rank (an all-gather; [value] without a process group)."""
+    if not dist.is_initialized():
+        return [value]
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+SHARED = ("a resume needs --out_dir on a filesystem that every rank shares (on several nodes: a "
+          "shared mount; docs/guide.md)")
+
+
+def require_shared(out_dir, names):
+    """Every rank sees the checkpoints rank 0 found in out_dir (`names`), or every rank stops
+    with one line naming the ranks that do not and the shared-filesystem requirement."""
+    paths = [os.path.join(out_dir, n) for n in names]
+    missing = [p for p in paths if not os.path.exists(p)]
+    blind = [(r, m) for r, m in enumerate(on_every_rank_gathered(missing)) if m]
+    if blind:
+        ranks = ("rank " if len(blind) == 1 else "ranks ") + ", ".join(str(r) for r, _ in blind)
+        raise ConfigError(f"{ranks} cannot see {blind[0][1][0]}, which rank 0 resumes from: "
+                          f"{SHARED}")
 
 
 def first_intact(paths, device):
@@ -177,11 +213,12 @@ def check_resumable(ckpt, path, cfg, world_size):
         raise ConfigError(f"{path} keeps error-feedback residuals of {was}; resume it the "
                           "same way or start a new run")
     if cfg.error_feedback and dist.is_initialized() and dist.get_world_size() > 1:
-        for rank in range(dist.get_world_size()):   # every rank resumes its own residual
-            if not os.path.exists(residuals_path(cfg.out_dir, rank, ckpt["step"])):
-                raise ConfigError(f"{residuals_path(cfg.out_dir, rank, ckpt['step'])} is missing: "
-                                  "with --error_feedback every rank resumes its own residual; "
-                                  "restore the file or start a new run")
+        # every rank resumes its own residual: each looks for its own file, all learn of any gap
+        mine = residuals_path(cfg.out_dir, dist.get_rank(), ckpt["step"])
+        missing = [p for p in on_every_rank_gathered(None if os.path.exists(mine) else mine) if p]
+        if missing:
+            raise ConfigError(f"{missing[0]} is missing: with --error_feedback every rank resumes "
+                              "its own residual; restore the file or start a new run")
 
 
 def residuals_path(out_dir, rank, step):
