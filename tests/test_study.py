@@ -469,6 +469,7 @@ def test_study_comparisons_table():
     [row] = [line for line in rows if "| nvfp4 − fp32 |" in line]
     assert "| 4 | +0.0140 ± 0.0000 |" in row and "higher at 95 %" in row
     assert "Equivalent within ±0.002 (TOST): the 90 % paired t interval" in text
+    assert "| fp32 − " not in text and "| bf16 − " not in text      # baselines have no twin
 
 
 def test_study_answer_edge_cases(tmp_path, capsys):

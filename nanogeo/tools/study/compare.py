@@ -36,7 +36,9 @@ def words(a, b, diffs, margin=MARGIN):
 
 def twin(comm, present):
     """The Euclidean arm on the same collective (same format, block and collective flags) that
-    `comm` is compared with: the plain one (cost 0), if present."""
+    `comm` is compared with: the plain one (cost 0), if present; None for fp32 and bf16."""
+    if comm in BASELINES:
+        return None
     for other in present:
         if (other != comm and other not in BASELINES and cost(other) == 0
                 and collective(other) == collective(comm)):
