@@ -134,7 +134,7 @@ def test_study_pools_seeds_of_two_machines_never_pairing_across_them():
     assert "| fp32 | 6 |" in text
     answer = study.answer(results, workers=4)
     assert f"adamw: seeds of 2 machines pooled, M1 = {here} (seeds 0-2); M2 = {there}" in answer
-    assert "a machine's mean differs from the others' (Welch t, 5 %) in fp32 − fp8" in answer
+    assert "a machine's mean differs from the others' (Welch t, 5 %) in fp8 − fp32" in answer
     # one machine: no by-machine column
     one = study.table([r for r in results if r["machine"] == here], "fp8")
     assert f"machine M1 = {here} (seeds 0-2)" in one and "by machine" not in one

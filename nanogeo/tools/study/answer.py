@@ -138,8 +138,9 @@ def answer_row(optimizer, name, budget, by_comm, margin=MARGIN, pick=None):
             for base in ("fp32", "bf16") if base in by_comm]
     said += [words(c, comm, paired(by_comm[c], runs)[1], margin) for c in others]
     notes = [f"{optimizer}, {name}: run {comm}. " + "; ".join(said) + "."]
-    flagged = [f"{c} − {comm}" for c in ["fp32", "bf16", *others] if c in by_comm
-               for by in [per_machine(by_comm[c], runs)] if len(by) > 1
+    pairs = [(comm, base) for base in ("fp32", "bf16") if base in by_comm]
+    flagged = [f"{a} − {b}" for a, b in pairs + [(c, comm) for c in others]
+               for by in [per_machine(by_comm[a], by_comm[b])] if len(by) > 1
                and any(welch_differs(d, [x for n, ds in by.items() if n != m for x in ds])
                        for m, d in by.items())]
     if flagged:
