@@ -81,12 +81,12 @@ The package, by what each part is for:
 
 from nanogeo.tools.study.answer import (ANSWER_BEGIN, ANSWER_END, COMPARISONS_BEGIN,  # noqa: F401
                                         COMPARISONS_END, answer, answers, recommend,
-                                        study_groups, write_answer)
+                                        write_answer)
 from nanogeo.tools.study.arms import BUDGETS, COMMS, EUCLIDEAN, cost, is_control  # noqa: F401
 from nanogeo.tools.study.compare import comparisons, words  # noqa: F401
 from nanogeo.tools.study.diagnostics import (at_endpoint, gain_history, plot,  # noqa: F401
                                              sensitivity, stage_table)
-from nanogeo.tools.study.report import group, load_results, table  # noqa: F401
+from nanogeo.tools.study.report import group, load_results, study_groups, table  # noqa: F401
 from nanogeo.tools.study.runs import (StudyRun, execute, git_commit, machine,  # noqa: F401
                                       merge, provenance, record, write)
 from nanogeo.tools.study.stats import (MARGIN, estimate, mean_ci, paired,  # noqa: F401

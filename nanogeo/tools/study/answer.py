@@ -26,9 +26,8 @@ import os
 
 from nanogeo.tools.study.arms import BUDGETS, cost, is_control, wire_format
 from nanogeo.tools.study.compare import twin, words
-from nanogeo.tools.study.report import (arms_of, fraction_cell, gap_cell, group, group_order,
-                                        load_results, machine_labels, machines_text,
-                                        per_machine)
+from nanogeo.tools.study.report import (fraction_cell, gap_cell, load_results, machine_labels,
+                                        machines_text, per_machine, study_groups)
 from nanogeo.tools.study.stats import MARGIN, estimate, mean_ci, paired, welch_differs
 
 ANSWER_BEGIN, ANSWER_END = "<!-- answer: begin -->", "<!-- answer: end -->"
@@ -43,23 +42,6 @@ def wire_of(runs):
     """A method's bytes vs bf16, averaged over its runs; None for records without them."""
     means = [r.get("mean_wire_vs_bf16") for r in runs.values()]
     return None if None in means else sum(means) / len(means)
-
-
-def study_groups(results, workers):
-    """{optimizer: {comm: {block: record}}} of the study's runs at W = workers; per optimizer
-    one group (report.group: one set of train flags, machines pooled): the one with the most
-    runs among those whose machines were recorded (unrecorded ones may mix machines within a
-    pair), or among all when none was; a tie goes to the first in group_order."""
-    out = {}
-    for optimizer in sorted({r["optimizer"] for r in results}):
-        rows = [r for r in results if not r.get("sweep") and r["optimizer"] == optimizer
-                and r["workers"] == workers]
-        if not rows:
-            continue
-        keys = [group(r) for r in rows]
-        main = min(set(keys), key=lambda k: (not k[-1], -keys.count(k), group_order(k)))
-        out[optimizer] = arms_of([r for r in rows if group(r) == main])
-    return out
 
 
 def candidates(by_comm, name):

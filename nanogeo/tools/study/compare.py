@@ -7,8 +7,7 @@ verdict at the margin, and each machine's mean.
 """
 
 from nanogeo.tools.study.arms import COMMS, collective, cost, is_control, wire_format
-from nanogeo.tools.study.report import (arms_of, group, group_order, machine_cell,
-                                        machine_labels)
+from nanogeo.tools.study.report import machine_cell, machine_labels, study_groups
 from nanogeo.tools.study.stats import MARGIN, estimate, mean_ci, paired, tost, verdict
 
 # comparisons beside each arm's against its Euclidean twin: the two 4-bit levers head to head
@@ -57,23 +56,16 @@ def pairs(present):
     return out
 
 
-def groups_at(results, workers):
-    """[(optimizer, {comm: {block: record}}), ...]: every group of study runs at W = workers
-    (machines pooled, see report.group), in group_order."""
-    study = [r for r in results if not r.get("sweep") and r["workers"] == workers]
-    keys = sorted({group(r) for r in study}, key=group_order)
-    return [(key, arms_of([r for r in study if group(r) == key])) for key in keys]
-
-
 def comparisons(results, workers=(32,), margin=MARGIN):
-    """The markdown table of every comparison (pairs()) of the study's groups at each W."""
+    """The markdown table of every comparison (pairs()) at each W, of the groups the answer
+    reads (study_groups: per optimizer the largest group of recorded machines)."""
     labels = machine_labels([r for r in results if not r.get("sweep")])
     lines = ["| optimizer | W | wire format | comparison | shared seeds | paired mean (95 % t) | "
              f"90 % interval | verdict (margin ±{margin:g}) | by machine (seeds) |",
              "| --- " * 9 + "|"]
     for w in workers:
-        for key, by in groups_at(results, w):
-            optimizer, flags, recorded = key[0], key[3], key[4]
+        for optimizer, by in study_groups(results, w).items():
+            recorded = all(b[0] for runs in by.values() for b in runs)
             where = "" if recorded else " (machine not recorded)"
             for a, b in pairs(by):
                 blocks, diffs = paired(by[a], by[b])

@@ -61,6 +61,23 @@ def arms_of(rows):
     return by
 
 
+def study_groups(results, workers):
+    """{optimizer: {comm: {block: record}}} of the study's runs at W = workers; per optimizer
+    one group (group(): one set of train flags, machines pooled): the one with the most
+    runs among those whose machines were recorded (unrecorded ones may mix machines within a
+    pair), or among all when none was; a tie goes to the first in group_order."""
+    out = {}
+    for optimizer in sorted({r["optimizer"] for r in results}):
+        rows = [r for r in results if not r.get("sweep") and r["optimizer"] == optimizer
+                and r["workers"] == workers]
+        if not rows:
+            continue
+        keys = [group(r) for r in rows]
+        main = min(set(keys), key=lambda k: (not k[-1], -keys.count(k), group_order(k)))
+        out[optimizer] = arms_of([r for r in rows if group(r) == main])
+    return out
+
+
 def machine_labels(results):
     """{machine: "M1", ...}: short names for the recorded machines, in sorted order."""
     names = sorted({r["machine"] for r in results if r.get("machine")})
