@@ -1,3 +1,4 @@
+import dataclasses
 import math
 from dataclasses import replace
 
@@ -113,7 +114,7 @@ def test_calibration_reproduces_both_targets(unknowns, overrides):
     assert solved is not None
     for method, target in perfmodel.PAPER_TARGETS.items():
         assert perfmodel.change_vs(w, solved, method, "fp32") == pytest.approx(target, abs=1e-6)
-    for name, value in perfmodel.asdict(solved).items():   # only the two unknowns moved
+    for name, value in dataclasses.asdict(solved).items():   # only the two unknowns moved
         assert (value == getattr(start, name)) == (name not in unknowns)
 
 

@@ -1,0 +1,534 @@
+"""The study driver (nanogeo.tools.study): its statistics, tables, pooling of machines, the
+answer's rule and its command line, on hand-made records; two tiny real studies."""
+import importlib.metadata
+import json
+import math
+import os
+
+import pytest
+
+from nanogeo.tools import study
+
+
+def test_study_t_interval_and_paired_fraction():
+    """Hand-computed: [1, 2, 3] has mean 2, sd 1, half-width t(2) sd / sqrt(3); the recovered
+    fraction is the mean of the per-seed fractions 1 - gap / reference gap (here 0.5, 0.4, 0.6:
+    sd 0.1), not one minus the ratio of the mean gaps."""
+    mean, half = study.mean_ci([1.0, 2.0, 3.0])
+    assert mean == 2.0 and abs(half - 4.303 * 1.0 / math.sqrt(3)) < 1e-12
+    point, lo, hi, interval = study.recovered([0.05, 0.06, 0.04], [0.1, 0.1, 0.1])
+    half = 4.303 * 0.1 / math.sqrt(3)
+    assert interval == "t" and abs(point - 0.5) < 1e-12
+    assert abs(lo - (0.5 - half)) < 1e-12 and abs(hi - (0.5 + half)) < 1e-12
+    point, lo, hi, _ = study.recovered([0.02, 0.06], [0.04, 0.08])   # fractions 0.5, 0.25
+    half = 12.706 * (0.25 / math.sqrt(2)) / math.sqrt(2)
+    assert abs(point - 0.375) < 1e-12 and abs(hi - (0.375 + half)) < 1e-12   # ratio: 0.333
+
+
+def test_study_bootstrap_only_from_eight_seeds():
+    gaps, reference = [0.05, 0.07, 0.04, 0.06, 0.05, 0.08, 0.03, 0.06], [0.1] * 8
+    assert study.recovered(gaps[:7], reference[:7])[3] == "t"
+    point, lo, hi, interval = study.recovered(gaps, reference)
+    fractions = [1 - g / 0.1 for g in gaps]
+    assert interval == "bootstrap" and min(fractions) <= lo < point < hi <= max(fractions)
+    assert study.recovered(gaps, reference) == (point, lo, hi, interval)    # seeded
+
+
+def test_study_reference_gap_must_be_established():
+    assert study.reference_problem([0.1]) == "one seed"
+    # mean 0.0067, sd 0.0153: the t interval (-0.031, 0.045) includes 0
+    assert study.reference_problem([0.01, -0.01, 0.02]) == "reference gap not significant"
+    # mean 0.9 +- 2.262 * 0.316 / sqrt(10) = 0.226 excludes 0, but seed 0's gap is 0
+    assert study.reference_problem([0.0] + [1.0] * 9) == "reference gap <= 0 in a seed"
+    assert study.reference_problem([-0.1, -0.12, -0.11]) == "reference better than fp32"
+    assert study.reference_problem([0.1, float("nan")]) == "reference gap not finite"
+    assert study.reference_problem([0.1, 0.12, 0.11]) is None
+
+
+def study_run(comm, seed, val, flags=("--preset=char-study",)):
+    return {"comm": comm, "optimizer": "adamw", "workers": 4, "simulated": True, "seed": seed,
+            "command": ["train.py", f"--comm={comm}", f"--seed={seed}", *flags],
+            "flags": list(flags), "commit": "0123456789abcdef", "dirty": False,
+            "final_val_loss": val, "final_train_loss": val, "ms_per_step": 10.0,
+            "mean_wire_bytes": 1, "mean_wire_vs_bf16": 0.5, "curve": [(1, val)]}
+
+
+def test_study_table_rows():
+    """Paired gaps to fp32 and to the reference, the recovered fraction with its t interval;
+    a method run with one seed says so instead of printing an interval."""
+    results = [study_run("fp32", s, 2.0 + 0.01 * s) for s in range(3)]
+    results += [study_run("fp8", s, 2.2 + 0.01 * s) for s in range(3)]
+    results += [study_run("subspace", s, 2.1 + 0.01 * s) for s in range(3)]
+    results += [study_run("geofp8", 0, 2.15)]
+    text = study.table(results, "fp8")
+    assert "| fp32 | 3 | 2.0100 ± 0.0248 | — | — | — | 0.500 | 10 |" in text
+    assert "| fp8 | 3 | 2.2100 ± 0.0248 | +0.2000 ± 0.0000 | — | — |" in text
+    assert ("| subspace | 3 | 2.1100 ± 0.0248 | +0.1000 ± 0.0000 | -0.1000 ± 0.0000 | "
+            "50 % (50 to 50 %, t) |") in text
+    assert ("| geofp8 | 1 | 2.1500 (one seed) | +0.1500 (one seed) | -0.0500 (one seed) | "
+            "one seed |") in text
+    assert "nan" not in text and "train flags: `--preset=char-study`" in text
+
+
+def test_study_gain_history():
+    """Per arm (optimizer, W, method) and seed, the count of geometry-aware layers where it
+    changes, and the layers ever geometry-aware (by name, across seeds); arms without a history
+    are left out."""
+    a = dict(study_run("subspace", 0, 2.0), geometry=[(25, ["a", "b"]), (50, ["a", "c"]),
+                                                      (75, ["a"])])
+    b = dict(study_run("subspace", 1, 2.0), geometry=[(25, []), (50, ["d"])])
+    c = dict(a, workers=64, geometry=[(25, ["e"])])         # another W: a row of its own
+    text = study.gain_history([a, b, c, study_run("fp8", 0, 2.0)])
+    assert text.splitlines()[2:] == [
+        f"| adamw | {a['workers']} | subspace | 0: 25:2 → 75:1; 1: 25:0 → 50:1 | 4 |",
+        "| adamw | 64 | subspace | 0: 25:1 | 1 |"]
+    assert study.gain_history([study_run("fp8", 0, 2.0)]) == ""
+
+
+def test_study_flags_an_unestablished_reference_gap():
+    gaps = [0.01, -0.01, 0.02]
+    results = [study_run("fp32", s, 2.0) for s in range(3)]
+    results += [study_run("fp8", s, 2.0 + g) for s, g in enumerate(gaps)]
+    results += [study_run("subspace", s, 2.0 + g / 2) for s, g in enumerate(gaps)]
+    text = study.table(results, "fp8")
+    [row] = [line for line in text.splitlines() if line.startswith("| subspace |")]
+    assert row.endswith("| reference gap not significant | 0.500 | 10 |") and "%" not in row
+    assert "fp8's gap to fp32 is +0.0067 ± 0.0379: reference gap not significant" in text
+
+
+def test_study_records_with_other_flags_never_mix():
+    """The merge key is the whole command: a call with other flags adds records beside the
+    earlier ones (its own table), a rerun of a command replaces its record, and a record of an
+    older driver (no command) is kept on its own."""
+    old = {k: v for k, v in study_run("fp32", 0, 3.0).items() if k not in ("command", "flags")}
+    short = [study_run("fp32", 0, 2.5, ("--max_iters=300",))]
+    earlier = [old, *short, study_run("fp32", 0, 2.0)]
+    rerun = study_run("fp32", 0, 1.9)
+    merged = study.merge(earlier, [rerun])
+    assert merged == [old, *short, rerun]
+    text = study.table(merged, "fp8")
+    assert text.count("### adamw, W = 4") == 3 and "train flags not recorded" in text
+    assert "| fp32 | 1 | 1.9000 (one seed) |" in text and "| fp32 | 1 | 2.5000 (one seed) |" in text
+
+
+def test_study_pools_seeds_of_two_machines_never_pairing_across_them():
+    """A seed is a block on its machine: every arm of it ran there. Seeds of two machines are
+    pooled into one table (both machines and their seeds in the heading), each pair taken on one
+    machine - here the same seed numbers on both, B's losses a whole unit higher, so a pair across
+    machines would show a gap near 1 - with each machine's mean beside the pooled one and a
+    machine whose mean differs flagged. Records of an unrecorded machine stay on their own."""
+    here, there = "CPU A, torch 2.13.0, OMP_NUM_THREADS 1", "CPU B, torch 2.13.0, OMP_NUM_THREADS 1"
+    results = []
+    for machine, base, gaps in ((here, 2.0, (0.10, 0.11, 0.09)), (there, 3.0, (0.20, 0.21, 0.19))):
+        results += [dict(study_run("fp32", s, base + 0.01 * s), machine=machine) for s in range(3)]
+        results += [dict(study_run("fp8", s, base + 0.01 * s + g), machine=machine)
+                    for s, g in enumerate(gaps)]
+    results[-1]["commit"] = "fedcba9876543210"
+    text = study.table(results, "fp8")
+    assert text.count("### adamw, W = 4") == 1 and "(**2 commits**" in text
+    assert f"machines M1 = {here} (seeds 0-2); M2 = {there} (seeds 0-2)" in text
+    [row] = [line for line in text.splitlines() if line.startswith("| fp8 |")]
+    # pooled: six within-machine gaps, mean 0.15, sd 0.0555: t(5) 2.571 * 0.0555 / sqrt(6)
+    assert row.startswith("| fp8 | 6 | ") and "| +0.1500 ± 0.0583 |" in row
+    assert row.endswith("| M1 +0.1000 (3, differs); M2 +0.2000 (3, differs) |")
+    assert "| fp32 | 6 |" in text
+    answer = study.answer(results, workers=4)
+    assert f"adamw: seeds of 2 machines pooled, M1 = {here} (seeds 0-2); M2 = {there}" in answer
+    assert "a machine's mean differs from the others' (Welch t, 5 %) in fp8 − fp32" in answer
+    # one machine: no by-machine column
+    one = study.table([r for r in results if r["machine"] == here], "fp8")
+    assert f"machine M1 = {here} (seeds 0-2)" in one and "by machine" not in one
+    # records of an older driver (machine not recorded) are a group of their own, never pooled,
+    # and do not outvote the recorded ones in the answer
+    older = [dict(study_run(c, s, 2.0), machine=None) for c in ("fp32", "fp8") for s in range(5)]
+    text = study.table(older + results, "fp8")
+    assert text.count("### adamw, W = 4") == 2 and "| fp8 | 5 | 2.0000 ± 0.0000 |" in text
+    assert "machine not recorded (pairs may mix machines)" in text
+    assert "seeds of 2 machines pooled" in study.answer(older + results, 4)
+    assert "adamw: machine not recorded: pairs may mix machines." in study.answer(older, 4)
+
+
+def test_study_reads_several_results_files_as_one(tmp_path, capsys):
+    """--table and --answer take several results files, comma-separated: the records are
+    concatenated, and a run in two files (the same command on the same machine) counts once."""
+    a = [dict(study_run(c, s, 2.0 + s / 10 + (c == "fp8") * 0.01), machine="A")
+         for c in ("fp32", "fp8") for s in range(2)]
+    b = [dict(study_run(c, s, 3.0 + s / 10 + (c == "fp8") * 0.03), machine="B")
+         for c in ("fp32", "fp8") for s in range(2, 4)]
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    (tmp_path / "ab.json").write_text(json.dumps(a + b))
+    both = study.load_results(f"{tmp_path / 'a.json'},{tmp_path / 'ab.json'}")
+    assert both == json.loads(json.dumps(a + b))
+    study.main(["--table", f"{tmp_path / 'a.json'},{tmp_path / 'ab.json'}"])
+    out = capsys.readouterr().out
+    assert out == study.table(a + b, "fp8") and "| fp8 | 4 |" in out
+    study.main(["--answer", f"{tmp_path / 'ab.json'},{tmp_path / 'a.json'}", "--answer_workers",
+                "4"])
+    assert capsys.readouterr().out == study.answer(a + b, 4)
+
+
+def test_study_stage_table_intervals_over_seeds_and_sensitivity():
+    """--stages: per seed the mean of its logged steps after the first quarter, then the mean
+    over seeds +- the 95 % t half-width (seeds are the blocks: a seed's steps are not
+    independent); under 4 seeds a row says so. --sensitivity: the same runs of two results
+    files, their differences."""
+    def staged(seed, s1):
+        early = {"l2": {"stage1": 9.0, "stage2": 9.0, "total": 9.0}}      # step 25: left out
+        late = {"l2": {"stage1": s1, "stage2": 1.0, "total": 1.1}}
+        return dict(study_run("nvfp4", seed, 2.0), steps=100,
+                    stages=[(25, early), (50, late), (100, late)])
+    text = study.stage_table([staged(0, 0.4)])
+    assert "| adamw | nvfp4 | 4 | l2 | 0.400 (one seed) | 1.000 (one seed) | 1.100 (one seed) | " \
+           "1 (too few) | 2 |" in text and "under 4 seeds" in text
+    # stage 1 over seeds: 0.4, 0.5, 0.6, 0.7: mean 0.55, sd 0.1291, t(3) 3.182 * 0.1291 / 2
+    text = study.stage_table([staged(s, 0.4 + s / 10) for s in range(4)])
+    assert "| adamw | nvfp4 | 4 | l2 | 0.550 ± 0.205 | 1.000 ± 0.000 | 1.100 ± 0.000 | 4 | 2 |" \
+        in text and "too few" not in text
+    assert study.stage_table([study_run("fp32", 0, 2.0)]) == ""
+    a = [dict(study_run("nvfp4", s, 2.0 + s / 100), steps=300) for s in range(2)]
+    b = [dict(r, final_val_loss=r["final_val_loss"] + d) for r, d in zip(a, (0.01, -0.03))]
+    text = study.sensitivity(a, b + [dict(study_run("fp32", 0, 1.0), steps=300)])
+    assert "| nvfp4 | adamw | 4 | 2 | 0.0200 | 0.0300 | -0.0100, +0.0300 |" in text
+    assert "| fp32 |" not in text                               # in one file only
+
+
+def test_study_sweep_summary_and_lr_from(tmp_path):
+    """The best value: the lowest mean over the seeds every value has (a diverged value, nan,
+    is worst); at an end of the grid it is flagged. --lr_from passes it to that optimizer's
+    runs, and names the fix when the file has no sweep for an optimizer."""
+    def swept(value, seed, val):
+        flags = ["--preset=char-study", f"--muon_lr={value}"]
+        return {**study_run("fp32", seed, val, flags), "optimizer": "muon",
+                "sweep": ["muon_lr", value]}
+    results = [swept("1e-3", 0, 2.4), swept("1e-3", 1, 2.5), swept("3e-3", 0, 2.2),
+               swept("3e-3", 1, 2.3), swept("1e-2", 0, float("nan")), swept("1e-2", 1, 2.0),
+               swept("3e-3", 2, 1.0)]            # seed 2: only one value has it, not counted
+    [entry] = study.sweep_summary(results)
+    assert entry["seeds"] == [0, 1] and entry["best"] == "3e-3" and not entry["best_at_edge"]
+    assert entry["train_flags"] == ["--preset=char-study"]
+    assert "| 3e-3 (best) | 2.2500 ± 0.6353 | — |" in study.sweep_table([entry])
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps({"sweeps": [entry]}))
+    assert study.lr_flags(str(path), "muon", 4) == ["--muon_lr=3e-3"]
+    with pytest.raises(ValueError, match="no sweep for adamw at W = 4"):
+        study.lr_flags(str(path), "adamw", 4)
+    with pytest.raises(ValueError, match="no sweep for muon at W = 8"):
+        study.lr_flags(str(path), "muon", 8)
+    results = [swept("1e-3", 0, 2.4), swept("3e-3", 0, 2.2), swept("1e-2", 0, 2.1)]
+    assert study.sweep_summary(results)[0]["best_at_edge"]
+
+
+@pytest.mark.parametrize("options,extra,message", [
+    (["--sweep", "muon_lr=1e-3,1e-2"], [], "applies to --optimizers muon, not adamw"),
+    (["--sweep", "learning_rate=1e-3"], [], "two or more positive numbers"),
+    (["--sweep", "beta2=0.9,0.99"], [], "sweep one of learning_rate, muon_lr"),
+    (["--sweep", "learning_rate=1e-3,1e-2", "--comms", "fp8"], [], "fp32 only"),
+    (["--sweep", "learning_rate=1e-3,1e-2"], ["--learning_rate=1e-3"], "drop one of them"),
+    (["--lr_from", "missing.json"], [], "not a sweep.json"),
+])
+def test_study_sweep_errors(options, extra, message, capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        study.main([*options, "--out_dir", str(tmp_path), "--", *extra])
+    assert message in capsys.readouterr().err
+
+
+def test_study_refuses_a_method_train_py_does_not_have(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(study.COMMS, "int2", ["--comm=int2"])
+    with pytest.raises(SystemExit):
+        study.main(["--comms", "fp32,int2", "--out_dir", str(tmp_path)])
+    assert "method int2 needs train.py --comm=int2" in capsys.readouterr().err
+
+
+def test_study_records_the_machine(tmp_path, monkeypatch):
+    """machine(): the CPU's name, family and model (x86) or implementer and part (ARM), torch's
+    version and OMP_NUM_THREADS; no cpuinfo still names the platform. provenance() of a run
+    from before machines were recorded says None."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    x86, arm = tmp_path / "x86", tmp_path / "arm"
+    x86.write_text("processor\t: 0\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: AMD EPYC\n"
+                   "processor\t: 1\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: AMD EPYC\n")
+    arm.write_text("processor\t: 0\nBogoMIPS\t: 50.00\nCPU implementer\t: 0x41\n"
+                   "CPU part\t: 0xd0c\n")
+    torch_version = importlib.metadata.version("torch")
+    assert study.machine(x86) == (f"AMD EPYC cpu family 26 model 2, torch {torch_version}, "
+                                  "OMP_NUM_THREADS 1")
+    assert study.machine(arm).startswith("CPU implementer 0x41 CPU part 0xd0c, torch ")
+    assert study.machine(tmp_path / "none").split(",")[0].strip()     # platform's name
+    old = tmp_path / "old_run"
+    old.mkdir()
+    (old / "provenance.json").write_text('{"commit": "abc", "dirty": false}')
+    assert study.provenance(old) == {"commit": "abc", "dirty": False, "machine": None}
+
+
+def test_study_runs_a_grid_and_resumes(tiny_corpus, tmp_path, capsys):
+    """Two methods x two seeds of simulated 2-rank runs; a second call skips all four. Each
+    record holds the whole command, the commit and machine, preset, steps, learning rates and
+    the bytes per step averaged over the run."""
+    extra = ["--preset=char-study", f"--data_dir={tiny_corpus}", "--max_iters=2", "--batch_size=2",
+             "--block_size=16", "--eval_iters=1", "--eval_interval=2", "--warmup_iters=1", "--final_evals=2"]
+    argv = ["--comms", "fp32,fp8", "--seeds", "0,1", "--workers", "2", "--out_dir",
+            str(tmp_path), "--", *extra]
+    study.main(argv)
+    records = json.load(open(tmp_path / "results.json"))
+    assert sorted((r["comm"], r["seed"]) for r in records) == [
+        ("fp32", 0), ("fp32", 1), ("fp8", 0), ("fp8", 1)]
+    for r in records:
+        assert r["workers"] == 2 and r["curve"] and r["flags"] == extra
+        assert r["command"][:2] == ["train.py", "--simulate_workers=2"]
+        assert r["command"][-len(extra):] == extra
+        assert r["commit"] is None or (len(r["commit"]) == 40 and isinstance(r["dirty"], bool))
+        assert r["machine"] == study.machine()      # CPU model and torch version
+        assert (r["preset"], r["steps"], r["learning_rates"]) == (
+            "char-study", 2, {"learning_rate": 3e-3, "min_lr": 3e-4})
+        assert [s for s, _ in r["final_val_losses"]] == [1, 2]
+    wire = {r["comm"]: r["mean_wire_vs_bf16"] for r in records}
+    assert wire["fp32"] == 2.0 and 0.5 < wire["fp8"] < 0.6
+    assert "recovers of fp8's gap" in (tmp_path / "study.md").read_text()
+    capsys.readouterr()
+    study.main(argv)
+    assert capsys.readouterr().out.count("done before, skipped") == 4
+
+
+def test_study_sweep_then_study_with_its_best_value(tiny_corpus, tmp_path):
+    """A toy sweep (2 values, 1 seed, 2 steps) writes sweep.json; a study with --lr_from trains
+    fp32 at the best value."""
+    extra = ["--", "--preset=char-study", f"--data_dir={tiny_corpus}", "--max_iters=2", "--batch_size=2",
+             "--block_size=16", "--eval_iters=1", "--eval_interval=2", "--warmup_iters=1"]
+    sweep = tmp_path / "sweep"
+    study.main(["--sweep", "learning_rate=1e-3,1e-2", "--seeds", "0", "--workers", "1",
+                "--out_dir", str(sweep), *extra])
+    [entry] = json.load(open(sweep / "sweep.json"))["sweeps"]
+    assert (entry["optimizer"], entry["workers"], entry["flag"]) == ("adamw", 1, "learning_rate")
+    losses = {v["value"]: v["mean"] for v in entry["values"]}
+    assert set(losses) == {"1e-3", "1e-2"} and entry["best"] == min(losses, key=losses.get)
+    assert os.path.exists(sweep / "learning_rate=1e-2" / "fp32" / "adamw" / "sim1" / "seed0")
+    out = tmp_path / "study"
+    study.main(["--comms", "fp32", "--seeds", "0", "--workers", "1", "--lr_from",
+                str(sweep / "sweep.json"), "--out_dir", str(out), *extra])
+    [r] = json.load(open(out / "results.json"))
+    assert f"--learning_rate={entry['best']}" in r["command"]
+    assert r["learning_rates"]["learning_rate"] == float(entry["best"])
+
+
+def study_record(comm, seed, loss, wire, ms=100.0):
+    return {"comm": comm, "optimizer": "adamw", "workers": 32, "simulated": True, "seed": seed,
+            "flags": ["--learning_rate=0.003"], "final_val_loss": loss, "ms_per_step": ms,
+            "mean_wire_vs_bf16": wire}
+
+
+def test_study_answer_recommends_the_cheapest_unless_a_costlier_one_is_shown_lower(tmp_path):
+    """Hand-made study: subspace's gap to fp32 (0.0183) is below fp8's (0.02), but their paired
+    difference (-0.005, +0.005, -0.005) includes 0, so plain fp8 is the FP8 answer; at 4 bits the
+    rotation is lower than nvfp4 in every seed by 0.05, so it is the answer there, with the
+    fraction of nvfp4's gap it recovers; the Hadamard controls, even the one lower than all, are
+    never candidates and in no row."""
+    losses = {"fp32": (2.00, 2.10, 2.20, 2.0), "bf16": (2.01, 2.11, 2.21, 1.0),
+              "fp8": (2.02, 2.12, 2.22, 0.5), "subspace": (2.015, 2.125, 2.215, 0.5),
+              "nvfp4": (2.10, 2.20, 2.30, 0.28), "subspace-nvfp4": (2.05, 2.15, 2.25, 0.28),
+              "hadamard16-nvfp4-all": (2.01, 2.11, 2.21, 0.28)}
+    records = [study_record(comm, seed, values[seed], values[3],
+                            ms=130.0 if comm == "subspace-nvfp4" else 100.0)
+               for comm, values in losses.items() for seed in range(3)]
+    records.append(dict(study_record("fp8", 0, 9.0, 0.5), flags=["--learning_rate=1"]))  # other group
+    records += [study_record("hadamard-nvfp4", s, v, 0.28) for s, v in ((0, 2.10), (1, 2.15))]
+    text = study.answer(records)
+    fp8_budget, four_bit = text.splitlines()[2:4]
+    assert fp8_budget == ("| adamw | FP8 | fp8 | 3 | +0.0200 ± 0.0000 | +0.0100 ± 0.0000 | — | "
+                          "0.500 | 1.00× | subspace -0.0017 ± 0.0143 (3) |")
+    assert four_bit == ("| adamw | 4-bit | subspace-nvfp4 | 3 | +0.0500 ± 0.0000 | "
+                        "+0.0400 ± 0.0000 | 50 % (50 to 50 %, t) of nvfp4's | 0.280 | 1.30× | "
+                        "nvfp4 +0.0500 ± 0.0000 (3) |")
+    assert "hadamard" not in text.split("Run this:")[0]
+    assert ("adamw, FP8: run fp8. fp8: higher than fp32 at 95 % (fp8 − fp32 = +0.0200 ± 0.0000, "
+            "3 seeds); fp8: higher than bf16 at 95 % (fp8 − bf16 = +0.0100 ± 0.0000, 3 seeds); "
+            "subspace: no difference detected from fp8 (± 0.0143; subspace − fp8 = -0.0017 ± "
+            "0.0143, 3 seeds).") in text
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{study.ANSWER_BEGIN}\nold\n{study.ANSWER_END}\nrest\n")
+    (tmp_path / "results.json").write_text(json.dumps(records))
+    study.write_answer(str(tmp_path / "results.json"), str(readme))
+    assert readme.read_text() == (f"intro\n{study.ANSWER_BEGIN}\n{study.answer(records)}"
+                                  f"{study.ANSWER_END}\nrest\n")
+    readme.write_text("no markers\n")
+    with pytest.raises(ValueError, match="answer: begin"):
+        study.write_answer(str(tmp_path / "results.json"), str(readme))
+
+
+def four_bit_arms(seeds, gains, w=32, offset=0.0):
+    """Records of fp32, nvfp4 (+0.014) and each arm in gains {comm: per-seed change from
+    nvfp4} over `seeds` at W = w."""
+    out = []
+    for k, s in enumerate(seeds):
+        base = 2.0 + s / 10 + offset
+        out += [dict(study_record("fp32", s, base, 2.0), workers=w),
+                dict(study_record("nvfp4", s, base + 0.014, 0.29), workers=w)]
+        out += [dict(study_record(c, s, base + 0.014 + g[k], 0.29), workers=w)
+                for c, g in gains.items() if k < len(g)]
+    return out
+
+
+def test_study_rule_compares_candidates_only_on_the_seeds_they_share():
+    """The W = 64 case of issue 44: the rotation has 8 seeds (-0.004 on seeds 0-3, -0.012 on
+    4-7: mean -0.008 from nvfp4), stage-2 error feedback 4 (-0.006 on seeds 0-3). Over its own
+    seeds the rotation looks ahead; on the seeds both share, error feedback is (-0.006 against
+    -0.004), and it is cheaper: the rule picks nvfp4-ef2."""
+    jitter = (0.0003, -0.0003, 0.0002, -0.0002)
+    records = four_bit_arms(range(8), {
+        "subspace-nvfp4": [-0.004 + j for j in jitter] + [-0.012 + j for j in jitter],
+        "nvfp4-ef2": [-0.006 - j for j in jitter]})
+    by_comm = study.study_groups(records, 32)["adamw"]
+    assert study.recommend(by_comm, "4-bit") == ("nvfp4-ef2",
+                                                 ["nvfp4", "nvfp4-ef2", "subspace-nvfp4"])
+    row = study.answer(records).splitlines()[3]
+    assert row.startswith("| adamw | 4-bit | nvfp4-ef2 | 4 | ")
+    assert row.endswith("| nvfp4 +0.0060 ± 0.0005 (4); subspace-nvfp4 +0.0020 ± 0.0009 (4) |")
+    # a forced control lower than everything is still no candidate
+    control = [dict(r, comm="subspace-nvfp4-all", final_val_loss=r["final_val_loss"] - 0.01)
+               for r in records if r["comm"] == "nvfp4-ef2"]
+    by_comm = study.study_groups(records + control, 32)["adamw"]
+    assert study.recommend(by_comm, "4-bit")[0] == "nvfp4-ef2"
+    assert study.is_control("subspace-nvfp4-all") and study.is_control("hadamard")
+    assert not study.is_control("subspace-nvfp4") and not study.is_control("nvfp4-ef2")
+
+
+def test_study_tost_welch_and_t_quantiles_by_hand():
+    """t quantiles reproduce the printed tables (and go past df 30, where 1.96 was used); TOST
+    on hand-computed cases: [1, -1, 2, 0] x 1e-3 has mean 0.0005, sd 0.001291, 90 % half-width
+    t(3) 2.353 * 0.001291 / 2 = 0.001519: (-0.001019, +0.002019), just outside +-0.002, inside
+    +-0.0025; halved, it is inside +-0.002; 95 % half-width 3.182 * 0.001291 / 2 = 0.0021."""
+    assert [study.t_quantile(0.975, df) for df in (1, 2, 10, 30)] == [12.706, 4.303, 2.228, 2.042]
+    assert study.t_quantile(0.975, 35) == 2.030 and study.t_quantile(0.95, 3) == 2.353
+    diffs = [0.001, -0.001, 0.002, 0.0]
+    lo, hi, equivalent = study.tost(diffs, 0.002)
+    assert abs(lo + 0.001019) < 2e-6 and abs(hi - 0.002019) < 2e-6 and not equivalent
+    assert study.tost(diffs, 0.0025)[2] and study.tost([0.001], 0.002) is None
+    assert study.verdict(diffs, 0.002) == "no difference detected (± 0.0021)"
+    assert study.verdict([d / 2 for d in diffs], 0.002) == "equivalent within ±0.002 (TOST)"
+    small = [0.0010, 0.0012, 0.0011, 0.0009]        # 95 %: 0.00105 +- 0.00021, excludes 0
+    assert study.verdict(small) == "equivalent within ±0.002 (TOST); higher at 95 %"
+    assert study.verdict([-0.006, -0.005, -0.007, -0.006]) == "lower at 95 %"
+    assert study.words("a", "b", [d / 2 for d in diffs]) == (
+        "a: equivalent to b within ±0.002 (TOST; a − b = +0.0003 ± 0.0010, 4 seeds)")
+    assert study.words("a", "b", diffs).startswith("a: no difference detected from b (± 0.0021;")
+    # Welch: means 1 and 2.5, variances 1: t = 1.837 with 4 df (t(4) = 2.776); 3 apart: 3.674
+    assert study.welch_differs([0.0, 1.0, 2.0], [1.5, 2.5, 3.5]) is False
+    assert study.welch_differs([0.0, 1.0, 2.0], [3.0, 4.0, 5.0]) is True
+    assert study.welch_differs([0.0], [1.0, 2.0]) is None
+
+
+def test_study_one_recommendation_across_w_unless_the_data_separate_them():
+    """W = 32: error feedback lower than nvfp4, the rotation no lower than it; W = 64: feedback
+    gains nothing, the rotation -0.006. Pooled over both W's seeds (each (W, machine, seed) a
+    block) the rotation is lower than feedback, so it is the one 4-bit recommendation; at W = 32
+    alone the rule would pick feedback, not lower than the rotation there: a note says so."""
+    j = (0.0003, -0.0003, 0.0002, -0.0002)
+    records = four_bit_arms(range(4), {"nvfp4-ef2": [-0.006 + x for x in j],
+                                       "subspace-nvfp4": [-0.006 - x for x in j]})
+    records += four_bit_arms(range(4), {"nvfp4-ef2": [x for x in j],
+                                        "subspace-nvfp4": [-0.006 - x for x in j]}, w=64)
+    assert study.recommend(study.study_groups(records, 32)["adamw"], "4-bit")[0] == "nvfp4-ef2"
+    text = study.answers(records, (32, 64))
+    w32, w64 = text.split("**W = 64 ranks**")
+    assert "| adamw | 4-bit | subspace-nvfp4 | 4 |" in w32
+    assert ("adamw, 4-bit: one recommendation across W = 32, 64: subspace-nvfp4, the rule on "
+            "every W's seeds pooled; at W = 32 alone the rule picks nvfp4-ef2, not lower than "
+            "subspace-nvfp4 at 95 % there.") in w32
+    assert "| adamw | 4-bit | subspace-nvfp4 | 4 |" in w64 and "one recommendation" not in w64
+    # the rotation far better at W = 64 only, feedback far better at W = 32 only: separated
+    records = four_bit_arms(range(4), {"nvfp4-ef2": [-0.008 + x for x in j],
+                                       "subspace-nvfp4": [-0.001 - x for x in j]})
+    records += four_bit_arms(range(4), {"nvfp4-ef2": [x for x in j],
+                                        "subspace-nvfp4": [-0.006 - x for x in j]}, w=64)
+    text = study.answers(records, (32, 64))
+    assert "the data separate the W's" in text
+    assert "| adamw | 4-bit | nvfp4-ef2 | 4 |" in text.split("**W = 64")[0]
+    assert "| adamw | 4-bit | subspace-nvfp4 | 4 |" in text.split("**W = 64")[1]
+
+
+def test_study_comparisons_table():
+    """--comparisons: each arm against its Euclidean twin, the rotation against stage-2 error
+    feedback, and every arm that is not a control against bf16 and fp32 - on shared seeds, with
+    the 90 % interval and the TOST verdict; controls only against their twin."""
+    j = (0.0003, -0.0003, 0.0002, -0.0002)
+    records = four_bit_arms(range(4), {"nvfp4-ef2": [-0.006 + x for x in j],
+                                       "subspace-nvfp4": [-0.006 - x for x in j],
+                                       "hadamard16-nvfp4-all": [0.0 + x for x in j]})
+    records += [dict(r, comm="bf16", final_val_loss=r["final_val_loss"] + 0.0005 * (k % 2))
+                for k, r in enumerate(x for x in records if x["comm"] == "fp32")]
+    records = [dict(r, machine="CPU A") for r in records]
+    text = study.comparisons(records, (32,), margin=0.002)
+    rows = [line for line in text.splitlines() if line.startswith("| adamw |")]
+    names = [line.split(" | ")[3] for line in rows]
+    assert names == ["subspace-nvfp4 − nvfp4", "hadamard16-nvfp4-all − nvfp4",
+                     "nvfp4-ef2 − nvfp4", "subspace-nvfp4 − nvfp4-ef2",
+                     "nvfp4 − fp32", "nvfp4 − bf16", "subspace-nvfp4 − fp32",
+                     "subspace-nvfp4 − bf16", "nvfp4-ef2 − fp32", "nvfp4-ef2 − bf16"]
+    [row] = [line for line in rows if "| subspace-nvfp4 − nvfp4-ef2 |" in line]
+    assert "| 4 | +0.0000 ± 0.0009 | -0.0007 to +0.0007 | equivalent within ±0.002 (TOST) | — |" \
+        in row
+    [row] = [line for line in rows if "| nvfp4 − fp32 |" in line]
+    assert "| 4 | +0.0140 ± 0.0000 |" in row and "higher at 95 %" in row
+    assert "Equivalent within ±0.002 (TOST): the 90 % paired t interval" in text
+    assert "| fp32 − " not in text and "| bf16 − " not in text      # baselines have no twin
+
+
+def test_study_answer_edge_cases(tmp_path, capsys):
+    """A diverged method is never recommended; a plain method whose interval against fp32
+    includes 0 is "no difference detected", never "the same" (and "lower" when significantly
+    better); a recommendation that sends more than its format's goal allows says so; --margin
+    changes the TOST's margin; a wrong W, a missing file, a bad margin and --readme without
+    --answer are one-line errors."""
+    fp32 = [study_record("fp32", s, 2.0 + s / 10, 2.0) for s in range(3)]
+    better = [study_record("fp8", s, 1.97 + s / 10 + (0.001, -0.001, 0.0)[s], 0.543) for s in range(3)]
+    diverged = [study_record("subspace", s, float("nan"), 0.5) for s in range(3)]
+    heavy = [study_record("geofp8", s, 2.0 + s / 10, 0.537) for s in range(3)]
+    text = study.answer(fp32 + better + diverged + heavy)
+    row = text.splitlines()[2]
+    assert row.startswith("| adamw | FP8 | fp8 | 3 | -0.0300 ± ")
+    assert "fp8: lower than fp32 at 95 % (fp8 − fp32 = -0.0300 ± 0.0025, 3 seeds)" in text
+    assert "fp8 sends 0.543× bf16's bytes here, above the 0.52× the goal allows" in text
+    assert "Not finite in some run, so in no row: subspace." in text
+    assert "nothing measured yet" in text.splitlines()[3]       # 4-bit: no run
+    same = [study_record("fp8", s, 2.0 + s / 10 + (0.001, -0.001, 0.0)[s], 0.5) for s in range(3)]
+    # fp8 - fp32: 0.001, -0.001, 0: 95 % half-width 4.303 * 0.001 / sqrt(3) = 0.0025; 90 %:
+    # 2.920 * 0.001 / sqrt(3) = 0.0017, inside +-0.002 but not +-0.001
+    assert ("fp8: equivalent to fp32 within ±0.002 (TOST; fp8 − fp32 = +0.0000 ± 0.0025, 3 "
+            "seeds)") in study.answer(fp32 + same)
+    assert ("fp8: no difference detected from fp32 (± 0.0025; fp8 − fp32 = +0.0000 ± 0.0025, 3 "
+            "seeds)") in study.answer(fp32 + same, margin=0.001)
+    # a method run on fewer seeds is compared on the seeds it shares: equal to nvfp4 on seeds 0
+    # and 1, it is not "better" because nvfp4's seed 2 was its worst
+    nvfp4 = [study_record("nvfp4", s, 2.0 + s / 10 + (0.01, 0.012, 0.03)[s], 0.29) for s in range(3)]
+    twin = [dict(r, comm="nvfp4-ef2") for r in nvfp4[:2]]
+    assert study.answer(fp32 + nvfp4 + twin).splitlines()[3].startswith("| adamw | 4-bit | nvfp4 |")
+    with pytest.raises(ValueError, match="--answer_workers"):
+        study.answer(fp32, workers=64)
+    (tmp_path / "r.json").write_text(json.dumps(fp32 + same))
+    for argv, message in ((["--readme", "README.md"], "give both"),
+                          (["--answer", str(tmp_path / "r.json"), "--answer_workers", "8"],
+                           "--answer_workers"),
+                          (["--answer", str(tmp_path / "r.json"), "--answer_workers", "32,x"],
+                           "comma-separated"),
+                          (["--answer", str(tmp_path / "r.json"), "--answer_workers", "32,32"],
+                           "names a W twice"),
+                          (["--answer_workers", "32"], "give both"),
+                          (["--answer", str(tmp_path / "none.json")], "no such results file"),
+                          (["--answer", str(tmp_path / "r.json"), "--margin", "0"],
+                           "a positive loss difference")):
+        with pytest.raises(SystemExit) as e:
+            study.main(argv)
+        assert e.value.code == 2 and message in capsys.readouterr().err
+    study.main(["--answer", str(tmp_path / "r.json")])
+    assert capsys.readouterr().out == study.answer(fp32 + same)
+    study.main(["--answer", str(tmp_path / "r.json"), "--margin=0.001"])
+    assert capsys.readouterr().out == study.answer(fp32 + same, margin=0.001)
+    study.main(["--comparisons", str(tmp_path / "r.json")])
+    assert capsys.readouterr().out == study.comparisons(fp32 + same)
+    # several W: one table per W, in the order asked
+    both = fp32 + same + [dict(r, workers=64) for r in fp32 + same]
+    (tmp_path / "r2.json").write_text(json.dumps(both))
+    study.main(["--answer", str(tmp_path / "r2.json"), "--answer_workers", "64,32"])
+    assert capsys.readouterr().out == (f"**W = 64 ranks**\n\n{study.answer(both, 64)}\n"
+                                       f"**W = 32 ranks**\n\n{study.answer(both, 32)}")
+    study.main(["--table", str(tmp_path / "r.json"), "--reference", "fp8"])
+    assert capsys.readouterr().out == study.table(fp32 + same, "fp8")
