@@ -47,13 +47,13 @@ def one_line_error(result, *words):
 
 # ---------------------------------------------------------------- 1. silent CPU on a GH200
 
-def test_cpu_only_torch_on_a_gpu_node_stops_with_one_line(tmp_path):
+def test_cpu_only_torch_on_a_gpu_node_stops_with_one_line(tmp_path, tiny_corpus):
     """--device=auto (train.py's default), the smoke tool (both modes) and the Makefile's check
     before torchrun stop with one line naming the fix; --device=cpu still trains on purpose."""
     assert not torch.cuda.is_available()
     env = fake_gpu_node(tmp_path)
     run = dict(cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    args = ["--preset=char-study", "--data_dir=data/shakespeare_char", "--max_iters=2",
+    args = ["--preset=char-study", f"--data_dir={tiny_corpus}", "--max_iters=2",
             "--batch_size=2", "--block_size=16", "--eval_iters=1", "--final_evals=1",
             f"--out_dir={tmp_path}/out"]
     line = one_line_error(subprocess.run([sys.executable, "train.py", *args], **run),

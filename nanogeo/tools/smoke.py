@@ -39,7 +39,8 @@ line, where GPUs are visible but torch has no CUDA. The checks:
                sum float8 (CUDA, compute capability >= 9.0); else SKIP, saying why
   ddp          the DDP hook against plain DDP at world size N (ranks see different data)
   fsdp         FSDP2 with use_geofp8 against FP32 reduce-scatters
-  train        cpu-tiny (toy: char-study), --comm=geofp8 (--compile on a GPU), 30 steps resumed
+  train        cpu-tiny on the bundled corpus (toy: 4 x 32 tokens), --comm=geofp8 (--compile on
+               a GPU), 30 steps resumed
                to 40, and a Muon run: train.py's all-rank parameter checksum every 10 steps, a
                falling loss, ms per step, the slowest step against the median
 """
@@ -434,9 +435,8 @@ def train_command(nproc, out_dir, toy, extra):
     """train.py under torchrun for the training check (the package never imports train.py: it
     runs it, as a user would)."""
     root = os.path.dirname(os.path.abspath(compress.__file__))
-    shape = (["--preset=char-study", "--data_dir=data/shakespeare_char", "--batch_size=4",
-              "--block_size=32", "--device=cpu"] if toy else
-             ["--preset=cpu-tiny", "--compile", "--device=cuda"])
+    shape = (["--preset=cpu-tiny", "--batch_size=4", "--block_size=32", "--device=cpu"] if toy
+             else ["--preset=cpu-tiny", "--compile", "--device=cuda"])
     return ([sys.executable, "-m", "torch.distributed.run", "--standalone",
              f"--nproc_per_node={nproc}", os.path.join(root, "train.py"), *shape,
              f"--out_dir={out_dir}", "--overwrite=true", "--log_interval=1", "--eval_interval=1000",
