@@ -150,11 +150,17 @@ class Attention(nn.Module):
         k = rearrange(self.wk(x), heads, hs=self.head_dim)                          # (B, nkv, T, hs)
         v = rearrange(self.wv(x), heads, hs=self.head_dim)                          # (B, nkv, T, hs)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        # GQA: each kv head serves n_head // n_kv_head query heads
-        repeat = self.n_head // self.n_kv_head
-        k = k.repeat_interleave(repeat, dim=1)                                      # (B, nh, T, hs)
-        v = v.repeat_interleave(repeat, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)                # (B, nh, T, hs)
+        # GQA: each kv head serves n_head // n_kv_head query heads. On a GPU, SDPA's enable_gqa
+        # reads each shared head in place (flash attention), where repeat_interleave would copy
+        # K and V n_head // n_kv_head times. The CPU keeps the copy: the forward is bit-equal
+        # either way, but the in-kernel backward adds the shared heads' gradients in another
+        # order, and every CPU run recorded so far was made with the copy.
+        if q.device.type == "cpu" and self.n_kv_head < self.n_head:
+            repeat = self.n_head // self.n_kv_head
+            k = k.repeat_interleave(repeat, dim=1)                                  # (B, nh, T, hs)
+            v = v.repeat_interleave(repeat, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,                # (B, nh, T, hs)
+                                           enable_gqa=k.shape[1] < self.n_head)
         return self.wo(rearrange(y, "b h t hs -> b t (h hs)"))                     # (B, T, C)
 
 

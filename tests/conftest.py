@@ -12,6 +12,19 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
+def pytest_configure(config):
+    """The CPU suite stays on the CPU on a GPU machine: unless this session selects the GPU
+    twins (`pytest -m gpu`), CUDA is hidden before anything initialises it - in this process,
+    in run_ranks' ranks (which set LOCAL_RANK to their rank: on a 1-GPU machine rank 1 would
+    ask for a second GPU) and in the train.py subprocesses, which inherit the environment.
+    The bit-equality tests compare gloo runs and emulations in IEEE fp32; on GPUs they would
+    compare NCCL under TF32 with them. (nanogeo.run.runtime reads an empty
+    CUDA_VISIBLE_DEVICES as GPUs hidden on purpose, not as a CPU-only torch on a GPU node.)"""
+    markexpr = config.option.markexpr or ""
+    if not ("gpu" in markexpr and "not gpu" not in markexpr):
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

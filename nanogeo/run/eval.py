@@ -101,15 +101,22 @@ def score_requests(model, enc, requests, batch_size=16, device="cpu", progress=N
         for row, i in enumerate(chunk):
             ids = encoded[i][0]
             x[row, : len(ids) - 1] = torch.tensor(ids[:-1])
+        # the next token at every position (0 past a row's end), to pick on the device: only
+        # (B, T) numbers come back to the host, not the (B, T, vocab) log-probabilities
+        y = torch.zeros(len(chunk), width, dtype=torch.long)
+        for row, i in enumerate(chunk):
+            ids = encoded[i][0]
+            y[row, : len(ids) - 1] = torch.tensor(ids[1:])
         logits, _ = model(x.to(device))
-        logprobs = F.log_softmax(logits.float(), dim=-1).cpu()          # (B, T, vocab)
+        logprobs = F.log_softmax(logits.float(), dim=-1)                   # (B, T, vocab)
+        y = y.to(device)
+        target_lp = logprobs.gather(2, y[..., None])[..., 0].cpu()         # (B, T)
+        greedy_hit = (logprobs.argmax(-1) == y).cpu()                      # (B, T)
         for row, i in enumerate(chunk):
             ids, n_cont = encoded[i]
-            targets = torch.tensor(ids[-n_cont:])
-            positions = torch.arange(len(ids) - 1 - n_cont, len(ids) - 1)
-            lp = logprobs[row, positions]                                  # (n_cont, vocab)
-            results[i] = (lp.gather(1, targets[:, None]).sum().item(),
-                          bool((lp.argmax(-1) == targets).all()))
+            positions = slice(len(ids) - 1 - n_cont, len(ids) - 1)
+            results[i] = (target_lp[row, positions].sum().item(),
+                          bool(greedy_hit[row, positions].all()))
         if progress:
             progress(min(start + batch_size, len(order)), len(order))
     return results

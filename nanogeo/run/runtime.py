@@ -6,6 +6,9 @@ gradient communication; that is train.py's reduce_gradients and compress.py.
 """
 import hashlib
 import os
+import platform
+import subprocess
+import sys
 
 import torch
 import torch.distributed as dist
@@ -62,12 +65,53 @@ def check_ranks_agree(params, step, device):
                            "restart from the last checkpoint")
 
 
+NVIDIA_DEVICE_FILE = "/dev/nvidia0"    # the driver's first device node (tests point it elsewhere)
+
+
+def visible_gpus():
+    """How many NVIDIA GPUs this machine shows, whatever torch can use: the lines of
+    `nvidia-smi -L`, else 1 if the driver's device node exists. 0 where CUDA_VISIBLE_DEVICES
+    hides them on purpose (set and empty, or -1)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1"):
+        return 0
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+        count = sum(line.startswith("GPU ") for line in listed.stdout.splitlines())
+    except (OSError, subprocess.SubprocessError):
+        count = 0
+    return count or int(os.path.exists(NVIDIA_DEVICE_FILE))
+
+
+def cuda_build_missing():
+    """None, or the one-line reason to stop: NVIDIA GPUs are visible but this torch has no CUDA
+    (on aarch64, e.g. GH200, `pip install torch` from the default index can be a CPU-only
+    build). Training on the CPU there by accident would look like a working run."""
+    if torch.cuda.is_available():
+        return None
+    gpus = visible_gpus()
+    if not gpus:
+        return None
+    build = (f"torch {torch.__version__} is a CPU-only build" if torch.version.cuda is None
+             else f"torch {torch.__version__} (CUDA {torch.version.cuda}) cannot use them "
+                  "(driver too old for this build?)")
+    return (f"{gpus} NVIDIA GPU(s) visible (nvidia-smi) but {build}: install a CUDA build of "
+            f"torch for {platform.machine()} from PyTorch's CUDA wheel index, e.g. `make -B "
+            "install PIP_ARGS=\"--force-reinstall --index-url "
+            "https://download.pytorch.org/whl/cu130\"` (docs/guide.md, GPUs), or pass "
+            "--device=cpu to run on the CPU on purpose")
+
+
 def setup_distributed(cfg):
     """(rank, world_size, local_rank, device). torchrun sets RANK/WORLD_SIZE/LOCAL_RANK. On a
-    GPU, fp32 matmuls may use TF32 (the model runs in bf16 autocast anyway)."""
+    GPU, fp32 matmuls may use TF32 (the model runs in bf16 autocast anyway). --device=auto
+    takes the GPUs when torch can, and stops (ConfigError) where GPUs are visible but torch
+    cannot use them: never a silent CPU run on a GPU node."""
+    if cfg.device == "auto" and (reason := cuda_build_missing()):
+        raise ConfigError(reason)
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device=cuda but no GPU is visible; use --device=cpu")
+        raise ConfigError(cuda_build_missing() or "--device=cuda but no GPU is visible; use "
+                          "--device=cpu")
     if use_cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -89,3 +133,10 @@ def setup_distributed(cfg):
                             rank=rank, world_size=world_size,
                             device_id=device if use_cuda else None)
     return dist.get_rank(), dist.get_world_size(), local_rank, device
+
+
+if __name__ == "__main__":
+    # `python -m nanogeo.run.runtime`: the Makefile's check before it starts one rank per GPU
+    if reason := cuda_build_missing():
+        print(f"error: {reason}", file=sys.stderr)
+        sys.exit(2)

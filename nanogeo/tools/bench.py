@@ -61,23 +61,36 @@ from prepare_data import load_splits
 from nanogeo.parallel.communicator import Options, ProductionCommunicator
 
 
+def synchronize(device):
+    """Wait until the device has run everything queued: a CUDA call returns once its kernel is
+    queued, so a clock read without this times the launches, not the work (a CPU computes as it
+    is called: nothing to wait for)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_device():
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
+        torch.device("cpu")
+
+
 class StageTimer:
     """Wall time per stage, for benchmarks: timer.stage("name") is a context manager. The
     default (no timer) costs nothing; with one, the device is synchronized at each boundary."""
 
-    def __init__(self):
+    def __init__(self, device=None):
         self.seconds = {}
+        self.device = bench_device() if device is None else torch.device(device)
 
     @contextlib.contextmanager
     def stage(self, name):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        synchronize(self.device)
         t0 = time.perf_counter()
         try:
             yield
         finally:
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
+            synchronize(self.device)
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
 
 
@@ -129,9 +142,12 @@ def baseline_allreduce(grads, dtype, world):
     return collective.ring_allreduce_bytes(flat.numel(), dtype.itemsize, world)
 
 
-def time_collective(sizes, iters, methods):
+def time_collective(sizes, iters, methods, device=None):
+    """Each method's mean step on each size; every time is read with the device synchronized
+    (the fp32 and bf16 baselines too: unsynchronized, they would time kernel launches while the
+    FP8 methods' StageTimer waits for their work)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    device = bench_device() if device is None else torch.device(device)
     rows = []
     for size in sizes:
         shapes = bucket_shapes(size)
@@ -139,13 +155,14 @@ def time_collective(sizes, iters, methods):
         bf16_bytes = collective.ring_allreduce_bytes(numel, 2, world)
         for method in methods:
             opts = METHODS[method]
-            timer = StageTimer()
+            timer = StageTimer(device)
             comm = (ProductionCommunicator([(f"m{k}.weight", s) for k, s in enumerate(shapes)],
                                            opts, timer=timer) if opts else None)
             seconds, nbytes = [], 0
             warm = 5  # the first bases (step 0), the first refresh (step 4), compiles in both
             for step in range(warm + iters):
                 grads = [g.to(device) for g in planted_gradients(shapes, step, rank, world)]
+                synchronize(device)         # the copies above done before the clock starts
                 dist.barrier()
                 if step == warm:
                     timer.seconds.clear()
@@ -155,6 +172,7 @@ def time_collective(sizes, iters, methods):
                     nbytes = baseline_allreduce(grads, dtype, world)
                 else:
                     nbytes = comm.reduce(grads)
+                synchronize(device)         # the step's kernels done before the clock stops
                 if step >= warm:
                     seconds.append(time.perf_counter() - t0)
             per_step = sorted(seconds)[len(seconds) // 2]  # median
@@ -250,9 +268,11 @@ def fsdp_fidelity(checkpoint, steps, last, geo_rank, sides="auto", data_dir="dat
         for method, net in nets.items():
             net.zero_grad(set_to_none=True)
             loss = net(x, y)[1]
+            synchronize(device)
             dist.barrier()
             t0 = time.perf_counter()
             loss.backward()
+            synchronize(device)         # the reduce-scatters run on their own streams
             if step >= steps - last:
                 seconds[method] += time.perf_counter() - t0
         if step < steps - last:

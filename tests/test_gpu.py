@@ -1,0 +1,68 @@
+"""The device twins of the CPU suite's codec, collective, DDP-hook and FSDP checks: `pytest -m gpu`
+on a CUDA machine (deselected by `make test`, skipped without CUDA). The multi-rank checks run
+nanogeo.tools.smoke's rank checks under torchrun on every visible GPU (NCCL), the same code as
+`make gpu-smoke`."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import compress
+from conftest import ROOT
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(),
+                                 reason="needs CUDA (run with `pytest -m gpu` on a GPU machine)")]
+
+
+def inputs():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(48, 40, generator=g), torch.randn(1000, generator=g) * 1e-3,
+            torch.zeros(130), torch.randn(4096 * 3 + 7, generator=g) * 1e3]
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_codec_bytes_on_the_device_equal_the_cpu(fmt):
+    """compress.quantize on CUDA writes the CPU's bytes, and decodes to the CPU's values."""
+    for x in inputs():
+        cpu, gpu = compress.quantize(x, fmt, 128), compress.quantize(x.cuda(), fmt, 128)
+        assert torch.equal(cpu.buffer, gpu.buffer.cpu())
+        assert torch.equal(compress.dequantize(cpu), compress.dequantize(gpu).cpu())
+
+
+def test_compiled_codec_on_the_device_equals_eager():
+    from nanogeo.wire import kernels, packing
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("below sm_89 the codec stays eager (no float8 casts in Triton)")
+    for fmt in ("e4m3", "e5m2"):
+        for x in inputs():
+            groups = compress.scale_groups(x.cuda(), 128)
+            trips = []
+            for compiled in (False, True):
+                kernels.compile_hot_path(compiled)
+                wire = packing.pack_groups(groups, fmt)
+                trips.append((wire, packing.unpack_groups(wire, 128, fmt)))
+            kernels.compile_hot_path(False)
+            assert torch.equal(trips[0][0], trips[1][0]) and torch.equal(trips[0][1], trips[1][1])
+
+
+def test_rank_checks_pass_on_every_gpu(tmp_path):
+    """Collectives (e4m3 / e5m2 / nvfp4 within the codec's bound, the same bytes on every rank),
+    NCCL's float8 sum against its emulation (or SKIP with the reason), the DDP hook against plain
+    DDP, FSDP2 with use_geofp8 against fp32: on NCCL over every visible GPU."""
+    out = tmp_path / "smoke.json"
+    env = dict(os.environ)
+    env.pop("CUDA_VISIBLE_DEVICES", None) if env.get("CUDA_VISIBLE_DEVICES") == "" else None
+    done = subprocess.run([sys.executable, "-m", "nanogeo.tools.smoke",
+                           f"--nproc={torch.cuda.device_count()}", "--no-train", "--iters=3",
+                           "--numel=4e6", f"--out={out}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    result = json.loads(out.read_text())
+    for name in ("codec", "collective", "ddp", "fsdp"):
+        assert result[name]["status"] == "PASS", (name, result[name])
+    assert result["fp8-sum"]["status"] in ("PASS", "SKIP")
+    assert result["env"]["device"] != "cpu"

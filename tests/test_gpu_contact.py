@@ -1,0 +1,329 @@
+"""First contact with a GPU, proven on the CPU (issue 43): a CPU-only torch on a GPU node stops
+with one line, the CPU suite stays on the CPU, the benchmark timer waits for the device, the
+compiled codec does not recompile per bucket size, evaluation keeps the log-probabilities on the
+device, GQA without copies, the old import path, and `make gpu-smoke` on 2 CPU ranks."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import types
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import compress
+import model as model_lib
+from conftest import ROOT, run_ranks
+
+GH200_LIST = "GPU 0: NVIDIA GH200 480GB (UUID: GPU-00000000-0000-0000-0000-000000000000)"
+
+
+def fake_gpu_node(tmp_path):
+    """The environment of a GH200 node whose torch is a CPU-only build: an `nvidia-smi` on PATH
+    that lists one GPU (and prints a compute capability, as the Makefile asks), GPUs not hidden."""
+    bin_dir = tmp_path / "fakebin"
+    bin_dir.mkdir(exist_ok=True)
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\ncase \"$1\" in\n  -L) echo '" + GH200_LIST + "';;\n"
+                   "  *) echo 9.0;;\nesac\n")
+    smi.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    return env
+
+
+def one_line_error(result, *words):
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2, (result.returncode, result.stdout[-2000:], result.stderr[-2000:])
+    assert len(lines) == 1, lines
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+    return lines[0]
+
+
+# ---------------------------------------------------------------- 1. silent CPU on a GH200
+
+def test_cpu_only_torch_on_a_gpu_node_stops_with_one_line(tmp_path, tiny_corpus):
+    """--device=auto (train.py's default), the smoke tool (both modes) and the Makefile's check
+    before torchrun stop with one line naming the fix; --device=cpu still trains on purpose."""
+    assert not torch.cuda.is_available()
+    env = fake_gpu_node(tmp_path)
+    run = dict(cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    args = ["--preset=char-study", f"--data_dir={tiny_corpus}", "--max_iters=2",
+            "--batch_size=2", "--block_size=16", "--eval_iters=1", "--final_evals=1",
+            f"--out_dir={tmp_path}/out"]
+    line = one_line_error(subprocess.run([sys.executable, "train.py", *args], **run),
+                          "NVIDIA GPU", "CPU-only", "PIP_ARGS", "download.pytorch.org/whl/cu",
+                          "docs/guide.md", "--device=cpu")
+    assert line.startswith("train.py: error:")
+    for argv in (["--nproc=2"], ["--preset=cpu-tiny", "--numel=1000", "--iters=1"]):
+        one_line_error(subprocess.run([sys.executable, "-m", "nanogeo.tools.smoke", *argv], **run),
+                       "CPU-only", "PIP_ARGS")
+    # on purpose: the CPU
+    cpu = subprocess.run([sys.executable, "train.py", *args, "--device=cpu"], **run)
+    assert cpu.returncode == 0, cpu.stderr[-2000:]
+    assert "device cpu" in cpu.stdout
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make")
+def test_makefile_checks_the_torch_build_before_starting_ranks(tmp_path):
+    """`make train` and `make gpu-smoke` run the check before torchrun (the dry run's order), and
+    the check itself stops with the one line; PIP_ARGS reaches pip."""
+    env = fake_gpu_node(tmp_path)
+    bin_dir = os.path.dirname(sys.executable)
+    check = subprocess.run(["make", "-s", "device-check", f"BIN={bin_dir}"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert check.returncode != 0
+    assert [line for line in check.stderr.splitlines() if "error:" in line and "PIP_ARGS" in line]
+    for target in ("train", "gpu-smoke"):
+        dry = subprocess.run(["make", "-n", "-W", "pyproject.toml", target,
+                              f"VENV={tmp_path}/venv", "PIP_ARGS=--index-url https://example/whl"],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        out = dry.stdout
+        assert "pip install -q --index-url https://example/whl" in out, out
+        assert out.index("-m nanogeo.run.runtime") < out.index(
+            "torchrun" if target == "train" else "-m nanogeo.tools.smoke"), out
+
+
+def test_device_node_counts_and_hidden_gpus(tmp_path, monkeypatch):
+    """/dev/nvidia0 counts as a visible GPU when nvidia-smi is missing; an empty
+    CUDA_VISIBLE_DEVICES hides the GPUs on purpose (the CPU suite's pin); --device=cpu and
+    --device=auto then take the CPU."""
+    from nanogeo.run import runtime
+    from nanogeo.run.config import ConfigError
+    node = tmp_path / "nvidia0"
+    node.write_text("")
+    monkeypatch.setattr(runtime, "NVIDIA_DEVICE_FILE", str(node))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert runtime.visible_gpus() == 1
+    assert "CPU-only" in runtime.cuda_build_missing()
+    with pytest.raises(ConfigError, match="install a CUDA build of torch"):
+        runtime.setup_distributed(types.SimpleNamespace(device="auto"))
+    with pytest.raises(ConfigError, match="install a CUDA build of torch"):
+        runtime.setup_distributed(types.SimpleNamespace(device="cuda"))
+    monkeypatch.delenv("RANK", raising=False)
+    assert runtime.setup_distributed(types.SimpleNamespace(device="cpu"))[3].type == "cpu"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert runtime.visible_gpus() == 0 and runtime.cuda_build_missing() is None
+    assert runtime.setup_distributed(types.SimpleNamespace(device="auto"))[3].type == "cpu"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setattr(runtime, "NVIDIA_DEVICE_FILE", str(tmp_path / "none"))
+    assert runtime.visible_gpus() == 0
+
+
+# ---------------------------------------------------------------- 2. the suite on the CPU
+
+def test_cpu_suite_is_pinned_to_the_cpu():
+    """conftest hides CUDA from this session and every process it starts (run_ranks' ranks set
+    LOCAL_RANK; with a GPU visible, rank 1 would ask for GPU 1); train.py's test runs name
+    --device=cpu; the GPU twins are deselected unless `pytest -m gpu`."""
+    from test_train import tiny_args
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") == ""
+    assert "--device=cpu" in tiny_args("corpus", "out")
+    listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                             "-p", "no:cacheprovider", "tests/test_gpu.py"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert "deselected" in listed.stdout and "::" not in listed.stdout, listed.stdout[-2000:]
+    marked = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu",
+                             "-p", "no:cacheprovider", "tests/test_gpu.py"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert "tests/test_gpu.py::" in marked.stdout, marked.stdout[-2000:]
+
+
+# ---------------------------------------------------------------- 7. timers wait for the device
+
+def test_stage_timer_synchronizes_the_device(monkeypatch):
+    from nanogeo.tools import bench
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
+    timer = bench.StageTimer(device="cuda:0")
+    with timer.stage("quantize"):
+        pass
+    assert calls == [torch.device("cuda:0")] * 2 and "quantize" in timer.seconds
+
+
+def timed_collective_rank(rank, world_size, out):
+    """time_collective on gloo ranks, with every clock read and device sync of bench logged."""
+    import torch.distributed as dist
+    from nanogeo.tools import bench
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    events = []
+    real_clock = time.perf_counter
+    bench.time = types.SimpleNamespace(perf_counter=lambda: events.append("clock") or real_clock(),
+                                       time=time.time)
+    bench.synchronize = lambda device: events.append("sync")
+    bench.time_collective([0.005], 2, ["fp32", "bf16", "fp8"], device="cpu")
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(events, f)
+    dist.destroy_process_group()
+
+
+def test_collective_timer_reads_the_clock_after_a_device_sync(tmp_path):
+    """Every clock read of the collective benchmark (the fp32/bf16 baselines' included) comes
+    right after a device synchronisation: kernels, not launches, are timed."""
+    out = str(tmp_path / "events.json")
+    run_ranks(timed_collective_rank, 2, out)
+    events = json.load(open(f"{out}.0"))
+    clocks = [k for k, e in enumerate(events) if e == "clock"]
+    assert len(clocks) >= 2 * 3 * 7
+    assert all(k > 0 and events[k - 1] == "sync" for k in clocks), events
+
+
+# ---------------------------------------------------------------- 9. smaller
+
+def test_compiled_codec_compiles_once_for_many_bucket_sizes(monkeypatch):
+    """70 group counts (a DDP model's bucket sizes and more than dynamo's recompile limit of 64):
+    a handful of compiles, not one per size, and the bytes of eager for every size. A counting
+    backend stands in for inductor (same dynamo tracing and guards, no code generation)."""
+    import torch._dynamo as dynamo
+    from torch._dynamo.testing import CompileCounter
+    from nanogeo.wire import kernels, packing
+    counter, real_compile = CompileCounter(), torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, **{**kw, "backend": counter}))
+    monkeypatch.setattr(kernels, "COMPILED", {})
+    dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    try:
+        for groups in range(2, 72):
+            x = torch.randn(groups * 128 - 5, generator=g) * 10 ** (groups % 5 - 2)
+            for fmt in ("e4m3", "e5m2") if groups < 6 else ("e4m3",):
+                wires = []
+                for compiled in (True, False):
+                    kernels.compile_hot_path(compiled)
+                    wire = packing.pack_groups(compress.scale_groups(x, 128), fmt)
+                    wires.append((wire, packing.unpack_groups(wire, 128, fmt)))
+                assert torch.equal(wires[0][0], wires[1][0]) and torch.equal(wires[0][1], wires[1][1])
+    finally:
+        kernels.compile_hot_path(False)
+        dynamo.reset()
+    assert counter.frame_count <= 6, counter.frame_count
+
+
+def test_evaluation_keeps_log_probabilities_on_the_device(monkeypatch):
+    """score_requests moves (B, T) numbers to the host, never the (B, T, vocab) log-probabilities,
+    and scores as before (log-likelihood and greedy match of every request)."""
+    from nanogeo.run import eval as ev
+    from prepare_data import get_tokenizer
+    torch.manual_seed(0)
+    net = model_lib.Llama(model_lib.ModelConfig(block_size=32, n_layer=1, n_embd=32, n_head=2,
+                                                n_kv_head=1)).eval()
+    enc = get_tokenizer()
+    requests = [("Goal: boil water.", " Use a kettle."), ("Cats", " purr."), ("To open a jar,", " twist"),
+                ("A", " b c d e f g h")]
+    moved, real_cpu = [], torch.Tensor.cpu
+
+    def cpu(t, *a, **k):
+        moved.append(tuple(t.shape))
+        return real_cpu(t, *a, **k)
+    monkeypatch.setattr(torch.Tensor, "cpu", cpu)
+    scores = ev.score_requests(net, enc, requests, batch_size=3)
+    monkeypatch.setattr(torch.Tensor, "cpu", real_cpu)
+    assert moved and all(s[-1] != net.config.vocab_size for s in moved), moved
+    for (context, continuation), (ll, greedy) in zip(requests, scores):
+        ctx, cont = enc.encode_ordinary(context), enc.encode_ordinary(continuation)
+        ids = torch.tensor(ctx + cont)
+        with torch.no_grad():
+            logp = F.log_softmax(net(ids[None, :-1])[0][0].float(), -1)[len(ctx) - 1:]
+        assert ll == pytest.approx(logp.gather(1, torch.tensor(cont)[:, None]).sum().item(), abs=1e-4)
+        assert greedy == bool((logp.argmax(-1) == torch.tensor(cont)).all())
+
+
+@pytest.mark.parametrize("preset", ["char-study", "cpu-tiny", "llama-300m"])
+def test_sdpa_enable_gqa_is_bit_equal_to_repeated_heads(preset):
+    """At each preset's head shapes: SDPA's enable_gqa gives the repeated-heads forward bit for
+    bit on the CPU; its backward adds the shared heads' gradients in another order (equal to
+    rounding), which is why model.py keeps the copy on the CPU."""
+    cfg = model_lib.model_config(preset)
+    hs, T = cfg.n_embd // cfg.n_head, min(cfg.block_size, 64)
+    repeat = cfg.n_head // cfg.n_kv_head
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, cfg.n_head, T, hs, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, cfg.n_kv_head, T, hs, generator=g, requires_grad=True) for _ in "kv")
+    copied = F.scaled_dot_product_attention(q, k.repeat_interleave(repeat, 1),
+                                            v.repeat_interleave(repeat, 1), is_causal=True)
+    shared = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert torch.equal(copied, shared)
+    dy = torch.randn(copied.shape, generator=g)
+    for a, b in zip(torch.autograd.grad(copied, (q, k, v), dy), torch.autograd.grad(shared, (q, k, v), dy)):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_attention_shares_kv_heads_in_the_kernel_off_the_cpu(monkeypatch):
+    """Off the CPU (here the meta device stands for a GPU) the attention hands SDPA the n_kv_head
+    K/V heads with enable_gqa, no repeated copy; on the CPU the copy stays (the bits of every
+    recorded CPU run)."""
+    cfg = model_lib.model_config("cpu-tiny", block_size=16)
+    seen, real = [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        seen.append((k.shape[1], kw.get("enable_gqa", False)))
+        return real(q, k, v, **kw)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    cos, sin = model_lib.rotary_table(cfg.n_embd // cfg.n_head, 16, cfg.rope_theta)
+    for device in ("meta", "cpu"):
+        with torch.device(device):
+            attention = model_lib.Attention(cfg)
+            x = torch.randn(2, 16, cfg.n_embd)
+        attention(x, cos.to(device), sin.to(device))
+    assert seen == [(cfg.n_kv_head, True), (cfg.n_head, False)], seen
+
+
+# ---------------------------------------------------------------- 10. the old import path
+
+def test_old_import_path_warns_and_gives_the_same_module():
+    code = """
+import os, warnings
+import nanogeo
+assert not os.path.exists(os.path.join(os.path.dirname(nanogeo.__file__), "dist"))
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    from nanogeo.dist.ddp import GeoFP8HookState
+    import nanogeo.dist.fsdp as old_fsdp
+import nanogeo.parallel.ddp, nanogeo.parallel.fsdp
+assert GeoFP8HookState is nanogeo.parallel.ddp.GeoFP8HookState
+assert old_fsdp is nanogeo.parallel.fsdp
+messages = [str(w.message) for w in caught if w.category is DeprecationWarning]
+assert any("nanogeo.dist.ddp" in m and "nanogeo.parallel.ddp" in m for m in messages), messages
+assert all(w.filename.endswith("<string>") for w in caught if w.category is DeprecationWarning)
+try:
+    import nanogeo.dist.nothing
+except ModuleNotFoundError as e:
+    assert "nanogeo.parallel.nothing" in str(e)
+else:
+    raise AssertionError("a missing module imported")
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+# ---------------------------------------------------------------- 8. make gpu-smoke on the CPU
+
+def test_gpu_smoke_on_two_cpu_ranks(tmp_path):
+    """`make gpu-smoke`'s tool without a GPU: 2 gloo ranks at toy size, one line per check and a
+    summary, smoke.json with every check. (The training check and the compiled codec are left
+    to .ci/run's `make gpu-smoke`: they cost a minute more.)"""
+    out = tmp_path / "smoke.json"
+    done = subprocess.run([sys.executable, "-m", "nanogeo.tools.smoke", "--nproc=2", "--iters=1",
+                           "--no-compile", "--no-train", f"--out={out}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert [line.split(":")[0] for line in lines[:-1]] == [
+        "PASS env", "PASS codec", "PASS collective", "SKIP fp8-sum", "PASS ddp", "PASS fsdp",
+        "SKIP train"], lines
+    assert lines[-1].startswith("gpu-smoke: 5 passed, 0 failed, 2 skipped | 2 x cpu (toy size)")
+    result = json.loads(out.read_text())
+    for fmt in ("e4m3", "e5m2", "nvfp4"):
+        r = result["collective"][fmt]
+        assert r["same_bytes_every_rank"] and r["equals_simulator"] and 0 < r["error_vs_bound"] <= 1
+        assert result["codec"][f"{fmt}_eager_gb_per_s"] > 0
+    assert result["ddp"]["same_grads_every_rank"] and result["env"]["machine"]
+    assert result["summary"]["FAIL"] == 0
