@@ -263,13 +263,38 @@ def test_make_train_runs_the_demo(scratch):
                                                     "(Euclidean e4m3, blocks of 128, two-stage")
 
 
+STUDY_RESULTS = ("docs/study/namesake/results.json", "docs/study/results.json")
+ANSWER_COMMAND = ("python -m nanogeo.tools.study --answer docs/study/namesake/results.json,"
+                  "docs/study/results.json --readme README.md --answer_workers 32,64")
+COMPARISONS_COMMAND = ("python -m nanogeo.tools.study --comparisons docs/study/namesake/results.json,"
+                       "docs/study/results.json --answer_workers 32,64 > docs/study/comparisons.md")
+
+
 def test_readme_answer_is_the_study_table():
     """The README's which-method-to-run table is what `nanogeo.tools.study --answer` makes of the
-    committed study results (docs/study/results.json): no number in it is typed by hand."""
+    committed study results (the namesake study's and the earlier studies'): no number in it is
+    typed by hand; docs/study/comparisons.md likewise."""
     from nanogeo.tools import study
     text = open(os.path.join(ROOT, "README.md")).read()
     block = text.split(study.ANSWER_BEGIN + "\n")[1].split(study.ANSWER_END)[0]
-    results = json.load(open(os.path.join(ROOT, "docs", "study", "results.json")))
+    results = study.load_results([os.path.join(ROOT, p) for p in STUDY_RESULTS])
     assert block == study.answers(results, (32, 64)), (
-        "README's answer tables are stale: run python -m nanogeo.tools.study --answer "
-        "docs/study/results.json --readme README.md --answer_workers 32,64")
+        f"README's answer tables are stale: run {ANSWER_COMMAND}")
+    table = open(os.path.join(ROOT, "docs", "study", "comparisons.md")).read()
+    assert table == study.comparisons(results, (32, 64)), (
+        f"docs/study/comparisons.md is stale: run {COMPARISONS_COMMAND}")
+
+
+def test_readme_headline_numbers_come_from_the_study():
+    """Every 'mean ± half-width' the README's answer prose (from 'What we measured' to the
+    generated table) quotes is one the study's tables print: the headline cannot drift from
+    results.json."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    prose = text.split("## What we measured")[1].split("<!-- answer: begin -->")[0]
+    quoted = re.findall(r"[+\u2212-]\d\.\d{4} ± \d\.\d{4}", prose)
+    assert quoted, "the README's answer prose quotes no paired difference"
+    generated = (text.split("<!-- answer: begin -->")[1].split("<!-- answer: end -->")[0]
+                 + open(os.path.join(ROOT, "docs", "study", "comparisons.md")).read())
+    missing = [q for q in quoted if q.replace("\u2212", "-") not in generated]
+    assert not missing, (f"README quotes {missing}, which neither the answer tables nor "
+                         f"docs/study/comparisons.md print ({COMPARISONS_COMMAND})")
