@@ -41,19 +41,20 @@ import torch.distributed as dist
 
 
 # =============================================================================
-# 1. The codec: FP8 (e4m3, e5m2), one fp32 scale per block, row or tensor
+# 1. The codecs: FP8 (e4m3, e5m2) with an fp32 scale per group; NVFP4
 # =============================================================================
 
 FP8_FORMATS = {  # name -> (torch dtype, largest finite value)
     "e4m3": (torch.float8_e4m3fn, 448.0),
     "e5m2": (torch.float8_e5m2, 57344.0),
 }
+FORMATS = (*FP8_FORMATS, "nvfp4")
 FP32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass
 class Quantized:
-    """A quantized tensor: `buffer` is the uint8 wire buffer (scales first, then the codes)."""
+    """A quantized tensor: `buffer` is the uint8 wire buffer (its layout: quantize)."""
     buffer: torch.Tensor    # (nbytes,) uint8
     shape: torch.Size
     fmt: str
@@ -64,17 +65,16 @@ class Quantized:
         return self.buffer.numel()
 
 
-def check_fp8(fmt, block):
-    if fmt not in FP8_FORMATS:
-        raise ValueError(f"unknown format {fmt!r}: compress.py codes e4m3 and e5m2 "
-                         "(NVFP4: nanogeo.wire.collective)")
-    if not (block in ("row", "tensor") or (isinstance(block, int) and block > 0)):
+def check_codec(fmt, block):
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if fmt != "nvfp4" and not (block in ("row", "tensor") or (isinstance(block, int) and block > 0)):
         raise ValueError(f"block must be a positive int, 'row' or 'tensor', got {block!r}")
 
 
 def scale_groups(x, block):
     """View x as (groups, group_len) fp32: one scale per group. Integer blocks pad the flattened
-    tensor with zeros to a whole number of blocks (the padding is never sent)."""
+    tensor with zeros to a whole number of groups."""
     flat = x.reshape(-1).float()
     if block == "tensor":
         return flat.view(1, -1)
@@ -95,9 +95,14 @@ def num_groups(shape, block):
 
 
 def wire_nbytes(shape, fmt, block):
-    """Exact size of quantize(x of this shape).buffer: an fp32 scale per group, a byte a value."""
+    """Exact size of quantize(x of this shape).buffer."""
     numel = math.prod(shape)
-    return 4 * num_groups(shape, block) + numel if numel else 0
+    if not numel:
+        return 0
+    if fmt == "nvfp4":
+        return 4 + num_groups(shape, NVFP4_BLOCK) + (numel + 1) // 2
+    groups = num_groups(shape, block)
+    return groups * (4 + (block if isinstance(block, int) else numel // groups))
 
 
 def scale_from_amax(amax, fmax):
@@ -117,34 +122,95 @@ def fp8_encode(groups, fmax, dtype):
     return scale, y.to(dtype).view(torch.uint8)
 
 
-def fp8_decode(codes, scale, group_len, dtype):
-    """codes (numel,) uint8 and scales (G,) -> (numel,) fp32. The last group may be partial:
-    pad it, divide (G, L) by (G, 1), drop the padding."""
-    values = codes.view(dtype).float()
-    groups = torch.nn.functional.pad(values, (0, (-values.numel()) % group_len)).view(-1, group_len)
-    return (groups / scale[:, None]).reshape(-1)[: values.numel()]
+def fp8_decode(codes, scale, dtype):
+    """codes (G, L) uint8 and their scales (G,) -> (G, L) fp32."""
+    return codes.view(dtype).float() / scale[:, None]
 
 
-def to_wire(scale, codes, x, fmt, block):
-    """x's scales (G,) and codes (G, L) as one wire buffer: [scales][codes, padding cut]."""
-    buffer = torch.cat([scale.view(torch.uint8), codes.reshape(-1)[: x.numel()]])
-    return Quantized(buffer, x.shape, fmt, block)
+def fp8_pack(scale, codes):
+    """scales (G,) and codes (G, L) -> the wire: per group [fp32 scale | L codes]."""
+    return torch.cat([scale.view(torch.uint8).view(-1, 4), codes], dim=1).view(-1)
+
+
+def fp8_unpack(buffer, groups, dtype):
+    """Inverse of fp8_pack and fp8_encode: wire bytes -> (groups, L) fp32. (The scales are
+    copied out: a float32 view needs 4-byte alignment, and a piece may start at any byte.)"""
+    rows = buffer.view(groups, -1)
+    return fp8_decode(rows[:, 4:], rows[:, :4].reshape(-1).clone().view(torch.float32), dtype)
+
+
+# NVFP4 (the 4-bit format of NVIDIA's Blackwell GPUs): blocks of 16 values, each an e2m1 number
+# (magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6), each block scaled by an e4m3 number, and one fp32
+# scale per tensor that brings the largest block scale to the top of e4m3's range. Two values a
+# byte: ~0.56 bytes a value, against ~1.03 for e4m3 with groups of 128.
+NVFP4_BLOCK = 16
+E2M1_MAX, E4M3_MAX = 6.0, 448.0
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)    # a 4-bit code: sign << 3 | index
+SIGNED_E2M1 = E2M1_GRID + tuple(-v for v in E2M1_GRID)  # the value of each code (8: -0.0)
+
+
+def e2m1_codes(y):
+    """4-bit codes of y (|y| <= 6), to nearest: the index is the number of midpoints between grid
+    values that |y| has passed; ties to the even code (0.25, 1.25, 2.5, 5 down; 0.75, 1.75, 3.5
+    up). Seven compares, each added in place."""
+    a, idx = y.abs(), torch.zeros_like(y, dtype=torch.uint8)
+    for tie in (0.25, 1.25, 2.5, 5.0):
+        idx += a > tie
+    for tie in (0.75, 1.75, 3.5):
+        idx += a >= tie
+    return idx | (y < 0).to(torch.uint8) << 3
+
+
+def nvfp4_tensor_scale(amax):
+    """The fp32 scale that brings the largest block scale to e4m3's max (1 where amax is 0), at
+    least fp32's smallest normal (for subnormal values the quotient would round to 0, and a zero
+    block's scale to 0 / 0 = NaN). Elementwise: one call serves every piece of a bucket."""
+    scale = (amax / (E2M1_MAX * E4M3_MAX)).clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.where(amax > 0, scale, torch.ones_like(amax))
+
+
+def nvfp4_encode(blocks, amax, scale, to_e2m1=e2m1_codes):
+    """blocks (G, 16) fp32, their amax (G,) and tensor scale ((G,) or (1,)) -> block scales (G,)
+    as e4m3 bytes and codes (G, 8) uint8, two a byte, low nibble first (production passes a
+    stochastic `to_e2m1`)."""
+    block_scale = (amax / (E2M1_MAX * scale)).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    step = block_scale.float() * scale                                 # (G,) decoded block scale
+    y = torch.where(step[:, None] > 0, blocks / step[:, None], torch.zeros_like(blocks))
+    codes = to_e2m1(y.clamp(-E2M1_MAX, E2M1_MAX))                       # (G, 16)
+    return block_scale.view(torch.uint8), codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def nvfp4_decode(block_scale, nibbles, scale, grid):
+    """Inverse of nvfp4_encode: e4m3 bytes (G,), codes (G, 8) and tensor scale -> (G, 16) fp32
+    (grid: SIGNED_E2M1 as a tensor on the codes' device)."""
+    codes = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=2).view(-1).long()   # low first
+    values = grid.index_select(0, codes).view(-1, NVFP4_BLOCK)
+    return values * (block_scale.view(torch.float8_e4m3fn).float() * scale)[:, None]
 
 
 def quantize(x, fmt="e4m3", block=128) -> Quantized:
-    """Each group gets the scale s = fmax / amax; values are cast as torch casts x * s,
-    saturated at +-fmax, so a finite input never decodes to NaN or inf."""
-    check_fp8(fmt, block)
+    """x -> its wire bytes. FP8: each group gets the scale s = fmax / amax and is sent as [fp32
+    scale | its codes], values cast as torch casts x * s, saturated at +-fmax (a finite input
+    never decodes to NaN or inf); the last group of an integer block is zero-padded and sent
+    whole, so a bucket's groups stack into one (groups, 4 + block) byte matrix. NVFP4 (`block`
+    ignored): [fp32 tensor scale | e4m3 block scales | codes, the last block's padding cut]."""
+    check_codec(fmt, block)
     if x.numel() == 0:
         return Quantized(torch.empty(0, dtype=torch.uint8, device=x.device), x.shape, fmt, block)
-    dtype, fmax = FP8_FORMATS[fmt]
-    return to_wire(*fp8_encode(scale_groups(x, block), fmax, dtype), x, fmt, block)
+    if fmt != "nvfp4":
+        dtype, fmax = FP8_FORMATS[fmt]
+        return Quantized(fp8_pack(*fp8_encode(scale_groups(x, block), fmax, dtype)), x.shape,
+                         fmt, block)
+    return Quantized(nvfp4_wire(x), x.shape, fmt, block)
 
 
-def as_float32(raw):
-    """uint8 bytes -> float32 values. A slice of a wire buffer may start at any byte offset, and
-    a tensor view needs 4-byte alignment, so copy when it is not aligned (scales only)."""
-    return (raw if raw.storage_offset() % 4 == 0 else raw.clone()).view(torch.float32)
+def nvfp4_wire(x, to_e2m1=e2m1_codes):
+    """x (not empty) -> NVFP4 wire bytes: [tensor scale | block scales | codes, padding cut]."""
+    blocks = scale_groups(x, NVFP4_BLOCK)                              # (G, 16)
+    amax = blocks.abs().amax(dim=1)
+    scale = nvfp4_tensor_scale(amax.max()).reshape(1)
+    block_scale, nibbles = nvfp4_encode(blocks, amax, scale, to_e2m1)
+    return torch.cat([scale.view(torch.uint8), block_scale, nibbles.view(-1)[: (x.numel() + 1) // 2]])
 
 
 def dequantize(q: Quantized) -> torch.Tensor:
@@ -152,23 +218,27 @@ def dequantize(q: Quantized) -> torch.Tensor:
     numel = math.prod(q.shape)
     if numel == 0:
         return torch.zeros(q.shape, device=q.buffer.device)
-    n_groups = num_groups(q.shape, q.block)
-    dtype, _ = FP8_FORMATS[q.fmt]
-    group_len = numel // n_groups if q.block in ("row", "tensor") else q.block
-    scale = as_float32(q.buffer[: 4 * n_groups])
-    return fp8_decode(q.buffer[4 * n_groups:], scale, group_len, dtype).view(q.shape)
+    if q.fmt != "nvfp4":
+        values = fp8_unpack(q.buffer, num_groups(q.shape, q.block), FP8_FORMATS[q.fmt][0])
+        return values.reshape(-1)[:numel].view(q.shape)
+    G, codes = num_groups(q.shape, NVFP4_BLOCK), q.buffer[4 + num_groups(q.shape, NVFP4_BLOCK):]
+    nibbles = torch.nn.functional.pad(codes, (0, 8 * G - codes.numel())).view(G, 8)  # unsent: 0
+    grid = torch.tensor(SIGNED_E2M1, device=q.buffer.device)
+    values = nvfp4_decode(q.buffer[4: 4 + G], nibbles, q.buffer[:4].clone().view(torch.float32), grid)
+    return values.view(-1)[:numel].view(q.shape)
 
 
 # =============================================================================
-# 2. The two-stage collective: quantize -> all_to_all -> fp32 sum -> re-quantize -> all_gather
+# 2. The two-stage collective: quantize -> all_to_all -> fp32 mean -> re-quantize -> all_gather
 # =============================================================================
 #
-# Rank j owns the j-th share of every tensor, its shard. Stage 1: each rank quantizes its
-# gradients and sends every rank its shard (all_to_all). Stage 2: each rank decodes the W copies
-# of its shard, adds them in fp32 in rank order, divides by W and quantizes again. Stage 3:
-# all_gather; every rank decodes the same bytes, so every rank ends with the same bits. Bytes a
-# rank sends: ~2 (W - 1)/W N (1 + 4/block), 0.516x a bf16 ring all-reduce's at block 128. (The
-# paper's collective adds FP8 codes hop by hop instead: nanogeo/wire/fp8sum.py.)
+# Rank j owns the j-th share of every tensor, its shard. Stage 1 (a reduce-scatter): each rank
+# quantizes its gradients and sends every rank its shard (all_to_all); each rank decodes the W
+# copies of its shard, adds them in fp32 in rank order and divides by W. Stage 2 (an all-gather):
+# each rank quantizes its averaged shard again and all_gathers; every rank decodes the same
+# bytes, so every rank ends with the same bits. Bytes a rank sends: ~2 (W - 1)/W N (1 + 4/block),
+# 0.516x a bf16 ring all-reduce's at block 128 (NVFP4: ~0.28x). (The paper's collective adds FP8
+# codes hop by hop instead: nanogeo/wire/fp8sum.py.)
 
 # one output tensor for the W inputs (torch 2.13 renamed all_gather_into_tensor)
 all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -184,10 +254,11 @@ Piece = namedtuple("Piece", "tensor start end shape block")
 class ShardLayout:
     """How a bucket of tensors is cut into W shards (the same on every rank, from the shapes),
     and the three stages (nanogeo.wire's layouts subclass it: packed, NVFP4, stochastic)."""
-    check_codec = staticmethod(check_fp8)       # the formats this layout's codec codes
+    check_codec = staticmethod(check_codec)     # the formats this layout's codec codes
 
     def __init__(self, shapes, fmt, block, world_size):
         self.check_codec(fmt, block)
+        block = NVFP4_BLOCK if fmt == "nvfp4" else block
         self.shapes, self.fmt, self.block = [tuple(s) for s in shapes], fmt, block
         self.world_size = world_size
         self.pieces = self.cut()                                # pieces[j]: rank j's shard
@@ -216,15 +287,19 @@ class ShardLayout:
         return out
 
     def cut(self):
-        """Each tensor's n scale groups in W equal ranges, rank j the j-th (the first ranks one
-        more where W does not divide n)."""
-        W, pieces = self.world_size, [[] for _ in range(self.world_size)]
+        """Each tensor's n scale groups in W equal counts, rank j the j-th range; the groups
+        left over go to the shards that carry the fewest bytes so far (ties: the lower rank):
+        the all_gather pads every shard to the largest, so a small model at many ranks would
+        otherwise pay for one rank's pile of remainders."""
+        W, pieces, load = self.world_size, [[] for _ in range(self.world_size)], [0] * self.world_size
         for t, shape in enumerate(self.shapes):
             group_len, _ = self.groups_of(shape)
             base, extra = divmod(-(-math.prod(shape) // group_len) if group_len else 0, W)
-            for j, piece in enumerate(self.split(t, [base + (j < extra) for j in range(W)])):
+            lightest = set(sorted(range(W), key=lambda j: (load[j], j))[:extra])
+            for j, piece in enumerate(self.split(t, [base + (j in lightest) for j in range(W)])):
                 if piece:
                     pieces[j].append(piece)
+                    load[j] += self.piece_nbytes(piece)
         return pieces
 
     def piece_nbytes(self, piece):
@@ -757,7 +832,7 @@ class GeoOptions:
 
     def choices(self):
         """{field: allowed values} of the string fields (a subclass adds its own)."""
-        return {"geometry": GEOMETRIES, "fmt": tuple(FP8_FORMATS), "select": SELECTIONS,
+        return {"geometry": GEOMETRIES, "fmt": FORMATS, "select": SELECTIONS,
                 "geo_judge": JUDGES, "sides": SUBSPACE_SIDES, "whiten_sides": WHITEN_SIDES}
 
     def __post_init__(self):
@@ -773,8 +848,8 @@ class GeoOptions:
 
     @property
     def scale_block(self):
-        """The scale groups core scattering plans for (production: NVFP4's 16)."""
-        return self.block
+        """The scale groups core scattering plans for (NVFP4: always 16)."""
+        return NVFP4_BLOCK if self.fmt == "nvfp4" else self.block
 
 
 def exemption(name, shape, opts, linear=None):
@@ -840,9 +915,11 @@ class Communicator:
                 and self.step > self.opts.geo_warmup)
 
     def to_coords(self, name, g):
+        """Seam (a benchmark times it): g in the coordinates `name` is sent in."""
         return self.layers[name].encode(g) if self.is_geo(name) else g
 
     def from_coords(self, name, c):
+        """Seam (timed alike): back to the original coordinates."""
         return self.layers[name].decode(c) if self.is_geo(name) else c
 
     def wants_moments(self):
@@ -877,7 +954,8 @@ class Communicator:
         return out
 
     def reduce_workers(self, worker_grads, moments=None):
-        """The same numerics for W simulated workers (moments: already over all of them).
+        """Seam: the same numerics for W simulated workers (moments: already over all of them;
+        production also takes each worker's own, averaged as over ranks).
         Returns (means, bytes a rank sends)."""
         return self.communicate(dict(enumerate(worker_grads)), moments, across_ranks=False)
 

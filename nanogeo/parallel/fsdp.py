@@ -102,7 +102,7 @@ class FP8ReduceScatter(ReduceScatter):
     two parameters' shards). Counts the bytes it sends."""
 
     def __init__(self, fmt="e4m3", block=128):
-        collective.check_codec(fmt, block)
+        compress.check_codec(fmt, block)
         self.fmt, self.block = fmt, block
         self.bytes_sent = 0
 

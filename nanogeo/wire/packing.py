@@ -4,8 +4,8 @@ compress.py's two-stage collective as training runs it, for e4m3 / e5m2: stochas
 through the FP8 codec in ONE call per stage, instead of one per piece (a bucket has W x T
 pieces: thousands of small kernel launches per step at scale). nanogeo.wire.collective uses it
 for integer blocks; the means are bit-identical to quantizing piece by piece
-(tests/test_compress.py, test_packed_codec_equals_one_call_per_piece), the wire carries < block
-padding bytes more per piece.
+(tests/test_compress.py, test_packed_codec_equals_one_call_per_piece), and so are the bytes:
+compress.quantize's wire is already a (groups, 4 + block) byte matrix (test_the_wire_is_what_compress_py_teaches).
 
 Stochastic rounding casts each value to one of its two FP8 neighbours, with probability
 proportional to closeness, so E[decode] = value: unbiased, with more variance than rounding to
@@ -13,9 +13,9 @@ nearest. Every rank and stage draws from its own stream (nanogeo.wire.collective
 the simulator from the same ones.
 
 With integer blocks every piece is cut into groups of `block` elements starting at the piece's
-start, the last one zero-padded, and each group travels as [fp32 scale | block fp8 codes]: a
-shard is a (groups, 4 + block) byte matrix, and all shards of a bucket stacked are one. So
-stage 1 is one concatenation of the pieces in wire order (with their padding), one encode and
+start, the last one zero-padded, and each group travels as [fp32 scale | block fp8 codes]
+(compress.quantize's wire): a shard is a (groups, 4 + block) byte matrix, and all shards of a
+bucket stacked are one. So stage 1 is one concatenation of the pieces in wire order (with their padding), one encode and
 one concatenation of scales and codes; stage 2 decodes the W copies as one matrix and adds
 them in rank order (the per-piece path's order: W - 1 additions, not one .sum, whose order
 differs); stage 3 decodes the W shards as one matrix and concatenates the pieces' values back
@@ -24,7 +24,6 @@ into tensors. Only views and host-side bookkeeping per piece. NVFP4's packed for
 """
 import copy
 import functools
-import math
 
 import torch
 
@@ -67,32 +66,33 @@ def on_device(constant, device):
     return torch.tensor(constant, device=device)
 
 
-def quantize(x, fmt="e4m3", block=128, stochastic=False, generator=None):
-    """compress.quantize, to nearest or stochastically (from `generator`; None: torch's global
-    stream)."""
-    if not stochastic or x.numel() == 0:
+def stochastic_quantize(x, fmt, block, generator=None):
+    """compress.quantize (FP8), rounded stochastically from `generator` (None: torch's global
+    stream): the same wire."""
+    if x.numel() == 0:
         return compress.quantize(x, fmt, block)
-    compress.check_fp8(fmt, block)
     dtype, fmax = compress.FP8_FORMATS[fmt]
     scale, codes = stochastic_encode(compress.scale_groups(x, block), fmax, dtype, generator)
-    return compress.to_wire(scale, codes, x, fmt, block)
+    return compress.Quantized(compress.fp8_pack(scale, codes), x.shape, fmt, block)
 
 
 def pack_groups(groups, fmt, stochastic=False, generator=None):
-    """(G, L) fp32 -> (G * (4 + L),) uint8 wire bytes, per group [fp32 scale | L codes]."""
+    """(G, L) fp32 -> (G * (4 + L),) uint8: compress.quantize's wire of G whole groups, per group
+    [fp32 scale | L codes]."""
     dtype, fmax = compress.FP8_FORMATS[fmt]
     if stochastic:
         scale, codes = stochastic_encode(groups, fmax, dtype, generator)
     else:                               # compress.fp8_encode, with the kernel compiled or not
         scale, codes = kernels.KERNELS["fp8_encode"](groups, fmax, dtype)
-    return torch.cat([scale.view(torch.uint8).view(-1, 4), codes], dim=1).view(-1)
+    return compress.fp8_pack(scale, codes)
 
 
 def unpack_groups(buffer, block, fmt):
-    """Inverse of pack_groups: uint8 bytes -> (G, block) fp32 values."""
+    """Inverse of pack_groups: uint8 bytes -> (G, block) fp32 values (compress.fp8_unpack, with
+    the kernel compiled or not)."""
     rows = buffer.view(-1, 4 + block)
     scale = rows[:, :4].contiguous().view(torch.float32).view(-1)       # (G,)
-    return kernels.KERNELS["fp8_decode_groups"](rows[:, 4:], scale, compress.FP8_FORMATS[fmt][0])
+    return kernels.KERNELS["fp8_decode"](rows[:, 4:], scale, compress.FP8_FORMATS[fmt][0])
 
 
 def sum_in_rank_order(copies):
@@ -145,11 +145,6 @@ class ShardFeedback:
 class PieceLayout(compress.ShardLayout):
     """compress.ShardLayout as production runs it, piece by piece (row and tensor scaling, and
     the reference the packed form is tested against):
-      * a balanced cut: a tensor's groups left over after W equal counts (all of them, if it has
-        fewer groups than ranks) go to the shards that carry the fewest bytes so far - the
-        all_gather pads every shard to the largest, so a small model at many ranks would
-        otherwise pay for one rank's pile of remainders. The cut depends only on the shapes and
-        a piece's wire size (never inside a scale group), so every rank computes the same;
       * `pieces` given explicitly (FSDP's row chunks);
       * stochastic rounding: rng_for(rank, stage) -> (stochastic, torch.Generator), set by
         with_streams on a copy for one step; None: every stage to nearest."""
@@ -160,18 +155,7 @@ class PieceLayout(compress.ShardLayout):
         super().__init__(shapes, fmt, block, world_size)
 
     def cut(self):
-        if self.given is not None:
-            return self.given
-        W, pieces, load = self.world_size, [[] for _ in range(self.world_size)], [0] * self.world_size
-        for t, shape in enumerate(self.shapes):
-            group_len, _ = self.groups_of(shape)
-            base, extra = divmod(-(-math.prod(shape) // group_len) if group_len else 0, W)
-            lightest = set(sorted(range(W), key=lambda j: (load[j], j))[:extra])  # ties: lower j
-            for j, piece in enumerate(self.split(t, [base + (j in lightest) for j in range(W)])):
-                if piece:
-                    pieces[j].append(piece)
-                    load[j] += self.piece_nbytes(piece)
-        return pieces
+        return super().cut() if self.given is None else self.given
 
     def with_streams(self, rng_for):
         """A copy of this (cached) layout that rounds as rng_for(rank, stage) says: (True, that
@@ -192,7 +176,9 @@ class PieceLayout(compress.ShardLayout):
         return (False, None) if self.rng_for is None else self.rng_for(*whose)
 
     def quantize_piece(self, values, p, rounding=(False, None)):
-        return quantize(values.view(p.shape), self.fmt, p.block, *rounding).buffer
+        if not rounding[0]:
+            return super().quantize_piece(values, p)
+        return stochastic_quantize(values.view(p.shape), self.fmt, p.block, rounding[1]).buffer
 
     # compress.ShardLayout's stages 1 and 2, each stage call rounding from one stream
     def encode(self, flats, rank=0):
@@ -234,10 +220,6 @@ class PackedLayout(PieceLayout):
                 q += count
             self.first_group.append(self.first_group[-1] + q)
         self.decode_order = [(j, q, n) for pieces in by_tensor for _, j, q, n in sorted(pieces)]
-
-    def piece_nbytes(self, piece):
-        """Groups of [fp32 scale | block codes], the last one padded."""
-        return -(-(piece.end - piece.start) // self.block) * (4 + self.block)
 
     def blocks_in_wire_order(self, flats):
         """The bucket's flat fp32 tensors -> (groups, block): every piece in wire order, cut
