@@ -239,9 +239,9 @@ def test_the_wire_is_what_compress_py_teaches(tmp_path):
             production = collective.layout(WIRE_SHAPES, fmt, 128, 2)
             assert type(production) is not compress.ShardLayout, fmt   # the packed form
             assert teaching.pieces == production.pieces and teaching.nbytes == production.nbytes
-            assert torch.equal(send, compress.encode_shards(grads, teaching, rank)), fmt
+            assert torch.equal(send, compress.quantize_bucket(grads, teaching, rank)), fmt
             own = teaching.nbytes[rank]
-            assert torch.equal(own_mean[:own], teaching.reduce(received, rank)), fmt
+            assert torch.equal(own_mean[:own], teaching.average_shard(received, rank)), fmt
             assert not own_mean[own:].any()                  # all_gather's padding: zeros
 
 
@@ -293,10 +293,10 @@ def test_a_stochastic_layout_draws_the_same_at_every_call(fmt):
     rng_for = collective.streams(True, 7, torch.device("cpu"))
     layout = collective.layout(SHAPES, fmt, 128, 3).with_streams(rng_for)
     flats = [torch.randn(math.prod(s), generator=torch.Generator().manual_seed(1)) for s in SHAPES]
-    first, again = layout.encode(flats, 1), layout.encode(flats, 1)
-    assert torch.equal(first, again) and not torch.equal(first, layout.encode(flats, 2))
+    first, again = layout.quantize_shards(flats, 1), layout.quantize_shards(flats, 1)
+    assert torch.equal(first, again) and not torch.equal(first, layout.quantize_shards(flats, 2))
     received = first[: layout.nbytes[0]].repeat(3)          # 3 copies of shard 0
-    assert torch.equal(layout.reduce(received, 0), layout.reduce(received, 0))
+    assert torch.equal(layout.average_shard(received, 0), layout.average_shard(received, 0))
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "nvfp4"])
@@ -309,12 +309,12 @@ def test_stochastic_rounding_in_one_stage_only(fmt):
               for s in SHAPES] for r in range(3)]
     flats = ranks[0]
     # the 3 ranks' copies of shard 0: their mean lies off the grid
-    received = torch.cat([nearest.encode(f, r)[: nearest.nbytes[0]] for r, f in enumerate(ranks)])
+    received = torch.cat([nearest.quantize_shards(f, r)[: nearest.nbytes[0]] for r, f in enumerate(ranks)])
     for stages, send_random, mean_random in (("1", True, False), ("2", False, True),
                                              ("both", True, True)):
         rounded = nearest.with_streams(collective.streams(True, 7, cpu, stages))
-        assert torch.equal(rounded.encode(flats, 0), nearest.encode(flats, 0)) != send_random
-        assert (torch.equal(rounded.reduce(received, 0), nearest.reduce(received, 0))
+        assert torch.equal(rounded.quantize_shards(flats, 0), nearest.quantize_shards(flats, 0)) != send_random
+        assert (torch.equal(rounded.average_shard(received, 0), nearest.average_shard(received, 0))
                 != mean_random)
     with pytest.raises(ValueError, match="turn stochastic_round on"):
         Options(geometry="euclidean", stochastic_stages="1")
@@ -361,10 +361,9 @@ def assert_all_equal(got, expected):
 
 @pytest.mark.parametrize("world", [1, 3, 4, 32])
 def test_packed_codec_equals_one_call_per_piece(world, monkeypatch, one_thread):
-    """The packed path (one encode / decode call per bucket and stage) gives the same means,
-    bit for bit, as quantizing piece by piece, and sends at most block - 1 padding bytes per
-    piece more (none now: compress.py's wire pads alike); it makes one codec call per rank and stage, and the simulator one stage-1 call
-    for all its ranks."""
+    """The packed path (one encode / decode call per bucket and stage) gives the same means and
+    bytes, bit for bit, as quantizing piece by piece; it makes one codec call per rank and
+    stage, and the simulator one stage-1 call for all its ranks."""
     workers = [rank_tensors(r)[:world + 3] for r in range(world)]
     shapes = tuple(tuple(t.shape) for t in workers[0])
     for fmt, block in (("e4m3", 128), ("e5m2", 32)):
@@ -415,21 +414,21 @@ def test_packed_nvfp4_equals_one_call_per_piece(world, monkeypatch, one_thread):
     assert isinstance(packed, nvfp4.Nvfp4PackedLayout)
     assert not isinstance(apart, packing.PackedLayout)
     assert packed.nbytes == apart.nbytes
-    sends = [compress.encode_shards(w, packed) for w in workers]
+    sends = [compress.quantize_bucket(w, packed) for w in workers]
     for w, send in zip(workers, sends):
-        assert torch.equal(send, compress.encode_shards(w, apart))
-        assert_all_equal(compress.decode_shards(send, packed), compress.decode_shards(send, apart))
+        assert torch.equal(send, compress.quantize_bucket(w, apart))
+        assert_all_equal(compress.dequantize_bucket(send, packed), compress.dequantize_bucket(send, apart))
     stride = max(packed.nbytes) + 3                 # all_gather's rows, padded past every shard
     gathered = torch.full((world, stride), 0xFF, dtype=torch.uint8)
     for j in range(world):
         received = torch.cat([send.split(packed.nbytes)[j] for send in sends])
         assert_all_equal(packed.sum_copies(received, j),   # FSDP's stage 2
                          apart.sum_copies(received, j))
-        shard = packed.reduce(received, j)
-        assert torch.equal(shard, apart.reduce(received, j))
+        shard = packed.average_shard(received, j)
+        assert torch.equal(shard, apart.average_shard(received, j))
         gathered[j, :shard.numel()] = shard
-    assert_all_equal(compress.decode_shards(gathered.view(-1), packed, stride),
-                     compress.decode_shards(gathered.view(-1), apart, stride))
+    assert_all_equal(compress.dequantize_bucket(gathered.view(-1), packed, stride),
+                     compress.dequantize_bucket(gathered.view(-1), apart, stride))
     for stochastic in (False, True):
         monkeypatch.setattr(collective, "shard_layout", lambda *a: apart)
         expected = mean_over_workers(workers, "nvfp4", stochastic=stochastic, seed=7, return_local=True)

@@ -53,13 +53,14 @@ class FeedbackLayout:
     def __getattr__(self, name):
         return getattr(self.layout, name)
 
-    def reduce(self, received, shard):
-        return self.layout.reduce(received, shard, self.feedback)
+    def average_shard(self, received, shard):
+        return self.layout.average_shard(received, shard, self.feedback)
 
 
 class TimedLayout:
-    """A layout whose codec stages a benchmark's timer measures: "quantize" (stage 1),
-    "reduce" (stage 2: decode the W copies, add, quantize again) and "decode" (stage 3); the
+    """A layout whose codec stages a benchmark's timer measures: "quantize" (stage 1's),
+    "reduce" (the owner's: decode the W copies, add, quantize again) and "decode" (stage 2's
+    end); the
     all_to_all and all_gather are the rest of the collective's time."""
 
     def __init__(self, layout, timer):
@@ -68,17 +69,17 @@ class TimedLayout:
     def __getattr__(self, name):
         return getattr(self.layout, name)
 
-    def encode(self, flats, rank=0):
+    def quantize_shards(self, flats, rank=0):
         with self.timer.stage("quantize"):
-            return self.layout.encode(flats, rank)
+            return self.layout.quantize_shards(flats, rank)
 
-    def reduce(self, received, shard):
+    def average_shard(self, received, shard):
         with self.timer.stage("reduce"):
-            return self.layout.reduce(received, shard)
+            return self.layout.average_shard(received, shard)
 
-    def decode(self, buffer, stride=None):
+    def dequantize_shards(self, buffer, stride=None):
         with self.timer.stage("decode"):
-            return self.layout.decode(buffer, stride)
+            return self.layout.dequantize_shards(buffer, stride)
 
 
 def stochastic_quantize(x, fmt="e4m3", block=128, generator=None):
@@ -86,8 +87,8 @@ def stochastic_quantize(x, fmt="e4m3", block=128, generator=None):
     stream): the same wire."""
     compress.check_codec(fmt, block)
     if fmt == "nvfp4":
-        return nvfp4.stochastic_quantize(x, generator)
-    return packing.stochastic_quantize(x, fmt, block, generator)
+        return nvfp4.quantize_nvfp4_stochastic(x, generator)
+    return packing.quantize_fp8_stochastic(x, fmt, block, generator)
 
 
 def layout(shapes, fmt, block, world_size, pieces=None, packed=True):

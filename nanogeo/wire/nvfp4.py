@@ -49,7 +49,7 @@ def decode_blocks(block_scale, nibbles, scale):
                                  on_device(compress.SIGNED_E2M1, nibbles.device))
 
 
-def stochastic_quantize(x, generator=None) -> Quantized:
+def quantize_nvfp4_stochastic(x, generator=None) -> Quantized:
     """compress.quantize(x, "nvfp4"), rounded stochastically: the same wire."""
     if x.numel() == 0:
         return compress.quantize(x, "nvfp4")
@@ -167,7 +167,7 @@ class Nvfp4Layout(packing.PieceLayout):
     def quantize_piece(self, values, p, rounding=(False, None)):
         if not rounding[0]:
             return compress.ShardLayout.quantize_piece(self, values, p)
-        return stochastic_quantize(values.view(p.shape), rounding[1]).buffer
+        return quantize_nvfp4_stochastic(values.view(p.shape), rounding[1]).buffer
 
 
 class Nvfp4PackedLayout(Nvfp4Layout, packing.PackedLayout):
@@ -181,19 +181,19 @@ class Nvfp4PackedLayout(Nvfp4Layout, packing.PackedLayout):
         self.bucket = WireRun(self.pieces)                                       # stages 1, 3
         self.shards = [WireRun([pieces]) for pieces in self.pieces]              # stage 2
 
-    def encode_ranks(self, rank_flats):
+    def quantize_ranks(self, rank_flats):
         """Rank by rank, as compress.ShardLayout does (each piece's tensor scale is a max over
         that rank's piece alone), not stacked as packing.PackedLayout does."""
-        return compress.ShardLayout.encode_ranks(self, rank_flats)
+        return compress.ShardLayout.quantize_ranks(self, rank_flats)
 
-    def encode(self, flats, rank=0):
+    def quantize_shards(self, flats, rank=0):
         return self.bucket.encode(self.blocks_in_wire_order(flats), *self.rounding((rank, 1)))
 
     def sum_groups(self, received, shard):
         run = self.shards[shard]
         return packing.sum_in_rank_order(run.decode(received.view(self.world_size, run.nbytes)))
 
-    def reduce(self, received, shard, feedback=None):
+    def average_shard(self, received, shard, feedback=None):
         run = self.shards[shard]
         means = self.sum_groups(received, shard) / self.world_size
         if feedback is not None:                # (as packing.PieceLayout.reduce)
@@ -203,12 +203,13 @@ class Nvfp4PackedLayout(Nvfp4Layout, packing.PackedLayout):
             feedback.keep(shard, means, run.decode(out.view(1, -1))[0])
         return out
 
-    def decode(self, buffer, stride=None):
-        """Stage 3 (as packing.PackedLayout.decode): shard j at j * stride, or back to back."""
+    def dequantize_shards(self, buffer, stride=None):
+        """Stage 2's end (as packing.PackedLayout.dequantize_shards): shard j at j * stride, or
+        back to back."""
         values = self.bucket.decode(buffer.view(1, -1), stride)                   # (1, G, 16)
         return self.in_tensor_order(values.view(-1), self.first_group)
 
-    def decode_ranks(self, sends):
+    def dequantize_ranks(self, sends):
         """R simulated ranks' stage-1 bytes (R, bytes) -> (R, values) in tensor order, in one
         codec call (each block decodes with its own piece's tensor scale)."""
         values = self.bucket.decode(sends)                                       # (R, G, 16)

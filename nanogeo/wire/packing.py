@@ -5,7 +5,8 @@ through the FP8 codec in ONE call per stage, instead of one per piece (a bucket 
 pieces: thousands of small kernel launches per step at scale). nanogeo.wire.collective uses it
 for integer blocks; the means are bit-identical to quantizing piece by piece
 (tests/test_compress.py, test_packed_codec_equals_one_call_per_piece), and so are the bytes:
-compress.quantize's wire is already a (groups, 4 + block) byte matrix (test_the_wire_is_what_compress_py_teaches).
+compress.quantize's wire is already a (groups, 4 + block) byte matrix
+(test_the_wire_is_what_compress_py_teaches).
 
 Stochastic rounding casts each value to one of its two FP8 neighbours, with probability
 proportional to closeness, so E[decode] = value: unbiased, with more variance than rounding to
@@ -15,12 +16,13 @@ the simulator from the same ones.
 With integer blocks every piece is cut into groups of `block` elements starting at the piece's
 start, the last one zero-padded, and each group travels as [fp32 scale | block fp8 codes]
 (compress.quantize's wire): a shard is a (groups, 4 + block) byte matrix, and all shards of a
-bucket stacked are one. So stage 1 is one concatenation of the pieces in wire order (with their padding), one encode and
-one concatenation of scales and codes; stage 2 decodes the W copies as one matrix and adds
-them in rank order (the per-piece path's order: W - 1 additions, not one .sum, whose order
-differs); stage 3 decodes the W shards as one matrix and concatenates the pieces' values back
-into tensors. Only views and host-side bookkeeping per piece. NVFP4's packed form
-(nanogeo/wire/nvfp4.py) is a PackedLayout with its own codec and wire.
+bucket stacked are one. So stage 1's quantization is one concatenation of the pieces in wire
+order (with their padding), one encode and one concatenation of scales and codes; the owner
+decodes the W copies as one matrix and adds them in rank order (the per-piece path's order:
+W - 1 additions, not one .sum, whose order differs); stage 2's end decodes the W shards as
+one matrix and concatenates the pieces' values back into tensors. Only views and host-side
+bookkeeping per piece. NVFP4's packed form (nanogeo/wire/nvfp4.py) is a PackedLayout with its
+own codec and wire.
 """
 import copy
 import functools
@@ -66,7 +68,7 @@ def on_device(constant, device):
     return torch.tensor(constant, device=device)
 
 
-def stochastic_quantize(x, fmt, block, generator=None):
+def quantize_fp8_stochastic(x, fmt, block, generator=None):
     """compress.quantize (FP8), rounded stochastically from `generator` (None: torch's global
     stream): the same wire."""
     if x.numel() == 0:
@@ -178,17 +180,18 @@ class PieceLayout(compress.ShardLayout):
     def quantize_piece(self, values, p, rounding=(False, None)):
         if not rounding[0]:
             return super().quantize_piece(values, p)
-        return stochastic_quantize(values.view(p.shape), self.fmt, p.block, rounding[1]).buffer
+        return quantize_fp8_stochastic(values.view(p.shape), self.fmt, p.block, rounding[1]).buffer
 
     # compress.ShardLayout's stages 1 and 2, each stage call rounding from one stream
-    def encode(self, flats, rank=0):
+    def quantize_shards(self, flats, rank=0):
         rounding = self.rounding((rank, 1))
         return torch.cat([self.quantize_piece(flats[p.tensor][p.start:p.end], p, rounding)
                           for shard in self.pieces for p in shard])
 
-    def reduce(self, received, shard, feedback=None):
-        """Stage 2; with `feedback` (ShardFeedback) the shard's residual is added to the mean
-        before it is quantized, and what this quantization loses is kept for the next step."""
+    def average_shard(self, received, shard, feedback=None):
+        """The owner's mean, quantized again; with `feedback` (ShardFeedback) the shard's
+        residual is added to the mean before it is quantized, and what this quantization loses
+        is kept for the next step."""
         rounding = self.rounding((shard, 2))
         means = [v / self.world_size for v in self.sum_copies(received, shard)]
         if feedback is not None:
@@ -236,18 +239,19 @@ class PackedLayout(PieceLayout):
                 parts.append(zero[:pad].expand(len(rows[t]), pad))
         return torch.cat(parts, dim=1).view(-1, self.block)
 
-    def encode_ranks(self, rank_flats):
+    def quantize_ranks(self, rank_flats):
         """Stage 1 of R simulated ranks in one call: rank_flats[i] = rank i's flat fp32 tensors
         -> (R, bytes), row i = encode(rank_flats[i], i). Every group is quantized on its own, so
         stacking the ranks changes no byte (nearest rounding; stochastic rounding draws from
         each rank's own stream: rank by rank, where stage 1 rounds stochastically)."""
         if self.rounding((0, 1))[0]:
-            return super().encode_ranks(rank_flats)
+            return super().quantize_ranks(rank_flats)
         rows = [torch.stack(column) for column in zip(*rank_flats)]     # (R, numel) per tensor
         return pack_groups(self.rows_in_wire_order(rows), self.fmt).view(len(rank_flats), -1)
 
-    def encode(self, flats, rank=0):
-        """Stage 1: the bucket's flat fp32 tensors -> the W shards' bytes, back to back."""
+    def quantize_shards(self, flats, rank=0):
+        """Stage 1's quantization: the bucket's flat fp32 tensors -> the W shards' bytes, back
+        to back."""
         return pack_groups(self.blocks_in_wire_order(flats), self.fmt, *self.rounding((rank, 1)))
 
     def sum_groups(self, received, shard):
@@ -259,8 +263,8 @@ class PackedLayout(PieceLayout):
     def sum_copies(self, received, shard):
         return self.piece_values(self.sum_groups(received, shard), self.pieces[shard])
 
-    def reduce(self, received, shard, feedback=None):
-        """Stage 2: the summed shard divided by W, back to wire bytes (with `feedback`, as
+    def average_shard(self, received, shard, feedback=None):
+        """The owner's step: the summed shard divided by W, back to wire bytes (with `feedback`, as
         PieceLayout.reduce)."""
         means = self.sum_groups(received, shard) / self.world_size
         if feedback is not None:
@@ -279,16 +283,16 @@ class PackedLayout(PieceLayout):
             first += -(-n // self.block) * self.block
         return out
 
-    def decode(self, buffer, stride=None):
-        """Stage 3: the W shards' bytes (shard j at j * stride, or back to back) -> the bucket's
-        flat fp32 values in tensor order. The padding rows of a gathered buffer (shards shorter
+    def dequantize_shards(self, buffer, stride=None):
+        """Stage 2's end: the W shards' bytes (shard j at j * stride, or back to back) -> the
+        bucket's flat fp32 values in tensor order. The padding rows of a gathered buffer (shards shorter
         than the largest) decode to garbage (scale 0); they are never read."""
         first_group = self.first_group if stride is None else \
             [j * (stride // (4 + self.block)) for j in range(self.world_size)]
         return self.in_tensor_order(unpack_groups(buffer, self.block, self.fmt).reshape(-1),
                                     first_group)
 
-    def decode_ranks(self, sends):
+    def dequantize_ranks(self, sends):
         """R simulated ranks' stage-1 bytes (R, bytes) -> (R, values) in tensor order, in one
         codec call: each rank's own round trip, for error feedback."""
         values = unpack_groups(sends.reshape(-1), self.block, self.fmt).view(len(sends), -1)
