@@ -29,6 +29,7 @@ FSDP2, checkpoints (docs/method.md has the map).
 """
 
 import copy
+import functools
 import itertools
 import math
 import warnings
@@ -180,11 +181,17 @@ def nvfp4_encode(blocks, amax, scale, to_e2m1=e2m1_codes):
     return block_scale.view(torch.uint8), codes[:, 0::2] | (codes[:, 1::2] << 4)
 
 
-def nvfp4_decode(block_scale, nibbles, scale, grid):
-    """Inverse of nvfp4_encode: e4m3 bytes (G,), codes (G, 8) and tensor scale -> (G, 16) fp32
-    (grid: SIGNED_E2M1 as a tensor on the codes' device)."""
+@functools.lru_cache(maxsize=None)
+def e2m1_grid(device):
+    """SIGNED_E2M1 on `device`, made once: a copy from host memory at every call would make a
+    GPU stream wait."""
+    return torch.tensor(SIGNED_E2M1, device=device)
+
+
+def nvfp4_decode(block_scale, nibbles, scale):
+    """Inverse of nvfp4_encode: e4m3 bytes (G,), codes (G, 8) and tensor scale -> (G, 16) fp32."""
     codes = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=2).view(-1).long()   # low first
-    values = grid.index_select(0, codes).view(-1, NVFP4_BLOCK)
+    values = e2m1_grid(nibbles.device).index_select(0, codes).view(-1, NVFP4_BLOCK)
     return values * (block_scale.view(torch.float8_e4m3fn).float() * scale)[:, None]
 
 
@@ -224,9 +231,8 @@ def dequantize(q: Quantized) -> torch.Tensor:
         return values.reshape(-1)[:numel].view(q.shape)
     G, codes = num_groups(q.shape, NVFP4_BLOCK), q.buffer[4 + num_groups(q.shape, NVFP4_BLOCK):]
     nibbles = torch.nn.functional.pad(codes, (0, 8 * G - codes.numel())).view(G, 8)  # unsent: 0
-    grid = torch.tensor(SIGNED_E2M1, device=q.buffer.device)
     scale = q.buffer[:4].clone().view(torch.float32)
-    values = nvfp4_decode(q.buffer[4: 4 + G], nibbles, scale, grid)
+    values = nvfp4_decode(q.buffer[4: 4 + G], nibbles, scale)
     return values.view(-1)[:numel].view(q.shape)
 
 
