@@ -29,6 +29,7 @@ FSDP2, checkpoints (docs/method.md has the map).
 """
 
 import copy
+import functools
 import itertools
 import math
 import warnings
@@ -41,19 +42,20 @@ import torch.distributed as dist
 
 
 # =============================================================================
-# 1. The codec: FP8 (e4m3, e5m2), one fp32 scale per block, row or tensor
+# 1. The codecs: FP8 (e4m3, e5m2) with an fp32 scale per group; NVFP4
 # =============================================================================
 
 FP8_FORMATS = {  # name -> (torch dtype, largest finite value)
     "e4m3": (torch.float8_e4m3fn, 448.0),
     "e5m2": (torch.float8_e5m2, 57344.0),
 }
+FORMATS = (*FP8_FORMATS, "nvfp4")
 FP32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass
 class Quantized:
-    """A quantized tensor: `buffer` is the uint8 wire buffer (scales first, then the codes)."""
+    """A quantized tensor: `buffer` is the uint8 wire buffer (its layout: quantize)."""
     buffer: torch.Tensor    # (nbytes,) uint8
     shape: torch.Size
     fmt: str
@@ -64,17 +66,16 @@ class Quantized:
         return self.buffer.numel()
 
 
-def check_fp8(fmt, block):
-    if fmt not in FP8_FORMATS:
-        raise ValueError(f"unknown format {fmt!r}: compress.py codes e4m3 and e5m2 "
-                         "(NVFP4: nanogeo.wire.collective)")
-    if not (block in ("row", "tensor") or (isinstance(block, int) and block > 0)):
+def check_codec(fmt, block):
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if fmt != "nvfp4" and not (block in ("row", "tensor") or isinstance(block, int) and block > 0):
         raise ValueError(f"block must be a positive int, 'row' or 'tensor', got {block!r}")
 
 
 def scale_groups(x, block):
     """View x as (groups, group_len) fp32: one scale per group. Integer blocks pad the flattened
-    tensor with zeros to a whole number of blocks (the padding is never sent)."""
+    tensor with zeros to a whole number of groups."""
     flat = x.reshape(-1).float()
     if block == "tensor":
         return flat.view(1, -1)
@@ -95,9 +96,14 @@ def num_groups(shape, block):
 
 
 def wire_nbytes(shape, fmt, block):
-    """Exact size of quantize(x of this shape).buffer: an fp32 scale per group, a byte a value."""
+    """Exact size of quantize(x of this shape).buffer."""
     numel = math.prod(shape)
-    return 4 * num_groups(shape, block) + numel if numel else 0
+    if not numel:
+        return 0
+    if fmt == "nvfp4":
+        return 4 + num_groups(shape, NVFP4_BLOCK) + (numel + 1) // 2
+    groups = num_groups(shape, block)
+    return groups * (4 + (block if isinstance(block, int) else numel // groups))
 
 
 def scale_from_amax(amax, fmax):
@@ -117,34 +123,102 @@ def fp8_encode(groups, fmax, dtype):
     return scale, y.to(dtype).view(torch.uint8)
 
 
-def fp8_decode(codes, scale, group_len, dtype):
-    """codes (numel,) uint8 and scales (G,) -> (numel,) fp32. The last group may be partial:
-    pad it, divide (G, L) by (G, 1), drop the padding."""
-    values = codes.view(dtype).float()
-    groups = torch.nn.functional.pad(values, (0, (-values.numel()) % group_len)).view(-1, group_len)
-    return (groups / scale[:, None]).reshape(-1)[: values.numel()]
+def fp8_decode(codes, scale, dtype):
+    """codes (G, L) uint8 and their scales (G,) -> (G, L) fp32."""
+    return codes.view(dtype).float() / scale[:, None]
 
 
-def to_wire(scale, codes, x, fmt, block):
-    """x's scales (G,) and codes (G, L) as one wire buffer: [scales][codes, padding cut]."""
-    buffer = torch.cat([scale.view(torch.uint8), codes.reshape(-1)[: x.numel()]])
-    return Quantized(buffer, x.shape, fmt, block)
+def fp8_pack(scale, codes):
+    """scales (G,) and codes (G, L) -> the wire: per group [fp32 scale | L codes]."""
+    return torch.cat([scale.view(torch.uint8).view(-1, 4), codes], dim=1).view(-1)
+
+
+def fp8_unpack(buffer, groups, dtype):
+    """Inverse of fp8_pack and fp8_encode: wire bytes -> (groups, L) fp32. (The scales are
+    copied out: a float32 view needs 4-byte alignment, and a piece may start at any byte.)"""
+    rows = buffer.view(groups, -1)
+    return fp8_decode(rows[:, 4:], rows[:, :4].reshape(-1).clone().view(torch.float32), dtype)
+
+
+# NVFP4 (the 4-bit format of NVIDIA's Blackwell GPUs): blocks of 16 values, each an e2m1 number
+# (magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6), each block scaled by an e4m3 number, and one fp32
+# scale per tensor that brings the largest block scale to the top of e4m3's range. Two values a
+# byte: ~0.56 bytes a value, against ~1.03 for e4m3 with groups of 128.
+NVFP4_BLOCK = 16
+E2M1_MAX, E4M3_MAX = 6.0, 448.0
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)    # a 4-bit code: sign << 3 | index
+SIGNED_E2M1 = E2M1_GRID + tuple(-v for v in E2M1_GRID)  # the value of each code (8: -0.0)
+
+
+def e2m1_codes(y):
+    """4-bit codes of y (|y| <= 6), to nearest: the index is the number of midpoints between grid
+    values that |y| has passed; ties to the even code (0.25, 1.25, 2.5, 5 down; 0.75, 1.75, 3.5
+    up). Seven compares, each added in place."""
+    a, idx = y.abs(), torch.zeros_like(y, dtype=torch.uint8)
+    for tie in (0.25, 1.25, 2.5, 5.0):
+        idx += a > tie
+    for tie in (0.75, 1.75, 3.5):
+        idx += a >= tie
+    return idx | (y < 0).to(torch.uint8) << 3
+
+
+def nvfp4_tensor_scale(amax):
+    """The fp32 scale that brings the largest block scale to e4m3's max (1 where amax is 0), at
+    least fp32's smallest normal (for subnormal values the quotient would round to 0, and a zero
+    block's scale to 0 / 0 = NaN). Elementwise: one call serves every piece of a bucket."""
+    scale = (amax / (E2M1_MAX * E4M3_MAX)).clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.where(amax > 0, scale, torch.ones_like(amax))
+
+
+def nvfp4_encode(blocks, amax, scale, to_e2m1=e2m1_codes):
+    """blocks (G, 16) fp32, their amax (G,) and tensor scale ((G,) or (1,)) -> block scales (G,)
+    as e4m3 bytes and codes (G, 8) uint8, two a byte, low nibble first (production passes a
+    stochastic `to_e2m1`)."""
+    block_scale = (amax / (E2M1_MAX * scale)).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    step = block_scale.float() * scale                                 # (G,) decoded block scale
+    y = torch.where(step[:, None] > 0, blocks / step[:, None], torch.zeros_like(blocks))
+    codes = to_e2m1(y.clamp(-E2M1_MAX, E2M1_MAX))                       # (G, 16)
+    return block_scale.view(torch.uint8), codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+@functools.lru_cache(maxsize=None)
+def e2m1_grid(device):
+    """SIGNED_E2M1 on `device`, made once: a copy from host memory at every call would make a
+    GPU stream wait."""
+    return torch.tensor(SIGNED_E2M1, device=device)
+
+
+def nvfp4_decode(block_scale, nibbles, scale):
+    """Inverse of nvfp4_encode: e4m3 bytes (G,), codes (G, 8) and tensor scale -> (G, 16) fp32."""
+    codes = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=2).view(-1).long()   # low first
+    values = e2m1_grid(nibbles.device).index_select(0, codes).view(-1, NVFP4_BLOCK)
+    return values * (block_scale.view(torch.float8_e4m3fn).float() * scale)[:, None]
 
 
 def quantize(x, fmt="e4m3", block=128) -> Quantized:
-    """Each group gets the scale s = fmax / amax; values are cast as torch casts x * s,
-    saturated at +-fmax, so a finite input never decodes to NaN or inf."""
-    check_fp8(fmt, block)
+    """x -> its wire bytes. FP8: each group gets the scale s = fmax / amax and is sent as [fp32
+    scale | its codes], values cast as torch casts x * s, saturated at +-fmax (a finite input
+    never decodes to NaN or inf); the last group of an integer block is zero-padded and sent
+    whole, so a bucket's groups stack into one (groups, 4 + block) byte matrix. NVFP4 (`block`
+    ignored): [fp32 tensor scale | e4m3 block scales | codes, the last block's padding cut]."""
+    check_codec(fmt, block)
     if x.numel() == 0:
         return Quantized(torch.empty(0, dtype=torch.uint8, device=x.device), x.shape, fmt, block)
-    dtype, fmax = FP8_FORMATS[fmt]
-    return to_wire(*fp8_encode(scale_groups(x, block), fmax, dtype), x, fmt, block)
+    if fmt != "nvfp4":
+        dtype, fmax = FP8_FORMATS[fmt]
+        return Quantized(fp8_pack(*fp8_encode(scale_groups(x, block), fmax, dtype)), x.shape,
+                         fmt, block)
+    return Quantized(nvfp4_wire(x), x.shape, fmt, block)
 
 
-def as_float32(raw):
-    """uint8 bytes -> float32 values. A slice of a wire buffer may start at any byte offset, and
-    a tensor view needs 4-byte alignment, so copy when it is not aligned (scales only)."""
-    return (raw if raw.storage_offset() % 4 == 0 else raw.clone()).view(torch.float32)
+def nvfp4_wire(x, to_e2m1=e2m1_codes):
+    """x (not empty) -> NVFP4 wire bytes: [tensor scale | block scales | codes, padding cut]."""
+    blocks = scale_groups(x, NVFP4_BLOCK)                              # (G, 16)
+    amax = blocks.abs().amax(dim=1)
+    scale = nvfp4_tensor_scale(amax.max()).reshape(1)
+    block_scale, nibbles = nvfp4_encode(blocks, amax, scale, to_e2m1)
+    codes = nibbles.view(-1)[: (x.numel() + 1) // 2]
+    return torch.cat([scale.view(torch.uint8), block_scale, codes])
 
 
 def dequantize(q: Quantized) -> torch.Tensor:
@@ -152,23 +226,27 @@ def dequantize(q: Quantized) -> torch.Tensor:
     numel = math.prod(q.shape)
     if numel == 0:
         return torch.zeros(q.shape, device=q.buffer.device)
-    n_groups = num_groups(q.shape, q.block)
-    dtype, _ = FP8_FORMATS[q.fmt]
-    group_len = numel // n_groups if q.block in ("row", "tensor") else q.block
-    scale = as_float32(q.buffer[: 4 * n_groups])
-    return fp8_decode(q.buffer[4 * n_groups:], scale, group_len, dtype).view(q.shape)
+    if q.fmt != "nvfp4":
+        values = fp8_unpack(q.buffer, num_groups(q.shape, q.block), FP8_FORMATS[q.fmt][0])
+        return values.reshape(-1)[:numel].view(q.shape)
+    G, codes = num_groups(q.shape, NVFP4_BLOCK), q.buffer[4 + num_groups(q.shape, NVFP4_BLOCK):]
+    nibbles = torch.nn.functional.pad(codes, (0, 8 * G - codes.numel())).view(G, 8)  # unsent: 0
+    scale = q.buffer[:4].clone().view(torch.float32)
+    values = nvfp4_decode(q.buffer[4: 4 + G], nibbles, scale)
+    return values.view(-1)[:numel].view(q.shape)
 
 
 # =============================================================================
-# 2. The two-stage collective: quantize -> all_to_all -> fp32 sum -> re-quantize -> all_gather
+# 2. The two-stage collective: quantize -> all_to_all -> fp32 mean -> re-quantize -> all_gather
 # =============================================================================
 #
-# Rank j owns the j-th share of every tensor, its shard. Stage 1: each rank quantizes its
-# gradients and sends every rank its shard (all_to_all). Stage 2: each rank decodes the W copies
-# of its shard, adds them in fp32 in rank order, divides by W and quantizes again. Stage 3:
-# all_gather; every rank decodes the same bytes, so every rank ends with the same bits. Bytes a
-# rank sends: ~2 (W - 1)/W N (1 + 4/block), 0.516x a bf16 ring all-reduce's at block 128. (The
-# paper's collective adds FP8 codes hop by hop instead: nanogeo/wire/fp8sum.py.)
+# Rank j owns the j-th share of every tensor, its shard. Stage 1 (a reduce-scatter): each rank
+# quantizes its gradients and sends every rank its shard (all_to_all); each rank decodes the W
+# copies of its shard, adds them in fp32 in rank order and divides by W. Stage 2 (an all-gather):
+# each rank quantizes its averaged shard again and all_gathers; every rank decodes the same
+# bytes, so every rank ends with the same bits. Bytes a rank sends: ~2 (W - 1)/W N (1 + 4/block),
+# 0.516x a bf16 ring all-reduce's at block 128 (NVFP4: ~0.28x). (The paper's collective adds FP8
+# codes hop by hop instead: nanogeo/wire/fp8sum.py.)
 
 # one output tensor for the W inputs (torch 2.13 renamed all_gather_into_tensor)
 all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -183,11 +261,13 @@ Piece = namedtuple("Piece", "tensor start end shape block")
 
 class ShardLayout:
     """How a bucket of tensors is cut into W shards (the same on every rank, from the shapes),
-    and the three stages (nanogeo.wire's layouts subclass it: packed, NVFP4, stochastic)."""
-    check_codec = staticmethod(check_fp8)       # the formats this layout's codec codes
+    and the codec steps of the two stages (nanogeo.wire's layouts subclass it: packed, NVFP4,
+    stochastic)."""
+    check_codec = staticmethod(check_codec)     # the formats this layout's codec codes
 
     def __init__(self, shapes, fmt, block, world_size):
         self.check_codec(fmt, block)
+        block = NVFP4_BLOCK if fmt == "nvfp4" else block
         self.shapes, self.fmt, self.block = [tuple(s) for s in shapes], fmt, block
         self.world_size = world_size
         self.pieces = self.cut()                                # pieces[j]: rank j's shard
@@ -216,15 +296,20 @@ class ShardLayout:
         return out
 
     def cut(self):
-        """Each tensor's n scale groups in W equal ranges, rank j the j-th (the first ranks one
-        more where W does not divide n)."""
-        W, pieces = self.world_size, [[] for _ in range(self.world_size)]
+        """Each tensor's n scale groups in W equal counts, rank j the j-th range; the groups
+        left over go to the shards that carry the fewest bytes so far (ties: the lower rank):
+        the all_gather pads every shard to the largest, so a small model at many ranks would
+        otherwise pay for one rank's pile of remainders."""
+        W = self.world_size
+        pieces, load = [[] for _ in range(W)], [0] * W
         for t, shape in enumerate(self.shapes):
             group_len, _ = self.groups_of(shape)
             base, extra = divmod(-(-math.prod(shape) // group_len) if group_len else 0, W)
-            for j, piece in enumerate(self.split(t, [base + (j < extra) for j in range(W)])):
+            lightest = set(sorted(range(W), key=lambda j: (load[j], j))[:extra])
+            for j, piece in enumerate(self.split(t, [base + (j in lightest) for j in range(W)])):
                 if piece:
                     pieces[j].append(piece)
+                    load[j] += self.piece_nbytes(piece)
         return pieces
 
     def piece_nbytes(self, piece):
@@ -237,7 +322,7 @@ class ShardLayout:
     def dequantize_piece(self, buffer, piece):
         return dequantize(Quantized(buffer, piece.shape, self.fmt, piece.block))
 
-    def encode(self, flats, rank=0):
+    def quantize_shards(self, flats, rank=0):
         """Stage 1: a rank's flat fp32 tensors -> one uint8 buffer, the W destination ranks'
         shards back to back (shard j is nbytes[j] bytes). (`rank`: whose; a stochastic layout
         draws from that rank's random stream.)"""
@@ -262,15 +347,16 @@ class ShardLayout:
             total = values if total is None else [a + b for a, b in zip(total, values)]
         return total
 
-    def reduce(self, received, shard):
-        """Stage 2 on the owner of `shard`: the mean of its W copies, quantized again."""
+    def average_shard(self, received, shard):
+        """Between the stages, on the owner of `shard`: the mean of its W copies, quantized again
+        (the bytes stage 2 gathers)."""
         parts = [self.quantize_piece(v / self.world_size, p)
                  for v, p in zip(self.sum_copies(received, shard), self.pieces[shard])]
         return torch.cat(parts) if parts else received.new_empty(0)
 
-    def decode(self, buffer, stride=None):
-        """Stage 3: the W shards' bytes (shard j at j * stride, or back to back as stage 1 wrote
-        them) -> the bucket's values, flat fp32 in tensor order."""
+    def dequantize_shards(self, buffer, stride=None):
+        """Stage 2's end: the W shards' bytes (shard j at j * stride, or back to back as stage 1
+        wrote them) -> the bucket's values, flat fp32 in tensor order."""
         starts = [0, *itertools.accumulate(math.prod(s) for s in self.shapes)]
         flat, offset = torch.zeros(starts[-1], device=buffer.device), 0
         for j, pieces in enumerate(self.pieces):
@@ -283,21 +369,21 @@ class ShardLayout:
 
     # the simulator's stage 1 for all W ranks, and their own round trips (a packed layout does
     # each in one codec call)
-    def encode_ranks(self, rank_flats):
-        """(W, bytes): row i = encode(rank_flats[i], i)."""
-        return torch.stack([self.encode(flats, i) for i, flats in enumerate(rank_flats)])
+    def quantize_ranks(self, rank_flats):
+        """(W, bytes): row i = quantize_shards(rank_flats[i], i)."""
+        return torch.stack([self.quantize_shards(flats, i) for i, flats in enumerate(rank_flats)])
 
-    def decode_ranks(self, sends):
-        """(W, values): row i = decode(sends[i])."""
-        return torch.stack([self.decode(send) for send in sends])
+    def dequantize_ranks(self, sends):
+        """(W, values): row i = dequantize_shards(sends[i])."""
+        return torch.stack([self.dequantize_shards(send) for send in sends])
 
 
-def encode_shards(tensors, layout, rank=0):
+def quantize_bucket(tensors, layout, rank=0):
     """Stage 1 of `rank`: its tensors -> one uint8 buffer, the W shards back to back."""
     flats = [t.reshape(-1).float() for t in tensors]
     if not sum(layout.nbytes):           # only empty tensors: nothing to send
         return flats[0].new_empty(0, dtype=torch.uint8)
-    return layout.encode(flats, rank)
+    return layout.quantize_shards(flats, rank)
 
 
 def split_tensors(flat, layout):
@@ -306,11 +392,11 @@ def split_tensors(flat, layout):
     return [t.view(s) for t, s in zip(flat.split(sizes), layout.shapes)]
 
 
-def decode_shards(buffer, layout, stride=None):
-    """Stage 3: full fp32 tensors from the W shards' bytes in `buffer` (identical on all ranks)."""
+def dequantize_bucket(buffer, layout, stride=None):
+    """Stage 2's end: full fp32 tensors from the W shards' bytes in `buffer` (alike on all ranks)."""
     if not sum(layout.nbytes):
         return [torch.zeros(s, device=buffer.device) for s in layout.shapes]
-    return split_tensors(layout.decode(buffer, stride), layout)
+    return split_tensors(layout.dequantize_shards(buffer, stride), layout)
 
 
 def collective_bytes(layout, rank):
@@ -327,19 +413,19 @@ def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, return_local=Fal
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     me = dist.get_rank(group) if dist.is_initialized() else 0
     layout = layout or ShardLayout([t.shape for t in tensors], fmt, block, world)
-    send = encode_shards(tensors, layout, me)                               # stage 1
-    local = decode_shards(send, layout) if return_local else None
+    send = quantize_bucket(tensors, layout, me)                            # stage 1
+    local = dequantize_bucket(send, layout) if return_local else None
     if world == 1:
-        means, nbytes = decode_shards(layout.reduce(send, 0), layout), 0
+        means, nbytes = dequantize_bucket(layout.average_shard(send, 0), layout), 0
     else:
         own, largest = layout.nbytes[me], max(layout.nbytes)
         recv = send.new_empty(world * own)                  # the W copies of this rank's shard
         dist.all_to_all_single(recv, send, [own] * world, layout.nbytes, group=group)
         own_mean = send.new_zeros(largest)      # padded to the largest: all_gather's sizes
-        own_mean[:own] = layout.reduce(recv, me)                            # stage 2
+        own_mean[:own] = layout.average_shard(recv, me)                         # stage 2
         gathered = send.new_empty(world, largest)           # row j: rank j's averaged shard
         all_gather_flat(gathered.view(-1), own_mean, group=group)
-        means = decode_shards(gathered.view(-1), layout, stride=largest)    # stage 3
+        means = dequantize_bucket(gathered.view(-1), layout, stride=largest)
         nbytes = collective_bytes(layout, me)
     return (means, nbytes, local) if return_local else (means, nbytes)
 
@@ -351,18 +437,18 @@ def simulate_mean(worker_tensors, fmt="e4m3", block=128, return_local=False, lay
     layout = layout or ShardLayout([t.shape for t in worker_tensors[0]], fmt, block, world)
     rank_flats = [[t.reshape(-1).float() for t in ts] for ts in worker_tensors]
     if sum(layout.nbytes):
-        sends = layout.encode_ranks(rank_flats)                 # row i: rank i's stage 1
+        sends = layout.quantize_ranks(rank_flats)               # row i: rank i's stage 1
     else:                                                       # only empty tensors
         sends = rank_flats[0][0].new_empty(world, 0, dtype=torch.uint8)
     received = sends.split(layout.nbytes, dim=1)    # [j]: the W copies of shard j, (W, bytes)
-    shards = [layout.reduce(received[j].reshape(-1), j) for j in range(world)]
-    means = decode_shards(torch.cat(shards), layout)
+    shards = [layout.average_shard(received[j].reshape(-1), j) for j in range(world)]
+    means = dequantize_bucket(torch.cat(shards), layout)
     nbytes = 0 if world == 1 else sum(collective_bytes(layout, i) for i in range(world)) / world
     if not return_local:
         return means, nbytes
     if not sum(layout.nbytes):
-        return means, nbytes, [decode_shards(send, layout) for send in sends]
-    return means, nbytes, [split_tensors(values, layout) for values in layout.decode_ranks(sends)]
+        return means, nbytes, [dequantize_bucket(send, layout) for send in sends]
+    return means, nbytes, [split_tensors(v, layout) for v in layout.dequantize_ranks(sends)]
 
 
 # =============================================================================
@@ -407,21 +493,21 @@ class Whitening:
         return (X + ((X @ self.directions) * self.up) @ self.directions.T) * self.sqrt_d
 
 
-def top_eigenpairs(A, rank, floor):
-    """A^ = U diag(lam) U^T + diag(rest): the top-`rank` eigenpairs of A (d x d, symmetric;
+def top_eigenpairs(A, r, floor):
+    """A^ = U diag(lam) U^T + diag(rest): the top-r eigenpairs of A (d x d, symmetric;
     eigenvalues clipped at 0) and the floored diagonal residual."""
     values, vectors = torch.linalg.eigh(A)                             # ascending
-    U, lam = vectors[:, -rank:], values[-rank:].clamp(min=0)           # (d, r), (r,)
+    U, lam = vectors[:, -r:], values[-r:].clamp(min=0)           # (d, r), (r,)
     rest = (A.diagonal() - (U.pow(2) * lam).sum(1)).clamp(min=floor)   # (d,) diagonal residual
     return U, lam, rest
 
 
-def whitening_factor(A, rank=32, damping=1e-3, floor=1e-3):
+def whitening_factor(A, r=32, damping=1e-3, floor=1e-3):
     """The factor GeoFP8 whitens with, F F^T = A^ + damping I, for a second moment A (d x d):
     computed in float64 (a nearly singular A needs it), returned in A's dtype."""
     dtype = A.dtype
     A = (A.double() + A.double().T) / 2
-    U, lam, rest = top_eigenpairs(A, min(rank, A.shape[0]), floor)
+    U, lam, rest = top_eigenpairs(A, min(r, A.shape[0]), floor)
     D = rest + damping
     K = U * lam.sqrt() / D.sqrt()[:, None]                             # D^-1/2 U L^1/2
     Z, sigma, _ = torch.linalg.svd(K, full_matrices=False)
@@ -476,7 +562,7 @@ class WhitenedLayer:
             self.factors[side] = self.factor_of(side, self.moments[side])
 
     def factor_of(self, side, moment):
-        """The factor of a smoothed moment (production adds dense kinds, for ablations)."""
+        """Seam: the factor of a smoothed moment (production adds dense kinds, for ablations)."""
         return whitening_factor(moment, self.opts.whiten_rank, self.opts.damping)
 
 
@@ -649,7 +735,7 @@ class SubspaceLayer:
         return self.swaps if transform[0] is not None and transform[1] is not None else None
 
     def rotation(self, sides=None):
-        """(P or None, Q or None) of the rotation of `sides` (default: the layer's own)."""
+        """Seam (dense-basis ablations): (P or None, Q or None), the rotation of `sides`."""
         sides = sides or self.sides
         return (self.left_basis if sides in ("both", "left") else None,
                 self.right_basis if sides in ("both", "right") else None)
@@ -658,15 +744,15 @@ class SubspaceLayer:
         self.sides, self.transform = sides, self.rotation(sides)
 
     def dominant_subspaces(self, mean):
-        """(U, V): the top-r singular subspaces of the decoded mean, warm-started from the
-        bases in use."""
+        """Seam (production: FSDP's row form, a covariance EMA): (U, V), the top-r singular
+        subspaces of the decoded mean, warm-started from the bases in use."""
         if self.left_basis is None:
             return initial_subspaces(mean, self.r, self.seed)
         return update_subspaces(mean, self.left_basis.columns(), self.right_basis.columns(),
                                 self.opts.iters)
 
     def refresh(self, mean):
-        """New bases from the decoded mean (the same on every rank)."""
+        """Seam (dense-basis ablations): new bases from the decoded mean (alike on every rank)."""
         U, V = self.dominant_subspaces(mean)
         self.left_basis, self.right_basis = HouseholderBasis.complete(U), HouseholderBasis.complete(V)
         self.transform = self.rotation()
@@ -733,7 +819,8 @@ class GeoOptions:
     """The method's settings (nanogeo's Options adds production's)."""
     geometry: str = "geofp8"        # geofp8 (section 3) | subspace (section 4) | euclidean
     fmt: str = "e4m3"
-    block: object = 128             # elements per scale group, "row" or "tensor"
+    block: object = 128             # values per scale group, "row" or "tensor" (one scale per
+                                    # tensor quantized: W per tensor in the collective)
     geo_refresh: int = 0            # new geometry every N steps (0: 50 for geofp8, else 4)
     geo_warmup: int = 0             # steps sent in Euclidean coordinates first
     select: str = "gain"            # which matrices use it: gain (measured) | all | list
@@ -750,14 +837,15 @@ class GeoOptions:
     moment_decay: float = 0.95      # geofp8: EMA of the moments across refreshes
     geo_rank: int = 16              # subspace: r per side, at most min(m, n) // 2
     iters: int = 1                  # subspace: iterations per refresh
-    sides: str = "auto"             # subspace: both | left | right | auto (both or right alone,
-                                    # the better measured; right keeps every row's scale)
+    sides: str = "auto"             # subspace: both | left (output side) | right (input side) |
+                                    # auto (both or right, the better measured; right keeps every
+                                    # row's scale)
     scatter_core: bool = True       # subspace: each core entry in a scale group of its own
     seed: int = 0
 
     def choices(self):
         """{field: allowed values} of the string fields (a subclass adds its own)."""
-        return {"geometry": GEOMETRIES, "fmt": tuple(FP8_FORMATS), "select": SELECTIONS,
+        return {"geometry": GEOMETRIES, "fmt": FORMATS, "select": SELECTIONS,
                 "geo_judge": JUDGES, "sides": SUBSPACE_SIDES, "whiten_sides": WHITEN_SIDES}
 
     def __post_init__(self):
@@ -773,8 +861,8 @@ class GeoOptions:
 
     @property
     def scale_block(self):
-        """The scale groups core scattering plans for (production: NVFP4's 16)."""
-        return self.block
+        """The scale groups core scattering plans for (NVFP4: always 16)."""
+        return NVFP4_BLOCK if self.fmt == "nvfp4" else self.block
 
 
 def exemption(name, shape, opts, linear=None):
@@ -840,9 +928,11 @@ class Communicator:
                 and self.step > self.opts.geo_warmup)
 
     def to_coords(self, name, g):
+        """Seam (a benchmark times it): g in the coordinates `name` is sent in."""
         return self.layers[name].encode(g) if self.is_geo(name) else g
 
     def from_coords(self, name, c):
+        """Seam (timed alike): back to the original coordinates."""
         return self.layers[name].decode(c) if self.is_geo(name) else c
 
     def wants_moments(self):
@@ -877,7 +967,8 @@ class Communicator:
         return out
 
     def reduce_workers(self, worker_grads, moments=None):
-        """The same numerics for W simulated workers (moments: already over all of them).
+        """Seam: the same numerics for W simulated workers (moments: already over all of them;
+        production also takes each worker's own, averaged as over ranks).
         Returns (means, bytes a rank sends)."""
         return self.communicate(dict(enumerate(worker_grads)), moments, across_ranks=False)
 
@@ -963,11 +1054,16 @@ class Communicator:
     def decide(self, name, layer):
         """THE decision: does `name` send in `layer`'s coordinates from now on?
           select="all": always - forced, unmeasured (a control that must act);
-          select="list" (production: "fragile"): only the listed, and with both gains 0 always
-            (the paper's fixed choice, unmeasured);
+          select="list" (production: "fragile", whose profile only makes the list, `chosen`):
+            only the listed, and with both gains 0 always (the paper's fixed choice, unmeasured);
           otherwise by the measured gain, Euclidean error / geometry-aware error as the layer's
             optimizer sees them, with hysteresis: enter at geo_enter_gain, stay while the gain
-            is >= geo_exit_gain. Unmeasured (gain nan): not yet."""
+            is >= geo_exit_gain. Unmeasured (gain nan): not yet.
+        Two gates are not per-layer choices and stay outside: exemption() (which tensors have
+        coordinates at all, from shape and module - and the list, so that no unlisted matrix
+        computes geometry) and the warm-up in is_geo() (a step count for every layer: decided
+        here, forced layers would wait as proposals and be measured, and sides="auto" would
+        change what the forced control sends)."""
         opts = self.opts
         if opts.select == "all":
             return True
@@ -1031,7 +1127,7 @@ class Communicator:
         return lambda delta: delta.pow(2).sum()
 
     def round_trip(self, x):
-        """Seam: x through the codec and back."""
+        """x through the codec and back."""
         return dequantize(quantize(x, self.opts.fmt, self.opts.block))
 
     def through_codec(self, layer, g, sides=None):
@@ -1063,25 +1159,49 @@ def planted_gradients(ranks, steps, d_out=96, d_in=128, tokens=64, seed=0):
     return out
 
 
+DEMO_ROWS = (  # geometry, codec, select, and a line that reads the row
+    ("euclidean", "e4m3", "gain", "FP8, the two-stage collective (section 2): half of bf16's bytes"),
+    ("geofp8", "e4m3", "gain", "the whitening (section 3), used only where it measures better"),
+    ("geofp8", "e4m3", "all", "forced: not orthogonal, its error comes back times F^T, along A's "
+     "large directions (worse\n    in L2); it spends precision on A's small ones, where a "
+     "preconditioned optimizer divides"),
+    ("subspace", "e4m3", "gain", "the rotation (section 4): orthogonal, the dominant energy on "
+     "a few exact entries"),
+    ("subspace", "e4m3", "all", "the rotation forced from its first proposal on"),
+    ("euclidean", "nvfp4", "gain", "4 bits, a quarter of bf16's bytes: several times FP8's error"),
+    ("subspace", "nvfp4", "all", "the rotation forced at 4 bits, where the studies found room"))
+
+
 def demo(ranks=8, steps=12):
-    """Planted gradients through the two-stage e4m3 collective in each coordinate system: the
-    relative error of the mean, forced or as the gain check chose."""
-    print(f"{ranks} simulated ranks, a 96 x 128 linear layer, e4m3 blocks of 128; relative L2 "
-          f"error of the averaged gradient, mean of steps {steps - 5}-{steps}:")
-    data, baseline = planted_gradients(ranks, steps), None
-    for geometry, select in (("euclidean", "gain"), ("geofp8", "gain"), ("geofp8", "all"),
-                             ("subspace", "gain"), ("subspace", "all")):
-        comm = Communicator([("w", (96, 128))], GeoOptions(geometry=geometry, select=select,
-                                                            geo_judge="l2", min_numel=0))
-        errors = []
+    """Planted gradients through the two-stage collective in each coordinate system and codec:
+    the relative error of the mean (forced, or as the gain check chose) and the bytes sent."""
+    data, late = planted_gradients(ranks, steps), slice(steps - 6, steps)
+    exact = [sum(w[0] for w in grads) / ranks for grads, _ in data][late]
+    error = lambda ms: sum(float((m - e).norm() / e.norm()) for m, e in zip(ms[late], exact)) / 6
+    bf16_bytes = 2 * (ranks - 1) / ranks * 96 * 128 * 2     # a bf16 ring all-reduce, per rank
+    bf16 = [(sum(w[0].bfloat16().float() for w in grads) / ranks).bfloat16().float()
+            for grads, _ in data]
+    rows = [("bf16", "", "", error(bf16), bf16_bytes, "each rank's gradient and the mean rounded "
+             "to bf16: the wire most clusters send")]
+    for geometry, fmt, select, reading in DEMO_ROWS:
+        comm = Communicator([("w", (96, 128))], GeoOptions(
+            geometry=geometry, fmt=fmt, select=select, geo_judge="l2", min_numel=0))
+        means = []
         for grads, A in data:
-            mean, _ = comm.reduce_workers(grads, {"input": {"w": A}} if comm.wants_moments() else None)
-            exact = sum(w[0] for w in grads) / ranks
-            errors.append(((mean[0] - exact).norm() / exact.norm()).item())
-        baseline = baseline or sum(errors[-6:]) / 6
-        how = "forced" if select == "all" else ("used" if comm.is_geo("w") else "not used")
-        print(f"  {geometry:10s} {how:9s} {sum(errors[-6:]) / 6:.4f}  "
-              f"({sum(errors[-6:]) / 6 / baseline:.2f}x Euclidean)")
+            mean, nbytes = comm.reduce_workers(grads, {"input": {"w": A}} if comm.wants_moments()
+                                               else None)
+            means.append(mean[0])
+        how = "forced" if select == "all" else "" if geometry == "euclidean" else (
+            "used" if comm.is_geo("w") else "not used")
+        rows.append((geometry, fmt, how, error(means), nbytes, reading))
+    print(f"{ranks} simulated ranks, a 96 x 128 linear layer, groups of 128 values: the relative L2 "
+          f"error of the\naveraged gradient (steps {steps - 5}-{steps}) against Euclidean e4m3's, "
+          "and the bytes a rank sends per step against bf16's:")
+    for geometry, fmt, how, err, nbytes, reading in rows:
+        print(f"  {geometry:9s} {fmt:5s} {how:8s}  error {err:.4f} = {err / rows[1][3]:4.2f}x  "
+              f"{nbytes:5.0f} B = {nbytes / bf16_bytes:.2f}x\n    {reading}")
+    print("Relative L2 is not what training feels: in training the gain check judges each layer "
+          "by its\noptimizer's error (section 5), and a wire by the loss it leaves.")
 
 
 if __name__ == "__main__":

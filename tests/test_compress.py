@@ -13,8 +13,8 @@ from nanogeo.parallel import layers
 from nanogeo.parallel.communicator import Options, ProductionCommunicator
 from nanogeo.run import summary
 from nanogeo.wire import collective, kernels, nvfp4, packing
-from nanogeo.wire.collective import (all_reduce_mean, dequantize, quantize, simulate_mean,
-                                     wire_nbytes)
+from compress import dequantize, quantize, wire_nbytes
+from nanogeo.wire.collective import mean_over_ranks, mean_over_workers, stochastic_quantize
 
 GRANULARITIES = [128, 32, "row", "tensor"]
 
@@ -32,7 +32,8 @@ def test_fp8_decode_equals_torch_cast(fmt, block):
     x = heavy_tailed(37, 53)
     q = quantize(x, fmt, block)
     groups = compress.scale_groups(x, block)
-    scale = q.buffer[: 4 * groups.shape[0]].clone().view(torch.float32)
+    rows = q.buffer.view(groups.shape[0], 4 + groups.shape[1])     # per group [scale | codes]
+    scale = rows[:, :4].reshape(-1).clone().view(torch.float32)
     dtype, fmax = compress.FP8_FORMATS[fmt]
     expected = ((groups * scale[:, None]).clamp(-fmax, fmax).to(dtype).float() / scale[:, None])
     assert torch.equal(dequantize(q), expected.reshape(-1)[: x.numel()].view(x.shape))
@@ -69,7 +70,7 @@ def test_nvfp4_decodes_only_grid_values_times_scales():
     q = quantize(x, "nvfp4")
     _, step = nvfp4_steps(q)
     codes = (dequantize(q).reshape(-1) / step).abs()
-    grid = torch.tensor(nvfp4.E2M1_GRID)
+    grid = torch.tensor(compress.E2M1_GRID)
     assert (codes[:, None] - grid).abs().min(1).values.max() < 1e-5
     assert q.nbytes == 4 + 32 + 256
 
@@ -91,7 +92,7 @@ def test_nvfp4_of_subnormal_values_is_finite():
     x[:16] = torch.linspace(1e-42, 2e-42, 16)
     y = dequantize(quantize(x, "nvfp4"))
     assert torch.isfinite(y).all() and y.abs().max() <= 1e-41
-    means, _ = simulate_mean([[x], [torch.zeros(256)]], "nvfp4")
+    means, _ = mean_over_workers([[x], [torch.zeros(256)]], "nvfp4")
     assert torch.isfinite(means[0]).all()
 
 
@@ -109,21 +110,38 @@ def test_nvfp4_error_bound():
     assert (dequantize(q) - x).norm() / x.norm() < 0.15
 
 
+def test_codecs_make_their_constants_once(monkeypatch):
+    """A constant copied from host memory at every call would make a GPU stream wait: after a
+    first call, quantizing and decoding NVFP4 and FP8 (compress.py's codec, the gain check's
+    round trip, and the packed collective) builds no tensor from host values."""
+    x = torch.randn(300)
+
+    def run():
+        for fmt in ("e4m3", "nvfp4"):
+            dequantize(quantize(x, fmt))
+            mean_over_workers([[x], [2 * x]], fmt)
+    run()                                           # first calls: layouts and constants made
+    made, real = [], torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: made.append(a) or real(*a, **k))
+    run()
+    assert not made
+
+
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "nvfp4"])
 def test_stochastic_rounding_is_unbiased(fmt):
     x = torch.rand(4096) * 3 + 0.1
     nearest_err = (dequantize(quantize(x, fmt)) - x).abs().mean()
     g = torch.Generator().manual_seed(0)
     draws = 1000
-    mean = sum(dequantize(quantize(x, fmt, 128, True, g)) for _ in range(draws)) / draws
+    mean = sum(dequantize(stochastic_quantize(x, fmt, 128, g)) for _ in range(draws)) / draws
     bias = (mean - x).abs().mean()
     assert bias < 0.1 * nearest_err
-    one = dequantize(quantize(x, fmt, 128, True, g))
+    one = dequantize(stochastic_quantize(x, fmt, 128, g))
     assert not torch.equal(one, dequantize(quantize(x, fmt)))  # it really is random
 
 
 @pytest.mark.parametrize("fmt,block,shape,expected", [
-    ("e4m3", 128, (1000,), 8 * 4 + 1000), ("e5m2", "row", (10, 30), 10 * 4 + 300),
+    ("e4m3", 128, (1000,), 8 * (4 + 128)), ("e5m2", "row", (10, 30), 10 * 4 + 300),
     ("e4m3", "tensor", (7, 9), 4 + 63), ("nvfp4", 128, (1001,), 4 + 63 + 501),
     ("e4m3", 128, (0,), 0)])
 def test_byte_counts_are_exact(fmt, block, shape, expected):
@@ -159,7 +177,7 @@ def collective_rank(rank, world_size, out_path):
     results = {}
     for fmt, block in CASES:
         for stochastic, stages in ROUNDINGS[fmt]:
-            means, sent = all_reduce_mean(rank_tensors(rank), fmt, block, stochastic=stochastic,
+            means, sent = mean_over_ranks(rank_tensors(rank), fmt, block, stochastic=stochastic,
                                           seed=5, stages=stages)
             results[(fmt, str(block), stochastic, stages)] = (means, sent)
     torch.save(results, f"{out_path}.{rank}")
@@ -176,7 +194,7 @@ def test_collective_bit_identical_and_equal_to_simulator(world_size, tmp_path):
     for fmt, block in CASES:
         for stochastic, stages in ROUNDINGS[fmt]:
             key = (fmt, str(block), stochastic, stages)
-            sim, sim_bytes = simulate_mean(workers, fmt, block, stochastic=stochastic, seed=5,
+            sim, sim_bytes = mean_over_workers(workers, fmt, block, stochastic=stochastic, seed=5,
                                            stages=stages)
             for r in range(world_size):
                 means, sent = results[r][key]
@@ -186,6 +204,62 @@ def test_collective_bit_identical_and_equal_to_simulator(world_size, tmp_path):
             bound = 0.3 if fmt == "nvfp4" else (0.15 if fmt == "e5m2" else 0.08)
             for m, e in zip(sim, exact):
                 assert (m - e).norm() / e.norm() < bound, key
+
+
+WIRE_SHAPES = [(33, 17), (5,), (300, 130), (1,), (7, 3, 5), (129,), (0,)]
+
+
+def wire_rank(rank, world_size, out_path):
+    """train.py's collective (ProductionCommunicator.reduce, as reduce_gradients calls it) with
+    the bytes it hands to all_to_all_single and to the all_gather recorded."""
+    dist.init_process_group("gloo")
+    sent = []
+    all_to_all, all_gather = dist.all_to_all_single, compress.all_gather_flat
+
+    def record_all_to_all(output, input, *args, **kwargs):
+        work = all_to_all(output, input, *args, **kwargs)
+        sent.append(("all_to_all", input.clone(), output.clone()))
+        return work
+
+    def record_all_gather(output, input, *args, **kwargs):
+        sent.append(("all_gather", input.clone()))
+        return all_gather(output, input, *args, **kwargs)
+
+    dist.all_to_all_single, compress.all_gather_flat = record_all_to_all, record_all_gather
+    results = {}
+    for fmt in ("e4m3", "e5m2", "nvfp4"):
+        g = torch.Generator().manual_seed(300 + rank)
+        grads = [torch.randn(s, generator=g) * 10.0 ** (i - 3) for i, s in enumerate(WIRE_SHAPES)]
+        named = [(f"t{i}", s) for i, s in enumerate(WIRE_SHAPES)]
+        comm = ProductionCommunicator(named, Options(geometry="euclidean", fmt=fmt, block=128))
+        sent.clear()
+        comm.reduce([t.clone() for t in grads])
+        results[fmt] = (grads, list(sent))
+    torch.save(results, f"{out_path}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_the_wire_is_what_compress_py_teaches(tmp_path):
+    """The bytes train.py's collective puts on the wire (2 gloo ranks, the packed production
+    layouts) are compress.py's, byte for byte: stage 1's all_to_all buffer is the teaching
+    ShardLayout's encoding of the same tensors (per scale group [fp32 scale | codes], the last
+    group padded; NVFP4 [tensor scale | block scales | codes]; remainders to the lightest shard),
+    and stage 2's all_gather buffer is the teaching layout's re-quantized mean of the W copies
+    received - for e4m3, e5m2 and NVFP4."""
+    out = str(tmp_path / "wire")
+    run_ranks(wire_rank, 2, out)
+    for rank in range(2):
+        for fmt, (grads, sent) in torch.load(f"{out}.{rank}").items():
+            assert [s[0] for s in sent] == ["all_to_all", "all_gather"], fmt
+            (_, send, received), (_, own_mean) = sent
+            teaching = compress.ShardLayout(WIRE_SHAPES, fmt, 128, 2)
+            production = collective.layout(WIRE_SHAPES, fmt, 128, 2)
+            assert type(production) is not compress.ShardLayout, fmt   # the packed form
+            assert teaching.pieces == production.pieces and teaching.nbytes == production.nbytes
+            assert torch.equal(send, compress.quantize_bucket(grads, teaching, rank)), fmt
+            own = teaching.nbytes[rank]
+            assert torch.equal(own_mean[:own], teaching.average_shard(received, rank)), fmt
+            assert not own_mean[own:].any()                  # all_gather's padding: zeros
 
 
 def test_wire_bytes_ratio_to_bf16():
@@ -200,8 +274,6 @@ def test_wire_bytes_ratio_to_bf16():
 @pytest.mark.parametrize("teaching", [False, True])
 def test_layout_covers_every_element_once(teaching):
     for fmt, block in CASES:
-        if teaching and fmt == "nvfp4":
-            continue                        # compress.py's layout codes FP8
         layout = (compress.ShardLayout(SHAPES, fmt, block, 3) if teaching
                   else collective.layout(SHAPES, fmt, block, 3))
         for t, shape in enumerate(SHAPES):
@@ -221,6 +293,7 @@ def test_remainder_groups_go_to_the_lightest_shards():
     shapes = tuple((n * 128,) for n in blocks)
     for world in (8, 32, 64):
         for layout, group_len, slack in (
+                (compress.ShardLayout(shapes, "e4m3", 128, world), 128, 4 + 128),
                 (packing.PieceLayout(shapes, "e4m3", 128, world), 128, 4 + 128),
                 (collective.layout(shapes, "e4m3", 128, world), 128, 4 + 128),
                 (collective.layout(shapes, "nvfp4", 128, world), 16, 9 + 4 * len(shapes))):
@@ -237,10 +310,10 @@ def test_a_stochastic_layout_draws_the_same_at_every_call(fmt):
     rng_for = collective.streams(True, 7, torch.device("cpu"))
     layout = collective.layout(SHAPES, fmt, 128, 3).with_streams(rng_for)
     flats = [torch.randn(math.prod(s), generator=torch.Generator().manual_seed(1)) for s in SHAPES]
-    first, again = layout.encode(flats, 1), layout.encode(flats, 1)
-    assert torch.equal(first, again) and not torch.equal(first, layout.encode(flats, 2))
+    first, again = layout.quantize_shards(flats, 1), layout.quantize_shards(flats, 1)
+    assert torch.equal(first, again) and not torch.equal(first, layout.quantize_shards(flats, 2))
     received = first[: layout.nbytes[0]].repeat(3)          # 3 copies of shard 0
-    assert torch.equal(layout.reduce(received, 0), layout.reduce(received, 0))
+    assert torch.equal(layout.average_shard(received, 0), layout.average_shard(received, 0))
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "nvfp4"])
@@ -253,12 +326,12 @@ def test_stochastic_rounding_in_one_stage_only(fmt):
               for s in SHAPES] for r in range(3)]
     flats = ranks[0]
     # the 3 ranks' copies of shard 0: their mean lies off the grid
-    received = torch.cat([nearest.encode(f, r)[: nearest.nbytes[0]] for r, f in enumerate(ranks)])
+    received = torch.cat([nearest.quantize_shards(f, r)[: nearest.nbytes[0]] for r, f in enumerate(ranks)])
     for stages, send_random, mean_random in (("1", True, False), ("2", False, True),
                                              ("both", True, True)):
         rounded = nearest.with_streams(collective.streams(True, 7, cpu, stages))
-        assert torch.equal(rounded.encode(flats, 0), nearest.encode(flats, 0)) != send_random
-        assert (torch.equal(rounded.reduce(received, 0), nearest.reduce(received, 0))
+        assert torch.equal(rounded.quantize_shards(flats, 0), nearest.quantize_shards(flats, 0)) != send_random
+        assert (torch.equal(rounded.average_shard(received, 0), nearest.average_shard(received, 0))
                 != mean_random)
     with pytest.raises(ValueError, match="turn stochastic_round on"):
         Options(geometry="euclidean", stochastic_stages="1")
@@ -275,7 +348,7 @@ def test_stage_errors_measure_each_stage_against_the_sampling_noise():
                                   Options(geometry="euclidean", fmt="nvfp4"))
     comm.decompose = True
     means, _ = comm.reduce_workers(workers)
-    _, _, local = collective.simulate_mean(workers, "nvfp4", 128, return_local=True)
+    _, _, local = mean_over_workers(workers, "nvfp4", 128, return_local=True)
     for k in range(2):
         assert torch.allclose(comm.stage1[k], torch.stack([rt[k] for rt in local]).mean(0))
     stages = summary.stage_errors(comm, workers, means, 1, simulated=True)
@@ -291,8 +364,8 @@ def test_stage_errors_measure_each_stage_against_the_sampling_noise():
 
 
 def test_a_layout_refuses_a_format_it_does_not_code():
-    with pytest.raises(ValueError, match="e4m3 and e5m2"):
-        compress.ShardLayout(SHAPES, "nvfp4", 128, 3)      # compress.py's codec is FP8
+    with pytest.raises(ValueError, match="unknown format 'int8'"):
+        compress.ShardLayout(SHAPES, "int8", 128, 3)
     with pytest.raises(ValueError, match="codes nvfp4, not 'e4m3'"):
         nvfp4.Nvfp4PackedLayout(SHAPES, "e4m3", 128, 3)
 
@@ -305,32 +378,30 @@ def assert_all_equal(got, expected):
 
 @pytest.mark.parametrize("world", [1, 3, 4, 32])
 def test_packed_codec_equals_one_call_per_piece(world, monkeypatch, one_thread):
-    """The packed path (one encode / decode call per bucket and stage) gives the same means,
-    bit for bit, as quantizing piece by piece, and sends at most block - 1 padding bytes per
-    piece more; it makes one codec call per rank and stage, and the simulator one stage-1 call
-    for all its ranks."""
+    """The packed path (one encode / decode call per bucket and stage) gives the same means and
+    bytes, bit for bit, as quantizing piece by piece; it makes one codec call per rank and
+    stage, and the simulator one stage-1 call for all its ranks."""
     workers = [rank_tensors(r)[:world + 3] for r in range(world)]
     shapes = tuple(tuple(t.shape) for t in workers[0])
     for fmt, block in (("e4m3", 128), ("e5m2", 32)):
         packed = collective.layout(shapes, fmt, block, world)
         apart = collective.layout(shapes, fmt, block, world, packed=False)
         monkeypatch.setattr(collective, "shard_layout", lambda *a: apart)
-        expected = simulate_mean(workers, fmt, block, return_local=True)
+        expected = mean_over_workers(workers, fmt, block, return_local=True)
         calls = []
         for name, original in kernels.EAGER.items():     # the packed stages call these
             monkeypatch.setitem(kernels.KERNELS, name,
                                 lambda *a, f=original, n=name: calls.append(n) or f(*a))
         monkeypatch.setattr(collective, "shard_layout", lambda *a: packed)
-        got = simulate_mean(workers, fmt, block, return_local=True)
+        got = mean_over_workers(workers, fmt, block, return_local=True)
         monkeypatch.undo()
         for a, b in zip(expected[0] + sum(expected[2], []), got[0] + sum(got[2], [])):
             assert torch.equal(a, b)
-        pieces = sum(len(p) for p in packed.pieces)
-        assert 0 <= sum(packed.nbytes) - sum(apart.nbytes) <= pieces * (block - 1)
+        assert packed.nbytes == apart.nbytes
         # one stage-1 encode of all W simulated ranks, W stage-2 decodes and encodes (one per
         # shard, as each rank runs it), one stage-3 decode, one decode of the W local round trips
         assert calls.count("fp8_encode") == 1 + world
-        assert calls.count("fp8_decode_groups") == world + 2
+        assert calls.count("fp8_decode") == world + 2
 
 
 # odd sizes, a partial last block, one element, an empty tensor, one tensor that is zero on
@@ -360,31 +431,31 @@ def test_packed_nvfp4_equals_one_call_per_piece(world, monkeypatch, one_thread):
     assert isinstance(packed, nvfp4.Nvfp4PackedLayout)
     assert not isinstance(apart, packing.PackedLayout)
     assert packed.nbytes == apart.nbytes
-    sends = [compress.encode_shards(w, packed) for w in workers]
+    sends = [compress.quantize_bucket(w, packed) for w in workers]
     for w, send in zip(workers, sends):
-        assert torch.equal(send, compress.encode_shards(w, apart))
-        assert_all_equal(compress.decode_shards(send, packed), compress.decode_shards(send, apart))
+        assert torch.equal(send, compress.quantize_bucket(w, apart))
+        assert_all_equal(compress.dequantize_bucket(send, packed), compress.dequantize_bucket(send, apart))
     stride = max(packed.nbytes) + 3                 # all_gather's rows, padded past every shard
     gathered = torch.full((world, stride), 0xFF, dtype=torch.uint8)
     for j in range(world):
         received = torch.cat([send.split(packed.nbytes)[j] for send in sends])
         assert_all_equal(packed.sum_copies(received, j),   # FSDP's stage 2
                          apart.sum_copies(received, j))
-        shard = packed.reduce(received, j)
-        assert torch.equal(shard, apart.reduce(received, j))
+        shard = packed.average_shard(received, j)
+        assert torch.equal(shard, apart.average_shard(received, j))
         gathered[j, :shard.numel()] = shard
-    assert_all_equal(compress.decode_shards(gathered.view(-1), packed, stride),
-                     compress.decode_shards(gathered.view(-1), apart, stride))
+    assert_all_equal(compress.dequantize_bucket(gathered.view(-1), packed, stride),
+                     compress.dequantize_bucket(gathered.view(-1), apart, stride))
     for stochastic in (False, True):
         monkeypatch.setattr(collective, "shard_layout", lambda *a: apart)
-        expected = simulate_mean(workers, "nvfp4", stochastic=stochastic, seed=7, return_local=True)
+        expected = mean_over_workers(workers, "nvfp4", stochastic=stochastic, seed=7, return_local=True)
         calls = []
         for name in ("encode_blocks", "decode_blocks"):
             original = getattr(nvfp4, name)
             monkeypatch.setattr(nvfp4, name,
                                 lambda *a, f=original, n=name: calls.append(n) or f(*a))
         monkeypatch.setattr(collective, "shard_layout", lambda *a: packed)
-        got = simulate_mean(workers, "nvfp4", stochastic=stochastic, seed=7, return_local=True)
+        got = mean_over_workers(workers, "nvfp4", stochastic=stochastic, seed=7, return_local=True)
         monkeypatch.undo()
         assert_all_equal(got[0] + sum(got[2], []), expected[0] + sum(expected[2], []))
         assert got[1] == expected[1]
@@ -671,7 +742,7 @@ def test_stage_two_feedback_keeps_the_re_quantization_error_from_adding_up(fmt):
     mean (the error of their running average falls like 1/T). Stage 1 is left as it is."""
     g = torch.Generator().manual_seed(4)
     workers = [[torch.randn(48, 64, generator=g), torch.randn(5, generator=g)] for _ in range(4)]
-    _, _, local = collective.simulate_mean(workers, fmt, 128, return_local=True)
+    _, _, local = mean_over_workers(workers, fmt, 128, return_local=True)
     stage1 = [torch.stack([rt[k] for rt in local]).mean(0) for k in range(2)]
 
     def running_error(feedback, steps=16):
@@ -783,7 +854,7 @@ def test_compiled_hot_path_equals_eager():
                 q = quantize(x, fmt, 128)
                 out += [q.buffer, dequantize(q)]
         out += [basis.apply_t(tensors[0]), basis.apply(tensors[0])]
-        return out + simulate_mean([tensors, [2 * t for t in tensors]])[0]
+        return out + mean_over_workers([tensors, [2 * t for t in tensors]])[0]
 
     eager = run()
     kernels.compile_hot_path(True)

@@ -81,13 +81,22 @@ print("ok")
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0 and out.stdout.splitlines()[-1] == "ok", out.stderr
     demo = out.stdout.splitlines()[:-1]
-    assert demo[0].startswith("8 simulated ranks") and len(demo) == 6
-    rows = {}
-    for line in demo[1:]:       # "  geometry  used | not used | forced  error  (ratio)"
-        geometry, how, error = re.match(r"\s+(\w+)\s+(.+?)\s+([0-9.]+)\s+\(", line).groups()
-        rows[geometry, how] = float(error)
-    assert set(rows) == {("euclidean", "not used"), ("geofp8", "not used"),
-                         ("geofp8", "forced"), ("subspace", "used"), ("subspace", "forced")}
+    assert demo[0].startswith("8 simulated ranks")
+    rows, row = {}, r"  (\w+) +(\w*) +(forced|used|not used|) *error ([0-9.]+) = [0-9.]+x +(\d+) B = ([0-9.]+)x$"
+    for line, reading in zip(demo, demo[1:]):   # each row: a line, then the line that reads it
+        match = re.match(row, line)
+        if match:
+            geometry, fmt, how, error, nbytes, to_bf16 = match.groups()
+            rows[geometry, fmt, how] = (float(error), int(nbytes), float(to_bf16))
+            assert reading.startswith("    ") and len(reading.split()) > 3, line
+    assert set(rows) == {("bf16", "", ""), ("euclidean", "e4m3", ""), ("geofp8", "e4m3", "not used"),
+                         ("geofp8", "e4m3", "forced"), ("subspace", "e4m3", "used"),
+                         ("subspace", "e4m3", "forced"), ("euclidean", "nvfp4", ""),
+                         ("subspace", "nvfp4", "forced")}
     # on the planted gradients the rotation is measured better and used; the whitening is not
-    assert rows["subspace", "used"] < rows["euclidean", "not used"]
-    assert rows["geofp8", "not used"] == rows["euclidean", "not used"]
+    euclid = rows["euclidean", "e4m3", ""]
+    assert rows["subspace", "e4m3", "used"][0] < euclid[0]
+    assert rows["geofp8", "e4m3", "not used"] == euclid
+    # the bytes: FP8 about half of a bf16 ring's, NVFP4 under 0.30x
+    assert rows["bf16", "", ""][2] == 1.0 and 0.5 < euclid[2] < 0.53
+    assert rows["euclidean", "nvfp4", ""][2] < 0.30 and rows["bf16", "", ""][0] < euclid[0]

@@ -30,7 +30,7 @@ def dense(F):
 def test_whitening_round_trip_is_exact_and_matches_its_dense_factor(kind):
     A = anisotropic_moment(100)
     W = torch.randn(37, 100, dtype=torch.float64)
-    F = layers.whitening_factor(A.double(), kind, rank=8, block=32)
+    F = layers.factor_of_kind(A.double(), kind, r=8, block=32)
     matrix = F.dense() if kind != "lowrank" else dense(F)
     assert torch.allclose(matrix, dense(F), atol=1e-12)      # the dense kinds' own matrix
     assert torch.allclose(F.unwhiten(F.whiten(W)), W, atol=1e-10)
@@ -42,8 +42,8 @@ def test_low_rank_factor_agrees_with_dense_cholesky_reference():
     """Both factor the same A^ = U L U^T + D + damping: F F^T agrees, and whitened rows differ by
     an orthogonal map only (same Gram matrix, same norms)."""
     A = anisotropic_moment(96).double()
-    low = compress.whitening_factor(A, rank=16)
-    ref = layers.whitening_factor(A, "lowrank-dense", rank=16)
+    low = compress.whitening_factor(A, r=16)
+    ref = layers.factor_of_kind(A, "lowrank-dense", r=16)
     assert low.directions.shape == (96, 16)          # O(d r) numbers, no d x d matrix
     assert all(t.numel() <= 96 * 16 for t in layers.factor_tensors(low).values())
     assert torch.allclose(dense(low) @ dense(low).T, ref.L @ ref.L.T, atol=1e-10)
@@ -51,7 +51,7 @@ def test_low_rank_factor_agrees_with_dense_cholesky_reference():
     a, b = low.whiten(W), ref.whiten(W)
     assert torch.allclose(a @ a.T, b @ b.T, atol=1e-8)
     # at full rank the approximation is A itself, plus the residual's floor and the damping
-    full_rank = compress.whitening_factor(A, rank=96, damping=1e-3, floor=1e-3)
+    full_rank = compress.whitening_factor(A, r=96, damping=1e-3, floor=1e-3)
     F = dense(full_rank)
     assert torch.allclose(F @ F.T, A + 2e-3 * torch.eye(96, dtype=A.dtype), atol=1e-10)
 
@@ -66,7 +66,7 @@ def test_whitening_protects_the_small_input_directions():
     g = torch.Generator().manual_seed(2)
     inputs = torch.randn(512, 128, generator=g) @ torch.linalg.cholesky(A).T
     grad = torch.randn(64, 512, generator=g) @ inputs / 512
-    F = compress.whitening_factor(A, rank=32)
+    F = compress.whitening_factor(A, r=32)
     quant = lambda x: compress.dequantize(compress.quantize(x, "e5m2", "tensor"))
     euclid = quant(grad) - grad
     geo = F.unwhiten(quant(F.whiten(grad))) - grad

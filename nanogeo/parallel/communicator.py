@@ -1,10 +1,10 @@
 """
 The communicator as training runs it: compress.Communicator (the method: coordinates, the
 two-stage collective, refresh, the gain check, the decision) with what production adds around
-it - a subclass that overrides compress.py's documented seams (make_layer, average_moments,
-outgoing, collective, round_trip, error_seen, advance, update_geometry, propose; and, for a
-benchmark's timer, to_coords and from_coords; reduce_workers for each simulated rank's K-FAC
-statistics), so that compress.py stays the one statement of the method:
+it - a subclass that overrides compress.py's seams, the methods whose docstrings begin "Seam"
+(make_layer, average_moments, outgoing, collective, error_seen, advance, update_geometry,
+propose; to_coords and from_coords for a benchmark's timer; reduce_workers for each simulated
+rank's K-FAC statistics), so that compress.py stays the one statement of the method:
 
   * the wire: the packed stages, NVFP4 and stochastic rounding's streams (nanogeo.wire.collective),
     and the paper's collective, one FP8 all_reduce SUM with per-tensor scales
@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 import compress
 from nanogeo.parallel import agreement, hadamard, hooks, layers, update_error
-from nanogeo.wire import collective, fp8sum, nvfp4, packing
+from nanogeo.wire import collective, fp8sum, packing
 
 # options renamed to train.py's flag names (one vocabulary), and the whitening's old name
 RENAMED = {"refresh": "geo_refresh", "warmup": "geo_warmup", "judge": "geo_judge",
@@ -72,7 +72,7 @@ class Options(compress.GeoOptions):
     stale_residual: bool = False    # keep the residual in the old coordinates (defect c)
 
     def choices(self):
-        return {**super().choices(), "geometry": GEOMETRIES, "fmt": collective.FORMATS,
+        return {**super().choices(), "geometry": GEOMETRIES,
                 "select": SELECTIONS, "collective": COLLECTIVES, "sum_order": SUM_ORDERS,
                 "whiten_factor": layers.WHITEN_FACTORS, "basis": ("householder", "random"),
                 "stochastic_stages": tuple(collective.ROUNDING_STAGES),
@@ -81,7 +81,7 @@ class Options(compress.GeoOptions):
 
     def __post_init__(self):
         super().__post_init__()
-        collective.check_codec(self.fmt, self.block)
+        compress.check_codec(self.fmt, self.block)
         if self.hadamard_block < 2 or self.hadamard_block & (self.hadamard_block - 1):
             raise ValueError(f"hadamard_block must be a power of two >= 2 (e.g. 128), got "
                              f"{self.hadamard_block}")
@@ -126,11 +126,6 @@ class Options(compress.GeoOptions):
     def dense_bases(self):
         """The subspace rotation with dense bases (ablations: full=True or basis="random")."""
         return self.full or self.basis != "householder"
-
-    @property
-    def scale_block(self):
-        """NVFP4 always scales blocks of 16 values (`block` does not apply to it)."""
-        return nvfp4.NVFP4_BLOCK if self.fmt == "nvfp4" else self.block
 
 
 def same_coordinates(before, after):
@@ -246,14 +241,31 @@ class ProductionCommunicator(compress.Communicator):
                 for n, g in zip(self.names, sent)]
 
     def collective(self, coords, across_ranks):
-        """The wire as training runs it (exchange()), and error feedback's residuals from each
-        rank's own round trip of what it sent."""
-        if self.opts.stale_residual:        # defect (c): the residual added in coordinates
+        """The wire as training runs it - the paper's FP8-sum collective, or compress.py's
+        two-stage one on nanogeo.wire's layout (packed, NVFP4, stochastic rounding, stage 2's
+        error feedback, a benchmark's timer), over the group or simulated - and error feedback's
+        residuals from each rank's own round trip of what it sent."""
+        opts = self.opts
+        if opts.stale_residual:        # defect (c): the residual added in coordinates
             coords = {w: [c + self.residuals.get(w, {})[n] if self.has_feedback(n)
                           and n in self.residuals.get(w, {}) else c
                           for n, c in zip(self.names, cs)] for w, cs in coords.items()}
-        keep_stage1 = self.opts.error_feedback and self.opts.feedback_stages != "2"
-        means, nbytes, local = self.exchange(coords, across_ranks, keep_stage1 or self.decompose)
+        keep_stage1 = opts.error_feedback and opts.feedback_stages != "2"
+        workers, keep_local = list(coords.values()), keep_stage1 or self.decompose
+        if opts.collective == "fp8-sum":
+            means, nbytes, local = self.fp8_sum(workers, across_ranks)
+        else:
+            world = dist.get_world_size(self.group) if across_ranks else len(workers)
+            bucket = collective.bucket_layout(
+                workers[0], opts.fmt, opts.block, world, opts.stochastic_round,
+                self.rounding_seed(), opts.stochastic_stages, self.stage2_feedback(), self.timer)
+            if across_ranks:
+                means, nbytes, *local = compress.all_reduce_mean(
+                    workers[0], group=self.group, return_local=keep_local, layout=bucket)
+            else:
+                means, nbytes, *local = compress.simulate_mean(workers, return_local=keep_local,
+                                                               layout=bucket)
+            local = (local[0] if not across_ranks else local) if local else None
         if keep_stage1:
             self.keep_residuals(coords, local, means)
         if self.decompose:      # the mean an exact second stage would deliver (this rank's share)
@@ -261,32 +273,19 @@ class ProductionCommunicator(compress.Communicator):
                            for i, n in enumerate(self.names)]
         return means, nbytes
 
-    def exchange(self, coords, across_ranks, keep_local=False):
-        """(means in coordinates, bytes, [each worker's own round trip] or None without
-        keep_local): the paper's FP8-sum collective or the two-stage one (packed, NVFP4,
-        stochastic rounding), over the group or simulated."""
-        opts, workers = self.opts, list(coords.values())
-        if opts.collective == "fp8-sum":
-            if across_ranks:
-                means, nbytes, local, saturated = fp8sum.all_reduce_fp8_sum(
-                    workers[0], opts.fmt, self.group, opts.sum_order, self.local_scales(),
-                    self.profiling())
-                local = [local]
-            else:
-                means, nbytes, local, saturated = fp8sum.simulate_fp8_sum(
-                    workers, opts.fmt, opts.sum_order, self.local_scales(), self.profiling())
-            self.count_saturation(saturated)
-            return means, nbytes, local
-        rounding = (opts.stochastic_round, self.rounding_seed())
-        wire = dict(return_local=keep_local, stages=opts.stochastic_stages,
-                    feedback=self.stage2_feedback())
+    def fp8_sum(self, workers, across_ranks):
+        """The paper's collective: (means, bytes, [each worker's own round trip])."""
+        opts = self.opts
         if across_ranks:
-            means, nbytes, *local = collective.all_reduce_mean(
-                workers[0], opts.fmt, opts.block, self.group, *rounding, timer=self.timer, **wire)
-            return means, nbytes, local or None
-        means, nbytes, *local = collective.simulate_mean(workers, opts.fmt, opts.block, *rounding,
-                                                         **wire)
-        return means, nbytes, local[0] if local else None
+            means, nbytes, local, saturated = fp8sum.all_reduce_fp8_sum(
+                workers[0], opts.fmt, self.group, opts.sum_order, self.local_scales(),
+                self.profiling())
+            local = [local]
+        else:
+            means, nbytes, local, saturated = fp8sum.simulate_fp8_sum(
+                workers, opts.fmt, opts.sum_order, self.local_scales(), self.profiling())
+        self.count_saturation(saturated)
+        return means, nbytes, local
 
     def keep_residuals(self, coords, local, mean_coords):
         """Each worker's loss to the codec (coords: {worker: its tensors in coordinates}, local:
@@ -306,9 +305,6 @@ class ProductionCommunicator(compress.Communicator):
                                       for n, r in new.items()}
             if packing.ShardFeedback.KEY in old:    # stage 2's, kept beside
                 self.residuals[worker][packing.ShardFeedback.KEY] = old[packing.ShardFeedback.KEY]
-
-    def round_trip(self, x):
-        return collective.round_trip(x, self.opts.fmt, self.opts.block)
 
     def local_scales(self):
         return self.opts.scale_sync_every > 1 and self.step % self.opts.scale_sync_every != 0

@@ -102,7 +102,7 @@ class FP8ReduceScatter(ReduceScatter):
     two parameters' shards). Counts the bytes it sends."""
 
     def __init__(self, fmt="e4m3", block=128):
-        collective.check_codec(fmt, block)
+        compress.check_codec(fmt, block)
         self.fmt, self.block = fmt, block
         self.bytes_sent = 0
 
@@ -113,7 +113,7 @@ class FP8ReduceScatter(ReduceScatter):
         world = group.size()
         size = input_tensor.numel() // world                      # row j goes to rank j
         layout = row_chunks(((size,),), self.fmt, self.block, world)
-        send = compress.encode_shards([input_tensor.reshape(-1)], layout)
+        send = compress.quantize_bucket([input_tensor.reshape(-1)], layout)
         total = exchange_and_sum(send, layout, group)[0]
         output_tensor.copy_(average(total, op, world).to(output_tensor.dtype))
         self.bytes_sent += (world - 1) * layout.nbytes[0]
@@ -226,7 +226,7 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
         streams = collective.streams(opts.stochastic_round, self.comm.rounding_seed(),
                                      input_tensor.device, opts.stochastic_stages)
         layout = row_chunks(tuple(chunk_shapes), self.fmt, self.block, world).with_streams(streams)
-        send = compress.encode_shards(coords, layout, me)
+        send = compress.quantize_bucket(coords, layout, me)
         totals = [t.view(c) for t, c in zip(exchange_and_sum(send, layout, group), chunk_shapes)]
         self.bytes_sent += (world - 1) * layout.nbytes[0]
         # this rank's rows of every mean, back in original coordinates

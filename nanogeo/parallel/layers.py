@@ -89,16 +89,16 @@ class DenseFactor:
 WHITEN_FACTORS = ("lowrank", "lowrank-dense", "full", "diag", "block")
 
 
-def whitening_factor(A, kind="lowrank", rank=32, block=64, damping=1e-3, floor=1e-3):
+def factor_of_kind(A, kind="lowrank", r=32, block=64, damping=1e-3, floor=1e-3):
     """compress.whitening_factor for every kind of WHITEN_FACTORS: the dense ones computed in
     float64 from the symmetrized A and returned in A's dtype."""
     if kind not in WHITEN_FACTORS:
         raise ValueError(f"unknown whitening factor {kind!r}; choose one of {', '.join(WHITEN_FACTORS)}")
     if kind == "lowrank":
-        return compress.whitening_factor(A, rank, damping, floor)
+        return compress.whitening_factor(A, r, damping, floor)
     dtype = A.dtype
     A = (A.double() + A.double().T) / 2
-    factor = dense_factor(A, kind, min(rank, A.shape[0]), block, damping, floor)
+    factor = dense_factor(A, kind, min(r, A.shape[0]), block, damping, floor)
     return DenseFactor(factor.kind, factor.size,
                        **{k: v.to(dtype) for k, v in factor.tensors().items()})
 
@@ -124,7 +124,7 @@ def load_factor(state):
     return compress.Whitening(**state)
 
 
-def dense_factor(A, kind, rank, block, damping, floor):
+def dense_factor(A, kind, r, block, damping, floor):
     d = A.shape[0]
     eye = torch.eye(d, dtype=A.dtype, device=A.device)
     if kind == "full":
@@ -139,7 +139,7 @@ def dense_factor(A, kind, rank, block, damping, floor):
                               for i in range(nb)])
         damp = damping * torch.eye(block, dtype=A.dtype, device=A.device)
         return DenseFactor(kind, d, L=torch.linalg.cholesky(blocks + damp))
-    U, lam, rest = compress.top_eigenpairs(A, rank, floor)             # "lowrank-dense"
+    U, lam, rest = compress.top_eigenpairs(A, r, floor)                # "lowrank-dense"
     A_hat = (U * lam) @ U.T + torch.diag(rest)
     return DenseFactor(kind, d, L=torch.linalg.cholesky(A_hat + damping * eye))
 
@@ -266,7 +266,7 @@ class ProductionWhitenedLayer(JudgedLayer, compress.WhitenedLayer):
 
     def factor_of(self, side, moment):
         o = self.opts
-        factor = whitening_factor(moment, o.whiten_factor, o.whiten_rank, o.whiten_block, o.damping)
+        factor = factor_of_kind(moment, o.whiten_factor, o.whiten_rank, o.whiten_block, o.damping)
         if isinstance(factor, DenseFactor):
             return factor.blended(self.factors.get(side), o.factor_decay)
         return factor

@@ -333,12 +333,12 @@ def ddp_buckets(preset, cap_bytes=25 * 2 ** 20, first_cap_bytes=2 ** 20):
 def one_rank_collective(tensors, layout, rank=0):
     """What one rank's codec does for one bucket (the exchanges replaced by copies of its own
     bytes): stage 1 encode, stage 2 decode-sum-encode of its shard, stage 3 decode of W shards."""
-    shards = compress.encode_shards(tensors, layout, rank).split(layout.nbytes)
-    averaged = layout.reduce(shards[rank].repeat(layout.world_size), rank)
+    shards = compress.quantize_bucket(tensors, layout, rank).split(layout.nbytes)
+    averaged = layout.average_shard(shards[rank].repeat(layout.world_size), rank)
     slots = averaged.new_zeros(layout.world_size, max(layout.nbytes))
     for j, n in enumerate(layout.nbytes):
         slots[j, :n] = shards[j] if j != rank else averaged
-    return compress.decode_shards(slots.view(-1), layout, stride=slots.shape[1])
+    return compress.dequantize_bucket(slots.view(-1), layout, stride=slots.shape[1])
 
 
 NO_KERNEL_OPS = {"aten::" + name for name in (

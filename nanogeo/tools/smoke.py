@@ -124,7 +124,7 @@ def check_codec(device, numel, iters, with_compiled=True):
         for compiled in ((False, True) if fmt != "nvfp4" and with_compiled else (False,)):
             kernels.compile_hot_path(compiled)
             trip = ((lambda: packing.unpack_groups(packing.pack_groups(groups, fmt), 128, fmt))
-                    if fmt != "nvfp4" else (lambda: collective.round_trip(x, fmt, 128)))
+                    if fmt != "nvfp4" else (lambda: compress.dequantize(compress.quantize(x, fmt, 128))))
             seconds = timed(trip, iters)
             rows.append({"fmt": fmt, "compiled": compiled, "ms": seconds * 1000,
                          "gb_per_s": 4 * numel / seconds / 1e9})
@@ -279,7 +279,7 @@ def smoke_codec(device, numel, iters, with_compiled):
         for compiled in ((False, True) if with_compiled and fmt != "nvfp4" else (False,)):
             kernels.compile_hot_path(compiled)
             trip = ((lambda: packing.unpack_groups(packing.pack_groups(groups, fmt), 128, fmt))
-                    if fmt != "nvfp4" else (lambda: collective.round_trip(x, fmt, 128)))
+                    if fmt != "nvfp4" else (lambda: compress.dequantize(compress.quantize(x, fmt, 128))))
             seconds = timed(trip, iters)
             key = f"{fmt}_{'compiled' if compiled else 'eager'}"
             out[f"{key}_gb_per_s"] = 4 * x.numel() / seconds / 1e9
@@ -299,7 +299,7 @@ def codec_bound(fmt, tensors_of_ranks):
 
 
 def smoke_collectives(device, scale):
-    """all_reduce_mean at world size N for each format: equal to the simulator of the gathered
+    """collective.mean_over_ranks at world size N for each format: equal to the simulator of the gathered
     inputs, within codec_bound of the exact mean, the same bytes on every rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
     shapes = [(64 * scale, 96 * scale), (1000 * scale,), (3, 5)]
@@ -311,9 +311,9 @@ def smoke_collectives(device, scale):
     exact = [torch.stack(ts).double().mean(0) for ts in zip(*everyone)]
     out, status = {}, "PASS"
     for fmt in ("e4m3", "e5m2", "nvfp4"):
-        means, sent = collective.all_reduce_mean([t.to(device) for t in everyone[rank]], fmt)
+        means, sent = collective.mean_over_ranks([t.to(device) for t in everyone[rank]], fmt)
         means = [m.cpu() for m in means]
-        simulated = collective.simulate_mean(everyone, fmt)[0]
+        simulated = collective.mean_over_workers(everyone, fmt)[0]
         worst = max(((m.double() - e).abs().max() / b).item()
                     for m, e, b in zip(means, exact, codec_bound(fmt, everyone)))
         agree, hashes = same_on_every_rank(sha256(means))

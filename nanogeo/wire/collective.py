@@ -2,8 +2,7 @@
 The codec and the two-stage collective as training runs them: compress.py's reference, with
 nanogeo's forms passed in.
 
-  * formats: e4m3 / e5m2 (compress.py's codec) and NVFP4 (nanogeo/wire/nvfp4.py), one
-    quantize / dequantize / wire_nbytes for all three;
+  * stochastic rounding of every format (the codec and its wire are compress.py's);
   * layouts (compress.ShardLayout subclasses): the packed stages (one codec call per bucket
     and stage: nanogeo/wire/packing.py, and NVFP4's own) for integer blocks, packing.PieceLayout
     (piece by piece) otherwise;
@@ -12,7 +11,9 @@ nanogeo's forms passed in.
   * a benchmark's stage timer (TimedLayout), and the bytes of a ring all-reduce (the bf16
     baseline every wire is compared with).
 
-The means are those of compress.all_reduce_mean, bit for bit (tests/test_compress.py).
+The wire is compress.py's, byte for byte, and so are the means (tests/test_compress.py).
+ProductionCommunicator.collective passes bucket_layout()'s layout to compress.all_reduce_mean
+itself; mean_over_ranks / mean_over_workers do the same for the tools and tests.
 """
 import contextlib
 import functools
@@ -22,15 +23,7 @@ import torch
 import compress
 from nanogeo.wire import nvfp4, packing
 
-FORMATS = (*compress.FP8_FORMATS, "nvfp4")
-
-
-def check_codec(fmt, block):
-    """A format of FORMATS and (but for NVFP4, which always scales 16 values) a valid block."""
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    if fmt != "nvfp4":
-        compress.check_fp8(fmt, block)
+FORMATS = compress.FORMATS
 
 
 def ring_allreduce_bytes(numel, bytes_per_element, world_size):
@@ -60,13 +53,14 @@ class FeedbackLayout:
     def __getattr__(self, name):
         return getattr(self.layout, name)
 
-    def reduce(self, received, shard):
-        return self.layout.reduce(received, shard, self.feedback)
+    def average_shard(self, received, shard):
+        return self.layout.average_shard(received, shard, self.feedback)
 
 
 class TimedLayout:
-    """A layout whose codec stages a benchmark's timer measures: "quantize" (stage 1),
-    "reduce" (stage 2: decode the W copies, add, quantize again) and "decode" (stage 3); the
+    """A layout whose codec stages a benchmark's timer measures: "quantize" (stage 1's),
+    "reduce" (the owner's: decode the W copies, add, quantize again) and "decode" (stage 2's
+    end); the
     all_to_all and all_gather are the rest of the collective's time."""
 
     def __init__(self, layout, timer):
@@ -75,39 +69,26 @@ class TimedLayout:
     def __getattr__(self, name):
         return getattr(self.layout, name)
 
-    def encode(self, flats, rank=0):
+    def quantize_shards(self, flats, rank=0):
         with self.timer.stage("quantize"):
-            return self.layout.encode(flats, rank)
+            return self.layout.quantize_shards(flats, rank)
 
-    def reduce(self, received, shard):
+    def average_shard(self, received, shard):
         with self.timer.stage("reduce"):
-            return self.layout.reduce(received, shard)
+            return self.layout.average_shard(received, shard)
 
-    def decode(self, buffer, stride=None):
+    def dequantize_shards(self, buffer, stride=None):
         with self.timer.stage("decode"):
-            return self.layout.decode(buffer, stride)
+            return self.layout.dequantize_shards(buffer, stride)
 
 
-def quantize(x, fmt="e4m3", block=128, stochastic=False, generator=None):
-    """compress.quantize for every format (NVFP4 ignores `block`: always 16), to nearest or
-    stochastically."""
-    check_codec(fmt, block)
+def stochastic_quantize(x, fmt="e4m3", block=128, generator=None):
+    """compress.quantize, rounded stochastically (from `generator`; None: torch's global
+    stream): the same wire."""
+    compress.check_codec(fmt, block)
     if fmt == "nvfp4":
-        return nvfp4.quantize(x, stochastic, generator)
-    return packing.quantize(x, fmt, block, stochastic, generator)
-
-
-def dequantize(q):
-    return nvfp4.dequantize(q) if q.fmt == "nvfp4" else compress.dequantize(q)
-
-
-def wire_nbytes(shape, fmt, block):
-    return nvfp4.wire_nbytes(shape) if fmt == "nvfp4" else compress.wire_nbytes(shape, fmt, block)
-
-
-def round_trip(x, fmt, block):
-    """dequantize(quantize(x)): what the gain check compares coordinates by."""
-    return dequantize(quantize(x, fmt, block))
+        return nvfp4.quantize_nvfp4_stochastic(x, generator)
+    return packing.quantize_fp8_stochastic(x, fmt, block, generator)
 
 
 def layout(shapes, fmt, block, world_size, pieces=None, packed=True):
@@ -152,28 +133,30 @@ def streams(stochastic, seed, device, stages="both"):
                                 else (False, None))
 
 
-def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, stochastic=False, seed=None,
-                    return_local=False, timer=NO_TIMER, stages="both", feedback=None):
-    """compress.all_reduce_mean with the packed layout, NVFP4 and stochastic rounding (in the
-    `stages` of streams()), stage 2's error feedback (`feedback`: a packing.ShardFeedback);
-    a benchmark's `timer` times its codec stages."""
-    world = torch.distributed.get_world_size(group) if torch.distributed.is_initialized() else 1
+def bucket_layout(tensors, fmt, block, world, stochastic=False, seed=None, stages="both",
+                  feedback=None, timer=NO_TIMER):
+    """The layout one step's collective runs on a bucket of tensors: cached by shapes, with this
+    step's stochastic-rounding streams (in the `stages` of streams()), stage 2's error feedback
+    (`feedback`: a packing.ShardFeedback) and a benchmark's `timer` on its codec stages."""
     bucket = shard_layout(tuple(tuple(t.shape) for t in tensors), fmt, block, world)
     bucket = bucket.with_streams(streams(stochastic, seed, tensors[0].device, stages))
     if feedback is not None:
         bucket = FeedbackLayout(bucket, feedback)
-    if timer is not NO_TIMER:
-        bucket = TimedLayout(bucket, timer)
-    return compress.all_reduce_mean(tensors, group=group, return_local=return_local,
-                                    layout=bucket)
+    return bucket if timer is NO_TIMER else TimedLayout(bucket, timer)
 
 
-def simulate_mean(worker_tensors, fmt="e4m3", block=128, stochastic=False, seed=None,
-                  return_local=False, stages="both", feedback=None):
-    """compress.simulate_mean with the same forms: exactly all_reduce_mean's numerics."""
-    bucket = shard_layout(tuple(tuple(t.shape) for t in worker_tensors[0]), fmt, block,
-                          len(worker_tensors))
-    bucket = bucket.with_streams(streams(stochastic, seed, worker_tensors[0][0].device, stages))
-    if feedback is not None:
-        bucket = FeedbackLayout(bucket, feedback)
+def mean_over_ranks(tensors, fmt="e4m3", block=128, group=None, stochastic=False, seed=None,
+                    return_local=False, stages="both", feedback=None, timer=NO_TIMER):
+    """compress.all_reduce_mean on bucket_layout()'s layout: packed, NVFP4, stochastic rounding,
+    stage-2 error feedback."""
+    world = torch.distributed.get_world_size(group) if torch.distributed.is_initialized() else 1
+    bucket = bucket_layout(tensors, fmt, block, world, stochastic, seed, stages, feedback, timer)
+    return compress.all_reduce_mean(tensors, group=group, return_local=return_local, layout=bucket)
+
+
+def mean_over_workers(worker_tensors, fmt="e4m3", block=128, stochastic=False, seed=None,
+                      return_local=False, stages="both", feedback=None):
+    """compress.simulate_mean on the same layouts: exactly mean_over_ranks' numerics."""
+    bucket = bucket_layout(worker_tensors[0], fmt, block, len(worker_tensors), stochastic, seed,
+                           stages, feedback)
     return compress.simulate_mean(worker_tensors, return_local=return_local, layout=bucket)

@@ -21,11 +21,6 @@ import torch
 import compress
 
 
-def fp8_decode_groups(codes, scale, dtype):
-    """codes (G, L) uint8 and their scales (G,) -> (G, L) fp32."""
-    return codes.view(dtype).float() / scale[:, None]
-
-
 def any_group_count(compiled_kernel):
     """compiled_kernel(groups_or_codes, ...) with the groups' count G (dimension 0 of every
     tensor argument) marked dynamic before the call: one graph for all bucket sizes."""
@@ -39,7 +34,7 @@ def any_group_count(compiled_kernel):
     return call
 
 
-EAGER = {"fp8_encode": compress.fp8_encode, "fp8_decode_groups": fp8_decode_groups}
+EAGER = {"fp8_encode": compress.fp8_encode, "fp8_decode": compress.fp8_decode}
 KERNELS = dict(EAGER)       # what the packed stages call: the plain or the compiled kernels
 COMPILED = {}               # plain function -> its compiled version, made once
 state = {"float8_eager": False}   # a GPU whose Triton cannot cast to float8 (below sm_89)

@@ -1,123 +1,56 @@
 """
-NVFP4, the 4-bit format of NVIDIA's Blackwell GPUs, as a codec of the two-stage collective:
-blocks of 16 values, each value an e2m1 number (sign, 2 exponent bits, 1 mantissa bit: the
-magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6), each block scaled by an e4m3 number, and one fp32 scale
-per tensor that brings the largest block scale to the top of e4m3's range.
+NVFP4 (compress.py's 4-bit codec: blocks of 16 e2m1 values, an e4m3 scale per block, an fp32
+scale per tensor) as training runs it: stochastic rounding, and the packed form of the two-stage
+collective.
 
     wire: [tensor scale, fp32][block scale per 16 values, e4m3][two e2m1 values per byte]
 
-About 0.56 bytes a value (against 1.03 for e4m3 with block 128): a quarter of bf16's bytes.
-
-The codec works on blocks: encode_blocks / decode_blocks turn a (blocks, 16) fp32 matrix into
-block scales and codes and back, given each block's tensor scale. quantize / dequantize run them
-on one tensor; Nvfp4PackedLayout runs them on a whole bucket of compress.py's two-stage
-collective, one call per stage (the pieces' tensor scales from one segmented max), and writes
-the same bytes, bit for bit, as quantizing piece by piece (tests/test_compress.py,
-test_packed_nvfp4_equals_one_call_per_piece).
+Nvfp4PackedLayout runs compress.py's codec (nvfp4_encode / nvfp4_decode) on a whole bucket, one
+call per stage (the pieces' tensor scales from one segmented max), and writes the same bytes,
+bit for bit, as compress.quantize piece by piece (tests/test_compress.py,
+test_packed_nvfp4_equals_one_call_per_piece, test_the_wire_is_what_compress_py_teaches).
 """
 import itertools
-import math
 
 import torch
 
 import compress
-from compress import Quantized, as_float32, num_groups, scale_groups
+from compress import NVFP4_BLOCK, Quantized
 from nanogeo.wire import packing
 from nanogeo.wire.packing import on_device
 
-NVFP4_BLOCK = 16        # NVFP4 always scales blocks of 16 values
-
-E2M1_MAX = 6.0
-E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the 8 magnitudes of a 4-bit e2m1 value
-SIGNED_E2M1 = E2M1_GRID + tuple(-v for v in E2M1_GRID)  # the value of each 4-bit code (8: -0.0)
-E4M3_MAX = 448.0
 CODE_BYTES = NVFP4_BLOCK // 2           # a block's 16 codes, two a byte
 
 
-def wire_nbytes(shape):
-    """fp32 tensor scale + one e4m3 scale per 16 values + two values per byte; 0 if empty."""
-    numel = math.prod(shape)
-    return 4 + num_groups(shape, NVFP4_BLOCK) + (numel + 1) // 2 if numel else 0
-
-
-def round_to_e2m1(y, stochastic=False, generator=None):
-    """4-bit codes (sign << 3 | magnitude index into E2M1_GRID) of y, |y| <= 6."""
-    grid = on_device(E2M1_GRID, y.device)
-    a = y.abs()
-    if stochastic:
+def stochastic_e2m1(generator=None):
+    """compress.e2m1_codes with stochastic rounding: |y| to one of its two grid neighbours, with
+    probability proportional to closeness, so E[decode] = y (the stream: `generator`)."""
+    def codes(y):
+        grid = on_device(compress.E2M1_GRID, y.device)
+        a = y.abs()
         low = (torch.bucketize(a, grid, right=True) - 1).clamp(0, 6)   # grid[low] <= a
         lo, hi = grid[low], grid[low + 1]
         p_up = ((a - lo) / (hi - lo)).clamp(0, 1)
         draw = torch.rand(a.shape, generator=generator, device=y.device)
-        idx = low + (draw < p_up).long()
-    else:
-        # nearest: the index is the number of midpoints between grid values that a has passed;
-        # ties to the even code, so a tie at 0.25, 1.25, 2.5 or 5 rounds down, one at 0.75,
-        # 1.75 or 3.5 up (the even codes' values are 0, 1, 2, 4). Seven compares of a, each
-        # added in place (a (.., 7) compare summed over its last dimension is ~3x slower)
-        idx = torch.zeros_like(a, dtype=torch.uint8)
-        for tie in (0.25, 1.25, 2.5, 5.0):
-            idx += a > tie
-        for tie in (0.75, 1.75, 3.5):
-            idx += a >= tie
-    return idx.to(torch.uint8) | (y < 0).to(torch.uint8) << 3
-
-
-def tensor_scale(tensor_amax):
-    """The fp32 scale that brings the largest block scale to e4m3's max (1 where amax is 0);
-    elementwise, so one call serves every piece of a bucket. At least fp32's smallest normal
-    number: for a piece of subnormal values (amax < 3.2e-35; the embedding rows of unseen tokens
-    under error feedback) the quotient would round to 0, and a zero block's scale would be
-    0 / 0 = NaN - the whole mean NaN. With the floor they decode to 0 or close to it."""
-    scale = (tensor_amax / (E2M1_MAX * E4M3_MAX)).clamp(min=torch.finfo(torch.float32).tiny)
-    return torch.where(tensor_amax > 0, scale, torch.ones_like(tensor_amax))
+        return (low + (draw < p_up).long()).to(torch.uint8) | (y < 0).to(torch.uint8) << 3
+    return codes
 
 
 def encode_blocks(blocks, amax, scale, stochastic=False, generator=None):
-    """blocks (G, 16) fp32, their amax (G,) and their tensor scale ((G,) or (1,)) -> block
-    scales (G,) as e4m3 bytes and codes (G, 8) uint8, two a byte, low nibble first. A zero
-    (the padding of a partial block) gets code 0."""
-    block_scale = (amax / (E2M1_MAX * scale)).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
-    step = block_scale.float() * scale                                 # (G,) decoded block scale
-    y = torch.where(step[:, None] > 0, blocks / step[:, None], torch.zeros_like(blocks))
-    codes = round_to_e2m1(y.clamp(-E2M1_MAX, E2M1_MAX), stochastic, generator)   # (G, 16)
-    return block_scale.view(torch.uint8), codes[:, 0::2] | (codes[:, 1::2] << 4)
+    """compress.nvfp4_encode, to nearest or stochastically."""
+    to_e2m1 = stochastic_e2m1(generator) if stochastic else compress.e2m1_codes
+    return compress.nvfp4_encode(blocks, amax, scale, to_e2m1)
 
 
-def decode_blocks(block_scale, nibbles, scale):
-    """Inverse of encode_blocks: e4m3 bytes (G,), codes (G, 8) uint8 and the tensor scale
-    ((G,) or (1,)) -> (G, 16) fp32."""
-    codes = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=2).view(-1).long()   # low first
-    values = on_device(SIGNED_E2M1, nibbles.device).index_select(0, codes).view(-1, NVFP4_BLOCK)
-    return values * (block_scale.view(torch.float8_e4m3fn).float() * scale)[:, None]
+decode_blocks = compress.nvfp4_decode       # (a name of its own: tests count the calls)
 
 
-def quantize(x, stochastic=False, generator=None) -> Quantized:
-    """x -> one uint8 wire buffer (the layout above)."""
-    numel = x.numel()
-    if numel == 0:
-        return Quantized(torch.empty(0, dtype=torch.uint8, device=x.device), x.shape, "nvfp4",
-                         NVFP4_BLOCK)
-    blocks = scale_groups(x, NVFP4_BLOCK)                              # (G, 16) fp32
-    amax = blocks.abs().amax(dim=1)                                    # (G,)
-    scale = tensor_scale(amax.max()).reshape(1)
-    block_scale, nibbles = encode_blocks(blocks, amax, scale, stochastic, generator)
-    buffer = torch.cat([scale.view(torch.uint8), block_scale,
-                        nibbles.view(-1)[: (numel + 1) // 2]])         # no padding sent
-    return Quantized(buffer, x.shape, "nvfp4", NVFP4_BLOCK)
-
-
-def dequantize(q: Quantized) -> torch.Tensor:
-    """fp32 tensor of q's shape."""
-    numel = math.prod(q.shape)
-    if numel == 0:
-        return torch.zeros(q.shape, device=q.buffer.device)
-    n_groups = num_groups(q.shape, NVFP4_BLOCK)
-    scale = as_float32(q.buffer[:4])
-    nibbles = q.buffer[4 + n_groups:]
-    nibbles = torch.cat([nibbles, nibbles.new_zeros(n_groups * CODE_BYTES - nibbles.numel())])
-    values = decode_blocks(q.buffer[4: 4 + n_groups], nibbles.view(-1, CODE_BYTES), scale)
-    return values.view(-1)[:numel].view(q.shape)
+def quantize_nvfp4_stochastic(x, generator=None) -> Quantized:
+    """compress.quantize(x, "nvfp4"), rounded stochastically: the same wire."""
+    if x.numel() == 0:
+        return compress.quantize(x, "nvfp4")
+    return Quantized(compress.nvfp4_wire(x, stochastic_e2m1(generator)), x.shape, "nvfp4",
+                     NVFP4_BLOCK)
 
 
 def gather_segments(source, segments, total):
@@ -142,7 +75,7 @@ class WireRun:
         self.groups = [-(-n // NVFP4_BLOCK) for n in sizes]
         self.code_bytes = [(n + 1) // 2 for n in sizes]               # sent: no padding
         self.first_group = [0, *itertools.accumulate(self.groups)]
-        piece_nbytes = [wire_nbytes((n,)) for n in sizes]
+        piece_nbytes = [compress.wire_nbytes((n,), "nvfp4", NVFP4_BLOCK) for n in sizes]
         self.shard_nbytes, self.placement, k = [], [], 0     # placement: (shard, byte in it)
         for j, pieces in enumerate(shards):
             at = [0, *itertools.accumulate(piece_nbytes[k: k + len(pieces)])]
@@ -174,7 +107,7 @@ class WireRun:
         amax = blocks.abs().amax(dim=1)                                            # (G,)
         piece_amax = amax.new_zeros(P).scatter_reduce(0, owner, amax, "amax",
                                                        include_self=False)         # (P,)
-        scale = tensor_scale(piece_amax)
+        scale = compress.nvfp4_tensor_scale(piece_amax)
         block_scale, nibbles = encode_blocks(blocks, amax, scale.index_select(0, owner),
                                              stochastic, generator)
         fields = torch.cat([scale.view(torch.uint8), block_scale, nibbles.view(-1)])
@@ -217,32 +150,20 @@ class WireRun:
             for segment in ((a + 4 + g, c), (width, CODE_BYTES * g - c))]
 
 
-def check_nvfp4(fmt, block):
-    """An NVFP4 layout's codec check (compress.ShardLayout's codes FP8 only): the format must be
-    nvfp4; `block` does not apply (always 16)."""
-    if fmt != "nvfp4":
-        raise ValueError(f"an NVFP4 layout codes nvfp4, not {fmt!r} "
-                         "(nanogeo.wire.collective.layout picks the layout of a format)")
-
-
 class Nvfp4Layout(packing.PieceLayout):
-    """compress.ShardLayout with NVFP4 as the codec of each piece, piece by piece (the reference
-    the packed form is tested against), to nearest or stochastically. Always blocks of 16
-    (`block` does not apply)."""
-    check_codec = staticmethod(check_nvfp4)
+    """compress.ShardLayout for NVFP4, piece by piece (the reference the packed form is tested
+    against), to nearest or stochastically."""
 
     def __init__(self, shapes, fmt, block, world_size, pieces=None):
+        if fmt != "nvfp4":
+            raise ValueError(f"an NVFP4 layout codes nvfp4, not {fmt!r} "
+                             "(nanogeo.wire.collective.layout picks the layout of a format)")
         super().__init__(shapes, fmt, NVFP4_BLOCK, world_size, pieces)
 
-    def piece_nbytes(self, p):
-        """As quantize writes the piece on its own."""
-        return wire_nbytes(p.shape)
-
     def quantize_piece(self, values, p, rounding=(False, None)):
-        return quantize(values.view(p.shape), *rounding).buffer
-
-    def dequantize_piece(self, buffer, p):
-        return dequantize(Quantized(buffer, p.shape, "nvfp4", NVFP4_BLOCK))
+        if not rounding[0]:
+            return compress.ShardLayout.quantize_piece(self, values, p)
+        return quantize_nvfp4_stochastic(values.view(p.shape), rounding[1]).buffer
 
 
 class Nvfp4PackedLayout(Nvfp4Layout, packing.PackedLayout):
@@ -256,19 +177,19 @@ class Nvfp4PackedLayout(Nvfp4Layout, packing.PackedLayout):
         self.bucket = WireRun(self.pieces)                                       # stages 1, 3
         self.shards = [WireRun([pieces]) for pieces in self.pieces]              # stage 2
 
-    def encode_ranks(self, rank_flats):
+    def quantize_ranks(self, rank_flats):
         """Rank by rank, as compress.ShardLayout does (each piece's tensor scale is a max over
         that rank's piece alone), not stacked as packing.PackedLayout does."""
-        return compress.ShardLayout.encode_ranks(self, rank_flats)
+        return compress.ShardLayout.quantize_ranks(self, rank_flats)
 
-    def encode(self, flats, rank=0):
+    def quantize_shards(self, flats, rank=0):
         return self.bucket.encode(self.blocks_in_wire_order(flats), *self.rounding((rank, 1)))
 
     def sum_groups(self, received, shard):
         run = self.shards[shard]
         return packing.sum_in_rank_order(run.decode(received.view(self.world_size, run.nbytes)))
 
-    def reduce(self, received, shard, feedback=None):
+    def average_shard(self, received, shard, feedback=None):
         run = self.shards[shard]
         means = self.sum_groups(received, shard) / self.world_size
         if feedback is not None:                # (as packing.PieceLayout.reduce)
@@ -278,12 +199,13 @@ class Nvfp4PackedLayout(Nvfp4Layout, packing.PackedLayout):
             feedback.keep(shard, means, run.decode(out.view(1, -1))[0])
         return out
 
-    def decode(self, buffer, stride=None):
-        """Stage 3 (as packing.PackedLayout.decode): shard j at j * stride, or back to back."""
+    def dequantize_shards(self, buffer, stride=None):
+        """Stage 2's end (as packing.PackedLayout.dequantize_shards): shard j at j * stride, or
+        back to back."""
         values = self.bucket.decode(buffer.view(1, -1), stride)                   # (1, G, 16)
         return self.in_tensor_order(values.view(-1), self.first_group)
 
-    def decode_ranks(self, sends):
+    def dequantize_ranks(self, sends):
         """R simulated ranks' stage-1 bytes (R, bytes) -> (R, values) in tensor order, in one
         codec call (each block decodes with its own piece's tensor scale)."""
         values = self.bucket.decode(sends)                                       # (R, G, 16)

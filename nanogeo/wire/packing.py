@@ -4,8 +4,9 @@ compress.py's two-stage collective as training runs it, for e4m3 / e5m2: stochas
 through the FP8 codec in ONE call per stage, instead of one per piece (a bucket has W x T
 pieces: thousands of small kernel launches per step at scale). nanogeo.wire.collective uses it
 for integer blocks; the means are bit-identical to quantizing piece by piece
-(tests/test_compress.py, test_packed_codec_equals_one_call_per_piece), the wire carries < block
-padding bytes more per piece.
+(tests/test_compress.py, test_packed_codec_equals_one_call_per_piece), and so are the bytes:
+compress.quantize's wire is already a (groups, 4 + block) byte matrix
+(test_the_wire_is_what_compress_py_teaches).
 
 Stochastic rounding casts each value to one of its two FP8 neighbours, with probability
 proportional to closeness, so E[decode] = value: unbiased, with more variance than rounding to
@@ -13,18 +14,18 @@ nearest. Every rank and stage draws from its own stream (nanogeo.wire.collective
 the simulator from the same ones.
 
 With integer blocks every piece is cut into groups of `block` elements starting at the piece's
-start, the last one zero-padded, and each group travels as [fp32 scale | block fp8 codes]: a
-shard is a (groups, 4 + block) byte matrix, and all shards of a bucket stacked are one. So
-stage 1 is one concatenation of the pieces in wire order (with their padding), one encode and
-one concatenation of scales and codes; stage 2 decodes the W copies as one matrix and adds
-them in rank order (the per-piece path's order: W - 1 additions, not one .sum, whose order
-differs); stage 3 decodes the W shards as one matrix and concatenates the pieces' values back
-into tensors. Only views and host-side bookkeeping per piece. NVFP4's packed form
-(nanogeo/wire/nvfp4.py) is a PackedLayout with its own codec and wire.
+start, the last one zero-padded, and each group travels as [fp32 scale | block fp8 codes]
+(compress.quantize's wire): a shard is a (groups, 4 + block) byte matrix, and all shards of a
+bucket stacked are one. So stage 1's quantization is one concatenation of the pieces in wire
+order (with their padding), one encode and one concatenation of scales and codes; the owner
+decodes the W copies as one matrix and adds them in rank order (the per-piece path's order:
+W - 1 additions, not one .sum, whose order differs); stage 2's end decodes the W shards as
+one matrix and concatenates the pieces' values back into tensors. Only views and host-side
+bookkeeping per piece. NVFP4's packed form (nanogeo/wire/nvfp4.py) is a PackedLayout with its
+own codec and wire.
 """
 import copy
 import functools
-import math
 
 import torch
 
@@ -67,32 +68,33 @@ def on_device(constant, device):
     return torch.tensor(constant, device=device)
 
 
-def quantize(x, fmt="e4m3", block=128, stochastic=False, generator=None):
-    """compress.quantize, to nearest or stochastically (from `generator`; None: torch's global
-    stream)."""
-    if not stochastic or x.numel() == 0:
+def quantize_fp8_stochastic(x, fmt, block, generator=None):
+    """compress.quantize (FP8), rounded stochastically from `generator` (None: torch's global
+    stream): the same wire."""
+    if x.numel() == 0:
         return compress.quantize(x, fmt, block)
-    compress.check_fp8(fmt, block)
     dtype, fmax = compress.FP8_FORMATS[fmt]
     scale, codes = stochastic_encode(compress.scale_groups(x, block), fmax, dtype, generator)
-    return compress.to_wire(scale, codes, x, fmt, block)
+    return compress.Quantized(compress.fp8_pack(scale, codes), x.shape, fmt, block)
 
 
 def pack_groups(groups, fmt, stochastic=False, generator=None):
-    """(G, L) fp32 -> (G * (4 + L),) uint8 wire bytes, per group [fp32 scale | L codes]."""
+    """(G, L) fp32 -> (G * (4 + L),) uint8: compress.quantize's wire of G whole groups, per group
+    [fp32 scale | L codes]."""
     dtype, fmax = compress.FP8_FORMATS[fmt]
     if stochastic:
         scale, codes = stochastic_encode(groups, fmax, dtype, generator)
     else:                               # compress.fp8_encode, with the kernel compiled or not
         scale, codes = kernels.KERNELS["fp8_encode"](groups, fmax, dtype)
-    return torch.cat([scale.view(torch.uint8).view(-1, 4), codes], dim=1).view(-1)
+    return compress.fp8_pack(scale, codes)
 
 
 def unpack_groups(buffer, block, fmt):
-    """Inverse of pack_groups: uint8 bytes -> (G, block) fp32 values."""
+    """Inverse of pack_groups: uint8 bytes -> (G, block) fp32 values (compress.fp8_unpack, with
+    the kernel compiled or not)."""
     rows = buffer.view(-1, 4 + block)
     scale = rows[:, :4].contiguous().view(torch.float32).view(-1)       # (G,)
-    return kernels.KERNELS["fp8_decode_groups"](rows[:, 4:], scale, compress.FP8_FORMATS[fmt][0])
+    return kernels.KERNELS["fp8_decode"](rows[:, 4:], scale, compress.FP8_FORMATS[fmt][0])
 
 
 def sum_in_rank_order(copies):
@@ -145,11 +147,6 @@ class ShardFeedback:
 class PieceLayout(compress.ShardLayout):
     """compress.ShardLayout as production runs it, piece by piece (row and tensor scaling, and
     the reference the packed form is tested against):
-      * a balanced cut: a tensor's groups left over after W equal counts (all of them, if it has
-        fewer groups than ranks) go to the shards that carry the fewest bytes so far - the
-        all_gather pads every shard to the largest, so a small model at many ranks would
-        otherwise pay for one rank's pile of remainders. The cut depends only on the shapes and
-        a piece's wire size (never inside a scale group), so every rank computes the same;
       * `pieces` given explicitly (FSDP's row chunks);
       * stochastic rounding: rng_for(rank, stage) -> (stochastic, torch.Generator), set by
         with_streams on a copy for one step; None: every stage to nearest."""
@@ -160,18 +157,7 @@ class PieceLayout(compress.ShardLayout):
         super().__init__(shapes, fmt, block, world_size)
 
     def cut(self):
-        if self.given is not None:
-            return self.given
-        W, pieces, load = self.world_size, [[] for _ in range(self.world_size)], [0] * self.world_size
-        for t, shape in enumerate(self.shapes):
-            group_len, _ = self.groups_of(shape)
-            base, extra = divmod(-(-math.prod(shape) // group_len) if group_len else 0, W)
-            lightest = set(sorted(range(W), key=lambda j: (load[j], j))[:extra])  # ties: lower j
-            for j, piece in enumerate(self.split(t, [base + (j in lightest) for j in range(W)])):
-                if piece:
-                    pieces[j].append(piece)
-                    load[j] += self.piece_nbytes(piece)
-        return pieces
+        return super().cut() if self.given is None else self.given
 
     def with_streams(self, rng_for):
         """A copy of this (cached) layout that rounds as rng_for(rank, stage) says: (True, that
@@ -192,17 +178,20 @@ class PieceLayout(compress.ShardLayout):
         return (False, None) if self.rng_for is None else self.rng_for(*whose)
 
     def quantize_piece(self, values, p, rounding=(False, None)):
-        return quantize(values.view(p.shape), self.fmt, p.block, *rounding).buffer
+        if not rounding[0]:
+            return super().quantize_piece(values, p)
+        return quantize_fp8_stochastic(values.view(p.shape), self.fmt, p.block, rounding[1]).buffer
 
     # compress.ShardLayout's stages 1 and 2, each stage call rounding from one stream
-    def encode(self, flats, rank=0):
+    def quantize_shards(self, flats, rank=0):
         rounding = self.rounding((rank, 1))
         return torch.cat([self.quantize_piece(flats[p.tensor][p.start:p.end], p, rounding)
                           for shard in self.pieces for p in shard])
 
-    def reduce(self, received, shard, feedback=None):
-        """Stage 2; with `feedback` (ShardFeedback) the shard's residual is added to the mean
-        before it is quantized, and what this quantization loses is kept for the next step."""
+    def average_shard(self, received, shard, feedback=None):
+        """The owner's mean, quantized again; with `feedback` (ShardFeedback) the shard's
+        residual is added to the mean before it is quantized, and what this quantization loses
+        is kept for the next step."""
         rounding = self.rounding((shard, 2))
         means = [v / self.world_size for v in self.sum_copies(received, shard)]
         if feedback is not None:
@@ -235,10 +224,6 @@ class PackedLayout(PieceLayout):
             self.first_group.append(self.first_group[-1] + q)
         self.decode_order = [(j, q, n) for pieces in by_tensor for _, j, q, n in sorted(pieces)]
 
-    def piece_nbytes(self, piece):
-        """Groups of [fp32 scale | block codes], the last one padded."""
-        return -(-(piece.end - piece.start) // self.block) * (4 + self.block)
-
     def blocks_in_wire_order(self, flats):
         """The bucket's flat fp32 tensors -> (groups, block): every piece in wire order, cut
         into groups of `block` from its start, the last one zero-padded."""
@@ -254,18 +239,19 @@ class PackedLayout(PieceLayout):
                 parts.append(zero[:pad].expand(len(rows[t]), pad))
         return torch.cat(parts, dim=1).view(-1, self.block)
 
-    def encode_ranks(self, rank_flats):
+    def quantize_ranks(self, rank_flats):
         """Stage 1 of R simulated ranks in one call: rank_flats[i] = rank i's flat fp32 tensors
         -> (R, bytes), row i = encode(rank_flats[i], i). Every group is quantized on its own, so
         stacking the ranks changes no byte (nearest rounding; stochastic rounding draws from
         each rank's own stream: rank by rank, where stage 1 rounds stochastically)."""
         if self.rounding((0, 1))[0]:
-            return super().encode_ranks(rank_flats)
+            return super().quantize_ranks(rank_flats)
         rows = [torch.stack(column) for column in zip(*rank_flats)]     # (R, numel) per tensor
         return pack_groups(self.rows_in_wire_order(rows), self.fmt).view(len(rank_flats), -1)
 
-    def encode(self, flats, rank=0):
-        """Stage 1: the bucket's flat fp32 tensors -> the W shards' bytes, back to back."""
+    def quantize_shards(self, flats, rank=0):
+        """Stage 1's quantization: the bucket's flat fp32 tensors -> the W shards' bytes, back
+        to back."""
         return pack_groups(self.blocks_in_wire_order(flats), self.fmt, *self.rounding((rank, 1)))
 
     def sum_groups(self, received, shard):
@@ -277,8 +263,8 @@ class PackedLayout(PieceLayout):
     def sum_copies(self, received, shard):
         return self.piece_values(self.sum_groups(received, shard), self.pieces[shard])
 
-    def reduce(self, received, shard, feedback=None):
-        """Stage 2: the summed shard divided by W, back to wire bytes (with `feedback`, as
+    def average_shard(self, received, shard, feedback=None):
+        """The owner's step: the summed shard divided by W, back to wire bytes (with `feedback`, as
         PieceLayout.reduce)."""
         means = self.sum_groups(received, shard) / self.world_size
         if feedback is not None:
@@ -297,16 +283,16 @@ class PackedLayout(PieceLayout):
             first += -(-n // self.block) * self.block
         return out
 
-    def decode(self, buffer, stride=None):
-        """Stage 3: the W shards' bytes (shard j at j * stride, or back to back) -> the bucket's
-        flat fp32 values in tensor order. The padding rows of a gathered buffer (shards shorter
+    def dequantize_shards(self, buffer, stride=None):
+        """Stage 2's end: the W shards' bytes (shard j at j * stride, or back to back) -> the
+        bucket's flat fp32 values in tensor order. The padding rows of a gathered buffer (shards shorter
         than the largest) decode to garbage (scale 0); they are never read."""
         first_group = self.first_group if stride is None else \
             [j * (stride // (4 + self.block)) for j in range(self.world_size)]
         return self.in_tensor_order(unpack_groups(buffer, self.block, self.fmt).reshape(-1),
                                     first_group)
 
-    def decode_ranks(self, sends):
+    def dequantize_ranks(self, sends):
         """R simulated ranks' stage-1 bytes (R, bytes) -> (R, values) in tensor order, in one
         codec call: each rank's own round trip, for error feedback."""
         values = unpack_groups(sends.reshape(-1), self.block, self.fmt).view(len(sends), -1)
