@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 import compress
 from nanogeo.parallel import agreement, hadamard, hooks, layers, update_error
+from nanogeo.parallel.precision import ieee
 from nanogeo.wire import collective, fp8sum, nvfp4, packing
 
 # options renamed to train.py's flag names (one vocabulary), and the whitening's old name
@@ -181,10 +182,12 @@ class ProductionCommunicator(compress.Communicator):
         """Names of the weights whose layers' K-FAC statistics the whitening needs."""
         return list(self.layers) if self.uses_moments else []
 
+    @ieee       # the coordinates in IEEE fp32 even where the model's matmuls use TF32 (precision.py)
     def to_coords(self, name, g):
         with self.timer.stage("rotate"):
             return super().to_coords(name, g)
 
+    @ieee
     def from_coords(self, name, c):
         with self.timer.stage("rotate"):
             return super().from_coords(name, c)
@@ -345,6 +348,7 @@ class ProductionCommunicator(compress.Communicator):
 
     # -- the geometry: FSDP's rows, finiteness, rank agreement ---------------------------------------
 
+    @ieee       # the gain check's measurements and the new geometry: IEEE fp32 (precision.py)
     def advance(self, means, sent, moments=None, across_ranks=False, rows=None):
         """compress.Communicator.advance; `rows` (FSDP): {name: this rank's RowBlocks}, when
         `means` holds only this rank's rows; then, after the warmup, the fragile selection."""

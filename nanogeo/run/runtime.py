@@ -64,13 +64,13 @@ def check_ranks_agree(params, step, device):
 
 def setup_distributed(cfg):
     """(rank, world_size, local_rank, device). torchrun sets RANK/WORLD_SIZE/LOCAL_RANK. On a
-    GPU, fp32 matmuls may use TF32 (the model runs in bf16 autocast anyway)."""
+    GPU, the model's fp32 matmuls may use TF32 (it runs in bf16 autocast anyway)."""
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device=cuda but no GPU is visible; use --device=cpu")
-    if use_cuda:
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    if use_cuda:    # the fp32_precision API only: mixed with allow_tf32 it breaks torch.compile
+        torch.backends.cuda.matmul.fp32_precision = "tf32"      # (the communicator measures in
+        torch.backends.cudnn.conv.fp32_precision = "tf32"       # IEEE: parallel/precision.py)
     if "RANK" not in os.environ:
         return 0, 1, 0, torch.device("cuda" if use_cuda else "cpu")
     local_rank = int(os.environ["LOCAL_RANK"])

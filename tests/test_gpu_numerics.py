@@ -1,0 +1,151 @@
+"""
+What a GPU would change in the communicator's numbers, checked on the CPU (issue 43):
+its measurements and geometry in IEEE fp32 under a global TF32 setting; no host reads on
+ordinary steps (a counter of them); the whitening refresh's fast form against compress.py's.
+"""
+import contextlib
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import compress
+from nanogeo.parallel import hooks, precision
+from nanogeo.parallel.communicator import Options, ProductionCommunicator
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# -----------------------------------------------------------------------------
+# TF32: the communicator computes in IEEE fp32 whatever the global setting
+
+@contextlib.contextmanager
+def global_tf32():
+    """The model's setting on a GPU (nanogeo.run.runtime) and more: TF32 everywhere, set through
+    the fp32_precision API (readable and settable without CUDA); put back as it was."""
+    saved = torch.backends.fp32_precision
+    torch.backends.fp32_precision = "tf32"
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = "none"
+        torch.backends.fp32_precision = saved
+
+
+def project_code(filename):
+    """Is `filename` one of the project's own sources outside the tests?"""
+    path = os.path.abspath(filename)
+    return path.startswith(ROOT + os.sep) and os.sep + "tests" + os.sep not in path[len(ROOT):] \
+        and ".venv" not in path
+
+
+@contextlib.contextmanager
+def precision_spy(monkeypatch):
+    """Records the matmul precision in force at every matmul (@), eigh, svd, qr and Cholesky
+    call that the project's code makes (compress.py, nanogeo/; not torch.optim.Muon's own) while
+    active: [(cuda's, oneDNN's)]."""
+    seen = []
+
+    def spied(fn):
+        def call(*args, **kwargs):
+            if project_code(sys._getframe(1).f_code.co_filename):
+                seen.append(precision.matmul_precisions())
+            return fn(*args, **kwargs)
+        return call
+    monkeypatch.setattr(torch.Tensor, "__matmul__", spied(torch.Tensor.__matmul__))
+    for name in ("eigh", "svd", "qr", "cholesky"):
+        monkeypatch.setattr(torch.linalg, name, spied(getattr(torch.linalg, name)))
+    try:
+        yield seen
+    finally:
+        monkeypatch.undo()
+
+
+def a_model_and_its_optimizers():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(48, 96, bias=False), nn.GELU(), nn.Linear(96, 48, bias=False))
+    muon = torch.optim.Muon([model[0].weight], lr=0.02)
+    adamw = torch.optim.AdamW([model[2].weight], lr=1e-3)
+    return model, [muon, adamw]
+
+
+@pytest.mark.parametrize("geometry", ["geofp8", "subspace"])
+def test_the_communicator_computes_in_ieee_fp32_under_global_tf32(monkeypatch, geometry):
+    """Under a global TF32 setting, every matmul and decomposition of the communicator - the
+    K-FAC moments x^T x, the factors, the coordinates, the gain check through Muon's
+    Newton-Schulz and AdamW - sees "ieee" on both the GPU's and the CPU's backend; afterwards
+    the global setting is back, and a later change of it still reaches the matmul backends."""
+    model, optimizers = a_model_and_its_optimizers()
+    named = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    comm = ProductionCommunicator(named, Options(geometry=geometry, min_numel=16, whiten_rank=4,
+                                                 geo_rank=4, geo_refresh=2, judge_every=1),
+                                  linear=hooks.linear_layers(model))
+    comm.watch(hooks.optimizer_views(optimizers, model))
+    moments = hooks.KroneckerMoments(hooks.linear_layers(model, list(comm.layers)))
+    g = torch.Generator().manual_seed(1)
+    with global_tf32(), precision_spy(monkeypatch) as seen:
+        for step in range(6):
+            workers, stats = [], []
+            for w in range(2):
+                with moments.attached() if comm.wants_moments() else contextlib.nullcontext():
+                    model(torch.randn(4, 8, 48, generator=g) * (1 + w)).pow(2).mean().backward()
+                workers.append([p.grad.clone() for p in model.parameters()])
+                stats.append(moments.take())
+                model.zero_grad()
+            comm.reduce_workers(workers, stats if comm.wants_moments() else None)
+            for o in optimizers:                    # the optimizers' state moves (Muon's buffer)
+                for p, m in zip(model.parameters(), workers[0]):
+                    p.grad = m
+                o.step()
+            model.zero_grad()
+        assert precision.matmul_precisions() == ("tf32", "tf32")   # the model's, outside
+    assert any(layer.ready for layer in comm.layers.values())       # geometry was built
+    assert len(seen) > 20 and set(seen) == {("ieee", "ieee")}, set(seen)
+    assert precision.matmul_precisions() == ("none", "none")        # restored
+    torch.backends.fp32_precision = "tf32"                          # inheritance restored too
+    try:
+        assert precision.matmul_precisions() == ("tf32", "tf32")
+    finally:
+        torch.backends.fp32_precision = "none"
+
+
+def test_ieee_fp32_restores_the_setting_in_force():
+    """ieee_fp32 puts back an explicit setting as it was, also after an exception."""
+    try:
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        with pytest.raises(ZeroDivisionError):
+            with precision.ieee_fp32():
+                assert precision.matmul_precisions() == ("ieee", "ieee")
+                1 / 0
+        assert precision.matmul_precisions() == ("tf32", "none")
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = "none"
+
+
+def test_runtime_turns_tf32_on_through_the_new_api(monkeypatch):
+    """On a GPU runtime.setup_distributed lets the model's fp32 matmuls use TF32 through
+    fp32_precision alone: the legacy allow_tf32 setters are never called (next to the new API
+    they make torch refuse to read the precision, PyTorch #166387), and the communicator's
+    ieee_fp32 still overrides it."""
+    from types import SimpleNamespace
+    from nanogeo.run import runtime
+
+    def legacy(*args):
+        raise AssertionError("a legacy allow_tf32 setter was called")
+    monkeypatch.setattr(torch._C, "_set_cublas_allow_tf32", legacy)
+    monkeypatch.setattr(torch._C, "_set_cudnn_allow_tf32", legacy)
+    monkeypatch.setattr(torch, "set_float32_matmul_precision", legacy)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    try:
+        runtime.setup_distributed(SimpleNamespace(device="auto"))
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+        assert torch.backends.cudnn.conv.fp32_precision == "tf32"
+        with precision.ieee_fp32():
+            assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = "none"
