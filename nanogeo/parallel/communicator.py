@@ -66,6 +66,9 @@ class Options(compress.GeoOptions):
     # ablations (nanogeo/parallel/layers.py)
     whiten_factor: str = "lowrank"  # lowrank | lowrank-dense | full | diag | block
     whiten_block: int = 64          # block size of whiten_factor="block"
+    whiten_solver: str = "subspace" # the low-rank factor's top-r eigenpairs: subspace iteration,
+                                    # warm-started (nanogeo/parallel/eigensolver.py), or "eigh"
+                                    # (compress.py's full float64 eigendecomposition)
     factor_decay: float = 0.0       # EMA of the triangular factor itself (published: 0.95)
     full: bool = False              # exact dense eigenbases (reference / ablation)
     decay: float = 0.0              # subspace: EMA of the covariances (0: the latest mean only)
@@ -75,7 +78,8 @@ class Options(compress.GeoOptions):
     def choices(self):
         return {**super().choices(), "geometry": GEOMETRIES, "fmt": collective.FORMATS,
                 "select": SELECTIONS, "collective": COLLECTIVES, "sum_order": SUM_ORDERS,
-                "whiten_factor": layers.WHITEN_FACTORS, "basis": ("householder", "random"),
+                "whiten_factor": layers.WHITEN_FACTORS, "whiten_solver": layers.WHITEN_SOLVERS,
+                "basis": ("householder", "random"),
                 "stochastic_stages": tuple(collective.ROUNDING_STAGES),
                 "feedback_stages": FEEDBACK_STAGES,
                 "hadamard_sides": hadamard.HADAMARD_SIDES}
