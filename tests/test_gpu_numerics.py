@@ -240,3 +240,74 @@ def test_the_gain_check_decides_the_same_layers_with_the_fast_refresh():
             assert fast[n][1] == pytest.approx(exact[n][1], rel=0.02, nan_ok=True), n
     last = runs["eigh"][-1]
     assert not last["w0"][0] and not last["w1"][0] and last["w3"][0]    # both kinds of decision
+
+
+# -----------------------------------------------------------------------------
+# host reads: every .item(), .tolist(), .cpu(), float(t), bool(t), int(t), nonzero and boolean
+# mask indexing stops the host on a GPU (it waits for the device). A counter of them, by caller.
+
+READS = ("item", "tolist", "cpu", "__float__", "__bool__", "__int__", "nonzero")
+
+
+@contextlib.contextmanager
+def host_reads(skip=()):
+    """Counts the host reads that the project's code (compress.py, train.py, nanogeo/; not the
+    tests, not torch) makes while active: {"file:line": count}. `skip`: file names left out."""
+    counts = {}
+    originals = {name: getattr(torch.Tensor, name) for name in READS + ("__getitem__",)}
+
+    def caller():
+        frame = sys._getframe(2)
+        path = os.path.abspath(frame.f_code.co_filename)
+        if project_code(path) and os.path.basename(path) not in skip:
+            key = f"{os.path.relpath(path, ROOT)}:{frame.f_lineno}"
+            counts[key] = counts.get(key, 0) + 1
+
+    def counted(name):
+        original = originals[name]
+
+        def read(self, *args, **kwargs):
+            caller()
+            return original(self, *args, **kwargs)
+        return read
+
+    def getitem(self, index):
+        if isinstance(index, torch.Tensor) and index.dtype == torch.bool:
+            caller()                    # a masked select: its size is data-dependent
+        return originals["__getitem__"](self, index)
+    for name in READS:
+        setattr(torch.Tensor, name, counted(name))
+    torch.Tensor.__getitem__ = getitem
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+def row_swaps_rank(rank, world_size, out):
+    """FSDP's un-scattering of the core on row blocks, counted."""
+    import torch.distributed as dist
+    from nanogeo.parallel import rows as row_blocks
+    dist.init_process_group("gloo")
+    m, n, r = 37, 24, 4
+    H = torch.randn(m, n, generator=torch.Generator().manual_seed(0))
+    swaps = compress.core_swaps((m, n), r, 16)
+    rows = row_blocks.RowBlocks(m)
+    with host_reads() as counts:
+        [unswapped] = row_blocks.swap_entries_rows([(rows.local(H), swaps, rows)])
+    torch.save({"counts": counts, "unswapped": unswapped,
+                "expected": rows.local(compress.swap_entries(H, swaps))}, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_fsdp_row_decode_reads_nothing_on_the_host(tmp_path):
+    """FSDP's row decode (inside the reduce-scatter) swaps the core entries back by index
+    tensors, not boolean masks: no host read, and the rows compress.swap_entries gives."""
+    from conftest import run_ranks
+    out = str(tmp_path / "swaps")
+    run_ranks(row_swaps_rank, 2, out)
+    for rank in (0, 1):
+        r = torch.load(f"{out}.{rank}")
+        assert r["counts"] == {}, r["counts"]
+        assert torch.equal(r["unswapped"], r["expected"])
