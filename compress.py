@@ -502,12 +502,13 @@ def top_eigenpairs(A, r, floor):
     return U, lam, rest
 
 
-def whitening_factor(A, r=32, damping=1e-3, floor=1e-3):
+def whitening_factor(A, r=32, damping=1e-3, floor=1e-3, eigenpairs=top_eigenpairs):
     """The factor GeoFP8 whitens with, F F^T = A^ + damping I, for a second moment A (d x d):
-    computed in float64 (a nearly singular A needs it), returned in A's dtype."""
+    computed in float64 (a nearly singular A needs it), returned in A's dtype. `eigenpairs`
+    finds A^'s parts (here a full eigendecomposition; production passes a top-r solver)."""
     dtype = A.dtype
     A = (A.double() + A.double().T) / 2
-    U, lam, rest = top_eigenpairs(A, min(r, A.shape[0]), floor)
+    U, lam, rest = eigenpairs(A, min(r, A.shape[0]), floor)
     D = rest + damping
     K = U * lam.sqrt() / D.sqrt()[:, None]                             # D^-1/2 U L^1/2
     Z, sigma, _ = torch.linalg.svd(K, full_matrices=False)

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 import compress
 from nanogeo.parallel import agreement, hadamard, hooks, layers, update_error
+from nanogeo.parallel.precision import ieee
 from nanogeo.wire import collective, fp8sum, packing
 
 # options renamed to train.py's flag names (one vocabulary), and the whitening's old name
@@ -65,6 +66,9 @@ class Options(compress.GeoOptions):
     # ablations (nanogeo/parallel/layers.py)
     whiten_factor: str = "lowrank"  # lowrank | lowrank-dense | full | diag | block
     whiten_block: int = 64          # block size of whiten_factor="block"
+    whiten_solver: str = "subspace" # the low-rank factor's top-r eigenpairs: subspace iteration,
+                                    # warm-started (nanogeo/parallel/eigensolver.py), or "eigh"
+                                    # (compress.py's full float64 eigendecomposition)
     factor_decay: float = 0.0       # EMA of the triangular factor itself (published: 0.95)
     full: bool = False              # exact dense eigenbases (reference / ablation)
     decay: float = 0.0              # subspace: EMA of the covariances (0: the latest mean only)
@@ -74,7 +78,8 @@ class Options(compress.GeoOptions):
     def choices(self):
         return {**super().choices(), "geometry": GEOMETRIES,
                 "select": SELECTIONS, "collective": COLLECTIVES, "sum_order": SUM_ORDERS,
-                "whiten_factor": layers.WHITEN_FACTORS, "basis": ("householder", "random"),
+                "whiten_factor": layers.WHITEN_FACTORS, "whiten_solver": layers.WHITEN_SOLVERS,
+                "basis": ("householder", "random"),
                 "stochastic_stages": tuple(collective.ROUNDING_STAGES),
                 "feedback_stages": FEEDBACK_STAGES,
                 "hadamard_sides": hadamard.HADAMARD_SIDES}
@@ -176,10 +181,12 @@ class ProductionCommunicator(compress.Communicator):
         """Names of the weights whose layers' K-FAC statistics the whitening needs."""
         return list(self.layers) if self.uses_moments else []
 
+    @ieee       # the coordinates in IEEE fp32 even where the model's matmuls use TF32 (precision.py)
     def to_coords(self, name, g):
         with self.timer.stage("rotate"):
             return super().to_coords(name, g)
 
+    @ieee
     def from_coords(self, name, c):
         with self.timer.stage("rotate"):
             return super().from_coords(name, c)
@@ -341,6 +348,7 @@ class ProductionCommunicator(compress.Communicator):
 
     # -- the geometry: FSDP's rows, finiteness, rank agreement ---------------------------------------
 
+    @ieee       # the gain check's measurements and the new geometry: IEEE fp32 (precision.py)
     def advance(self, means, sent, moments=None, across_ranks=False, rows=None):
         """compress.Communicator.advance; `rows` (FSDP): {name: this rank's RowBlocks}, when
         `means` holds only this rank's rows; then, after the warmup, the fragile selection."""

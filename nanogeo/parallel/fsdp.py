@@ -67,6 +67,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 import compress
 from nanogeo.parallel import hooks
+from nanogeo.parallel.precision import ieee
 from nanogeo.parallel.rows import RowBlocks, decode_geo_rows, swap_entries_rows
 from nanogeo.run import summary
 from nanogeo.parallel.ddp import check_candidates
@@ -258,6 +259,7 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
                 warnings.warn(f"nanogeo.parallel.fsdp: {name}: a rank's {rows} rows are not a whole number "
                               f"of {block}-element scaling blocks; core scattering is off for it")
 
+    @ieee       # the coordinates in IEEE fp32 (precision.py)
     def _decode(self, names, means, blocks, world):
         """The geometry-aware matrices' rows back to original coordinates. A layer whose decode
         acts on each row alone (row_local: the Hadamard control, a rotation of the columns only)

@@ -19,6 +19,7 @@ import functools
 
 import torch
 
+from nanogeo.parallel.precision import ieee
 from nanogeo.parallel.update_error import OptimizerView
 from nanogeo.wire.collective import ring_allreduce_bytes
 
@@ -84,6 +85,7 @@ class KroneckerMoments:
     def _collecting(self, module):
         return module.training and torch.is_grad_enabled() and (self.active is None or self.active())
 
+    @ieee       # x^T x in IEEE fp32, also where the model's matmuls use TF32 (precision.py)
     def _add(self, key, x):
         with torch.autocast(x.device.type, enabled=False):    # fp32 sums, also under autocast
             x = x.detach().reshape(-1, x.shape[-1]).float()      # (tokens, d)

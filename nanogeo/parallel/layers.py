@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 import compress
-from nanogeo.parallel import rows as row_blocks
+from nanogeo.parallel import eigensolver, rows as row_blocks
 from nanogeo.parallel.hadamard import HadamardLayer
 
 
@@ -89,12 +89,20 @@ class DenseFactor:
 WHITEN_FACTORS = ("lowrank", "lowrank-dense", "full", "diag", "block")
 
 
-def factor_of_kind(A, kind="lowrank", r=32, block=64, damping=1e-3, floor=1e-3):
+WHITEN_SOLVERS = ("subspace", "eigh")   # the top-r eigenpairs: nanogeo.parallel.eigensolver's
+                                        # subspace iteration, or compress.py's full eigh
+
+
+def factor_of_kind(A, kind="lowrank", r=32, block=64, damping=1e-3, floor=1e-3,
+                   solver="eigh", old=None):
     """compress.whitening_factor for every kind of WHITEN_FACTORS: the dense ones computed in
-    float64 from the symmetrized A and returned in A's dtype."""
+    float64 from the symmetrized A and returned in A's dtype. solver="subspace": the low-rank
+    factor's eigenpairs by subspace iteration, warm-started from `old`, the factor in use."""
     if kind not in WHITEN_FACTORS:
         raise ValueError(f"unknown whitening factor {kind!r}; choose one of {', '.join(WHITEN_FACTORS)}")
     if kind == "lowrank":
+        if solver == "subspace":
+            return eigensolver.fast_whitening_factor(A, r, damping, floor, old)
         return compress.whitening_factor(A, r, damping, floor)
     dtype = A.dtype
     A = (A.double() + A.double().T) / 2
@@ -266,7 +274,8 @@ class ProductionWhitenedLayer(JudgedLayer, compress.WhitenedLayer):
 
     def factor_of(self, side, moment):
         o = self.opts
-        factor = factor_of_kind(moment, o.whiten_factor, o.whiten_rank, o.whiten_block, o.damping)
+        factor = factor_of_kind(moment, o.whiten_factor, o.whiten_rank, o.whiten_block, o.damping,
+                                solver=o.whiten_solver, old=self.factors.get(side))
         if isinstance(factor, DenseFactor):
             return factor.blended(self.factors.get(side), o.factor_decay)
         return factor

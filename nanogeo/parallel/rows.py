@@ -94,21 +94,23 @@ def swap_entries_rows(matrices):
         if swaps is None or not rows.sharded:
             out.append(compress.swap_entries(H_rows, swaps))
             continue
+        # index tensors, not boolean masks: a masked select has a data-dependent size, which
+        # stops the host (a nonzero) inside FSDP's reduce-scatter on a GPU
+        n = H_rows.numel()
         first = rows.start * H_rows.shape[1]                # flat index of this block's start
         positions = torch.cat(on_device(swaps, H_rows.device))  # (2 s,): all a's, then all b's
-        held = (positions >= first) & (positions < first + H_rows.numel())
-        local = positions[held] - first                     # the swapped positions held here
-        flat = H_rows.reshape(-1).clone()
-        values = flat.new_zeros(positions.numel())
-        values[held] = flat[local]
-        out.append(flat.view(H_rows.shape))
-        writes.append((flat, held, local))
+        held = (positions >= first) & (positions < first + n)
+        local = torch.where(held, positions - first, n)     # held here: its index; else a spare
+        flat = torch.cat([H_rows.reshape(-1), H_rows.new_zeros(1)])   # (n + 1,): the spare last
+        values = torch.where(held, flat[local], 0)          # the swapped values held here
+        out.append(flat[:n].view(H_rows.shape))
+        writes.append((flat, local))
         contributions.append(values)
         group_rows = rows
     if writes:
-        for (flat, held, local), values in zip(writes, group_rows.sum_all(contributions)):
+        for (flat, local), values in zip(writes, group_rows.sum_all(contributions)):
             partner = values.roll(values.numel() // 2)      # a_k <-> b_k
-            flat[local] = partner[held]
+            flat.index_copy_(0, local, partner)             # (what lands on the spare is unused)
     return out
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 import compress
+from nanogeo.parallel.precision import ieee
 
 
 @dataclass
@@ -31,9 +32,10 @@ class OptimizerView:
         return UpdateError(self, mean, rows, workers)
 
 
+@ieee
 def newton_schulz(X, coefficients, steps, eps=1e-7):
-    """Muon's orthogonalisation (the quintic iteration of torch.optim.Muon) in fp32: the gain
-    check differences two calls, which bf16 rounding would drown."""
+    """Muon's orthogonalisation (the quintic iteration of torch.optim.Muon) in IEEE fp32: the gain
+    check differences two calls, which bf16 rounding (or TF32's, ~5e-4) would drown."""
     a, b, c = coefficients
     wide = X.T if X.shape[0] > X.shape[1] else X
     Y = wide / wide.norm().clamp(min=eps)

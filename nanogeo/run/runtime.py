@@ -112,9 +112,9 @@ def setup_distributed(cfg):
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError(cuda_build_missing() or "--device=cuda but no GPU is visible; use "
                           "--device=cpu")
-    if use_cuda:
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    if use_cuda:    # the fp32_precision API only: mixed with allow_tf32 it breaks torch.compile
+        torch.backends.cuda.matmul.fp32_precision = "tf32"      # (the communicator measures in
+        torch.backends.cudnn.conv.fp32_precision = "tf32"       # IEEE: parallel/precision.py)
     if "RANK" not in os.environ:
         return 0, 1, 0, torch.device("cuda" if use_cuda else "cpu")
     local_rank = int(os.environ["LOCAL_RANK"])

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from nanogeo.parallel.communicator import Options, ProductionCommunicator
+from nanogeo.parallel.precision import ieee
 
 
 def layer_table(communicator, names=None):
@@ -185,6 +186,7 @@ def mean_over_ranks(tensors, group, world_size):
                                          tensors)]
 
 
+@ieee       # a measurement: IEEE fp32 whatever the model uses (nanogeo/parallel/precision.py)
 def stage_errors(communicator, sent, delivered, world_size, simulated, noise_samples=4):
     """One step's communication error split by stage of the two-stage collective, each part
     against the sampling noise of the mean, in plain L2 and as each optimizer sees it:
