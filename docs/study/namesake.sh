@@ -8,6 +8,11 @@
 #   python -m nanogeo.tools.study --answer docs/study/namesake/results.json,docs/study/fourbit/results.json ...
 # Seeds 12-35 here, so no seed number is shared with the 4-bit study's machine: each seed is a
 # block of its own, its arms paired on one CPU.
+# It runs at commit 06360f0 (the code the 4-bit study's runs share); later commits changed the
+# whitening's refresh (a subspace eigensolver), so continue it in a worktree of that commit:
+#   git worktree add ../study 06360f0 && cd ../study && python prepare_data.py --tokenizer char
+#   LANE=a bash ../main/docs/study/namesake.sh & LANE=b bash ../main/docs/study/namesake.sh
+# First session (2026-12-04, AMD EPYC family 25 model 17): step 1 only, as far as the session ran.
 #
 # LANE=a (seeds 12-23) or LANE=b (seeds 24-35) runs one half: two processes, one per core of a
 # 2-core machine, sharing out/namesake (its results.json is locked). The same flags as the
