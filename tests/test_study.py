@@ -447,8 +447,8 @@ def test_study_one_recommendation_across_w_unless_the_data_separate_them():
 
 def test_study_comparisons_table():
     """--comparisons: each arm against its Euclidean twin, the rotation against stage-2 error
-    feedback, and every arm that is not a control against bf16 and fp32 - on shared seeds, with
-    the 90 % interval and the TOST verdict; controls only against their twin."""
+    feedback, bf16 against fp32, and every arm that is not a control against bf16 and fp32 - on
+    shared seeds, with the 90 % interval and the TOST verdict; controls only against their twin."""
     j = (0.0003, -0.0003, 0.0002, -0.0002)
     records = four_bit_arms(range(4), {"nvfp4-ef2": [-0.006 + x for x in j],
                                        "subspace-nvfp4": [-0.006 - x for x in j],
@@ -460,7 +460,7 @@ def test_study_comparisons_table():
     rows = [line for line in text.splitlines() if line.startswith("| adamw |")]
     names = [line.split(" | ")[3] for line in rows]
     assert names == ["subspace-nvfp4 − nvfp4", "hadamard16-nvfp4-all − nvfp4",
-                     "nvfp4-ef2 − nvfp4", "subspace-nvfp4 − nvfp4-ef2",
+                     "nvfp4-ef2 − nvfp4", "subspace-nvfp4 − nvfp4-ef2", "bf16 − fp32",
                      "nvfp4 − fp32", "nvfp4 − bf16", "subspace-nvfp4 − fp32",
                      "subspace-nvfp4 − bf16", "nvfp4-ef2 − fp32", "nvfp4-ef2 − bf16"]
     [row] = [line for line in rows if "| subspace-nvfp4 − nvfp4-ef2 |" in line]
@@ -469,7 +469,9 @@ def test_study_comparisons_table():
     [row] = [line for line in rows if "| nvfp4 − fp32 |" in line]
     assert "| 4 | +0.0140 ± 0.0000 |" in row and "higher at 95 %" in row
     assert "Equivalent within ±0.002 (TOST): the 90 % paired t interval" in text
-    assert "| fp32 − " not in text and "| bf16 − " not in text      # baselines have no twin
+    [row] = [line for line in rows if "| bf16 − fp32 |" in line]
+    assert "| none | bf16 − fp32 | 4 | +0.0003 ± " in row
+    assert "| fp32 − " not in text and "| bf16 − nvfp4" not in text   # baselines have no twin
 
 
 def test_study_answer_edge_cases(tmp_path, capsys):

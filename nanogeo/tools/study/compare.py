@@ -10,8 +10,9 @@ from nanogeo.tools.study.arms import COMMS, collective, cost, is_control, wire_f
 from nanogeo.tools.study.report import machine_cell, machine_labels, study_groups
 from nanogeo.tools.study.stats import MARGIN, estimate, mean_ci, paired, tost, verdict
 
-# comparisons beside each arm's against its Euclidean twin: the two 4-bit levers head to head
-EXTRA_PAIRS = (("subspace-nvfp4", "nvfp4-ef2"),)
+# comparisons beside each arm's against its Euclidean twin: the two 4-bit levers head to head,
+# and bf16's own gap to fp32 (the yardstick every FP8 and 4-bit gap is read against)
+EXTRA_PAIRS = (("subspace-nvfp4", "nvfp4-ef2"), ("bf16", "fp32"))
 BASELINES = ("fp32", "bf16")
 
 
