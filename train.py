@@ -111,6 +111,7 @@ class TrainConfig:
     geo_exit_gain: float = 1.00       # ... and leaves below this (0 and 0: the paper's fixed choice)
     whiten_factor: str = "lowrank"    # geofp8: lowrank | lowrank-dense | full | diag | block
     whiten_rank: int = 32             # geofp8: r of the low-rank input factor
+    whiten_solver: str = "auto"       # geofp8: its top-r eigenpairs by subspace | eigh | auto
     whiten_sides: str = "input"       # geofp8: input (published) | output | both
     factor_decay: float = 0.0         # geofp8: EMA of the triangular factor (published: 0.95)
     geo_rank: int = 16                # subspace: r, dominant directions per side (<= min(m,n)/2)

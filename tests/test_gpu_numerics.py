@@ -149,6 +149,7 @@ def test_runtime_turns_tf32_on_through_the_new_api(monkeypatch):
         assert torch.backends.cuda.matmul.fp32_precision == "tf32"
     finally:
         torch.backends.cuda.matmul.fp32_precision = "none"
+        torch.backends.cudnn.conv.fp32_precision = "none"
 
 
 # -----------------------------------------------------------------------------
@@ -311,3 +312,39 @@ def test_fsdp_row_decode_reads_nothing_on_the_host(tmp_path):
         r = torch.load(f"{out}.{rank}")
         assert r["counts"] == {}, r["counts"]
         assert torch.equal(r["unswapped"], r["expected"])
+
+
+def test_auto_solver_is_exact_where_layers_are_used_unmeasured():
+    """whiten_solver="auto": the fast subspace iteration only where the gain check measures every
+    factor before it is used; a listed / profiled / forced layer choice gets the exact eigh."""
+    from nanogeo.parallel import layers
+    from nanogeo.run import config
+    import train
+    for flags, solver in ((["--comm=geofp8"], "subspace"),
+                          (["--comm=geofp8", "--geo_layers=all"], "eigh"),
+                          (["--comm=geofp8", "--whiten_solver=subspace", "--geo_layers=all"],
+                           "subspace"),
+                          (["--comm=geofp8", "--whiten_solver=eigh"], "eigh")):
+        opts = config.geo_options(train.parse_config(flags), vocab_size=100)
+        assert layers.whiten_solver(opts) == solver, flags
+
+
+def test_more_ranks_than_gpus_is_one_line(monkeypatch):
+    """A rank whose LOCAL_RANK has no GPU (NPROC counted GPUs that CUDA_VISIBLE_DEVICES hides)
+    stops with one line naming --nproc_per_node, not torch's 'invalid device ordinal'."""
+    import pytest
+    from nanogeo.run import runtime
+    from nanogeo.run.config import ConfigError
+    import train
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: pytest.fail("set_device called"))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    try:
+        with pytest.raises(ConfigError, match="--nproc_per_node=1"):
+            runtime.setup_distributed(train.parse_config(["--device=cuda"]))
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = "none"
+        torch.backends.cudnn.conv.fp32_precision = "none"

@@ -443,7 +443,7 @@ def test_the_flags_that_are_options_fields():
     assert shared == {
         "fmt", "block", "collective", "sum_order", "scale_sync_every", "geo_layers", "geo_refresh",
         "geo_warmup", "geo_judge", "geo_enter_gain", "geo_exit_gain", "whiten_factor",
-        "whiten_rank", "whiten_sides", "factor_decay", "geo_rank", "hadamard_block",
+        "whiten_rank", "whiten_solver", "whiten_sides", "factor_decay", "geo_rank", "hadamard_block",
         "hadamard_sides", "error_feedback", "feedback_stages", "feedback_geo_only",
         "stochastic_round", "stochastic_stages", "seed"}
     cfg = parse_config(["--comm=geofp8", "--geo_refresh=7", "--whiten_factor=diag"])

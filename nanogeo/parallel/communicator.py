@@ -66,9 +66,11 @@ class Options(compress.GeoOptions):
     # ablations (nanogeo/parallel/layers.py)
     whiten_factor: str = "lowrank"  # lowrank | lowrank-dense | full | diag | block
     whiten_block: int = 64          # block size of whiten_factor="block"
-    whiten_solver: str = "subspace" # the low-rank factor's top-r eigenpairs: subspace iteration,
+    whiten_solver: str = "auto"     # the low-rank factor's top-r eigenpairs: "subspace" iteration,
                                     # warm-started (nanogeo/parallel/eigensolver.py), or "eigh"
-                                    # (compress.py's full float64 eigendecomposition)
+                                    # (compress.py's full float64 eigendecomposition); "auto":
+                                    # subspace where the gain check measures every factor before
+                                    # use (geo_layers=gain), eigh where layers are used unmeasured
     factor_decay: float = 0.0       # EMA of the triangular factor itself (published: 0.95)
     full: bool = False              # exact dense eigenbases (reference / ablation)
     decay: float = 0.0              # subspace: EMA of the covariances (0: the latest mean only)

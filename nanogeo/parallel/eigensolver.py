@@ -16,9 +16,11 @@ the same all-reduced A).
 Accuracy: a direction among the top r is found to a relative error of about
 (lambda_k+1 / lambda_r)^iterations; where A's spectrum is flat around r, which directions make
 the cut is arbitrary for the exact solver too, and A^ (U diag(lam) U^T plus the floored rest of
-the diagonal) stays the same metric to within that part of the spectrum. The gain check measures
-every factor before it is used either way (compress.py section 5), so a poorer factor can cost
-the gain, never the error. tests/test_gpu_numerics.py holds the factors and the gain check's
+the diagonal) stays the same metric to within that part of the spectrum. Where the gain check
+measures every factor before it is used (geo_layers=gain, compress.py section 5), a poorer factor
+can cost the gain, never the error; where layers are used unmeasured (a list, the paper's
+"fragile" choice, "all"), the default whiten_solver="auto" keeps the exact eigh
+(layers.whiten_solver). tests/test_gpu_numerics.py holds the factors and the gain check's
 decisions to the textbook form; BENCHMARKS.md "Geometry refresh cost" gives the times
 (nanogeo/tools/refresh_bench.py).
 """
@@ -38,6 +40,14 @@ def orthonormal(X):
     return torch.linalg.qr(X).Q
 
 
+@functools.lru_cache(maxsize=None)
+def random_start(d, k, device):
+    """(d, k) fp32 random directions seeded by d: the same on every rank. Made once per shape and
+    device, so a refresh copies nothing from the host (a pageable copy would wait on the GPU)."""
+    generator = torch.Generator(device="cpu").manual_seed(d)
+    return torch.randn(d, k, generator=generator).to(device)
+
+
 def subspace_eigenpairs(A, r, floor, start=None, iterations=None, oversample=OVERSAMPLE):
     """compress.top_eigenpairs(A, r, floor)'s (U (d, r), lam (r,), rest (d,)) for a symmetric
     float64 A (d, d), by subspace iteration in fp32 and a Rayleigh-Ritz step in float64.
@@ -47,8 +57,7 @@ def subspace_eigenpairs(A, r, floor, start=None, iterations=None, oversample=OVE
     k = r + oversample
     if 2 * k > d:
         return compress.top_eigenpairs(A, r, floor)
-    generator = torch.Generator(device="cpu").manual_seed(d)   # alike on every rank
-    Q = torch.randn(d, k, generator=generator).to(A.device)    # (d, k) fp32
+    Q = random_start(d, k, A.device).clone()                    # (d, k) fp32
     warm = start is not None and tuple(start.shape) == (d, r)
     if warm:
         Q[:, :r] = start

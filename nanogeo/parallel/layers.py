@@ -89,8 +89,17 @@ class DenseFactor:
 WHITEN_FACTORS = ("lowrank", "lowrank-dense", "full", "diag", "block")
 
 
-WHITEN_SOLVERS = ("subspace", "eigh")   # the top-r eigenpairs: nanogeo.parallel.eigensolver's
+WHITEN_SOLVERS = ("auto", "subspace", "eigh")   # the top-r eigenpairs: nanogeo.parallel.eigensolver's
                                         # subspace iteration, or compress.py's full eigh
+
+
+def whiten_solver(opts):
+    """The eigensolver a whitened layer's factor is built with: opts.whiten_solver, with "auto"
+    the fast subspace iteration only where the gain check measures every factor before it is used
+    (select="gain"); where layers are used unmeasured (a list, "fragile", "all") the exact eigh."""
+    if opts.whiten_solver != "auto":
+        return opts.whiten_solver
+    return "subspace" if opts.select == "gain" else "eigh"
 
 
 def factor_of_kind(A, kind="lowrank", r=32, block=64, damping=1e-3, floor=1e-3,
@@ -275,7 +284,7 @@ class ProductionWhitenedLayer(JudgedLayer, compress.WhitenedLayer):
     def factor_of(self, side, moment):
         o = self.opts
         factor = factor_of_kind(moment, o.whiten_factor, o.whiten_rank, o.whiten_block, o.damping,
-                                solver=o.whiten_solver, old=self.factors.get(side))
+                                solver=whiten_solver(o), old=self.factors.get(side))
         if isinstance(factor, DenseFactor):
             return factor.blended(self.factors.get(side), o.factor_decay)
         return factor

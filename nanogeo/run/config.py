@@ -62,6 +62,7 @@ TRAIN_CHOICES = {"comm": ("fp32", "bf16", "fp8", "geofp8", "subspace", "hadamard
                  "device": ("auto", "cpu", "cuda"), "fmt": collective.FORMATS,
                  "collective": COLLECTIVES, "sum_order": SUM_ORDERS,
                  "whiten_factor": layers.WHITEN_FACTORS, "whiten_sides": compress.WHITEN_SIDES,
+                 "whiten_solver": layers.WHITEN_SOLVERS,
                  "hadamard_sides": hadamard.HADAMARD_SIDES,
                  "geo_judge": compress.JUDGES, "preset": tuple(model_lib.PRESETS),
                  "optimizer": ("adamw", "muon"),

@@ -118,6 +118,10 @@ def setup_distributed(cfg):
     if "RANK" not in os.environ:
         return 0, 1, 0, torch.device("cuda" if use_cuda else "cpu")
     local_rank = int(os.environ["LOCAL_RANK"])
+    if use_cuda and local_rank >= torch.cuda.device_count():
+        n = torch.cuda.device_count()
+        raise ConfigError(f"LOCAL_RANK {local_rank} but {n} GPU(s) visible to torch: start at most "
+                          f"{n} ranks per node (torchrun --nproc_per_node={n}, make ... NPROC={n})")
     if use_cuda:
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)

@@ -85,6 +85,7 @@ def comparisons(results, workers=(32,), margin=MARGIN):
               f"Student t. Equivalent within ±{margin:g} (TOST): the 90 % paired t interval lies "
               "inside the margin (two one-sided t tests at 5 %); lower / higher at 95 %: the "
               "95 % interval excludes 0; else no difference detected (± the 95 % half-width). "
+              "Each row is its own test at 5 %: among this many rows a few verdicts are chance. "
               "By machine: each machine's mean and seeds; \"differs\": a Welch t test (5 %) of "
               "its differences against the other machines' rejects equal means (expect one "
               "false flag in twenty)."]
