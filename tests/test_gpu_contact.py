@@ -327,3 +327,28 @@ def test_gpu_smoke_on_two_cpu_ranks(tmp_path):
         assert result["codec"][f"{fmt}_eager_gb_per_s"] > 0
     assert result["ddp"]["same_grads_every_rank"] and result["env"]["machine"]
     assert result["summary"]["FAIL"] == 0
+
+
+def test_smoke_kills_a_hung_torchrun_with_its_ranks(tmp_path):
+    """make gpu-smoke runs torchrun in a session of its own: a command that outlives its timeout
+    (a hung collective) is reported as such, and every process it started is killed - no rank
+    left holding a GPU, no traceback instead of the summary."""
+    from nanogeo.tools import smoke
+    pid_file = tmp_path / "child.pid"
+    script = ("import subprocess, sys, time; "
+              "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+              f"open({str(pid_file)!r}, 'w').write(str(c.pid)); time.sleep(600)")
+    code, _, err = smoke.run_bounded([sys.executable, "-c", script], str(tmp_path), timeout=20)
+    assert code is None
+    assert "a hang" in smoke.exit_reason(code, err, 20)
+    child = int(pid_file.read_text())
+    for _ in range(100):            # SIGKILL is delivered at once; wait for the reaping
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        if open(f"/proc/{child}/stat").read().split()[2] == "Z":    # killed, not yet reaped
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the command's child {child} outlived the timeout")

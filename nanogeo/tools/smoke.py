@@ -46,10 +46,10 @@ line, where GPUs are visible but torch has no CUDA. The checks:
 """
 
 import argparse
-import hashlib
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -416,18 +416,30 @@ def worker(args):
               ("ddp", lambda: smoke_ddp(device, toy)),
               ("fsdp", lambda: smoke_fsdp(device, toy))]
     results = {"env": env_figures(device), "world": world}
+
+    def write():
+        if rank == 0:
+            with open(args.worker_out, "w") as f:
+                json.dump(results, f, indent=1)
     for name, fn in checks:
+        if world == 1 and name != "codec":      # one rank adds nothing: no check of the exchange
+            results[name] = {"status": "SKIP", "why": "world size 1: nothing is exchanged"}
+            continue
         t0 = time.perf_counter()
         try:
             status, figures = fn()
-        except Exception as e:          # a check that crashes is a FAIL with its reason
-            status, figures = "FAIL", {"why": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+        except Exception as e:
+            # A check that crashed on this rank may have left the others inside a collective:
+            # going on to the next one would pair mismatched collectives (a hang). Record it and
+            # re-raise, so that torchrun ends every rank.
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            results[name] = {"status": "FAIL", "why": why}
+            write()
+            raise
         figures["seconds"] = round(time.perf_counter() - t0, 2)
         results[name] = {"status": status, **figures}
         dist.barrier()
-    if rank == 0:
-        with open(args.worker_out, "w") as f:
-            json.dump(results, f, indent=1)
+    write()
     dist.destroy_process_group()
 
 
@@ -444,12 +456,35 @@ def train_command(nproc, out_dir, toy, extra):
             root)
 
 
+def run_bounded(command, cwd, timeout, env=None):
+    """subprocess.run(command) in a session of its own, killed with every process it started
+    (torchrun and its ranks) after `timeout` seconds: (exit code or None on a timeout, stdout,
+    stderr). A hung collective shows as a timeout, never as ranks left holding the GPUs."""
+    proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return proc.returncode, out, err
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        return None, out, err
+
+
+def exit_reason(code, stderr, timeout):
+    """One line: why a torchrun command failed."""
+    if code is None:
+        return (f"no result after {timeout:.0f} s (a hang: a collective that not every rank "
+                "entered?); every process was killed")
+    tail = [line for line in stderr.splitlines() if line.strip()][-1:] or ["(no stderr)"]
+    return f"exited {code}: {tail[0][:300]}"
+
+
 def run_training(nproc, out_dir, toy, extra, timeout):
     command, root = train_command(nproc, out_dir, toy, extra)
-    done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=timeout)
-    if done.returncode:
-        tail = [line for line in done.stderr.splitlines() if line.strip()][-1:] or ["(no stderr)"]
-        raise RuntimeError(f"train.py exited {done.returncode}: {tail[0][:300]}")
+    code, _, err = run_bounded(command, root, timeout)
+    if code != 0:
+        raise RuntimeError(f"train.py {exit_reason(code, err, timeout)}")
     with open(os.path.join(out_dir, "log.jsonl")) as f:
         return [json.loads(line) for line in f]
 
@@ -557,17 +592,15 @@ def first_contact(args):
         root = os.path.dirname(os.path.abspath(compress.__file__))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-        done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True,
-                              timeout=args.timeout)
+        code, _, err = run_bounded(command, root, args.timeout, env)
+        ranks = {}
         if os.path.exists(ranks_out):
             with open(ranks_out) as f:
                 ranks = json.load(f)
-            for name in ("codec", "collective", "fp8-sum", "ddp", "fsdp"):
-                figures = dict(ranks[name])
-                report(name, figures.pop("status"), figures)
-        else:
-            tail = [line for line in done.stderr.splitlines() if line.strip()][-1:] or ["?"]
-            report("ranks", "FAIL", {"why": f"torchrun exited {done.returncode}: {tail[0][:300]}"})
+        for name in ("codec", "collective", "fp8-sum", "ddp", "fsdp"):
+            figures = dict(ranks.get(name) or {"status": "FAIL", "why": "not run: torchrun "
+                                               + exit_reason(code, err, args.timeout)})
+            report(name, figures.pop("status"), figures)
         if args.train:
             try:
                 report("train", *smoke_training(nproc, work, toy, args.timeout))
