@@ -1,0 +1,65 @@
+"""Host reads per training step (issue 43 item 4). On a GPU every .item(), .tolist(), float(t),
+bool(t), nonzero or boolean-mask index waits for the device: a step that makes many cannot
+overlap the host's work with the device's. Counted here on 2 gloo ranks with the counter of
+tests/test_gpu_numerics.py (by caller in the project's code), over a window of steps that
+neither logs nor evaluates."""
+import json
+
+import pytest
+
+from conftest import run_ranks
+from test_gpu_numerics import host_reads
+from test_train import tiny_args
+
+
+def counted_train_rank(rank, world_size, argv, first, last, out):
+    """train.train, counting the host reads of steps first..last by caller. A step's boundary
+    is its call of runtime.gradients_finite (every step makes one, after its backward): the
+    reads from step `first`'s call up to step `last + 1`'s are those of (last - first + 1)
+    whole steps, away from the run's start and its end-of-run report."""
+    import train
+    from nanogeo.run import runtime
+    finite, calls, marks = runtime.gradients_finite, [0], {}
+
+    def marked(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] in (first, last + 1):
+            marks[calls[0]] = dict(counts)
+        return finite(*args, **kwargs)
+    runtime.gradients_finite = marked
+    try:
+        with host_reads() as counts:
+            train.train(train.parse_config(argv))
+    finally:
+        runtime.gradients_finite = finite
+    a, b = marks[first], marks[last + 1]
+    with open(f"{out}.{rank}.json", "w") as f:
+        json.dump({c: b[c] - a.get(c, 0) for c in b if b[c] != a.get(c, 0)}, f)
+
+
+def reads_per_step(tmp_path, corpus, flags, first, last):
+    """{caller: host reads per step} of rank 0 over steps first..last of a 2-rank run that
+    logs and evaluates only after them."""
+    argv = tiny_args(corpus, tmp_path / "out", f"--max_iters={last + 2}", "--log_interval=1000",
+                     "--eval_interval=1000", "--eval_iters=1", "--warmup_iters=2", *flags)
+    out = str(tmp_path / "reads")
+    run_ranks(counted_train_rank, 2, argv, first, last, out)
+    counts = json.load(open(f"{out}.0.json"))
+    return {c: n / (last - first + 1) for c, n in counts.items()}
+
+
+# (flags, steps counted, most reads per step): the one read at fp8 and nvfp4 is the
+# skip-on-non-finite decision (as AMP's GradScaler makes it); the subspace rotation's judge
+# steps may add a few, at most 1.5 per step averaged over steps 10-30.
+TARGETS = [(["--comm=fp8"], (5, 12), 1.0),
+           (["--comm=fp8", "--fmt=nvfp4"], (5, 12), 1.0),
+           pytest.param(["--comm=subspace"], (11, 30), 1.5, marks=pytest.mark.xfail(
+               strict=True, reason="2.25 reads per step: the geometry's finiteness, agreement "
+               "and judge reads are separate (issue 43 item 4)"))]
+
+
+@pytest.mark.parametrize("flags,steps,most", TARGETS, ids=["fp8", "nvfp4", "subspace"])
+def test_host_reads_per_unlogged_step(tiny_corpus, tmp_path, flags, steps, most):
+    per_step = reads_per_step(tmp_path, tiny_corpus, flags, *steps)
+    print(flags, per_step, sum(per_step.values()))
+    assert sum(per_step.values()) <= most, per_step
