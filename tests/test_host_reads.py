@@ -53,9 +53,7 @@ def reads_per_step(tmp_path, corpus, flags, first, last):
 # steps may add a few, at most 1.5 per step averaged over steps 10-30.
 TARGETS = [(["--comm=fp8"], (5, 12), 1.0),
            (["--comm=fp8", "--fmt=nvfp4"], (5, 12), 1.0),
-           pytest.param(["--comm=subspace"], (11, 30), 1.5, marks=pytest.mark.xfail(
-               strict=True, reason="2.25 reads per step: the geometry's finiteness, agreement "
-               "and judge reads are separate (issue 43 item 4)"))]
+           (["--comm=subspace"], (11, 30), 1.5)]
 
 
 @pytest.mark.parametrize("flags,steps,most", TARGETS, ids=["fp8", "nvfp4", "subspace"])
