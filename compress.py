@@ -1097,7 +1097,7 @@ class Communicator:
         return ("both", "right") if auto else (None,)
 
     def measure(self, layers, means, sent, across_ranks, variants):
-        """(layers, 1 + variants) float64 on the CPU: the squared codec error of Euclidean FP8
+        """(layers, 1 + variants) float64 on the device: the squared codec error of Euclidean FP8
         and of each geometry-aware codec, as each layer's optimizer sees it, summed over the
         workers - and over the ranks, so that every rank decides alike."""
         world = dist.get_world_size(self.group) if across_ranks else 1
@@ -1111,7 +1111,7 @@ class Communicator:
         errors = torch.stack(errors).double().view(len(layers), len(sent), -1).sum(1)
         if across_ranks:
             dist.all_reduce(errors, group=self.group)
-        return errors.cpu()                     # one transfer per measurement
+        return errors                           # on the device: judge's .tolist() reads it
 
     def error_seen(self, name, mean, workers):
         """Seam: delta -> the squared size of a gradient error as the layer's optimizer sees it

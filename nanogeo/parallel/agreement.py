@@ -68,13 +68,26 @@ def verify_geometry(layers, group, step, device):
     """Check that every rank of `group` holds the same geometry in `layers` (a list, in the same
     order on every rank): which layers have one, and its bits. On a mismatch rank 0's is
     broadcast and a warning printed; returns whether that was needed. Ranks on which different
-    layers have a geometry cannot be repaired that way: a RuntimeError says so on every rank."""
+    layers have a geometry cannot be repaired that way: a RuntimeError says so on every rank.
+    (One host read; ProductionCommunicator splits it in two, to read `agree` with its other
+    flags: geometry_agreement, then repair_geometry.)"""
+    agree = geometry_agreement(layers, group, device)
+    return repair_geometry(agree.tolist(), layers, group, step, device)
+
+
+def geometry_agreement(layers, group, device):
+    """(L + 1,) bool on the device, identical on every rank: which layers' readiness agrees
+    across the ranks, then whether their bits do (a checksum). One all-reduce, no host read."""
     ready = readiness(layers, device)
-    agree = agrees_elementwise(torch.cat([ready, geometry_checksum(layers, ready).reshape(1)]),
-                               group)
-    if bool(agree.all()):
+    return agrees_elementwise(torch.cat([ready, geometry_checksum(layers, ready).reshape(1)]),
+                              group)
+
+
+def repair_geometry(agree, layers, group, step, device):
+    """verify_geometry's decision, from geometry_agreement's flags read on the host (a list)."""
+    if all(agree):
         return False
-    if not bool(agree[:-1].all()):
+    if not all(agree[:-1]):
         raise RuntimeError(f"GeoFP8: the ranks built geometries for different layers by step "
                            f"{step}; restart from the last checkpoint")
     print(f"nanogeo.parallel.agreement: warning: GeoFP8 geometry differs across ranks at step {step}; "

@@ -143,6 +143,10 @@ def same_coordinates(before, after):
         for a, b in zip(before, after))
 
 
+class NonFiniteStep(Exception):
+    """A geometry step's means or statistics are not finite on some rank (host_read)."""
+
+
 class ProductionCommunicator(compress.Communicator):
     """compress.Communicator with the production forms (module docstring). train.py, the DDP
     hook, FSDP2 and the tools use this one."""
@@ -161,6 +165,9 @@ class ProductionCommunicator(compress.Communicator):
         self.saturation = None  # fp8-sum: running sum of each tensor's saturated fraction
         self.saturation_steps = 0
         self.proposed = False   # the step in progress proposed new geometry (rank agreement)
+        self.bad = None         # this geometry step's finiteness flag, until read (host_read)
+        self.pending = None     # (flags, layers, step) of the last agreement check, until read
+        self.repaired = False   # host_read repaired the geometry (rank 0's broadcast)
         self.decompose = False  # keep this step's stage-1 mean (nanogeo.run.summary.stage_errors)
         self.stage1 = None      # ... each worker's own round trip, averaged, original coordinates
 
@@ -369,34 +376,94 @@ class ProductionCommunicator(compress.Communicator):
 
     def update_geometry(self, means, sent, moments, across_ranks):
         """Only from finite means and statistics (else counted in `skipped`); after new geometry
-        across ranks, check that every rank holds the same."""
-        if not self.finite(means, moments, across_ranks):
+        across ranks, check that every rank holds the same.
+
+        One host read per geometry step (host_read): the finiteness flag is read with the
+        judge's measurements when there are any (measure), else before the statistics are
+        used (statistics), else at the end; a non-finite step then undoes nothing but the
+        proposals taken out for judging. The agreement check of new geometry is launched here
+        and read with the next geometry step's flags: the proposals are first used when they
+        are judged, on that step, after it (repaired, they are measured again)."""
+        self.bad = self.nonfinite(means, moments, across_ranks)
+        proposals = dict(self.proposals)
+        self.proposed = False
+        try:
+            with self.timer.stage("geometry"):
+                super().update_geometry(means, sent, moments, across_ranks)
+                if self.bad is not None:        # neither judged nor proposed: read it now
+                    self.host_read()
+        except NonFiniteStep:
+            self.proposals.clear()
+            self.proposals.update(proposals)
             self.skipped += 1   # a non-finite mean (or statistic) must not reach the geometry
             return
-        self.proposed = False
-        with self.timer.stage("geometry"):
-            super().update_geometry(means, sent, moments, across_ranks)
         if across_ranks and self.proposed:
             device = next(iter(means.values())).device
             newest = [self.proposals.get(n, layer) for n, layer in self.layers.items()]
-            agreement.verify_geometry(newest, self.group, self.step, device)
+            self.pending = (agreement.geometry_agreement(newest, self.group, device), newest,
+                            self.step)
+
+    def host_read(self, values=None):
+        """The geometry step's one host read: its finiteness flag, the last refresh's agreement
+        flags (repaired here on a mismatch) and `values` (a device tensor). Returns values as a
+        float64 numpy array; raises NonFiniteStep if the step's means or statistics are not
+        finite on some rank."""
+        parts = [self.bad.reshape(1)]
+        pending, self.bad, self.pending = self.pending, None, None
+        if pending is not None:
+            parts.append(pending[0].double())
+        if values is not None:
+            parts.append(values.double().reshape(-1))
+        read = torch.cat(parts).cpu().numpy()   # the one transfer
+        bad, read, self.repaired = read[0] != 0, read[1:], False
+        if pending is not None:
+            agree, newest, step = pending
+            flags, read = read[:agree.numel()], read[agree.numel():]
+            self.repaired = agreement.repair_geometry([bool(f) for f in flags], newest, self.group, step,
+                                      agree.device)
+        if bad:
+            raise NonFiniteStep
+        return read if values is None else read.reshape(values.shape)
+
+    def measure(self, layers, means, sent, across_ranks, variants):
+        """compress.Communicator.measure, read with the step's flags (host_read): a numpy array
+        (its .tolist() is judge's). Measured again where the agreement check repaired the
+        proposals."""
+        errors = super().measure(layers, means, sent, across_ranks, variants)
+        if self.bad is None:
+            return errors.cpu().numpy()
+        read = self.host_read(errors)
+        if self.repaired:       # (rare) measured on proposals that differed across the ranks
+            read = super().measure(layers, means, sent, across_ranks, variants).cpu().numpy()
+        return read
+
+    def statistics(self, means, moments):
+        """compress.Communicator.statistics, after the step's flags are read (host_read)."""
+        found = super().statistics(means, moments)
+        if found and self.bad is not None:
+            self.host_read()
+        return found
+
+    def finite(self, means, moments, across_ranks):
+        """Are this step's means (and statistics) finite? One host sync."""
+        return self.nonfinite(means, moments, across_ranks).item() == 0
+
+    def nonfinite(self, means, moments, across_ranks):
+        """(1,) float64 on the device: 1 where this step's means (or statistics) are not finite,
+        on this rank - or, across_ranks, on any: the ranks decide together through one small
+        all-reduce (under FSDP each holds its own rows, and under DDP a rank whose copy went bad
+        alone must not skip the geometry steps, and their collectives, that the others run)."""
+        tensors = list(means.values())
+        for side in ("input", "output"):
+            tensors += list((moments or {}).get(side, {}).values())
+        bad = (~agreement.all_finite(tensors)).double().reshape(1)
+        if across_ranks:
+            self.sum_over_ranks(bad)
+        return bad
 
     def propose(self, name, statistics):
         self.proposed = True
         super().propose(name, statistics)
-
-    def finite(self, means, moments, across_ranks):
-        """Are this step's means (and statistics) finite? One host sync, on geometry steps only.
-        The ranks decide together through one small all-reduce: under FSDP each holds its own
-        rows, and under DDP a rank whose copy went bad alone must not skip the geometry steps
-        (and their collectives) that the others run."""
-        tensors = list(means.values())
-        for side in ("input", "output"):
-            tensors += list((moments or {}).get(side, {}).values())
-        bad = (~agreement.all_finite(tensors)).double()
-        if across_ranks:
-            self.sum_over_ranks(bad)
-        return bad.item() == 0
 
     def error_seen(self, name, mean, workers):
         """Under FSDP (rows) the error of this rank's rows only, as its optimizer sees them (or
