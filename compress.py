@@ -698,13 +698,11 @@ class SubspaceLayer:
     shape: tuple
     r: int                              # dominant directions per side
     seed: int
-    opts: object = field(repr=False)    # the GeoOptions (iters, scatter_core, sides)
+    opts: object = field(repr=False)    # the GeoOptions (iters, scatter_core)
     left_basis: HouseholderBasis = None     # P
     right_basis: HouseholderBasis = None    # Q
     use_geo: bool = False
     gain: float = float("nan")          # last measured Euclidean error / rotated error
-    sides: str = "both"                 # the sides it rotates: both, left or right
-    transform: tuple = field(default=(None, None), repr=False)  # (P or None, Q or None)
     swaps: tuple = field(default=None, repr=False)              # core_swaps, fixed by shape
     from_moments = False                # refreshed from the decoded mean
 
@@ -714,35 +712,19 @@ class SubspaceLayer:
         rank; the core's swaps for the codec's scale groups."""
         r = min(opts.geo_rank, min(shape) // 2)
         return cls(shape, r, seed=zlib.crc32(name.encode()), opts=opts,
-                   sides="both" if opts.sides == "auto" else opts.sides,
                    swaps=core_swaps(shape, r, opts.scale_block) if opts.scatter_core else None)
 
     @property
     def ready(self):
         return self.left_basis is not None
 
-    def encode(self, g, transform=None):
-        """H = P^T G Q, core scattered (or in the rotation `transform`: (P or None, Q or None))."""
-        transform = transform or self.transform
-        return swap_entries(encode_geo(g, *transform), self.swaps_for(transform))
+    def encode(self, g):
+        """Seam (production: one side only, dense bases): H = P^T G Q, core scattered."""
+        return swap_entries(encode_geo(g, self.left_basis, self.right_basis), self.swaps)
 
-    def decode(self, h, transform=None):
-        transform = transform or self.transform
-        return decode_geo(swap_entries(h, self.swaps_for(transform)), *transform)
-
-    def swaps_for(self, transform):
-        """Core scattering applies when both sides rotate: only then does the dominant energy
-        gather in H's r x r corner (moved into a quiet row, a large value would set its scale)."""
-        return self.swaps if transform[0] is not None and transform[1] is not None else None
-
-    def rotation(self, sides=None):
-        """Seam (dense-basis ablations): (P or None, Q or None), the rotation of `sides`."""
-        sides = sides or self.sides
-        return (self.left_basis if sides in ("both", "left") else None,
-                self.right_basis if sides in ("both", "right") else None)
-
-    def rotate_sides(self, sides):
-        self.sides, self.transform = sides, self.rotation(sides)
+    def decode(self, h):
+        """Seam (alike): G = P H Q^T."""
+        return decode_geo(swap_entries(h, self.swaps), self.left_basis, self.right_basis)
 
     def dominant_subspaces(self, mean):
         """Seam (production: FSDP's row form, a covariance EMA): (U, V), the top-r singular
@@ -756,7 +738,6 @@ class SubspaceLayer:
         """Seam (dense-basis ablations): new bases from the decoded mean (alike on every rank)."""
         U, V = self.dominant_subspaces(mean)
         self.left_basis, self.right_basis = HouseholderBasis.complete(U), HouseholderBasis.complete(V)
-        self.transform = self.rotation()
         if self.swaps is not None:      # once on the gradients' device: no copy at each step
             self.swaps = tuple(s.to(mean.device) for s in self.swaps)
 
@@ -812,7 +793,6 @@ def adamw_error(state, betas, eps, mean, workers=1):
 GEOMETRIES = ("geofp8", "subspace", "euclidean")
 SELECTIONS = ("gain", "all", "list")
 JUDGES = ("optimizer", "l2")
-SUBSPACE_SIDES = ("both", "left", "right", "auto")
 
 
 @dataclass
@@ -838,16 +818,13 @@ class GeoOptions:
     moment_decay: float = 0.95      # geofp8: EMA of the moments across refreshes
     geo_rank: int = 16              # subspace: r per side, at most min(m, n) // 2
     iters: int = 1                  # subspace: iterations per refresh
-    sides: str = "auto"             # subspace: both | left (output side) | right (input side) |
-                                    # auto (both or right, the better measured; right keeps every
-                                    # row's scale)
     scatter_core: bool = True       # subspace: each core entry in a scale group of its own
     seed: int = 0
 
     def choices(self):
         """{field: allowed values} of the string fields (a subclass adds its own)."""
         return {"geometry": GEOMETRIES, "fmt": FORMATS, "select": SELECTIONS,
-                "geo_judge": JUDGES, "sides": SUBSPACE_SIDES, "whiten_sides": WHITEN_SIDES}
+                "geo_judge": JUDGES, "whiten_sides": WHITEN_SIDES}
 
     def __post_init__(self):
         for key, allowed in self.choices().items():
@@ -1063,7 +1040,7 @@ class Communicator:
         Two gates are not per-layer choices and stay outside: exemption() (which tensors have
         coordinates at all, from shape and module - and the list, so that no unlisted matrix
         computes geometry) and the warm-up in is_geo() (a step count for every layer: decided
-        here, forced layers would wait as proposals and be measured, and sides="auto" would
+        here, forced layers would wait as proposals and be measured, and production's sides="auto" would
         change what the forced control sends)."""
         opts = self.opts
         if opts.select == "all":
@@ -1089,12 +1066,9 @@ class Communicator:
             self.layers[name] = layer
 
     def variants(self):
-        """The geometry-aware codecs measured against Euclidean: the layer's own, or with
-        sides="auto" two rotations - both sides, and the column side alone, which keeps every
-        row's scale (an error spread over rows lands on rows AdamW may divide by a tiny root)."""
-        auto = (self.opts.sides == "auto" and self.kind is not None
-                and issubclass(self.kind, SubspaceLayer))
-        return ("both", "right") if auto else (None,)
+        """Seam (production: sides="auto" measures two rotations): the geometry-aware codecs
+        measured against Euclidean, here one, the layer's own (None)."""
+        return (None,)
 
     def measure(self, layers, means, sent, across_ranks, variants):
         """(layers, 1 + variants) float64 on the CPU: the squared codec error of Euclidean FP8
@@ -1132,11 +1106,9 @@ class Communicator:
         return dequantize(quantize(x, self.opts.fmt, self.opts.block))
 
     def through_codec(self, layer, g, sides=None):
-        """g through the codec in the layer's coordinates, or those of a rotation of `sides`."""
-        if sides is None:
-            return layer.decode(self.round_trip(layer.encode(g)))
-        rotation = layer.rotation(sides)
-        return layer.decode(self.round_trip(layer.encode(g, rotation)), rotation)
+        """Seam (production: a variant's rotated `sides`): g through the codec in the layer's
+        coordinates."""
+        return layer.decode(self.round_trip(layer.encode(g)))
 
 
 # =============================================================================
