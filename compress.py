@@ -468,9 +468,6 @@ def simulate_mean(worker_tensors, fmt="e4m3", block=128, return_local=False, lay
 # the same grid. A comes from forward pre-hooks on refresh steps, averaged over the ranks
 # (nanogeo/parallel/hooks.py), and an EMA smooths it across refreshes.
 
-WHITEN_SIDES = ("input", "output", "both")
-
-
 @dataclass
 class Whitening:
     """One side's low-rank factor F (F F^T = A^ + damping I) in the form it is applied in:
@@ -517,14 +514,11 @@ def whitening_factor(A, r=32, damping=1e-3, floor=1e-3, eigenpairs=top_eigenpair
                      down=((1 + sigma.pow(2)).rsqrt() - 1).to(dtype))
 
 
-def whitened_sides(opts):
-    return ("input", "output") if opts.whiten_sides == "both" else (opts.whiten_sides,)
-
-
 @dataclass
 class WhitenedLayer:
-    """The whitened coordinates of one linear layer's weight: per whitened side ("input": A,
-    "output": B) the EMA of its second moment and that moment's factor."""
+    """The whitened coordinates of one linear layer's weight: per whitened side (here "input":
+    A; production also whitens "output", B) the EMA of its second moment and that moment's
+    factor."""
     shape: tuple
     opts: object = field(repr=False)    # the GeoOptions (whiten_rank, moment_decay, damping)
     moments: dict = field(default_factory=dict)     # side -> EMA of A or B
@@ -542,14 +536,12 @@ class WhitenedLayer:
         return bool(self.factors)
 
     def encode(self, g):
-        """G~ = F_B^-1 G F_A^-T for the sides that have a factor."""
-        h = self.factors["input"].whiten(g) if "input" in self.factors else g
-        return self.factors["output"].whiten(h.T).T if "output" in self.factors else h
+        """Seam (production: the output side too): G~ = G F_A^-T."""
+        return self.factors["input"].whiten(g)
 
     def decode(self, h):
-        """G = F_B G~ F_A^T."""
-        g = self.factors["output"].unwhiten(h.T).T if "output" in self.factors else h
-        return self.factors["input"].unwhiten(g) if "input" in self.factors else g
+        """Seam (alike): G = G~ F_A^T."""
+        return self.factors["input"].unwhiten(h)
 
     def refresh(self, moments):
         """New factors from this step's second moments ({side: A or B}, the same on every rank),
@@ -813,7 +805,6 @@ class GeoOptions:
     min_numel: int = 4096           # smaller matrices stay Euclidean
     vocab_size: int = 0             # so do matrices with a dimension of this size
     whiten_rank: int = 32           # geofp8: r of A's low-rank part
-    whiten_sides: str = "input"     # geofp8: input (published) | output | both
     damping: float = 1e-3           # geofp8
     moment_decay: float = 0.95      # geofp8: EMA of the moments across refreshes
     geo_rank: int = 16              # subspace: r per side, at most min(m, n) // 2
@@ -824,7 +815,7 @@ class GeoOptions:
     def choices(self):
         """{field: allowed values} of the string fields (a subclass adds its own)."""
         return {"geometry": GEOMETRIES, "fmt": FORMATS, "select": SELECTIONS,
-                "geo_judge": JUDGES, "whiten_sides": WHITEN_SIDES}
+                "geo_judge": JUDGES}
 
     def __post_init__(self):
         for key, allowed in self.choices().items():
@@ -913,6 +904,11 @@ class Communicator:
         """Seam (timed alike): back to the original coordinates."""
         return self.layers[name].decode(c) if self.is_geo(name) else c
 
+    def whitened_sides(self):
+        """Seam: the sides the whitening whitens (published: the input; production's ablation
+        also the output)."""
+        return ("input",)
+
     def wants_moments(self):
         """Does the next step's reduce() refresh the whitening from K-FAC statistics?"""
         return self.uses_moments and self.step % self.opts.geo_refresh == 0
@@ -936,7 +932,7 @@ class Communicator:
         builds the same factors (equal weights: every rank ran as many tokens; production
         weights by the token counts)."""
         world = dist.get_world_size(self.group)
-        out = {side: {} for side in whitened_sides(self.opts)}
+        out = {side: {} for side in self.whitened_sides()}
         for side, by_name in out.items():
             for name, moment in moments.get(side, {}).items():
                 by_name[name] = moment.clone()
@@ -1010,7 +1006,7 @@ class Communicator:
         """{name: what its new geometry is built from}: the whitening's averaged K-FAC moments,
         when given; the others' decoded mean every geo_refresh steps, or until they have one."""
         if self.uses_moments:
-            found = {n: {side: moments[side][n] for side in whitened_sides(self.opts)
+            found = {n: {side: moments[side][n] for side in self.whitened_sides()
                          if n in moments.get(side, {})} for n in self.layers} if moments else {}
             return {n: stats for n, stats in found.items() if stats}
         return {n: means[n] for n, layer in self.layers.items()

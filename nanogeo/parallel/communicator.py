@@ -46,6 +46,7 @@ SELECTIONS = compress.SELECTIONS + ("fragile",)
 GEOMETRIES = compress.GEOMETRIES + ("hadamard",)
 FEEDBACK_STAGES = ("1", "2", "both")
 SUBSPACE_SIDES = ("both", "left", "right", "auto")
+WHITEN_SIDES = ("input", "output", "both")
 
 
 @dataclass
@@ -69,6 +70,7 @@ class Options(compress.GeoOptions):
                                     # auto (both or right, the better measured; right keeps every
                                     # row's scale)
     # ablations (nanogeo/parallel/layers.py)
+    whiten_sides: str = "input"     # geofp8: input (published) | output | both
     whiten_factor: str = "lowrank"  # lowrank | lowrank-dense | full | diag | block
     whiten_block: int = 64          # block size of whiten_factor="block"
     whiten_solver: str = "subspace" # the low-rank factor's top-r eigenpairs: subspace iteration,
@@ -83,7 +85,7 @@ class Options(compress.GeoOptions):
     def choices(self):
         return {**super().choices(), "geometry": GEOMETRIES,
                 "select": SELECTIONS, "collective": COLLECTIVES, "sum_order": SUM_ORDERS,
-                "sides": SUBSPACE_SIDES,
+                "sides": SUBSPACE_SIDES, "whiten_sides": WHITEN_SIDES,
                 "whiten_factor": layers.WHITEN_FACTORS, "whiten_solver": layers.WHITEN_SOLVERS,
                 "basis": ("householder", "random"),
                 "stochastic_stages": tuple(collective.ROUNDING_STAGES),
@@ -181,7 +183,8 @@ class ProductionCommunicator(compress.Communicator):
         return "geo" if self.is_geo(name) else "euclidean"
 
     def whitened_sides(self):
-        return compress.whitened_sides(self.opts)
+        o = self.opts
+        return ("input", "output") if o.whiten_sides == "both" else (o.whiten_sides,)
 
     def moment_layers(self):
         """Names of the weights whose layers' K-FAC statistics the whitening needs."""

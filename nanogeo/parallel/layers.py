@@ -310,6 +310,16 @@ class ProductionWhitenedLayer(JudgedLayer, compress.WhitenedLayer):
         """Only the input side is whitened (G~ = G F^-T): decode acts on each row alone."""
         return "output" not in self.factors
 
+    def encode(self, g):
+        """G~ = F_B^-1 G F_A^-T for the sides that have a factor (whiten_sides)."""
+        h = self.factors["input"].whiten(g) if "input" in self.factors else g
+        return self.factors["output"].whiten(h.T).T if "output" in self.factors else h
+
+    def decode(self, h):
+        """G = F_B G~ F_A^T."""
+        g = self.factors["output"].unwhiten(h.T).T if "output" in self.factors else h
+        return self.factors["input"].unwhiten(g) if "input" in self.factors else g
+
     def factor_of(self, side, moment):
         o = self.opts
         factor = factor_of_kind(moment, o.whiten_factor, o.whiten_rank, o.whiten_block, o.damping,
