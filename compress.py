@@ -468,9 +468,6 @@ def simulate_mean(worker_tensors, fmt="e4m3", block=128, return_local=False, lay
 # the same grid. A comes from forward pre-hooks on refresh steps, averaged over the ranks
 # (nanogeo/parallel/hooks.py), and an EMA smooths it across refreshes.
 
-WHITEN_SIDES = ("input", "output", "both")
-
-
 @dataclass
 class Whitening:
     """One side's low-rank factor F (F F^T = A^ + damping I) in the form it is applied in:
@@ -517,14 +514,11 @@ def whitening_factor(A, r=32, damping=1e-3, floor=1e-3, eigenpairs=top_eigenpair
                      down=((1 + sigma.pow(2)).rsqrt() - 1).to(dtype))
 
 
-def whitened_sides(opts):
-    return ("input", "output") if opts.whiten_sides == "both" else (opts.whiten_sides,)
-
-
 @dataclass
 class WhitenedLayer:
-    """The whitened coordinates of one linear layer's weight: per whitened side ("input": A,
-    "output": B) the EMA of its second moment and that moment's factor."""
+    """The whitened coordinates of one linear layer's weight: per whitened side (here "input":
+    A; production also whitens "output", B) the EMA of its second moment and that moment's
+    factor."""
     shape: tuple
     opts: object = field(repr=False)    # the GeoOptions (whiten_rank, moment_decay, damping)
     moments: dict = field(default_factory=dict)     # side -> EMA of A or B
@@ -542,14 +536,12 @@ class WhitenedLayer:
         return bool(self.factors)
 
     def encode(self, g):
-        """G~ = F_B^-1 G F_A^-T for the sides that have a factor."""
-        h = self.factors["input"].whiten(g) if "input" in self.factors else g
-        return self.factors["output"].whiten(h.T).T if "output" in self.factors else h
+        """Seam (production: the output side too): G~ = G F_A^-T."""
+        return self.factors["input"].whiten(g)
 
     def decode(self, h):
-        """G = F_B G~ F_A^T."""
-        g = self.factors["output"].unwhiten(h.T).T if "output" in self.factors else h
-        return self.factors["input"].unwhiten(g) if "input" in self.factors else g
+        """Seam (alike): G = G~ F_A^T."""
+        return self.factors["input"].unwhiten(h)
 
     def refresh(self, moments):
         """New factors from this step's second moments ({side: A or B}, the same on every rank),
@@ -698,13 +690,11 @@ class SubspaceLayer:
     shape: tuple
     r: int                              # dominant directions per side
     seed: int
-    opts: object = field(repr=False)    # the GeoOptions (iters, scatter_core, sides)
+    opts: object = field(repr=False)    # the GeoOptions (iters, scatter_core)
     left_basis: HouseholderBasis = None     # P
     right_basis: HouseholderBasis = None    # Q
     use_geo: bool = False
     gain: float = float("nan")          # last measured Euclidean error / rotated error
-    sides: str = "both"                 # the sides it rotates: both, left or right
-    transform: tuple = field(default=(None, None), repr=False)  # (P or None, Q or None)
     swaps: tuple = field(default=None, repr=False)              # core_swaps, fixed by shape
     from_moments = False                # refreshed from the decoded mean
 
@@ -714,35 +704,19 @@ class SubspaceLayer:
         rank; the core's swaps for the codec's scale groups."""
         r = min(opts.geo_rank, min(shape) // 2)
         return cls(shape, r, seed=zlib.crc32(name.encode()), opts=opts,
-                   sides="both" if opts.sides == "auto" else opts.sides,
                    swaps=core_swaps(shape, r, opts.scale_block) if opts.scatter_core else None)
 
     @property
     def ready(self):
         return self.left_basis is not None
 
-    def encode(self, g, transform=None):
-        """H = P^T G Q, core scattered (or in the rotation `transform`: (P or None, Q or None))."""
-        transform = transform or self.transform
-        return swap_entries(encode_geo(g, *transform), self.swaps_for(transform))
+    def encode(self, g):
+        """Seam (production: one side only, dense bases): H = P^T G Q, core scattered."""
+        return swap_entries(encode_geo(g, self.left_basis, self.right_basis), self.swaps)
 
-    def decode(self, h, transform=None):
-        transform = transform or self.transform
-        return decode_geo(swap_entries(h, self.swaps_for(transform)), *transform)
-
-    def swaps_for(self, transform):
-        """Core scattering applies when both sides rotate: only then does the dominant energy
-        gather in H's r x r corner (moved into a quiet row, a large value would set its scale)."""
-        return self.swaps if transform[0] is not None and transform[1] is not None else None
-
-    def rotation(self, sides=None):
-        """Seam (dense-basis ablations): (P or None, Q or None), the rotation of `sides`."""
-        sides = sides or self.sides
-        return (self.left_basis if sides in ("both", "left") else None,
-                self.right_basis if sides in ("both", "right") else None)
-
-    def rotate_sides(self, sides):
-        self.sides, self.transform = sides, self.rotation(sides)
+    def decode(self, h):
+        """Seam (alike): G = P H Q^T."""
+        return decode_geo(swap_entries(h, self.swaps), self.left_basis, self.right_basis)
 
     def dominant_subspaces(self, mean):
         """Seam (production: FSDP's row form, a covariance EMA): (U, V), the top-r singular
@@ -756,7 +730,6 @@ class SubspaceLayer:
         """Seam (dense-basis ablations): new bases from the decoded mean (alike on every rank)."""
         U, V = self.dominant_subspaces(mean)
         self.left_basis, self.right_basis = HouseholderBasis.complete(U), HouseholderBasis.complete(V)
-        self.transform = self.rotation()
         if self.swaps is not None:      # once on the gradients' device: no copy at each step
             self.swaps = tuple(s.to(mean.device) for s in self.swaps)
 
@@ -812,7 +785,6 @@ def adamw_error(state, betas, eps, mean, workers=1):
 GEOMETRIES = ("geofp8", "subspace", "euclidean")
 SELECTIONS = ("gain", "all", "list")
 JUDGES = ("optimizer", "l2")
-SUBSPACE_SIDES = ("both", "left", "right", "auto")
 
 
 @dataclass
@@ -833,21 +805,17 @@ class GeoOptions:
     min_numel: int = 4096           # smaller matrices stay Euclidean
     vocab_size: int = 0             # so do matrices with a dimension of this size
     whiten_rank: int = 32           # geofp8: r of A's low-rank part
-    whiten_sides: str = "input"     # geofp8: input (published) | output | both
     damping: float = 1e-3           # geofp8
     moment_decay: float = 0.95      # geofp8: EMA of the moments across refreshes
     geo_rank: int = 16              # subspace: r per side, at most min(m, n) // 2
     iters: int = 1                  # subspace: iterations per refresh
-    sides: str = "auto"             # subspace: both | left (output side) | right (input side) |
-                                    # auto (both or right, the better measured; right keeps every
-                                    # row's scale)
     scatter_core: bool = True       # subspace: each core entry in a scale group of its own
     seed: int = 0
 
     def choices(self):
         """{field: allowed values} of the string fields (a subclass adds its own)."""
         return {"geometry": GEOMETRIES, "fmt": FORMATS, "select": SELECTIONS,
-                "geo_judge": JUDGES, "sides": SUBSPACE_SIDES, "whiten_sides": WHITEN_SIDES}
+                "geo_judge": JUDGES}
 
     def __post_init__(self):
         for key, allowed in self.choices().items():
@@ -936,6 +904,11 @@ class Communicator:
         """Seam (timed alike): back to the original coordinates."""
         return self.layers[name].decode(c) if self.is_geo(name) else c
 
+    def whitened_sides(self):
+        """Seam: the sides the whitening whitens (published: the input; production's ablation
+        also the output)."""
+        return ("input",)
+
     def wants_moments(self):
         """Does the next step's reduce() refresh the whitening from K-FAC statistics?"""
         return self.uses_moments and self.step % self.opts.geo_refresh == 0
@@ -959,7 +932,7 @@ class Communicator:
         builds the same factors (equal weights: every rank ran as many tokens; production
         weights by the token counts)."""
         world = dist.get_world_size(self.group)
-        out = {side: {} for side in whitened_sides(self.opts)}
+        out = {side: {} for side in self.whitened_sides()}
         for side, by_name in out.items():
             for name, moment in moments.get(side, {}).items():
                 by_name[name] = moment.clone()
@@ -1033,7 +1006,7 @@ class Communicator:
         """{name: what its new geometry is built from}: the whitening's averaged K-FAC moments,
         when given; the others' decoded mean every geo_refresh steps, or until they have one."""
         if self.uses_moments:
-            found = {n: {side: moments[side][n] for side in whitened_sides(self.opts)
+            found = {n: {side: moments[side][n] for side in self.whitened_sides()
                          if n in moments.get(side, {})} for n in self.layers} if moments else {}
             return {n: stats for n, stats in found.items() if stats}
         return {n: means[n] for n, layer in self.layers.items()
@@ -1063,7 +1036,7 @@ class Communicator:
         Two gates are not per-layer choices and stay outside: exemption() (which tensors have
         coordinates at all, from shape and module - and the list, so that no unlisted matrix
         computes geometry) and the warm-up in is_geo() (a step count for every layer: decided
-        here, forced layers would wait as proposals and be measured, and sides="auto" would
+        here, forced layers would wait as proposals and be measured, and production's sides="auto" would
         change what the forced control sends)."""
         opts = self.opts
         if opts.select == "all":
@@ -1089,12 +1062,9 @@ class Communicator:
             self.layers[name] = layer
 
     def variants(self):
-        """The geometry-aware codecs measured against Euclidean: the layer's own, or with
-        sides="auto" two rotations - both sides, and the column side alone, which keeps every
-        row's scale (an error spread over rows lands on rows AdamW may divide by a tiny root)."""
-        auto = (self.opts.sides == "auto" and self.kind is not None
-                and issubclass(self.kind, SubspaceLayer))
-        return ("both", "right") if auto else (None,)
+        """Seam (production: sides="auto" measures two rotations): the geometry-aware codecs
+        measured against Euclidean, here one, the layer's own (None)."""
+        return (None,)
 
     def measure(self, layers, means, sent, across_ranks, variants):
         """(layers, 1 + variants) float64 on the device: the squared codec error of Euclidean FP8
@@ -1132,11 +1102,9 @@ class Communicator:
         return dequantize(quantize(x, self.opts.fmt, self.opts.block))
 
     def through_codec(self, layer, g, sides=None):
-        """g through the codec in the layer's coordinates, or those of a rotation of `sides`."""
-        if sides is None:
-            return layer.decode(self.round_trip(layer.encode(g)))
-        rotation = layer.rotation(sides)
-        return layer.decode(self.round_trip(layer.encode(g, rotation)), rotation)
+        """Seam (production: a variant's rotated `sides`): g through the codec in the layer's
+        coordinates."""
+        return layer.decode(self.round_trip(layer.encode(g)))
 
 
 # =============================================================================

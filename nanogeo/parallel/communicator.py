@@ -3,8 +3,9 @@ The communicator as training runs it: compress.Communicator (the method: coordin
 two-stage collective, refresh, the gain check, the decision) with what production adds around
 it - a subclass that overrides compress.py's seams, the methods whose docstrings begin "Seam"
 (make_layer, average_moments, outgoing, collective, error_seen, advance, update_geometry,
-propose; to_coords and from_coords for a benchmark's timer; reduce_workers for each simulated
-rank's K-FAC statistics), so that compress.py stays the one statement of the method:
+propose; variants and through_codec for sides="auto"; to_coords and from_coords for a
+benchmark's timer; reduce_workers for each simulated rank's K-FAC statistics), so that
+compress.py stays the one statement of the method:
 
   * the wire: the packed stages, NVFP4 and stochastic rounding's streams (nanogeo.wire.collective),
     and the paper's collective, one FP8 all_reduce SUM with per-tensor scales
@@ -44,6 +45,8 @@ SUM_ORDERS = ("ring", "tree")      # fp8-sum: the order NCCL adds in (nanogeo/wi
 SELECTIONS = compress.SELECTIONS + ("fragile",)
 GEOMETRIES = compress.GEOMETRIES + ("hadamard",)
 FEEDBACK_STAGES = ("1", "2", "both")
+SUBSPACE_SIDES = ("both", "left", "right", "auto")
+WHITEN_SIDES = ("input", "output", "both")
 
 
 @dataclass
@@ -63,7 +66,11 @@ class Options(compress.GeoOptions):
     # the Hadamard control (geometry="hadamard", nanogeo/parallel/hadamard.py)
     hadamard_block: int = 128       # entries per Walsh-Hadamard block, a power of two
     hadamard_sides: str = "right"   # "right": along each row (row-local), "both": columns too
+    sides: str = "auto"             # subspace: both | left (output side) | right (input side) |
+                                    # auto (both or right, the better measured; right keeps every
+                                    # row's scale)
     # ablations (nanogeo/parallel/layers.py)
+    whiten_sides: str = "input"     # geofp8: input (published) | output | both
     whiten_factor: str = "lowrank"  # lowrank | lowrank-dense | full | diag | block
     whiten_block: int = 64          # block size of whiten_factor="block"
     whiten_solver: str = "auto"     # the low-rank factor's top-r eigenpairs: "subspace" iteration,
@@ -80,6 +87,7 @@ class Options(compress.GeoOptions):
     def choices(self):
         return {**super().choices(), "geometry": GEOMETRIES,
                 "select": SELECTIONS, "collective": COLLECTIVES, "sum_order": SUM_ORDERS,
+                "sides": SUBSPACE_SIDES, "whiten_sides": WHITEN_SIDES,
                 "whiten_factor": layers.WHITEN_FACTORS, "whiten_solver": layers.WHITEN_SOLVERS,
                 "basis": ("householder", "random"),
                 "stochastic_stages": tuple(collective.ROUNDING_STAGES),
@@ -184,7 +192,8 @@ class ProductionCommunicator(compress.Communicator):
         return "geo" if self.is_geo(name) else "euclidean"
 
     def whitened_sides(self):
-        return compress.whitened_sides(self.opts)
+        o = self.opts
+        return ("input", "output") if o.whiten_sides == "both" else (o.whiten_sides,)
 
     def moment_layers(self):
         """Names of the weights whose layers' K-FAC statistics the whitening needs."""
@@ -464,6 +473,21 @@ class ProductionCommunicator(compress.Communicator):
     def propose(self, name, statistics):
         self.proposed = True
         super().propose(name, statistics)
+
+    def variants(self):
+        """The geometry-aware codecs measured against Euclidean: the layer's own, or with
+        sides="auto" two rotations - both sides, and the column side alone, which keeps every
+        row's scale (an error spread over rows lands on rows AdamW may divide by a tiny root)."""
+        auto = (self.opts.sides == "auto" and self.kind is not None
+                and issubclass(self.kind, compress.SubspaceLayer))
+        return ("both", "right") if auto else (None,)
+
+    def through_codec(self, layer, g, sides=None):
+        """g through the codec in the layer's coordinates, or those of a rotation of `sides`."""
+        if sides is None:
+            return super().through_codec(layer, g)
+        rotation = layer.rotation(sides)
+        return layer.decode(self.round_trip(layer.encode(g, rotation)), rotation)
 
     def error_seen(self, name, mean, workers):
         """Under FSDP (rows) the error of this rank's rows only, as its optimizer sees them (or

@@ -210,10 +210,48 @@ class ProductionSubspaceLayer(compress.SubspaceLayer):
     right_energy: torch.Tensor = None
     energy: object = float("nan")       # a device scalar once measured: no host sync
     rows: object = field(default=None, repr=False)      # FSDP's RowBlocks of this matrix
+    sides: str = "both"                 # the sides it rotates: both, left or right
+    transform: tuple = field(default=(None, None), repr=False)  # (P or None, Q or None)
+
+    @classmethod
+    def create(cls, name, shape, opts):
+        """compress.SubspaceLayer.create, rotating the sides of Options.sides ("auto": both, until
+        the gain check measures the right side alone)."""
+        layer = super().create(name, shape, opts)
+        layer.sides = "both" if opts.sides == "auto" else opts.sides
+        return layer
+
     @property
     def row_local(self):
         """Only the column side rotates: decode acts on each row alone."""
         return self.transform[0] is None
+
+    def encode(self, g, transform=None):
+        """H = P^T G Q, core scattered (or in the rotation `transform`: (P or None, Q or None))."""
+        transform = transform or self.transform
+        return compress.swap_entries(compress.encode_geo(g, *transform), self.swaps_for(transform))
+
+    def decode(self, h, transform=None):
+        transform = transform or self.transform
+        return compress.decode_geo(compress.swap_entries(h, self.swaps_for(transform)), *transform)
+
+    def swaps_for(self, transform):
+        """Core scattering applies when both sides rotate: only then does the dominant energy
+        gather in H's r x r corner (moved into a quiet row, a large value would set its scale)."""
+        return self.swaps if transform[0] is not None and transform[1] is not None else None
+
+    def rotation(self, sides=None):
+        """(P or None, Q or None), the rotation of `sides` (DenseSubspaceLayer: dense bases)."""
+        sides = sides or self.sides
+        return (self.left_basis if sides in ("both", "left") else None,
+                self.right_basis if sides in ("both", "right") else None)
+
+    def rotate_sides(self, sides):
+        self.sides, self.transform = sides, self.rotation(sides)
+
+    def refresh(self, mean):
+        super().refresh(mean)
+        self.transform = self.rotation()
 
     def dominant_subspaces(self, mean):
         """compress.py's subspace iteration in its row form (the same numbers when this rank
@@ -280,6 +318,16 @@ class ProductionWhitenedLayer(JudgedLayer, compress.WhitenedLayer):
     def row_local(self):
         """Only the input side is whitened (G~ = G F^-T): decode acts on each row alone."""
         return "output" not in self.factors
+
+    def encode(self, g):
+        """G~ = F_B^-1 G F_A^-T for the sides that have a factor (whiten_sides)."""
+        h = self.factors["input"].whiten(g) if "input" in self.factors else g
+        return self.factors["output"].whiten(h.T).T if "output" in self.factors else h
+
+    def decode(self, h):
+        """G = F_B G~ F_A^T."""
+        g = self.factors["output"].unwhiten(h.T).T if "output" in self.factors else h
+        return self.factors["input"].unwhiten(g) if "input" in self.factors else g
 
     def factor_of(self, side, moment):
         o = self.opts

@@ -11,7 +11,8 @@ import sys
 
 import compress
 import model as model_lib
-from nanogeo.parallel.communicator import Options, COLLECTIVES, FEEDBACK_STAGES, SUM_ORDERS
+from nanogeo.parallel.communicator import (Options, COLLECTIVES, FEEDBACK_STAGES, SUM_ORDERS,
+                                           WHITEN_SIDES)
 from nanogeo.parallel import hadamard, layers
 from nanogeo.wire import collective
 
@@ -61,7 +62,7 @@ TRAIN_PRESETS = {
 TRAIN_CHOICES = {"comm": ("fp32", "bf16", "fp8", "geofp8", "subspace", "hadamard"),
                  "device": ("auto", "cpu", "cuda"), "fmt": collective.FORMATS,
                  "collective": COLLECTIVES, "sum_order": SUM_ORDERS,
-                 "whiten_factor": layers.WHITEN_FACTORS, "whiten_sides": compress.WHITEN_SIDES,
+                 "whiten_factor": layers.WHITEN_FACTORS, "whiten_sides": WHITEN_SIDES,
                  "whiten_solver": layers.WHITEN_SOLVERS,
                  "hadamard_sides": hadamard.HADAMARD_SIDES,
                  "geo_judge": compress.JUDGES, "preset": tuple(model_lib.PRESETS),
