@@ -453,10 +453,6 @@ class ProductionCommunicator(compress.Communicator):
             self.host_read()
         return found
 
-    def finite(self, means, moments, across_ranks):
-        """Are this step's means (and statistics) finite? One host sync."""
-        return self.nonfinite(means, moments, across_ranks).item() == 0
-
     def nonfinite(self, means, moments, across_ranks):
         """(1,) float64 on the device: 1 where this step's means (or statistics) are not finite,
         on this rank - or, across_ranks, on any: the ranks decide together through one small
