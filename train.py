@@ -409,12 +409,28 @@ def train(cfg):
                           batch_rng(cfg.seed, r, step, micro), device)
                 for micro in range(cfg.grad_accum)]
 
+    final_steps, final_vals = final_eval_steps(cfg), []     # final_vals: [(step, val loss)]
+    tail_steps, tail_vals = tail_eval_steps(cfg), []        # ... of the tail val loss
+
+    def tail_eval(done):        # the tail's val losses (mean of the last few: less noise)
+        if done in tail_steps:
+            tail_vals.append((done, val_loss_now(windows=1 + tail_steps.index(done))))
+
+    def skip_step(done):
+        """Some rank's gradient is not finite: the step is skipped on every rank alike (the
+        model, the optimizer, the geometry and error feedback untouched); the val losses due
+        still measure the model as it is."""
+        log.print(f"step {done}: warning: non-finite gradient on some rank; step skipped")
+        for o in optimizers:
+            o.zero_grad(set_to_none=True)
+        tail_eval(done)
+        if done in final_steps:
+            final_vals.append((done, val_loss_now()))
+
     first_val = None if start_step else val_loss_now()
     log.first_eval(first_val)
     val_loss = float("nan") if first_val is None else first_val    # resumed: not yet measured
     losses, t_start = None, time.time()     # losses: the last step's, on the device
-    final_steps, final_vals = final_eval_steps(cfg), []     # final_vals: [(step, val loss)]
-    tail_steps, tail_vals = tail_eval_steps(cfg), []        # ... of the tail val loss
     diagnostics = Diagnostics(cfg, communicator, world_size, data_parallel)
     for step in range(start_step, cfg.max_iters):
         done = step + 1
@@ -435,35 +451,26 @@ def train(cfg):
                 step_losses, workers, stats = ranks.forward_backward(
                     [batches(r, step) for r in my_ranks], cfg.grad_accum, autocast, collect)
         grads = [g for w in workers for g in w] if workers else [p.grad for p in params]
-        # the step's one host read: skipped on every rank alike if some rank's gradient is not
-        # finite (geometry and error-feedback state stay untouched, the statistics go with it)
-        taken = runtime.gradients_finite(grads, world_size)
-        if taken:
-            losses = step_losses
-            with diagnostics.around_reduce(done, logged, grads, workers, params):
-                wire_bytes = reduce_gradients(params, cfg, communicator, world_size, stats, workers)
-            grad_norm = optimizer_step(params, optimizers, cfg.grad_clip)
-            log.sent(wire_bytes)
-            if cfg.check_every and world_size > 1 and done % cfg.check_every == 0:
-                runtime.check_ranks_agree(params, done, device)
-        else:
-            log.print(f"step {done}: warning: non-finite gradient on some rank; step skipped")
-            for o in optimizers:
-                o.zero_grad(set_to_none=True)
+        # the step's one host read: is every rank's gradient finite?
+        if not runtime.gradients_finite(grads, world_size):
+            skip_step(done)
+            continue
+        losses = step_losses
+        with diagnostics.around_reduce(done, logged, grads, workers, params):
+            wire_bytes = reduce_gradients(params, cfg, communicator, world_size, stats, workers)
+        grad_norm = optimizer_step(params, optimizers, cfg.grad_clip)
+        log.sent(wire_bytes)
+        if cfg.check_every and world_size > 1 and done % cfg.check_every == 0:
+            runtime.check_ranks_agree(params, done, device)
         dt = clock(device) - t0 if logged else None
 
-        if done in tail_steps:  # (a skipped step too: the model as it is)
-            tail_vals.append((done, val_loss_now(windows=1 + tail_steps.index(done))))
-        if not taken:           # skipped: the final val loss still measures the model as it is
-            if done in final_steps:
-                final_vals.append((done, val_loss_now()))
-            continue
+        tail_eval(done)
         if done % cfg.eval_interval == 0 or done in final_steps:
             val_loss = val_loss_now()
             if done in final_steps:
                 final_vals.append((done, val_loss))
             if cfg.comm in GEO_COMMS and done > cfg.geo_warmup:
-                log.print(f"GeoFP8 layers at step {done}:\n{summary.layer_table(communicator)}")
+                log.print(f"geometry-aware layers at step {done}:\n{summary.layer_table(communicator)}")
         if logged:
             log.step(done, mean_loss(losses), val_loss, lr, grad_norm, dt, wire_bytes)
             diagnostics.log(done, log)

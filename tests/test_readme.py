@@ -257,7 +257,7 @@ def test_make_train_runs_the_demo(scratch):
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
     assert "--comm=geofp8" in line and "--geo_layers=fragile:4" in line
-    assert "GeoFP8 layers at step 4" in out and "wire" in out
+    assert "geometry-aware layers at step 4" in out and "wire" in out
     assert "Euclidean FP8, same collective" in out and out.rstrip().splitlines()[-1].startswith("summary")
     assert out.rstrip().splitlines()[-2].startswith("  the recommended FP8 on the same gradients "
                                                     "(Euclidean e4m3, blocks of 128, two-stage")

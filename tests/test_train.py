@@ -215,7 +215,7 @@ def test_two_process_compressed_training_stays_identical(tiny_corpus, tmp_path, 
     run_ranks(train_rank, 2, argv, str(tmp_path))
     printed = capfd.readouterr().out
     if "--comm=fp8" not in extra:   # the layer table: "-" where there is no number (whitening's
-        assert "GeoFP8 layers at step 12" in printed    # energy), never nan
+        assert "geometry-aware layers at step 12" in printed    # energy), never nan
         assert not re.search(r"\bnan\b", printed, re.IGNORECASE)
     r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))
     assert r0["param_sha256"] == r1["param_sha256"]
