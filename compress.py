@@ -263,10 +263,9 @@ class ShardLayout:
     """How a bucket of tensors is cut into W shards (the same on every rank, from the shapes),
     and the codec steps of the two stages (nanogeo.wire's layouts subclass it: packed, NVFP4,
     stochastic)."""
-    check_codec = staticmethod(check_codec)     # the formats this layout's codec codes
 
     def __init__(self, shapes, fmt, block, world_size):
-        self.check_codec(fmt, block)
+        check_codec(fmt, block)
         block = NVFP4_BLOCK if fmt == "nvfp4" else block
         self.shapes, self.fmt, self.block = [tuple(s) for s in shapes], fmt, block
         self.world_size = world_size
@@ -283,33 +282,25 @@ class ShardLayout:
             return (numel // shape[0] if shape[0] else 0), "row"
         return -(-numel // self.world_size), "tensor"      # (also "row" of a 1-D tensor)
 
-    def split(self, t, counts):
-        """Tensor t cut into contiguous ranges of counts[j] scale groups: [rank j's Piece, or
-        None where it is empty]."""
-        numel, (group_len, block) = math.prod(self.shapes[t]), self.groups_of(self.shapes[t])
-        out, first = [], 0
-        for count in counts:
-            start, end = first * group_len, min(numel, (first + count) * group_len)
-            first += count
-            shape = (count, group_len) if block == "row" else (end - start,)
-            out.append(Piece(t, start, end, shape, block) if end > start else None)
-        return out
-
     def cut(self):
-        """Each tensor's n scale groups in W equal counts, rank j the j-th range; the groups
-        left over go to the shards that carry the fewest bytes so far (ties: the lower rank):
-        the all_gather pads every shard to the largest, so a small model at many ranks would
-        otherwise pay for one rank's pile of remainders."""
+        """Each tensor's n scale groups in W equal counts, rank j the j-th contiguous range; the
+        groups left over go to the shards that carry the fewest bytes so far (ties: the lower
+        rank): the all_gather pads every shard to the largest, so a small model at many ranks
+        would otherwise pay for one rank's pile of remainders."""
         W = self.world_size
         pieces, load = [[] for _ in range(W)], [0] * W
         for t, shape in enumerate(self.shapes):
-            group_len, _ = self.groups_of(shape)
-            base, extra = divmod(-(-math.prod(shape) // group_len) if group_len else 0, W)
-            lightest = set(sorted(range(W), key=lambda j: (load[j], j))[:extra])
-            for j, piece in enumerate(self.split(t, [base + (j in lightest) for j in range(W)])):
-                if piece:
-                    pieces[j].append(piece)
-                    load[j] += self.piece_nbytes(piece)
+            numel, (group_len, block) = math.prod(shape), self.groups_of(shape)
+            base, extra = divmod(-(-numel // group_len) if group_len else 0, W)
+            lightest, first = set(sorted(range(W), key=lambda j: (load[j], j))[:extra]), 0
+            for j in range(W):
+                count = base + (j in lightest)
+                start, end = first * group_len, min(numel, (first + count) * group_len)
+                first += count
+                if end > start:     # (an empty range is no piece)
+                    shape = (count, group_len) if block == "row" else (end - start,)
+                    pieces[j].append(Piece(t, start, end, shape, block))
+                    load[j] += self.piece_nbytes(pieces[j][-1])
         return pieces
 
     def piece_nbytes(self, piece):
@@ -318,9 +309,6 @@ class ShardLayout:
     def quantize_piece(self, values, piece):
         """One piece through the codec: its wire bytes."""
         return quantize(values.view(piece.shape), self.fmt, piece.block).buffer
-
-    def dequantize_piece(self, buffer, piece):
-        return dequantize(Quantized(buffer, piece.shape, self.fmt, piece.block))
 
     def quantize_shards(self, flats, rank=0):
         """Stage 1: a rank's flat fp32 tensors -> one uint8 buffer, the W destination ranks'
@@ -334,7 +322,8 @@ class ShardLayout:
         out, offset = [], 0
         for p in self.pieces[shard]:
             nbytes = self.piece_nbytes(p)
-            out.append(self.dequantize_piece(buffer[offset: offset + nbytes], p).reshape(-1))
+            piece = Quantized(buffer[offset: offset + nbytes], p.shape, self.fmt, p.block)
+            out.append(dequantize(piece).reshape(-1))
             offset += nbytes
         return out
 
@@ -358,24 +347,18 @@ class ShardLayout:
         """Stage 2's end: the W shards' bytes (shard j at j * stride, or back to back as stage 1
         wrote them) -> the bucket's values, flat fp32 in tensor order."""
         starts = [0, *itertools.accumulate(math.prod(s) for s in self.shapes)]
-        flat, offset = torch.zeros(starts[-1], device=buffer.device), 0
-        for j, pieces in enumerate(self.pieces):
-            offset = j * stride if stride is not None else offset
-            shard_bytes = buffer[offset: offset + self.nbytes[j]]
-            for p, values in zip(pieces, self.decode_shard(shard_bytes, j)):
+        at = itertools.accumulate(self.nbytes, initial=0) if stride is None else \
+            range(0, stride * self.world_size, stride)                 # where shard j begins
+        flat = torch.zeros(starts[-1], device=buffer.device)
+        for j, (pieces, offset) in enumerate(zip(self.pieces, at)):
+            for p, values in zip(pieces, self.decode_shard(buffer[offset:], j)):
                 flat[starts[p.tensor] + p.start: starts[p.tensor] + p.end] = values
-            offset += self.nbytes[j]
         return flat
 
-    # the simulator's stage 1 for all W ranks, and their own round trips (a packed layout does
-    # each in one codec call)
-    def quantize_ranks(self, rank_flats):
-        """(W, bytes): row i = quantize_shards(rank_flats[i], i)."""
-        return torch.stack([self.quantize_shards(flats, i) for i, flats in enumerate(rank_flats)])
-
-    def dequantize_ranks(self, sends):
-        """(W, values): row i = dequantize_shards(sends[i])."""
-        return torch.stack([self.dequantize_shards(send) for send in sends])
+    def quantize_ranks(self, rank_tensors):
+        """Seam (a packed layout: one codec call): the simulator's stage 1 of all W ranks,
+        (W, bytes), row i = quantize_bucket(rank_tensors[i], self, i)."""
+        return torch.stack([quantize_bucket(ts, self, i) for i, ts in enumerate(rank_tensors)])
 
 
 def quantize_bucket(tensors, layout, rank=0):
@@ -386,17 +369,12 @@ def quantize_bucket(tensors, layout, rank=0):
     return layout.quantize_shards(flats, rank)
 
 
-def split_tensors(flat, layout):
-    """The bucket's flat fp32 values -> one tensor per shape (views)."""
-    sizes = [math.prod(s) for s in layout.shapes]
-    return [t.view(s) for t, s in zip(flat.split(sizes), layout.shapes)]
-
-
 def dequantize_bucket(buffer, layout, stride=None):
     """Stage 2's end: full fp32 tensors from the W shards' bytes in `buffer` (alike on all ranks)."""
     if not sum(layout.nbytes):
         return [torch.zeros(s, device=buffer.device) for s in layout.shapes]
-    return split_tensors(layout.dequantize_shards(buffer, stride), layout)
+    flat = layout.dequantize_shards(buffer, stride).split([math.prod(s) for s in layout.shapes])
+    return [t.view(s) for t, s in zip(flat, layout.shapes)]
 
 
 def collective_bytes(layout, rank):
@@ -406,49 +384,36 @@ def collective_bytes(layout, rank):
     return stage1 + (layout.world_size - 1) * max(layout.nbytes)
 
 
-def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, return_local=False, layout=None):
+def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, layout=None):
     """(The mean of `tensors` over the process group, bytes this rank sent), bit-identical on
-    every rank; return_local adds this rank's own round trip (what error feedback keeps).
-    `layout`: production's forms (nanogeo.wire: packed, NVFP4, stochastic rounding)."""
+    every rank. `layout`: production's forms (nanogeo.wire: packed, NVFP4, stochastic rounding)."""
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     me = dist.get_rank(group) if dist.is_initialized() else 0
     layout = layout or ShardLayout([t.shape for t in tensors], fmt, block, world)
     send = quantize_bucket(tensors, layout, me)                            # stage 1
-    local = dequantize_bucket(send, layout) if return_local else None
     if world == 1:
-        means, nbytes = dequantize_bucket(layout.average_shard(send, 0), layout), 0
-    else:
-        own, largest = layout.nbytes[me], max(layout.nbytes)
-        recv = send.new_empty(world * own)                  # the W copies of this rank's shard
-        dist.all_to_all_single(recv, send, [own] * world, layout.nbytes, group=group)
-        own_mean = send.new_zeros(largest)      # padded to the largest: all_gather's sizes
-        own_mean[:own] = layout.average_shard(recv, me)                         # stage 2
-        gathered = send.new_empty(world, largest)           # row j: rank j's averaged shard
-        all_gather_flat(gathered.view(-1), own_mean, group=group)
-        means = dequantize_bucket(gathered.view(-1), layout, stride=largest)
-        nbytes = collective_bytes(layout, me)
-    return (means, nbytes, local) if return_local else (means, nbytes)
+        return dequantize_bucket(layout.average_shard(send, 0), layout), 0
+    own, largest = layout.nbytes[me], max(layout.nbytes)
+    recv = send.new_empty(world * own)                      # the W copies of this rank's shard
+    dist.all_to_all_single(recv, send, [own] * world, layout.nbytes, group=group)
+    own_mean = send.new_zeros(largest)          # padded to the largest: all_gather's sizes
+    own_mean[:own] = layout.average_shard(recv, me)                             # stage 2
+    gathered = send.new_empty(world, largest)               # row j: rank j's averaged shard
+    all_gather_flat(gathered.view(-1), own_mean, group=group)
+    means = dequantize_bucket(gathered.view(-1), layout, stride=largest)
+    return means, collective_bytes(layout, me)
 
 
-def simulate_mean(worker_tensors, fmt="e4m3", block=128, return_local=False, layout=None):
+def simulate_mean(worker_tensors, fmt="e4m3", block=128, layout=None):
     """Exactly all_reduce_mean's numerics for W ranks in one process (worker_tensors[i]: rank
-    i's tensors): (means, bytes a rank sends on average[, each rank's own round trip])."""
+    i's tensors): (means, bytes a rank sends on average)."""
     world = len(worker_tensors)
     layout = layout or ShardLayout([t.shape for t in worker_tensors[0]], fmt, block, world)
-    rank_flats = [[t.reshape(-1).float() for t in ts] for ts in worker_tensors]
-    if sum(layout.nbytes):
-        sends = layout.quantize_ranks(rank_flats)               # row i: rank i's stage 1
-    else:                                                       # only empty tensors
-        sends = rank_flats[0][0].new_empty(world, 0, dtype=torch.uint8)
+    sends = layout.quantize_ranks(worker_tensors)               # row i: rank i's stage 1
     received = sends.split(layout.nbytes, dim=1)    # [j]: the W copies of shard j, (W, bytes)
     shards = [layout.average_shard(received[j].reshape(-1), j) for j in range(world)]
-    means = dequantize_bucket(torch.cat(shards), layout)
     nbytes = 0 if world == 1 else sum(collective_bytes(layout, i) for i in range(world)) / world
-    if not return_local:
-        return means, nbytes
-    if not sum(layout.nbytes):
-        return means, nbytes, [dequantize_bucket(send, layout) for send in sends]
-    return means, nbytes, [split_tensors(v, layout) for v in layout.dequantize_ranks(sends)]
+    return dequantize_bucket(torch.cat(shards), layout), nbytes
 
 
 # =============================================================================
@@ -810,7 +775,6 @@ class GeoOptions:
     geo_rank: int = 16              # subspace: r per side, at most min(m, n) // 2
     iters: int = 1                  # subspace: iterations per refresh
     scatter_core: bool = True       # subspace: each core entry in a scale group of its own
-    seed: int = 0
 
     def choices(self):
         """{field: allowed values} of the string fields (a subclass adds its own)."""
@@ -866,8 +830,8 @@ class Communicator:
         self.shapes = {n: tuple(s) for n, s in named_shapes}
         self.index = {n: i for i, n in enumerate(self.names)}
         self.kind = self.LAYERS.get(self.opts.geometry)     # the layer class (None: Euclidean)
-        self.layers = {n: self.make_layer(n) for n in self.names    # the coordinates in use
-                       if exemption(n, self.shapes[n], self.opts, linear) is None}
+        self.layers = {n: self.kind.create(n, self.shapes[n], self.opts)    # the coordinates in
+                       for n in self.names if exemption(n, self.shapes[n], self.opts, linear) is None}
         self.proposals = {}     # name -> new geometry, not yet measured, not yet used
         self.chosen = set(self.opts.geo_layers) if self.opts.select == "list" else set()
         if self.chosen - set(self.names):
@@ -877,10 +841,6 @@ class Communicator:
         self.views = {}         # name -> its optimizer's view (watch()); none: plain L2
         self.warned = False
         self.step = 0           # steps taken
-
-    def make_layer(self, name):
-        """Seam: the layer object of a matrix that may use the geometry."""
-        return self.kind.create(name, self.shapes[name], self.opts)
 
     def watch(self, views):
         """Judge each layer by the error its optimizer sees (section 5): {name: a view with
@@ -931,13 +891,11 @@ class Communicator:
         """Seam: the mean over the group of every rank's K-FAC statistics, so that every rank
         builds the same factors (equal weights: every rank ran as many tokens; production
         weights by the token counts)."""
-        world = dist.get_world_size(self.group)
-        out = {side: {} for side in self.whitened_sides()}
-        for side, by_name in out.items():
-            for name, moment in moments.get(side, {}).items():
-                by_name[name] = moment.clone()
-                dist.all_reduce(by_name[name], group=self.group)
-                by_name[name] /= world
+        out = {side: {n: m.clone() for n, m in moments.get(side, {}).items()}
+               for side in self.whitened_sides()}
+        for moment in (m for by_name in out.values() for m in by_name.values()):
+            dist.all_reduce(moment, group=self.group)
+            moment /= dist.get_world_size(self.group)
         return out
 
     def reduce_workers(self, worker_grads, moments=None):
@@ -1050,26 +1008,16 @@ class Communicator:
         """Measure each layer's proposal (or, without one, its geometry in use) against
         Euclidean on this step's gradients, decide, and put what was measured in use."""
         layers = {n: self.proposals.pop(n, self.layers[n]) for n in names}
-        variants = self.variants()
-        errors = self.measure(layers, means, sent, across_ranks, variants)
-        for (name, layer), (euclid, *geos) in zip(layers.items(), errors.tolist()):
-            best = min(range(len(geos)), key=lambda k: geos[k])
-            if variants[best] is not None and variants[best] != layer.sides:
-                layer.rotate_sides(variants[best])
-            geo = geos[best]
+        errors = self.measure(layers, means, sent, across_ranks)
+        for (name, layer), (euclid, geo) in zip(layers.items(), errors.tolist()):
             layer.gain = math.sqrt(euclid / geo) if geo > 0 else (math.inf if euclid > 0 else 1.0)
             layer.use_geo = self.decide(name, layer)
             self.layers[name] = layer
 
-    def variants(self):
-        """Seam (production: sides="auto" measures two rotations): the geometry-aware codecs
-        measured against Euclidean, here one, the layer's own (None)."""
-        return (None,)
-
-    def measure(self, layers, means, sent, across_ranks, variants):
-        """(layers, 1 + variants) float64 on the device: the squared codec error of Euclidean FP8
-        and of each geometry-aware codec, as each layer's optimizer sees it, summed over the
-        workers - and over the ranks, so that every rank decides alike."""
+    def measure(self, layers, means, sent, across_ranks):
+        """Seam: (layers, 2) float64 on the device: the squared codec error of Euclidean FP8 and
+        of the geometry-aware codec, as each layer's optimizer sees it, summed over the workers -
+        and over the ranks, so that every rank decides alike."""
         world = dist.get_world_size(self.group) if across_ranks else 1
         errors = []
         for name, layer in layers.items():
@@ -1077,7 +1025,7 @@ class Communicator:
             for grads in sent:
                 g = grads[self.index[name]].float()
                 errors.append(seen(self.round_trip(g) - g))
-                errors += [seen(self.through_codec(layer, g, sides) - g) for sides in variants]
+                errors += [seen(back - g) for back in self.through_codec(layer, g)]
         errors = torch.stack(errors).double().view(len(layers), len(sent), -1).sum(1)
         if across_ranks:
             dist.all_reduce(errors, group=self.group)
@@ -1101,10 +1049,10 @@ class Communicator:
         """x through the codec and back."""
         return dequantize(quantize(x, self.opts.fmt, self.opts.block))
 
-    def through_codec(self, layer, g, sides=None):
-        """Seam (production: a variant's rotated `sides`): g through the codec in the layer's
-        coordinates."""
-        return layer.decode(self.round_trip(layer.encode(g)))
+    def through_codec(self, layer, g):
+        """Seam (production: one per rotation that sides="auto" compares): [g through the codec
+        in the layer's coordinates]."""
+        return [layer.decode(self.round_trip(layer.encode(g)))]
 
 
 # =============================================================================
