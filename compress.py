@@ -73,26 +73,22 @@ def check_codec(fmt, block):
         raise ValueError(f"block must be a positive int, 'row' or 'tensor', got {block!r}")
 
 
-def scale_groups(x, block):
-    """View x as (groups, group_len) fp32: one scale per group. Integer blocks pad the flattened
-    tensor with zeros to a whole number of groups."""
-    flat = x.reshape(-1).float()
-    if block == "tensor":
-        return flat.view(1, -1)
-    if block == "row":
-        return flat.view(x.shape[0] if x.dim() >= 2 else 1, -1)
-    pad = (-flat.numel()) % block
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad)])
-    return flat.view(-1, block)
-
-
 def num_groups(shape, block):
+    """How many scale groups (each with its own scale) a tensor of this shape has."""
     if block == "tensor":
         return 1
     if block == "row":
         return shape[0] if len(shape) >= 2 else 1
     return -(-math.prod(shape) // block)
+
+
+def scale_groups(x, block):
+    """View x as (groups, group_len) fp32: one scale per group. Integer blocks pad the flattened
+    tensor with zeros to a whole number of groups."""
+    flat, groups = x.reshape(-1).float(), num_groups(x.shape, block)
+    if isinstance(block, int) and groups * block > flat.numel():
+        flat = torch.cat([flat, flat.new_zeros(groups * block - flat.numel())])
+    return flat.view(groups, -1)
 
 
 def wire_nbytes(shape, fmt, block):
@@ -203,12 +199,13 @@ def quantize(x, fmt="e4m3", block=128) -> Quantized:
     ignored): [fp32 tensor scale | e4m3 block scales | codes, the last block's padding cut]."""
     check_codec(fmt, block)
     if x.numel() == 0:
-        return Quantized(torch.empty(0, dtype=torch.uint8, device=x.device), x.shape, fmt, block)
-    if fmt != "nvfp4":
+        buffer = torch.empty(0, dtype=torch.uint8, device=x.device)
+    elif fmt == "nvfp4":
+        buffer = nvfp4_wire(x)
+    else:
         dtype, fmax = FP8_FORMATS[fmt]
-        return Quantized(fp8_pack(*fp8_encode(scale_groups(x, block), fmax, dtype)), x.shape,
-                         fmt, block)
-    return Quantized(nvfp4_wire(x), x.shape, fmt, block)
+        buffer = fp8_pack(*fp8_encode(scale_groups(x, block), fmax, dtype))
+    return Quantized(buffer, x.shape, fmt, block)
 
 
 def nvfp4_wire(x, to_e2m1=e2m1_codes):
@@ -228,12 +225,11 @@ def dequantize(q: Quantized) -> torch.Tensor:
         return torch.zeros(q.shape, device=q.buffer.device)
     if q.fmt != "nvfp4":
         values = fp8_unpack(q.buffer, num_groups(q.shape, q.block), FP8_FORMATS[q.fmt][0])
-        return values.reshape(-1)[:numel].view(q.shape)
-    G, codes = num_groups(q.shape, NVFP4_BLOCK), q.buffer[4 + num_groups(q.shape, NVFP4_BLOCK):]
-    nibbles = torch.nn.functional.pad(codes, (0, 8 * G - codes.numel())).view(G, 8)  # unsent: 0
-    scale = q.buffer[:4].clone().view(torch.float32)
-    values = nvfp4_decode(q.buffer[4: 4 + G], nibbles, scale)
-    return values.view(-1)[:numel].view(q.shape)
+    else:       # [tensor scale | G block scales | codes], the last block's unsent codes 0
+        G, tensor_scale = num_groups(q.shape, NVFP4_BLOCK), q.buffer[:4].clone().view(torch.float32)
+        nibbles = torch.nn.functional.pad(q.buffer[4 + G:], (0, 8 * G - (numel + 1) // 2))
+        values = nvfp4_decode(q.buffer[4: 4 + G], nibbles.view(G, 8), tensor_scale)
+    return values.reshape(-1)[:numel].view(q.shape)
 
 
 # =============================================================================
@@ -319,13 +315,9 @@ class ShardLayout:
 
     def decode_shard(self, buffer, shard):
         """One shard's bytes -> the flat fp32 values of each of its pieces."""
-        out, offset = [], 0
-        for p in self.pieces[shard]:
-            nbytes = self.piece_nbytes(p)
-            piece = Quantized(buffer[offset: offset + nbytes], p.shape, self.fmt, p.block)
-            out.append(dequantize(piece).reshape(-1))
-            offset += nbytes
-        return out
+        sizes = [self.piece_nbytes(p) for p in self.pieces[shard]]
+        return [dequantize(Quantized(b, p.shape, self.fmt, p.block)).reshape(-1)
+                for b, p in zip(buffer[: sum(sizes)].split(sizes), self.pieces[shard])]
 
     def sum_copies(self, received, shard):
         """The W copies of a shard (back to back, in source-rank order), decoded and added in
@@ -828,7 +820,6 @@ class Communicator:
         self.opts, self.group = options or GeoOptions(), group
         self.names = [n for n, _ in named_shapes]
         self.shapes = {n: tuple(s) for n, s in named_shapes}
-        self.index = {n: i for i, n in enumerate(self.names)}
         self.kind = self.LAYERS.get(self.opts.geometry)     # the layer class (None: Euclidean)
         self.layers = {n: self.kind.create(n, self.shapes[n], self.opts)    # the coordinates in
                        for n in self.names if exemption(n, self.shapes[n], self.opts, linear) is None}
@@ -922,9 +913,8 @@ class Communicator:
     def collective(self, coords, across_ranks):
         """Seam: the collective on the tensors in coordinates ({worker: [tensors]}): over the
         process group, or its simulator. Returns (means in coordinates, bytes a rank sends)."""
-        if across_ranks:
-            [tensors] = coords.values()
-            return all_reduce_mean(tensors, self.opts.fmt, self.opts.block, self.group)
+        if across_ranks:                        # (this rank's tensors only)
+            return all_reduce_mean(*coords.values(), self.opts.fmt, self.opts.block, self.group)
         return simulate_mean(list(coords.values()), self.opts.fmt, self.opts.block)
 
     # -- the geometry --------------------------------------------------------------------------
@@ -1023,7 +1013,7 @@ class Communicator:
         for name, layer in layers.items():
             seen = self.error_seen(name, means[name], world * len(sent))
             for grads in sent:
-                g = grads[self.index[name]].float()
+                g = grads[self.names.index(name)].float()
                 errors.append(seen(self.round_trip(g) - g))
                 errors += [seen(back - g) for back in self.through_codec(layer, g)]
         errors = torch.stack(errors).double().view(len(layers), len(sent), -1).sum(1)
@@ -1103,14 +1093,11 @@ def demo(ranks=8, steps=12):
     for geometry, fmt, select, reading in DEMO_ROWS:
         comm = Communicator([("w", (96, 128))], GeoOptions(
             geometry=geometry, fmt=fmt, select=select, geo_judge="l2", min_numel=0))
-        means = []
-        for grads, A in data:
-            mean, nbytes = comm.reduce_workers(grads, {"input": {"w": A}} if comm.wants_moments()
-                                               else None)
-            means.append(mean[0])
+        done = [comm.reduce_workers(grads, {"input": {"w": A}} if comm.wants_moments() else None)
+                for grads, A in data]                                   # [(means, bytes)]
         how = "forced" if select == "all" else "" if geometry == "euclidean" else (
             "used" if comm.is_geo("w") else "not used")
-        rows.append((geometry, fmt, how, error(means), nbytes, reading))
+        rows.append((geometry, fmt, how, error([m[0] for m, _ in done]), done[-1][1], reading))
     print(f"{ranks} simulated ranks, a 96 x 128 linear layer, groups of 128 values: the relative L2 "
           f"error of the\naveraged gradient (steps {steps - 5}-{steps}) against Euclidean e4m3's, "
           "and the bytes a rank sends per step against bf16's:")
