@@ -23,8 +23,8 @@ geometry - the two-stage collective of section 2 with plain Euclidean FP8 trains
 fp32; the geometry's measured room is 4 bits at many ranks.
 
 `python compress.py` (section 7) shows it work. This file imports nothing from nanogeo/, which
-runs the same algorithms at scale and passes its faster forms in: NVFP4, the paper's FP8-sum
-collective, stochastic rounding, error feedback, K-FAC hooks, a Hadamard control, DDP and
+runs the same algorithms at scale and passes its faster forms in: packed codecs, the paper's
+FP8-sum collective, stochastic rounding, error feedback, K-FAC hooks, a Hadamard control, DDP and
 FSDP2, checkpoints (docs/method.md has the map).
 """
 
@@ -147,9 +147,8 @@ SIGNED_E2M1 = E2M1_GRID + tuple(-v for v in E2M1_GRID)  # the value of each code
 
 
 def e2m1_codes(y):
-    """4-bit codes of y (|y| <= 6), to nearest: the index is the number of midpoints between grid
-    values that |y| has passed; ties to the even code (0.25, 1.25, 2.5, 5 down; 0.75, 1.75, 3.5
-    up). Seven compares, each added in place."""
+    """4-bit codes of y (|y| <= 6), to nearest: the index counts the midpoints between grid values
+    that |y| has passed; ties to the even code (0.25, 1.25, 2.5, 5 down; 0.75, 1.75, 3.5 up)."""
     a, idx = y.abs(), torch.zeros_like(y, dtype=torch.uint8)
     for tie in (0.25, 1.25, 2.5, 5.0):
         idx += a > tie
@@ -256,9 +255,9 @@ Piece = namedtuple("Piece", "tensor start end shape block")
 
 
 class ShardLayout:
-    """How a bucket of tensors is cut into W shards (the same on every rank, from the shapes),
-    and the codec steps of the two stages (nanogeo.wire's layouts subclass it: packed, NVFP4,
-    stochastic)."""
+    """How a bucket of tensors is cut into W shards (alike on every rank, from the shapes), and
+    the two stages' codec steps: seams, which nanogeo.wire's packed and stochastic layouts
+    override."""
 
     def __init__(self, shapes, fmt, block, world_size):
         check_codec(fmt, block)
@@ -279,10 +278,9 @@ class ShardLayout:
         return -(-numel // self.world_size), "tensor"      # (also "row" of a 1-D tensor)
 
     def cut(self):
-        """Each tensor's n scale groups in W equal counts, rank j the j-th contiguous range; the
-        groups left over go to the shards that carry the fewest bytes so far (ties: the lower
-        rank): the all_gather pads every shard to the largest, so a small model at many ranks
-        would otherwise pay for one rank's pile of remainders."""
+        """Seam: each tensor's scale groups in W equal counts, rank j the j-th range; the groups
+        left over go to the shards with the fewest bytes so far (ties: the lower rank), as the
+        all_gather pads every shard to the largest (else one rank piles up the remainders)."""
         W = self.world_size
         pieces, load = [[] for _ in range(W)], [0] * W
         for t, shape in enumerate(self.shapes):
@@ -303,13 +301,12 @@ class ShardLayout:
         return wire_nbytes(piece.shape, self.fmt, piece.block)
 
     def quantize_piece(self, values, piece):
-        """One piece through the codec: its wire bytes."""
+        """Seam (stochastic rounding): one piece through the codec, its wire bytes."""
         return quantize(values.view(piece.shape), self.fmt, piece.block).buffer
 
     def quantize_shards(self, flats, rank=0):
-        """Stage 1: a rank's flat fp32 tensors -> one uint8 buffer, the W destination ranks'
-        shards back to back (shard j is nbytes[j] bytes). (`rank`: whose; a stochastic layout
-        draws from that rank's random stream.)"""
+        """Seam: stage 1, a rank's flat fp32 tensors -> one uint8 buffer, the W shards back to
+        back (shard j: nbytes[j] bytes; a stochastic layout draws from `rank`'s random stream)."""
         return torch.cat([self.quantize_piece(flats[p.tensor][p.start:p.end], p)
                           for shard in self.pieces for p in shard])
 
@@ -320,8 +317,8 @@ class ShardLayout:
                 for b, p in zip(buffer[: sum(sizes)].split(sizes), self.pieces[shard])]
 
     def sum_copies(self, received, shard):
-        """The W copies of a shard (back to back, in source-rank order), decoded and added in
-        fp32 in rank order: every rank and the simulator add alike. One tensor per piece."""
+        """Seam: the W copies of a shard (back to back, in source-rank order), decoded and added
+        in fp32 in rank order (every rank and the simulator add alike): a tensor per piece."""
         total = None
         for one_copy in received.split(self.nbytes[shard]):
             values = self.decode_shard(one_copy, shard)
@@ -329,15 +326,15 @@ class ShardLayout:
         return total
 
     def average_shard(self, received, shard):
-        """Between the stages, on the owner of `shard`: the mean of its W copies, quantized again
-        (the bytes stage 2 gathers)."""
+        """Seam: between the stages, on the owner of `shard`: the mean of its W copies, quantized
+        again (the bytes stage 2 gathers)."""
         parts = [self.quantize_piece(v / self.world_size, p)
                  for v, p in zip(self.sum_copies(received, shard), self.pieces[shard])]
         return torch.cat(parts) if parts else received.new_empty(0)
 
     def dequantize_shards(self, buffer, stride=None):
-        """Stage 2's end: the W shards' bytes (shard j at j * stride, or back to back as stage 1
-        wrote them) -> the bucket's values, flat fp32 in tensor order."""
+        """Seam: stage 2's end, the W shards' bytes (shard j at j * stride, or back to back as
+        stage 1 wrote them) -> the bucket's values, flat fp32 in tensor order."""
         starts = [0, *itertools.accumulate(math.prod(s) for s in self.shapes)]
         at = itertools.accumulate(self.nbytes, initial=0) if stride is None else \
             range(0, stride * self.world_size, stride)                 # where shard j begins
@@ -473,9 +470,8 @@ def whitening_factor(A, r=32, damping=1e-3, floor=1e-3, eigenpairs=top_eigenpair
 
 @dataclass
 class WhitenedLayer:
-    """The whitened coordinates of one linear layer's weight: per whitened side (here "input":
-    A; production also whitens "output", B) the EMA of its second moment and that moment's
-    factor."""
+    """The whitened coordinates of one linear layer's weight: per whitened side ("input": A;
+    production also "output": B) the EMA of its second moment and that moment's factor."""
     shape: tuple
     opts: object = field(repr=False)    # the GeoOptions (whiten_rank, moment_decay, damping)
     moments: dict = field(default_factory=dict)     # side -> EMA of A or B
@@ -624,8 +620,7 @@ def orthonormal(A):
 def update_subspaces(G, U, V, iters=1):
     """One refresh of G's (m x n) dominant subspaces from U (m x r), V (n x r): subspace
     iteration on G G^T and G^T G, then a Rayleigh-Ritz rotation that makes U^T G V diagonal,
-    largest first. Returns the new (U, V). (nanogeo's layer can also smooth the covariances over
-    refreshes: Options.decay.)"""
+    largest first. Returns the new (U, V)."""
     for _ in range(iters):
         U, V = orthonormal(G @ (G.T @ U)), orthonormal(G.T @ (G @ V))  # G G^T U, G^T G V
     a, _, bh = torch.linalg.svd(U.T @ G @ V)                            # r x r: negligible
@@ -657,8 +652,8 @@ class SubspaceLayer:
 
     @classmethod
     def create(cls, name, shape, opts):
-        """r = geo_rank, at most half the smaller side; the seed from the name, alike on every
-        rank; the core's swaps for the codec's scale groups."""
+        """Seam (production: the sides, dense bases): r = geo_rank, at most half the smaller
+        side; the seed from the name, alike on every rank; the core's swaps for the scale groups."""
         r = min(opts.geo_rank, min(shape) // 2)
         return cls(shape, r, seed=zlib.crc32(name.encode()), opts=opts,
                    swaps=core_swaps(shape, r, opts.scale_block) if opts.scatter_core else None)
@@ -749,8 +744,7 @@ class GeoOptions:
     """The method's settings (nanogeo's Options adds production's)."""
     geometry: str = "geofp8"        # geofp8 (section 3) | subspace (section 4) | euclidean
     fmt: str = "e4m3"
-    block: object = 128             # values per scale group, "row" or "tensor" (one scale per
-                                    # tensor quantized: W per tensor in the collective)
+    block: object = 128             # values per scale group, "row" or "tensor" (see groups_of)
     geo_refresh: int = 0            # new geometry every N steps (0: 50 for geofp8, else 4)
     geo_warmup: int = 0             # steps sent in Euclidean coordinates first
     select: str = "gain"            # which matrices use it: gain (measured) | all | list
@@ -769,9 +763,8 @@ class GeoOptions:
     scatter_core: bool = True       # subspace: each core entry in a scale group of its own
 
     def choices(self):
-        """{field: allowed values} of the string fields (a subclass adds its own)."""
-        return {"geometry": GEOMETRIES, "fmt": FORMATS, "select": SELECTIONS,
-                "geo_judge": JUDGES}
+        """Seam (nanogeo's Options adds its own): {field: allowed values} of the string fields."""
+        return {"geometry": GEOMETRIES, "fmt": FORMATS, "select": SELECTIONS, "geo_judge": JUDGES}
 
     def __post_init__(self):
         for key, allowed in self.choices().items():
@@ -821,8 +814,8 @@ class Communicator:
         self.names = [n for n, _ in named_shapes]
         self.shapes = {n: tuple(s) for n, s in named_shapes}
         self.kind = self.LAYERS.get(self.opts.geometry)     # the layer class (None: Euclidean)
-        self.layers = {n: self.kind.create(n, self.shapes[n], self.opts)    # the coordinates in
-                       for n in self.names if exemption(n, self.shapes[n], self.opts, linear) is None}
+        may = [n for n in self.names if exemption(n, self.shapes[n], self.opts, linear) is None]
+        self.layers = {n: self.kind.create(n, self.shapes[n], self.opts) for n in may}  # in use
         self.proposals = {}     # name -> new geometry, not yet measured, not yet used
         self.chosen = set(self.opts.geo_layers) if self.opts.select == "list" else set()
         if self.chosen - set(self.names):
@@ -891,8 +884,7 @@ class Communicator:
 
     def reduce_workers(self, worker_grads, moments=None):
         """Seam: the same numerics for W simulated workers (moments: already over all of them;
-        production also takes each worker's own, averaged as over ranks).
-        Returns (means, bytes a rank sends)."""
+        production also takes each worker's own): (means, bytes a rank sends)."""
         return self.communicate(dict(enumerate(worker_grads)), moments, across_ranks=False)
 
     def communicate(self, worker_grads, moments, across_ranks):
@@ -941,8 +933,7 @@ class Communicator:
 
     def update_geometry(self, means, sent, moments, across_ranks):
         """Seam: measure what is due (every proposal; the geometry in use where unmeasured, and
-        for the whitening at every check), then propose new geometry from this step's
-        statistics."""
+        for the whitening at every check), then propose new geometry from the step's statistics."""
         judged = [n for n, layer in self.layers.items() if n in self.proposals
                   or (layer.ready and (self.uses_moments or math.isnan(layer.gain)))]
         if judged:
@@ -951,8 +942,8 @@ class Communicator:
             self.propose(name, statistics)
 
     def statistics(self, means, moments):
-        """{name: what its new geometry is built from}: the whitening's averaged K-FAC moments,
-        when given; the others' decoded mean every geo_refresh steps, or until they have one."""
+        """Seam: {name: what its new geometry is built from}: the whitening's averaged K-FAC
+        moments, when given; the others' decoded mean every geo_refresh steps, or until ready."""
         if self.uses_moments:
             found = {n: {side: moments[side][n] for side in self.whitened_sides()
                          if n in moments.get(side, {})} for n in self.layers} if moments else {}

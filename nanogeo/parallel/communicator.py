@@ -281,7 +281,8 @@ class ProductionCommunicator(compress.Communicator):
             if keep_local:
                 bucket = collective.KeptSends(bucket, workers[0][0].device)
             if across_ranks:
-                means, nbytes = compress.all_reduce_mean(workers[0], group=self.group, layout=bucket)
+                means, nbytes = compress.all_reduce_mean(workers[0], group=self.group,
+                                                         layout=bucket)
             else:
                 means, nbytes = compress.simulate_mean(workers, layout=bucket)
             local = bucket.local() if keep_local else None
