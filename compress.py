@@ -23,8 +23,8 @@ geometry - the two-stage collective of section 2 with plain Euclidean FP8 trains
 fp32; the geometry's measured room is 4 bits at many ranks.
 
 `python compress.py` (section 7) shows it work. This file imports nothing from nanogeo/, which
-runs the same algorithms at scale and passes its faster forms in: NVFP4, the paper's FP8-sum
-collective, stochastic rounding, error feedback, K-FAC hooks, a Hadamard control, DDP and
+runs the same algorithms at scale and passes its faster forms in: packed codecs, the paper's
+FP8-sum collective, stochastic rounding, error feedback, K-FAC hooks, a Hadamard control, DDP and
 FSDP2, checkpoints (docs/method.md has the map).
 """
 
@@ -73,26 +73,22 @@ def check_codec(fmt, block):
         raise ValueError(f"block must be a positive int, 'row' or 'tensor', got {block!r}")
 
 
-def scale_groups(x, block):
-    """View x as (groups, group_len) fp32: one scale per group. Integer blocks pad the flattened
-    tensor with zeros to a whole number of groups."""
-    flat = x.reshape(-1).float()
-    if block == "tensor":
-        return flat.view(1, -1)
-    if block == "row":
-        return flat.view(x.shape[0] if x.dim() >= 2 else 1, -1)
-    pad = (-flat.numel()) % block
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad)])
-    return flat.view(-1, block)
-
-
 def num_groups(shape, block):
+    """How many scale groups (each with its own scale) a tensor of this shape has."""
     if block == "tensor":
         return 1
     if block == "row":
         return shape[0] if len(shape) >= 2 else 1
     return -(-math.prod(shape) // block)
+
+
+def scale_groups(x, block):
+    """View x as (groups, group_len) fp32: one scale per group. Integer blocks pad the flattened
+    tensor with zeros to a whole number of groups."""
+    flat, groups = x.reshape(-1).float(), num_groups(x.shape, block)
+    if isinstance(block, int) and groups * block > flat.numel():
+        flat = torch.cat([flat, flat.new_zeros(groups * block - flat.numel())])
+    return flat.view(groups, -1)
 
 
 def wire_nbytes(shape, fmt, block):
@@ -151,9 +147,8 @@ SIGNED_E2M1 = E2M1_GRID + tuple(-v for v in E2M1_GRID)  # the value of each code
 
 
 def e2m1_codes(y):
-    """4-bit codes of y (|y| <= 6), to nearest: the index is the number of midpoints between grid
-    values that |y| has passed; ties to the even code (0.25, 1.25, 2.5, 5 down; 0.75, 1.75, 3.5
-    up). Seven compares, each added in place."""
+    """4-bit codes of y (|y| <= 6), to nearest: the index counts the midpoints between grid values
+    that |y| has passed; ties to the even code (0.25, 1.25, 2.5, 5 down; 0.75, 1.75, 3.5 up)."""
     a, idx = y.abs(), torch.zeros_like(y, dtype=torch.uint8)
     for tie in (0.25, 1.25, 2.5, 5.0):
         idx += a > tie
@@ -203,12 +198,13 @@ def quantize(x, fmt="e4m3", block=128) -> Quantized:
     ignored): [fp32 tensor scale | e4m3 block scales | codes, the last block's padding cut]."""
     check_codec(fmt, block)
     if x.numel() == 0:
-        return Quantized(torch.empty(0, dtype=torch.uint8, device=x.device), x.shape, fmt, block)
-    if fmt != "nvfp4":
+        buffer = torch.empty(0, dtype=torch.uint8, device=x.device)
+    elif fmt == "nvfp4":
+        buffer = nvfp4_wire(x)
+    else:
         dtype, fmax = FP8_FORMATS[fmt]
-        return Quantized(fp8_pack(*fp8_encode(scale_groups(x, block), fmax, dtype)), x.shape,
-                         fmt, block)
-    return Quantized(nvfp4_wire(x), x.shape, fmt, block)
+        buffer = fp8_pack(*fp8_encode(scale_groups(x, block), fmax, dtype))
+    return Quantized(buffer, x.shape, fmt, block)
 
 
 def nvfp4_wire(x, to_e2m1=e2m1_codes):
@@ -228,12 +224,11 @@ def dequantize(q: Quantized) -> torch.Tensor:
         return torch.zeros(q.shape, device=q.buffer.device)
     if q.fmt != "nvfp4":
         values = fp8_unpack(q.buffer, num_groups(q.shape, q.block), FP8_FORMATS[q.fmt][0])
-        return values.reshape(-1)[:numel].view(q.shape)
-    G, codes = num_groups(q.shape, NVFP4_BLOCK), q.buffer[4 + num_groups(q.shape, NVFP4_BLOCK):]
-    nibbles = torch.nn.functional.pad(codes, (0, 8 * G - codes.numel())).view(G, 8)  # unsent: 0
-    scale = q.buffer[:4].clone().view(torch.float32)
-    values = nvfp4_decode(q.buffer[4: 4 + G], nibbles, scale)
-    return values.view(-1)[:numel].view(q.shape)
+    else:       # [tensor scale | G block scales | codes], the last block's unsent codes 0
+        G, tensor_scale = num_groups(q.shape, NVFP4_BLOCK), q.buffer[:4].clone().view(torch.float32)
+        nibbles = torch.nn.functional.pad(q.buffer[4 + G:], (0, 8 * G - (numel + 1) // 2))
+        values = nvfp4_decode(q.buffer[4: 4 + G], nibbles.view(G, 8), tensor_scale)
+    return values.reshape(-1)[:numel].view(q.shape)
 
 
 # =============================================================================
@@ -260,13 +255,12 @@ Piece = namedtuple("Piece", "tensor start end shape block")
 
 
 class ShardLayout:
-    """How a bucket of tensors is cut into W shards (the same on every rank, from the shapes),
-    and the codec steps of the two stages (nanogeo.wire's layouts subclass it: packed, NVFP4,
-    stochastic)."""
-    check_codec = staticmethod(check_codec)     # the formats this layout's codec codes
+    """How a bucket of tensors is cut into W shards (alike on every rank, from the shapes), and
+    the two stages' codec steps: seams, which nanogeo.wire's packed and stochastic layouts
+    override."""
 
     def __init__(self, shapes, fmt, block, world_size):
-        self.check_codec(fmt, block)
+        check_codec(fmt, block)
         block = NVFP4_BLOCK if fmt == "nvfp4" else block
         self.shapes, self.fmt, self.block = [tuple(s) for s in shapes], fmt, block
         self.world_size = world_size
@@ -283,64 +277,48 @@ class ShardLayout:
             return (numel // shape[0] if shape[0] else 0), "row"
         return -(-numel // self.world_size), "tensor"      # (also "row" of a 1-D tensor)
 
-    def split(self, t, counts):
-        """Tensor t cut into contiguous ranges of counts[j] scale groups: [rank j's Piece, or
-        None where it is empty]."""
-        numel, (group_len, block) = math.prod(self.shapes[t]), self.groups_of(self.shapes[t])
-        out, first = [], 0
-        for count in counts:
-            start, end = first * group_len, min(numel, (first + count) * group_len)
-            first += count
-            shape = (count, group_len) if block == "row" else (end - start,)
-            out.append(Piece(t, start, end, shape, block) if end > start else None)
-        return out
-
     def cut(self):
-        """Each tensor's n scale groups in W equal counts, rank j the j-th range; the groups
-        left over go to the shards that carry the fewest bytes so far (ties: the lower rank):
-        the all_gather pads every shard to the largest, so a small model at many ranks would
-        otherwise pay for one rank's pile of remainders."""
+        """Seam: each tensor's scale groups in W equal counts, rank j the j-th range; the groups
+        left over go to the shards with the fewest bytes so far (ties: the lower rank), as the
+        all_gather pads every shard to the largest (else one rank piles up the remainders)."""
         W = self.world_size
         pieces, load = [[] for _ in range(W)], [0] * W
         for t, shape in enumerate(self.shapes):
-            group_len, _ = self.groups_of(shape)
-            base, extra = divmod(-(-math.prod(shape) // group_len) if group_len else 0, W)
-            lightest = set(sorted(range(W), key=lambda j: (load[j], j))[:extra])
-            for j, piece in enumerate(self.split(t, [base + (j in lightest) for j in range(W)])):
-                if piece:
-                    pieces[j].append(piece)
-                    load[j] += self.piece_nbytes(piece)
+            numel, (group_len, block) = math.prod(shape), self.groups_of(shape)
+            base, extra = divmod(-(-numel // group_len) if group_len else 0, W)
+            lightest, first = set(sorted(range(W), key=lambda j: (load[j], j))[:extra]), 0
+            for j in range(W):
+                count = base + (j in lightest)
+                start, end = first * group_len, min(numel, (first + count) * group_len)
+                first += count
+                if end > start:     # (an empty range is no piece)
+                    shape = (count, group_len) if block == "row" else (end - start,)
+                    pieces[j].append(Piece(t, start, end, shape, block))
+                    load[j] += self.piece_nbytes(pieces[j][-1])
         return pieces
 
     def piece_nbytes(self, piece):
         return wire_nbytes(piece.shape, self.fmt, piece.block)
 
     def quantize_piece(self, values, piece):
-        """One piece through the codec: its wire bytes."""
+        """Seam (stochastic rounding): one piece through the codec, its wire bytes."""
         return quantize(values.view(piece.shape), self.fmt, piece.block).buffer
 
-    def dequantize_piece(self, buffer, piece):
-        return dequantize(Quantized(buffer, piece.shape, self.fmt, piece.block))
-
     def quantize_shards(self, flats, rank=0):
-        """Stage 1: a rank's flat fp32 tensors -> one uint8 buffer, the W destination ranks'
-        shards back to back (shard j is nbytes[j] bytes). (`rank`: whose; a stochastic layout
-        draws from that rank's random stream.)"""
+        """Seam: stage 1, a rank's flat fp32 tensors -> one uint8 buffer, the W shards back to
+        back (shard j: nbytes[j] bytes; a stochastic layout draws from `rank`'s random stream)."""
         return torch.cat([self.quantize_piece(flats[p.tensor][p.start:p.end], p)
                           for shard in self.pieces for p in shard])
 
     def decode_shard(self, buffer, shard):
         """One shard's bytes -> the flat fp32 values of each of its pieces."""
-        out, offset = [], 0
-        for p in self.pieces[shard]:
-            nbytes = self.piece_nbytes(p)
-            out.append(self.dequantize_piece(buffer[offset: offset + nbytes], p).reshape(-1))
-            offset += nbytes
-        return out
+        sizes = [self.piece_nbytes(p) for p in self.pieces[shard]]
+        return [dequantize(Quantized(b, p.shape, self.fmt, p.block)).reshape(-1)
+                for b, p in zip(buffer[: sum(sizes)].split(sizes), self.pieces[shard])]
 
     def sum_copies(self, received, shard):
-        """The W copies of a shard (back to back, in source-rank order), decoded and added in
-        fp32 in rank order: every rank and the simulator add alike. One tensor per piece."""
+        """Seam: the W copies of a shard (back to back, in source-rank order), decoded and added
+        in fp32 in rank order (every rank and the simulator add alike): a tensor per piece."""
         total = None
         for one_copy in received.split(self.nbytes[shard]):
             values = self.decode_shard(one_copy, shard)
@@ -348,34 +326,28 @@ class ShardLayout:
         return total
 
     def average_shard(self, received, shard):
-        """Between the stages, on the owner of `shard`: the mean of its W copies, quantized again
-        (the bytes stage 2 gathers)."""
+        """Seam: between the stages, on the owner of `shard`: the mean of its W copies, quantized
+        again (the bytes stage 2 gathers)."""
         parts = [self.quantize_piece(v / self.world_size, p)
                  for v, p in zip(self.sum_copies(received, shard), self.pieces[shard])]
         return torch.cat(parts) if parts else received.new_empty(0)
 
     def dequantize_shards(self, buffer, stride=None):
-        """Stage 2's end: the W shards' bytes (shard j at j * stride, or back to back as stage 1
-        wrote them) -> the bucket's values, flat fp32 in tensor order."""
+        """Seam: stage 2's end, the W shards' bytes (shard j at j * stride, or back to back as
+        stage 1 wrote them) -> the bucket's values, flat fp32 in tensor order."""
         starts = [0, *itertools.accumulate(math.prod(s) for s in self.shapes)]
-        flat, offset = torch.zeros(starts[-1], device=buffer.device), 0
-        for j, pieces in enumerate(self.pieces):
-            offset = j * stride if stride is not None else offset
-            shard_bytes = buffer[offset: offset + self.nbytes[j]]
-            for p, values in zip(pieces, self.decode_shard(shard_bytes, j)):
+        at = itertools.accumulate(self.nbytes, initial=0) if stride is None else \
+            range(0, stride * self.world_size, stride)                 # where shard j begins
+        flat = torch.zeros(starts[-1], device=buffer.device)
+        for j, (pieces, offset) in enumerate(zip(self.pieces, at)):
+            for p, values in zip(pieces, self.decode_shard(buffer[offset:], j)):
                 flat[starts[p.tensor] + p.start: starts[p.tensor] + p.end] = values
-            offset += self.nbytes[j]
         return flat
 
-    # the simulator's stage 1 for all W ranks, and their own round trips (a packed layout does
-    # each in one codec call)
-    def quantize_ranks(self, rank_flats):
-        """(W, bytes): row i = quantize_shards(rank_flats[i], i)."""
-        return torch.stack([self.quantize_shards(flats, i) for i, flats in enumerate(rank_flats)])
-
-    def dequantize_ranks(self, sends):
-        """(W, values): row i = dequantize_shards(sends[i])."""
-        return torch.stack([self.dequantize_shards(send) for send in sends])
+    def quantize_ranks(self, rank_tensors):
+        """Seam (a packed layout: one codec call): the simulator's stage 1 of all W ranks,
+        (W, bytes), row i = quantize_bucket(rank_tensors[i], self, i)."""
+        return torch.stack([quantize_bucket(ts, self, i) for i, ts in enumerate(rank_tensors)])
 
 
 def quantize_bucket(tensors, layout, rank=0):
@@ -386,17 +358,12 @@ def quantize_bucket(tensors, layout, rank=0):
     return layout.quantize_shards(flats, rank)
 
 
-def split_tensors(flat, layout):
-    """The bucket's flat fp32 values -> one tensor per shape (views)."""
-    sizes = [math.prod(s) for s in layout.shapes]
-    return [t.view(s) for t, s in zip(flat.split(sizes), layout.shapes)]
-
-
 def dequantize_bucket(buffer, layout, stride=None):
     """Stage 2's end: full fp32 tensors from the W shards' bytes in `buffer` (alike on all ranks)."""
     if not sum(layout.nbytes):
         return [torch.zeros(s, device=buffer.device) for s in layout.shapes]
-    return split_tensors(layout.dequantize_shards(buffer, stride), layout)
+    flat = layout.dequantize_shards(buffer, stride).split([math.prod(s) for s in layout.shapes])
+    return [t.view(s) for t, s in zip(flat, layout.shapes)]
 
 
 def collective_bytes(layout, rank):
@@ -406,49 +373,36 @@ def collective_bytes(layout, rank):
     return stage1 + (layout.world_size - 1) * max(layout.nbytes)
 
 
-def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, return_local=False, layout=None):
+def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, layout=None):
     """(The mean of `tensors` over the process group, bytes this rank sent), bit-identical on
-    every rank; return_local adds this rank's own round trip (what error feedback keeps).
-    `layout`: production's forms (nanogeo.wire: packed, NVFP4, stochastic rounding)."""
+    every rank. `layout`: production's forms (nanogeo.wire: packed, NVFP4, stochastic rounding)."""
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     me = dist.get_rank(group) if dist.is_initialized() else 0
     layout = layout or ShardLayout([t.shape for t in tensors], fmt, block, world)
     send = quantize_bucket(tensors, layout, me)                            # stage 1
-    local = dequantize_bucket(send, layout) if return_local else None
     if world == 1:
-        means, nbytes = dequantize_bucket(layout.average_shard(send, 0), layout), 0
-    else:
-        own, largest = layout.nbytes[me], max(layout.nbytes)
-        recv = send.new_empty(world * own)                  # the W copies of this rank's shard
-        dist.all_to_all_single(recv, send, [own] * world, layout.nbytes, group=group)
-        own_mean = send.new_zeros(largest)      # padded to the largest: all_gather's sizes
-        own_mean[:own] = layout.average_shard(recv, me)                         # stage 2
-        gathered = send.new_empty(world, largest)           # row j: rank j's averaged shard
-        all_gather_flat(gathered.view(-1), own_mean, group=group)
-        means = dequantize_bucket(gathered.view(-1), layout, stride=largest)
-        nbytes = collective_bytes(layout, me)
-    return (means, nbytes, local) if return_local else (means, nbytes)
+        return dequantize_bucket(layout.average_shard(send, 0), layout), 0
+    own, largest = layout.nbytes[me], max(layout.nbytes)
+    recv = send.new_empty(world * own)                      # the W copies of this rank's shard
+    dist.all_to_all_single(recv, send, [own] * world, layout.nbytes, group=group)
+    own_mean = send.new_zeros(largest)          # padded to the largest: all_gather's sizes
+    own_mean[:own] = layout.average_shard(recv, me)                             # stage 2
+    gathered = send.new_empty(world, largest)               # row j: rank j's averaged shard
+    all_gather_flat(gathered.view(-1), own_mean, group=group)
+    means = dequantize_bucket(gathered.view(-1), layout, stride=largest)
+    return means, collective_bytes(layout, me)
 
 
-def simulate_mean(worker_tensors, fmt="e4m3", block=128, return_local=False, layout=None):
+def simulate_mean(worker_tensors, fmt="e4m3", block=128, layout=None):
     """Exactly all_reduce_mean's numerics for W ranks in one process (worker_tensors[i]: rank
-    i's tensors): (means, bytes a rank sends on average[, each rank's own round trip])."""
+    i's tensors): (means, bytes a rank sends on average)."""
     world = len(worker_tensors)
     layout = layout or ShardLayout([t.shape for t in worker_tensors[0]], fmt, block, world)
-    rank_flats = [[t.reshape(-1).float() for t in ts] for ts in worker_tensors]
-    if sum(layout.nbytes):
-        sends = layout.quantize_ranks(rank_flats)               # row i: rank i's stage 1
-    else:                                                       # only empty tensors
-        sends = rank_flats[0][0].new_empty(world, 0, dtype=torch.uint8)
+    sends = layout.quantize_ranks(worker_tensors)               # row i: rank i's stage 1
     received = sends.split(layout.nbytes, dim=1)    # [j]: the W copies of shard j, (W, bytes)
     shards = [layout.average_shard(received[j].reshape(-1), j) for j in range(world)]
-    means = dequantize_bucket(torch.cat(shards), layout)
     nbytes = 0 if world == 1 else sum(collective_bytes(layout, i) for i in range(world)) / world
-    if not return_local:
-        return means, nbytes
-    if not sum(layout.nbytes):
-        return means, nbytes, [dequantize_bucket(send, layout) for send in sends]
-    return means, nbytes, [split_tensors(v, layout) for v in layout.dequantize_ranks(sends)]
+    return dequantize_bucket(torch.cat(shards), layout), nbytes
 
 
 # =============================================================================
@@ -516,9 +470,8 @@ def whitening_factor(A, r=32, damping=1e-3, floor=1e-3, eigenpairs=top_eigenpair
 
 @dataclass
 class WhitenedLayer:
-    """The whitened coordinates of one linear layer's weight: per whitened side (here "input":
-    A; production also whitens "output", B) the EMA of its second moment and that moment's
-    factor."""
+    """The whitened coordinates of one linear layer's weight: per whitened side ("input": A;
+    production also "output": B) the EMA of its second moment and that moment's factor."""
     shape: tuple
     opts: object = field(repr=False)    # the GeoOptions (whiten_rank, moment_decay, damping)
     moments: dict = field(default_factory=dict)     # side -> EMA of A or B
@@ -667,8 +620,7 @@ def orthonormal(A):
 def update_subspaces(G, U, V, iters=1):
     """One refresh of G's (m x n) dominant subspaces from U (m x r), V (n x r): subspace
     iteration on G G^T and G^T G, then a Rayleigh-Ritz rotation that makes U^T G V diagonal,
-    largest first. Returns the new (U, V). (nanogeo's layer can also smooth the covariances over
-    refreshes: Options.decay.)"""
+    largest first. Returns the new (U, V)."""
     for _ in range(iters):
         U, V = orthonormal(G @ (G.T @ U)), orthonormal(G.T @ (G @ V))  # G G^T U, G^T G V
     a, _, bh = torch.linalg.svd(U.T @ G @ V)                            # r x r: negligible
@@ -700,8 +652,8 @@ class SubspaceLayer:
 
     @classmethod
     def create(cls, name, shape, opts):
-        """r = geo_rank, at most half the smaller side; the seed from the name, alike on every
-        rank; the core's swaps for the codec's scale groups."""
+        """Seam (production: the sides, dense bases): r = geo_rank, at most half the smaller
+        side; the seed from the name, alike on every rank; the core's swaps for the scale groups."""
         r = min(opts.geo_rank, min(shape) // 2)
         return cls(shape, r, seed=zlib.crc32(name.encode()), opts=opts,
                    swaps=core_swaps(shape, r, opts.scale_block) if opts.scatter_core else None)
@@ -792,8 +744,7 @@ class GeoOptions:
     """The method's settings (nanogeo's Options adds production's)."""
     geometry: str = "geofp8"        # geofp8 (section 3) | subspace (section 4) | euclidean
     fmt: str = "e4m3"
-    block: object = 128             # values per scale group, "row" or "tensor" (one scale per
-                                    # tensor quantized: W per tensor in the collective)
+    block: object = 128             # values per scale group, "row" or "tensor" (see groups_of)
     geo_refresh: int = 0            # new geometry every N steps (0: 50 for geofp8, else 4)
     geo_warmup: int = 0             # steps sent in Euclidean coordinates first
     select: str = "gain"            # which matrices use it: gain (measured) | all | list
@@ -810,12 +761,10 @@ class GeoOptions:
     geo_rank: int = 16              # subspace: r per side, at most min(m, n) // 2
     iters: int = 1                  # subspace: iterations per refresh
     scatter_core: bool = True       # subspace: each core entry in a scale group of its own
-    seed: int = 0
 
     def choices(self):
-        """{field: allowed values} of the string fields (a subclass adds its own)."""
-        return {"geometry": GEOMETRIES, "fmt": FORMATS, "select": SELECTIONS,
-                "geo_judge": JUDGES}
+        """Seam (nanogeo's Options adds its own): {field: allowed values} of the string fields."""
+        return {"geometry": GEOMETRIES, "fmt": FORMATS, "select": SELECTIONS, "geo_judge": JUDGES}
 
     def __post_init__(self):
         for key, allowed in self.choices().items():
@@ -864,10 +813,9 @@ class Communicator:
         self.opts, self.group = options or GeoOptions(), group
         self.names = [n for n, _ in named_shapes]
         self.shapes = {n: tuple(s) for n, s in named_shapes}
-        self.index = {n: i for i, n in enumerate(self.names)}
         self.kind = self.LAYERS.get(self.opts.geometry)     # the layer class (None: Euclidean)
-        self.layers = {n: self.make_layer(n) for n in self.names    # the coordinates in use
-                       if exemption(n, self.shapes[n], self.opts, linear) is None}
+        may = [n for n in self.names if exemption(n, self.shapes[n], self.opts, linear) is None]
+        self.layers = {n: self.kind.create(n, self.shapes[n], self.opts) for n in may}  # in use
         self.proposals = {}     # name -> new geometry, not yet measured, not yet used
         self.chosen = set(self.opts.geo_layers) if self.opts.select == "list" else set()
         if self.chosen - set(self.names):
@@ -877,10 +825,6 @@ class Communicator:
         self.views = {}         # name -> its optimizer's view (watch()); none: plain L2
         self.warned = False
         self.step = 0           # steps taken
-
-    def make_layer(self, name):
-        """Seam: the layer object of a matrix that may use the geometry."""
-        return self.kind.create(name, self.shapes[name], self.opts)
 
     def watch(self, views):
         """Judge each layer by the error its optimizer sees (section 5): {name: a view with
@@ -931,19 +875,16 @@ class Communicator:
         """Seam: the mean over the group of every rank's K-FAC statistics, so that every rank
         builds the same factors (equal weights: every rank ran as many tokens; production
         weights by the token counts)."""
-        world = dist.get_world_size(self.group)
-        out = {side: {} for side in self.whitened_sides()}
-        for side, by_name in out.items():
-            for name, moment in moments.get(side, {}).items():
-                by_name[name] = moment.clone()
-                dist.all_reduce(by_name[name], group=self.group)
-                by_name[name] /= world
+        out = {side: {n: m.clone() for n, m in moments.get(side, {}).items()}
+               for side in self.whitened_sides()}
+        for moment in (m for by_name in out.values() for m in by_name.values()):
+            dist.all_reduce(moment, group=self.group)
+            moment /= dist.get_world_size(self.group)
         return out
 
     def reduce_workers(self, worker_grads, moments=None):
         """Seam: the same numerics for W simulated workers (moments: already over all of them;
-        production also takes each worker's own, averaged as over ranks).
-        Returns (means, bytes a rank sends)."""
+        production also takes each worker's own): (means, bytes a rank sends)."""
         return self.communicate(dict(enumerate(worker_grads)), moments, across_ranks=False)
 
     def communicate(self, worker_grads, moments, across_ranks):
@@ -964,9 +905,8 @@ class Communicator:
     def collective(self, coords, across_ranks):
         """Seam: the collective on the tensors in coordinates ({worker: [tensors]}): over the
         process group, or its simulator. Returns (means in coordinates, bytes a rank sends)."""
-        if across_ranks:
-            [tensors] = coords.values()
-            return all_reduce_mean(tensors, self.opts.fmt, self.opts.block, self.group)
+        if across_ranks:                        # (this rank's tensors only)
+            return all_reduce_mean(*coords.values(), self.opts.fmt, self.opts.block, self.group)
         return simulate_mean(list(coords.values()), self.opts.fmt, self.opts.block)
 
     # -- the geometry --------------------------------------------------------------------------
@@ -993,8 +933,7 @@ class Communicator:
 
     def update_geometry(self, means, sent, moments, across_ranks):
         """Seam: measure what is due (every proposal; the geometry in use where unmeasured, and
-        for the whitening at every check), then propose new geometry from this step's
-        statistics."""
+        for the whitening at every check), then propose new geometry from the step's statistics."""
         judged = [n for n, layer in self.layers.items() if n in self.proposals
                   or (layer.ready and (self.uses_moments or math.isnan(layer.gain)))]
         if judged:
@@ -1003,8 +942,8 @@ class Communicator:
             self.propose(name, statistics)
 
     def statistics(self, means, moments):
-        """{name: what its new geometry is built from}: the whitening's averaged K-FAC moments,
-        when given; the others' decoded mean every geo_refresh steps, or until they have one."""
+        """Seam: {name: what its new geometry is built from}: the whitening's averaged K-FAC
+        moments, when given; the others' decoded mean every geo_refresh steps, or until ready."""
         if self.uses_moments:
             found = {n: {side: moments[side][n] for side in self.whitened_sides()
                          if n in moments.get(side, {})} for n in self.layers} if moments else {}
@@ -1050,34 +989,24 @@ class Communicator:
         """Measure each layer's proposal (or, without one, its geometry in use) against
         Euclidean on this step's gradients, decide, and put what was measured in use."""
         layers = {n: self.proposals.pop(n, self.layers[n]) for n in names}
-        variants = self.variants()
-        errors = self.measure(layers, means, sent, across_ranks, variants)
-        for (name, layer), (euclid, *geos) in zip(layers.items(), errors.tolist()):
-            best = min(range(len(geos)), key=lambda k: geos[k])
-            if variants[best] is not None and variants[best] != layer.sides:
-                layer.rotate_sides(variants[best])
-            geo = geos[best]
+        errors = self.measure(layers, means, sent, across_ranks)
+        for (name, layer), (euclid, geo) in zip(layers.items(), errors.tolist()):
             layer.gain = math.sqrt(euclid / geo) if geo > 0 else (math.inf if euclid > 0 else 1.0)
             layer.use_geo = self.decide(name, layer)
             self.layers[name] = layer
 
-    def variants(self):
-        """Seam (production: sides="auto" measures two rotations): the geometry-aware codecs
-        measured against Euclidean, here one, the layer's own (None)."""
-        return (None,)
-
-    def measure(self, layers, means, sent, across_ranks, variants):
-        """(layers, 1 + variants) float64 on the device: the squared codec error of Euclidean FP8
-        and of each geometry-aware codec, as each layer's optimizer sees it, summed over the
-        workers - and over the ranks, so that every rank decides alike."""
+    def measure(self, layers, means, sent, across_ranks):
+        """Seam: (layers, 2) float64 on the device: the squared codec error of Euclidean FP8 and
+        of the geometry-aware codec, as each layer's optimizer sees it, summed over the workers -
+        and over the ranks, so that every rank decides alike."""
         world = dist.get_world_size(self.group) if across_ranks else 1
         errors = []
         for name, layer in layers.items():
             seen = self.error_seen(name, means[name], world * len(sent))
             for grads in sent:
-                g = grads[self.index[name]].float()
+                g = grads[self.names.index(name)].float()
                 errors.append(seen(self.round_trip(g) - g))
-                errors += [seen(self.through_codec(layer, g, sides) - g) for sides in variants]
+                errors += [seen(back - g) for back in self.through_codec(layer, g)]
         errors = torch.stack(errors).double().view(len(layers), len(sent), -1).sum(1)
         if across_ranks:
             dist.all_reduce(errors, group=self.group)
@@ -1101,10 +1030,10 @@ class Communicator:
         """x through the codec and back."""
         return dequantize(quantize(x, self.opts.fmt, self.opts.block))
 
-    def through_codec(self, layer, g, sides=None):
-        """Seam (production: a variant's rotated `sides`): g through the codec in the layer's
-        coordinates."""
-        return layer.decode(self.round_trip(layer.encode(g)))
+    def through_codec(self, layer, g):
+        """Seam (production: one per rotation that sides="auto" compares): [g through the codec
+        in the layer's coordinates]."""
+        return [layer.decode(self.round_trip(layer.encode(g)))]
 
 
 # =============================================================================
@@ -1155,14 +1084,11 @@ def demo(ranks=8, steps=12):
     for geometry, fmt, select, reading in DEMO_ROWS:
         comm = Communicator([("w", (96, 128))], GeoOptions(
             geometry=geometry, fmt=fmt, select=select, geo_judge="l2", min_numel=0))
-        means = []
-        for grads, A in data:
-            mean, nbytes = comm.reduce_workers(grads, {"input": {"w": A}} if comm.wants_moments()
-                                               else None)
-            means.append(mean[0])
+        done = [comm.reduce_workers(grads, {"input": {"w": A}} if comm.wants_moments() else None)
+                for grads, A in data]                                   # [(means, bytes)]
         how = "forced" if select == "all" else "" if geometry == "euclidean" else (
             "used" if comm.is_geo("w") else "not used")
-        rows.append((geometry, fmt, how, error(means), nbytes, reading))
+        rows.append((geometry, fmt, how, error([m[0] for m, _ in done]), done[-1][1], reading))
     print(f"{ranks} simulated ranks, a 96 x 128 linear layer, groups of 128 values: the relative L2 "
           f"error of the\naveraged gradient (steps {steps - 5}-{steps}) against Euclidean e4m3's, "
           "and the bytes a rank sends per step against bf16's:")

@@ -2,8 +2,8 @@
 The communicator as training runs it: compress.Communicator (the method: coordinates, the
 two-stage collective, refresh, the gain check, the decision) with what production adds around
 it - a subclass that overrides compress.py's seams, the methods whose docstrings begin "Seam"
-(make_layer, average_moments, outgoing, collective, error_seen, advance, update_geometry,
-propose; variants and through_codec for sides="auto"; to_coords and from_coords for a
+(average_moments, outgoing, collective, error_seen, advance, update_geometry,
+propose; measure and through_codec for sides="auto"; to_coords and from_coords for a
 benchmark's timer; reduce_workers for each simulated rank's K-FAC statistics), so that
 compress.py stays the one statement of the method:
 
@@ -27,6 +27,7 @@ import copy
 import zlib
 from dataclasses import dataclass
 
+import numpy
 import torch
 import torch.distributed as dist
 
@@ -56,6 +57,7 @@ class Options(compress.GeoOptions):
     scale_sync_every: int = 1       # fp8-sum: >1 reproduces the published local-scale defect
     top_k: int = 0                  # select="fragile": the top_k matrices by fraction of saturated
                                     # FP8 sums over the warmup steps (needs collective="fp8-sum")
+    seed: int = 0                   # stochastic rounding's and the Hadamard control's draws
     stochastic_round: bool = False  # stochastic rounding (two-stage collective only)
     stochastic_stages: str = "both" # ... in both stages, or only "1" (each rank's send) or "2"
                                     # (the re-quantized averaged shard)
@@ -179,14 +181,6 @@ class ProductionCommunicator(compress.Communicator):
         self.decompose = False  # keep this step's stage-1 mean (nanogeo.run.summary.stage_errors)
         self.stage1 = None      # ... each worker's own round trip, averaged, original coordinates
 
-    def make_layer(self, name):
-        shape, opts = self.shapes[name], self.opts
-        if opts.geometry != "subspace" or not opts.dense_bases:
-            return super().make_layer(name)
-        r = min(shape) if opts.full else min(opts.geo_rank, min(shape) // 2)
-        return layers.DenseSubspaceLayer(shape, r, seed=zlib.crc32(name.encode()), opts=opts,
-                                         sides="both" if opts.sides == "auto" else opts.sides)
-
     def coords(self, name):
         """"geo" or "euclidean": the coordinates `name` is sent in now (logs and tables)."""
         return "geo" if self.is_geo(name) else "euclidean"
@@ -284,13 +278,14 @@ class ProductionCommunicator(compress.Communicator):
             bucket = collective.bucket_layout(
                 workers[0], opts.fmt, opts.block, world, opts.stochastic_round,
                 self.rounding_seed(), opts.stochastic_stages, self.stage2_feedback(), self.timer)
+            if keep_local:
+                bucket = collective.KeptSends(bucket, workers[0][0].device)
             if across_ranks:
-                means, nbytes, *local = compress.all_reduce_mean(
-                    workers[0], group=self.group, return_local=keep_local, layout=bucket)
+                means, nbytes = compress.all_reduce_mean(workers[0], group=self.group,
+                                                         layout=bucket)
             else:
-                means, nbytes, *local = compress.simulate_mean(workers, return_local=keep_local,
-                                                               layout=bucket)
-            local = (local[0] if not across_ranks else local) if local else None
+                means, nbytes = compress.simulate_mean(workers, layout=bucket)
+            local = bucket.local() if keep_local else None
         if keep_stage1:
             self.keep_residuals(coords, local, means)
         if self.decompose:      # the mean an exact second stage would deliver (this rank's share)
@@ -434,17 +429,25 @@ class ProductionCommunicator(compress.Communicator):
             raise NonFiniteStep
         return read if values is None else read.reshape(values.shape)
 
-    def measure(self, layers, means, sent, across_ranks, variants):
+    def measure(self, layers, means, sent, across_ranks):
         """compress.Communicator.measure, read with the step's flags (host_read): a numpy array
         (its .tolist() is judge's). Measured again where the agreement check repaired the
-        proposals."""
-        errors = super().measure(layers, means, sent, across_ranks, variants)
+        proposals. With sides="auto", each layer is rotated to the better of its two rotations
+        (through_codec), and that one's error is returned."""
+        errors = super().measure(layers, means, sent, across_ranks)
         if self.bad is None:
-            return errors.cpu().numpy()
-        read = self.host_read(errors)
-        if self.repaired:       # (rare) measured on proposals that differed across the ranks
-            read = super().measure(layers, means, sent, across_ranks, variants).cpu().numpy()
-        return read
+            read = errors.cpu().numpy()
+        else:
+            read = self.host_read(errors)
+            if self.repaired:   # (rare) measured on proposals that differed across the ranks
+                read = super().measure(layers, means, sent, across_ranks).cpu().numpy()
+        if not self.auto_sides():
+            return read
+        right = read[:, 2] < read[:, 1]         # the first of equals, as min() picks: both
+        for layer, alone in zip(layers.values(), right):
+            if layer.sides != ("right" if alone else "both"):
+                layer.rotate_sides("right" if alone else "both")
+        return numpy.stack([read[:, 0], numpy.where(right, read[:, 2], read[:, 1])], axis=1)
 
     def statistics(self, means, moments):
         """compress.Communicator.statistics, after the step's flags are read (host_read)."""
@@ -470,20 +473,20 @@ class ProductionCommunicator(compress.Communicator):
         self.proposed = True
         super().propose(name, statistics)
 
-    def variants(self):
-        """The geometry-aware codecs measured against Euclidean: the layer's own, or with
-        sides="auto" two rotations - both sides, and the column side alone, which keeps every
-        row's scale (an error spread over rows lands on rows AdamW may divide by a tiny root)."""
-        auto = (self.opts.sides == "auto" and self.kind is not None
+    def auto_sides(self):
+        """Does the gain check compare two rotations (sides="auto"): both sides, and the column
+        side alone, which keeps every row's scale (an error spread over rows lands on rows AdamW
+        may divide by a tiny root)?"""
+        return (self.opts.sides == "auto" and self.kind is not None
                 and issubclass(self.kind, compress.SubspaceLayer))
-        return ("both", "right") if auto else (None,)
 
-    def through_codec(self, layer, g, sides=None):
-        """g through the codec in the layer's coordinates, or those of a rotation of `sides`."""
-        if sides is None:
+    def through_codec(self, layer, g):
+        """g through the codec in the layer's coordinates, or with sides="auto" in each of its
+        two rotations."""
+        if not self.auto_sides():
             return super().through_codec(layer, g)
-        rotation = layer.rotation(sides)
-        return layer.decode(self.round_trip(layer.encode(g, rotation)), rotation)
+        return [layer.decode(self.round_trip(layer.encode(g, rotation)), rotation)
+                for rotation in (layer.rotation("both"), layer.rotation("right"))]
 
     def error_seen(self, name, mean, workers):
         """Under FSDP (rows) the error of this rank's rows only, as its optimizer sees them (or

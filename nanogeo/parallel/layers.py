@@ -20,6 +20,7 @@ The dense kinds exist to measure what the low-rank approximations and the Househ
 cost or gain (BENCHMARKS.md sections 11-12, nanogeo.tools.tables); training uses the low-rank
 whitening and the Householder rotation.
 """
+import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -216,7 +217,9 @@ class ProductionSubspaceLayer(compress.SubspaceLayer):
     @classmethod
     def create(cls, name, shape, opts):
         """compress.SubspaceLayer.create, rotating the sides of Options.sides ("auto": both, until
-        the gain check measures the right side alone)."""
+        the gain check measures the right side alone); with dense bases, a DenseSubspaceLayer."""
+        if opts.dense_bases and cls is not DenseSubspaceLayer:
+            return DenseSubspaceLayer.create(name, shape, opts)
         layer = super().create(name, shape, opts)
         layer.sides = "both" if opts.sides == "auto" else opts.sides
         return layer
@@ -363,6 +366,13 @@ class DenseSubspaceLayer(ProductionSubspaceLayer):
     basis="random", a seeded random rotation. The Householder bases are still estimated as in
     ProductionSubspaceLayer (they carry the warm start, the energies and the readiness)."""
     exact: tuple = field(default=None, repr=False)      # full=True: (U (m, m), V (n, n))
+
+    @classmethod
+    def create(cls, name, shape, opts):
+        """r = min(m, n) for full=True, no core scattering."""
+        r = min(shape) if opts.full else min(opts.geo_rank, min(shape) // 2)
+        return cls(shape, r, seed=zlib.crc32(name.encode()), opts=opts,
+                   sides="both" if opts.sides == "auto" else opts.sides)
 
     def rotation(self, sides=None):
         """The dense bases in place of the Householder ones, on the same sides."""

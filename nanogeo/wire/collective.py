@@ -8,6 +8,7 @@ nanogeo's forms passed in.
     (piece by piece) otherwise;
   * stochastic rounding's random streams: one per rank and stage, the simulator drawing exactly
     what the ranks draw;
+  * each rank's own round trip of stage 1, for error feedback (KeptSends);
   * a benchmark's stage timer (TimedLayout), and the bytes of a ring all-reduce (the bf16
     baseline every wire is compared with).
 
@@ -17,6 +18,7 @@ itself; mean_over_ranks / mean_over_workers do the same for the tools and tests.
 """
 import contextlib
 import functools
+import math
 
 import torch
 
@@ -55,6 +57,36 @@ class FeedbackLayout:
 
     def average_shard(self, received, shard):
         return self.layout.average_shard(received, shard, self.feedback)
+
+
+class KeptSends:
+    """A layout that keeps what stage 1 sends, to decode each rank's own round trip after the
+    collective (local()): error feedback keeps what that round trip lost."""
+
+    def __init__(self, layout, device):
+        self.layout, self.device, self.sends, self.one_rank = layout, device, None, True
+
+    def __getattr__(self, name):
+        return getattr(self.layout, name)
+
+    def quantize_shards(self, flats, rank=0):          # all_reduce_mean's stage 1
+        self.sends = [self.layout.quantize_shards(flats, rank)]
+        return self.sends[0]
+
+    def quantize_ranks(self, rank_tensors):            # simulate_mean's, of every rank
+        self.sends, self.one_rank = self.layout.quantize_ranks(rank_tensors), False
+        return self.sends
+
+    def local(self):
+        """[each kept rank's round trip: its tensors, fp32] (rank order)."""
+        if self.one_rank:           # all_reduce_mean (none kept: only empty tensors, none sent)
+            empty = torch.empty(0, dtype=torch.uint8, device=self.device)
+            return [compress.dequantize_bucket(self.sends[0] if self.sends else empty, self.layout)]
+        if not sum(self.nbytes):    # only empty tensors
+            return [compress.dequantize_bucket(send, self.layout) for send in self.sends]
+        sizes = [math.prod(s) for s in self.shapes]
+        return [[t.view(s) for t, s in zip(v.split(sizes), self.shapes)]
+                for v in self.layout.dequantize_ranks(self.sends)]
 
 
 class TimedLayout:
@@ -148,15 +180,20 @@ def bucket_layout(tensors, fmt, block, world, stochastic=False, seed=None, stage
 def mean_over_ranks(tensors, fmt="e4m3", block=128, group=None, stochastic=False, seed=None,
                     return_local=False, stages="both", feedback=None, timer=NO_TIMER):
     """compress.all_reduce_mean on bucket_layout()'s layout: packed, NVFP4, stochastic rounding,
-    stage-2 error feedback."""
+    stage-2 error feedback; return_local adds this rank's own round trip (KeptSends)."""
     world = torch.distributed.get_world_size(group) if torch.distributed.is_initialized() else 1
     bucket = bucket_layout(tensors, fmt, block, world, stochastic, seed, stages, feedback, timer)
-    return compress.all_reduce_mean(tensors, group=group, return_local=return_local, layout=bucket)
+    kept = KeptSends(bucket, tensors[0].device) if return_local else bucket
+    means, nbytes = compress.all_reduce_mean(tensors, group=group, layout=kept)
+    return (means, nbytes, kept.local()[0]) if return_local else (means, nbytes)
 
 
 def mean_over_workers(worker_tensors, fmt="e4m3", block=128, stochastic=False, seed=None,
                       return_local=False, stages="both", feedback=None):
-    """compress.simulate_mean on the same layouts: exactly mean_over_ranks' numerics."""
+    """compress.simulate_mean on the same layouts: exactly mean_over_ranks' numerics
+    (return_local: and each rank's own round trip)."""
     bucket = bucket_layout(worker_tensors[0], fmt, block, len(worker_tensors), stochastic, seed,
                            stages, feedback)
-    return compress.simulate_mean(worker_tensors, return_local=return_local, layout=bucket)
+    kept = KeptSends(bucket, worker_tensors[0][0].device) if return_local else bucket
+    means, nbytes = compress.simulate_mean(worker_tensors, layout=kept)
+    return (means, nbytes, kept.local()) if return_local else (means, nbytes)

@@ -177,10 +177,10 @@ class Nvfp4PackedLayout(Nvfp4Layout, packing.PackedLayout):
         self.bucket = WireRun(self.pieces)                                       # stages 1, 3
         self.shards = [WireRun([pieces]) for pieces in self.pieces]              # stage 2
 
-    def quantize_ranks(self, rank_flats):
+    def quantize_ranks(self, rank_tensors):
         """Rank by rank, as compress.ShardLayout does (each piece's tensor scale is a max over
         that rank's piece alone), not stacked as packing.PackedLayout does."""
-        return compress.ShardLayout.quantize_ranks(self, rank_flats)
+        return compress.ShardLayout.quantize_ranks(self, rank_tensors)
 
     def quantize_shards(self, flats, rank=0):
         return self.bucket.encode(self.blocks_in_wire_order(flats), *self.rounding((rank, 1)))

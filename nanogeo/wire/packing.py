@@ -172,6 +172,11 @@ class PieceLayout(compress.ShardLayout):
         rounded.rng_for = rng_for
         return rounded
 
+    def dequantize_ranks(self, sends):
+        """R simulated ranks' stage-1 bytes (R, bytes) -> (R, values) in tensor order: each
+        rank's own round trip, for error feedback (a packed layout: in one codec call)."""
+        return torch.stack([self.dequantize_shards(send) for send in sends])
+
     def rounding(self, whose):
         """(stochastic, generator) of rank whose[0] in stage whose[1]: a new generator from its
         stream at each stage call, drawn from piece after piece."""
@@ -239,15 +244,16 @@ class PackedLayout(PieceLayout):
                 parts.append(zero[:pad].expand(len(rows[t]), pad))
         return torch.cat(parts, dim=1).view(-1, self.block)
 
-    def quantize_ranks(self, rank_flats):
-        """Stage 1 of R simulated ranks in one call: rank_flats[i] = rank i's flat fp32 tensors
-        -> (R, bytes), row i = encode(rank_flats[i], i). Every group is quantized on its own, so
-        stacking the ranks changes no byte (nearest rounding; stochastic rounding draws from
-        each rank's own stream: rank by rank, where stage 1 rounds stochastically)."""
-        if self.rounding((0, 1))[0]:
-            return super().quantize_ranks(rank_flats)
-        rows = [torch.stack(column) for column in zip(*rank_flats)]     # (R, numel) per tensor
-        return pack_groups(self.rows_in_wire_order(rows), self.fmt).view(len(rank_flats), -1)
+    def quantize_ranks(self, rank_tensors):
+        """Stage 1 of R simulated ranks in one call: rank_tensors[i] = rank i's tensors -> (R,
+        bytes), row i = rank i's stage 1. Every group is quantized on its own, so stacking the
+        ranks changes no byte (nearest rounding; stochastic rounding draws from each rank's own
+        stream: rank by rank, where stage 1 rounds stochastically)."""
+        if self.rounding((0, 1))[0] or not sum(self.nbytes):
+            return super().quantize_ranks(rank_tensors)
+        rows = [torch.stack([t.reshape(-1).float() for t in column])    # (R, numel) per tensor
+                for column in zip(*rank_tensors)]
+        return pack_groups(self.rows_in_wire_order(rows), self.fmt).view(len(rank_tensors), -1)
 
     def quantize_shards(self, flats, rank=0):
         """Stage 1's quantization: the bucket's flat fp32 tensors -> the W shards' bytes, back
