@@ -18,9 +18,10 @@ of earlier averaged gradients. A matrix uses its coordinates only while they mea
 the error as its optimizer sees it (section 5); one function decides, Communicator.decide
 (section 6); new geometry is measured on later gradients before it is used (do no harm).
 
-What the studies found (BENCHMARKS.md section 14): at FP8 the collective matters, not the
-geometry - the two-stage collective of section 2 with plain Euclidean FP8 trains as well as
-fp32; the geometry's measured room is 4 bits at many ranks.
+What the studies found (BENCHMARKS.md sections 14 and 17; the README has the intervals): under
+Muon on the two-stage collective of section 2, plain Euclidean FP8 ends a small, detected amount
+(~0.002-0.003 in val loss) above fp32 and bf16; the rotation recovers part of it, the whitening
+is not detected to; at 4 bits nothing here reaches fp32.
 
 `python compress.py` (section 7) shows it work. This file imports nothing from nanogeo/, which
 runs the same algorithms at scale and passes its faster forms in: packed codecs, the paper's
@@ -41,9 +42,7 @@ import torch
 import torch.distributed as dist
 
 
-# =============================================================================
-# 1. The codecs: FP8 (e4m3, e5m2) with an fp32 scale per group; NVFP4
-# =============================================================================
+# ==== 1. The codecs: FP8 (e4m3, e5m2) with an fp32 scale per group; NVFP4 =========================
 
 FP8_FORMATS = {  # name -> (torch dtype, largest finite value)
     "e4m3": (torch.float8_e4m3fn, 448.0),
@@ -60,10 +59,6 @@ class Quantized:
     shape: torch.Size
     fmt: str
     block: object           # elements per scale group (int), "row" or "tensor"
-
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.numel()
 
 
 def check_codec(fmt, block):
@@ -231,9 +226,7 @@ def dequantize(q: Quantized) -> torch.Tensor:
     return values.reshape(-1)[:numel].view(q.shape)
 
 
-# =============================================================================
-# 2. The two-stage collective: quantize -> all_to_all -> fp32 mean -> re-quantize -> all_gather
-# =============================================================================
+# ==== 2. The two-stage collective: quantize -> all_to_all -> fp32 mean -> re-quantize -> all_gather ====
 #
 # Rank j owns the j-th share of every tensor, its shard. Stage 1 (a reduce-scatter): each rank
 # quantizes its gradients and sends every rank its shard (all_to_all); each rank decodes the W
@@ -405,9 +398,7 @@ def simulate_mean(worker_tensors, fmt="e4m3", block=128, layout=None):
     return dequantize_bucket(torch.cat(shards), layout), nbytes
 
 
-# =============================================================================
-# 3. The published coordinates: whitening by the K-FAC input factor of each linear layer
-# =============================================================================
+# ==== 3. The published coordinates: whitening by the K-FAC input factor of each linear layer ======
 #
 # A linear layer y = M a (M: d_out x d_in) has the weight gradient G = sum over tokens of
 # delta a^T; K-FAC approximates its Fisher by A (x) B, A = E[a a^T] (per token, uncentred) and
@@ -512,9 +503,7 @@ class WhitenedLayer:
         return whitening_factor(moment, self.opts.whiten_rank, self.opts.damping)
 
 
-# =============================================================================
-# 4. This project's coordinates: a two-sided rotation toward the dominant subspaces
-# =============================================================================
+# ==== 4. This project's coordinates: a two-sided rotation toward the dominant subspaces ===========
 #
 #     encode:  H = P^T G Q        P (m x m), Q (n x n) orthogonal, the same on every rank
 #     decode:  G = P H Q^T
@@ -686,9 +675,7 @@ class SubspaceLayer:
             self.swaps = tuple(s.to(mean.device) for s in self.swaps)
 
 
-# =============================================================================
-# 5. The error the optimizer sees
-# =============================================================================
+# ==== 5. The error the optimizer sees =============================================================
 #
 # Relative L2 error is not what training feels. AdamW divides each element by the root of its
 # second moment, so an error on a quiet element is magnified (and a rotation spreads the error of
@@ -724,9 +711,7 @@ def adamw_error(state, betas, eps, mean, workers=1):
                            - base) / spread).pow(2).sum().float()
 
 
-# =============================================================================
-# 6. The communicator: which matrices go geometry-aware, one call per step
-# =============================================================================
+# ==== 6. The communicator: which matrices go geometry-aware, one call per step ====================
 #
 # A matrix that may use a geometry has a layer (sections 3, 4) with encode, decode, refresh and
 # the decision's state: ready, use_geo, gain; any other tensor travels as it is. A step: every
@@ -967,16 +952,14 @@ class Communicator:
     def decide(self, name, layer):
         """THE decision: does `name` send in `layer`'s coordinates from now on?
           select="all": always - forced, unmeasured (a control that must act);
-          select="list" (production: "fragile", whose profile only makes the list, `chosen`):
-            only the listed, and with both gains 0 always (the paper's fixed choice, unmeasured);
-          otherwise by the measured gain, Euclidean error / geometry-aware error as the layer's
-            optimizer sees them, with hysteresis: enter at geo_enter_gain, stay while the gain
-            is >= geo_exit_gain. Unmeasured (gain nan): not yet.
-        Two gates are not per-layer choices and stay outside: exemption() (which tensors have
-        coordinates at all, from shape and module - and the list, so that no unlisted matrix
-        computes geometry) and the warm-up in is_geo() (a step count for every layer: decided
-        here, forced layers would wait as proposals and be measured, and production's sides="auto" would
-        change what the forced control sends)."""
+          select="list" (production: "fragile", whose profile makes the list, `chosen`): only the
+            listed, and with both gains 0 always (the paper's fixed choice, unmeasured);
+          otherwise by the measured gain (Euclidean error / geometry-aware error, as the layer's
+            optimizer sees them) with hysteresis: enter at geo_enter_gain, stay while >=
+            geo_exit_gain; unmeasured (nan): not yet.
+        Outside stay two gates that are not per-layer choices: exemption() (which tensors have
+        coordinates at all; no unlisted matrix computes geometry) and is_geo()'s warm-up (a step
+        count: decided here, forced layers would wait as proposals and be measured)."""
         opts = self.opts
         if opts.select == "all":
             return True
@@ -1036,9 +1019,7 @@ class Communicator:
         return [layer.decode(self.round_trip(layer.encode(g)))]
 
 
-# =============================================================================
-# 7. See it work: python compress.py
-# =============================================================================
+# ==== 7. See it work: python compress.py ==========================================================
 
 def planted_gradients(ranks, steps, d_out=96, d_in=128, tokens=64, seed=0):
     """[(each rank's gradient, A)] per step of one linear layer, anisotropic as LLM layers are:
