@@ -157,14 +157,18 @@ class TwoFormatLayout:
 
 
 def two_format_layout(shapes, fmt, stage2_fmt, block, world_size):
-    """TwoFormatLayout: stage 1 cut as layout() cuts for `fmt`; stage 2 on the same element
-    ranges, scaled in stage2_fmt's groups (NVFP4: 16; FP8: `block`, an integer where stage 1 is
-    NVFP4), each from its piece's start."""
-    first = layout(shapes, fmt, block, world_size)
-    block2 = compress.NVFP4_BLOCK if stage2_fmt == "nvfp4" else block
-    pieces = [[p if p.block == block2 else p._replace(shape=(p.end - p.start,), block=block2)
-               for p in shard] for shard in first.pieces]
-    return TwoFormatLayout(first, layout(shapes, stage2_fmt, block2, world_size, pieces))
+    """TwoFormatLayout: both stages on the pieces layout() cuts for the FP8 one of the two
+    formats (its groups of `block` are whole NVFP4 blocks of 16 when block is a multiple of 16:
+    cut in NVFP4's finer groups instead, every piece would pad its last FP8 group), each
+    stage scaling them in its own groups (NVFP4: 16; FP8: `block`) from the piece's start."""
+    cut = layout(shapes, stage2_fmt if fmt == "nvfp4" else fmt, block, world_size).pieces
+
+    def pieces_for(f):
+        b = compress.NVFP4_BLOCK if f == "nvfp4" else block
+        return [[p if p.block == b else p._replace(shape=(p.end - p.start,), block=b)
+                 for p in shard] for shard in cut]
+    return TwoFormatLayout(layout(shapes, fmt, block, world_size, pieces_for(fmt)),
+                           layout(shapes, stage2_fmt, block, world_size, pieces_for(stage2_fmt)))
 
 
 def stochastic_quantize(x, fmt="e4m3", block=128, generator=None):
