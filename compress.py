@@ -259,6 +259,7 @@ class ShardLayout:
         self.world_size = world_size
         self.pieces = self.cut()                                # pieces[j]: rank j's shard
         self.nbytes = [sum(map(self.piece_nbytes, shard)) for shard in self.pieces]
+        self.stage2_nbytes = self.nbytes    # stage 2's shard sizes (another codec: its own)
 
     def groups_of(self, shape):
         """(elements per scale group, the pieces' block) of one tensor ("tensor" scaling: W
@@ -363,7 +364,7 @@ def collective_bytes(layout, rank):
     """Bytes `rank` sends: its shards for the others in the all_to_all, then its averaged shard
     (padded to the largest shard, as all_gather needs equal sizes) to the W - 1 others."""
     stage1 = sum(n for j, n in enumerate(layout.nbytes) if j != rank)
-    return stage1 + (layout.world_size - 1) * max(layout.nbytes)
+    return stage1 + (layout.world_size - 1) * max(layout.stage2_nbytes)
 
 
 def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, layout=None):
@@ -375,11 +376,11 @@ def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, layout=None):
     send = quantize_bucket(tensors, layout, me)                            # stage 1
     if world == 1:
         return dequantize_bucket(layout.average_shard(send, 0), layout), 0
-    own, largest = layout.nbytes[me], max(layout.nbytes)
+    own, largest = layout.nbytes[me], max(layout.stage2_nbytes)
     recv = send.new_empty(world * own)                      # the W copies of this rank's shard
     dist.all_to_all_single(recv, send, [own] * world, layout.nbytes, group=group)
     own_mean = send.new_zeros(largest)          # padded to the largest: all_gather's sizes
-    own_mean[:own] = layout.average_shard(recv, me)                             # stage 2
+    own_mean[:layout.stage2_nbytes[me]] = layout.average_shard(recv, me)        # stage 2
     gathered = send.new_empty(world, largest)               # row j: rank j's averaged shard
     all_gather_flat(gathered.view(-1), own_mean, group=group)
     means = dequantize_bucket(gathered.view(-1), layout, stride=largest)

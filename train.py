@@ -99,6 +99,8 @@ class TrainConfig:
                                       # | hadamard (the control)
     fmt: str = "e4m3"                 # FP8 wire format: e4m3 | e5m2 | nvfp4
     block: str = "128"                # scale granularity: elements per block, row or tensor
+    stage2_fmt: str = ""              # two-stage: the all-gather's format ("" = --fmt), e.g. e4m3
+                                      # after an NVFP4 all-to-all
     collective: str = "two-stage"     # two-stage | fp8-sum (the paper's: one FP8 all_reduce SUM)
     sum_order: str = "ring"           # fp8-sum: the order the FP8 partial sums are added in
     scale_sync_every: int = 1         # fp8-sum: >1 = the published local-scale defect (ablation)

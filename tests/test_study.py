@@ -534,3 +534,28 @@ def test_study_answer_edge_cases(tmp_path, capsys):
                                        f"**W = 32 ranks**\n\n{study.answer(both, 32)}")
     study.main(["--table", str(tmp_path / "r.json"), "--reference", "fp8"])
     assert capsys.readouterr().out == study.table(fp32 + same, "fp8")
+
+
+def test_study_a_mixed_wire_is_a_row_of_its_own_with_no_byte_goal():
+    """nvfp4-e4m3s2 (NVFP4 all-to-all, e4m3 all-gather) is neither budget's wire: every arm's
+    wire format is a BUDGETS row or None; the mixed arm is never a 4-bit candidate (though it is
+    lower than nvfp4 in every seed), gets a row of its own with its bytes and no goal (0.41x is
+    above the 4-bit goal: no "above the goal" note), and is compared with nvfp4; without it the
+    table has no such row."""
+    from nanogeo.tools.study import arms, compare
+    assert {arms.wire_format(c) for c in study.COMMS} - {None} <= {n for n, _ in study.BUDGETS}
+    assert arms.wire_format("nvfp4-e4m3s2") == "4-bit + FP8"
+    assert compare.twin("nvfp4-e4m3s2", ["nvfp4", "nvfp4-e4m3s2"]) is None
+    assert ("nvfp4-e4m3s2", "nvfp4") in compare.pairs(["fp32", "nvfp4", "nvfp4-e4m3s2"])
+    records = four_bit_arms(range(3), {})
+    plain = study.answer(records)
+    assert "4-bit + FP8" not in plain
+    records += [study_record("nvfp4-e4m3s2", s, 2.0 + s / 10 + 0.004 + 0.001 * s, 0.41)
+                for s in range(3)]
+    text = study.answer(records)
+    rows = [line for line in text.splitlines() if line.startswith("| adamw |")]
+    assert [r.split(" | ")[1] for r in rows] == ["FP8", "4-bit", "4-bit + FP8"]
+    assert rows[1].split(" | ")[2] == "nvfp4" and rows[2].split(" | ")[2] == "nvfp4-e4m3s2"
+    assert "| 0.410 |" in rows[2]
+    assert "a mixed wire, 0.410× bf16's bytes, reported with no byte goal" in text
+    assert "above the" not in text

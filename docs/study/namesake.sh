@@ -42,3 +42,9 @@ done
 for lane in $(lanes); do
   study --comms fp32,bf16,fp8,subspace,geofp8 --workers 64 --seeds $(seeds $lane | cut -d, -f1-6) -- $FLAGS
 done
+# 5. (not run by this script: the study's worktree is at 06360f0, which has no --stage2_fmt)
+#    nvfp4-e4m3s2, W = 32, >= 12 seeds: the NVFP4 all-to-all with an e4m3 all-gather - what a
+#    finer stage-2 format buys where stage 2's re-quantization is the larger error (0.41x bf16's
+#    bytes on char-study at W = 32; NVFP4 0.29x, e4m3 0.52x). Run it from a worktree at a commit
+#    with --stage2_fmt, same FLAGS and seeds, on the machine that ran 1-2 (pairs: nvfp4, fp32):
+#      study --comms nvfp4-e4m3s2 --workers 32 --seeds $(seeds a) -- $FLAGS

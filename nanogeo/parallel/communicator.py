@@ -58,6 +58,8 @@ class Options(compress.GeoOptions):
     top_k: int = 0                  # select="fragile": the top_k matrices by fraction of saturated
                                     # FP8 sums over the warmup steps (needs collective="fp8-sum")
     seed: int = 0                   # stochastic rounding's and the Hadamard control's draws
+    stage2_fmt: str = ""            # the two-stage collective's all-gather in another format
+                                    # ("": fmt's), e.g. e4m3 after an NVFP4 all-to-all
     stochastic_round: bool = False  # stochastic rounding (two-stage collective only)
     stochastic_stages: str = "both" # ... in both stages, or only "1" (each rank's send) or "2"
                                     # (the re-quantized averaged shard)
@@ -92,6 +94,7 @@ class Options(compress.GeoOptions):
                 "sides": SUBSPACE_SIDES, "whiten_sides": WHITEN_SIDES,
                 "whiten_factor": layers.WHITEN_FACTORS, "whiten_solver": layers.WHITEN_SOLVERS,
                 "basis": ("householder", "random"),
+                "stage2_fmt": ("", *compress.FORMATS),
                 "stochastic_stages": tuple(collective.ROUNDING_STAGES),
                 "feedback_stages": FEEDBACK_STAGES,
                 "hadamard_sides": hadamard.HADAMARD_SIDES}
@@ -115,6 +118,7 @@ class Options(compress.GeoOptions):
         if self.stochastic_stages != "both" and not self.stochastic_round:
             raise ValueError("stochastic_stages chooses the stages that stochastic_round rounds "
                              "stochastically: turn stochastic_round on too (--stochastic_round)")
+        self.check_stage2_fmt()
         if self.full and self.basis != "householder":
             raise ValueError("full=True (exact bases) and basis='random' are two different "
                              "ablations; choose one")
@@ -126,6 +130,27 @@ class Options(compress.GeoOptions):
                                          or self.geo_warmup < 1):
             raise ValueError("select='fragile' profiles saturated FP8 sums during the warmup: it "
                              "needs collective='fp8-sum', geo_warmup >= 1 and top_k >= 1")
+
+    def check_stage2_fmt(self):
+        """A stage-2 format of its own: on the two-stage collective, rounded to nearest, without
+        stage 2's error feedback, after NVFP4 in integer blocks (the same format: "")."""
+        if self.stage2_fmt == self.fmt:
+            self.stage2_fmt = ""
+        if not self.stage2_fmt:
+            return
+        if self.collective != "two-stage":
+            raise ValueError("stage2_fmt is the format of the two-stage collective's all-gather; "
+                             "the fp8-sum collective has none: drop stage2_fmt (--stage2_fmt)")
+        if self.stochastic_round and self.stochastic_stages != "1":
+            raise ValueError("stage2_fmt: a stage 2 in its own format rounds to nearest; round "
+                             "stage 1 only (stochastic_stages='1') or drop stage2_fmt")
+        if self.error_feedback and self.feedback_stages != "1":
+            raise ValueError("stage2_fmt: stage 2's error feedback is not supported in a format "
+                             "of its own; use feedback_stages='1' or drop stage2_fmt")
+        if self.fmt == "nvfp4" and not isinstance(self.block, int):
+            raise ValueError(f"stage2_fmt={self.stage2_fmt!r} after nvfp4 scales stage 2 in "
+                             f"groups of `block` elements: use an integer block (e.g. 128), not "
+                             f"{self.block!r}")
 
     @classmethod
     def of(cls, **options):
@@ -277,7 +302,8 @@ class ProductionCommunicator(compress.Communicator):
             world = dist.get_world_size(self.group) if across_ranks else len(workers)
             bucket = collective.bucket_layout(
                 workers[0], opts.fmt, opts.block, world, opts.stochastic_round,
-                self.rounding_seed(), opts.stochastic_stages, self.stage2_feedback(), self.timer)
+                self.rounding_seed(), opts.stochastic_stages, self.stage2_feedback(), self.timer,
+                opts.stage2_fmt)
             if keep_local:
                 bucket = collective.KeptSends(bucket, workers[0][0].device)
             if across_ranks:

@@ -174,6 +174,9 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
             raise ValueError("nanogeo.parallel.fsdp: FSDP2 supports geometry='subspace', 'hadamard' or "
                              "'euclidean' with the two-stage collective; the published whitening "
                              "runs under DDP (nanogeo.parallel.ddp) or train.py")
+        if options.get("stage2_fmt", "") not in ("", options.get("fmt", "e4m3")):
+            raise ValueError("nanogeo.parallel.fsdp: FSDP's reduce-scatter has no second stage to "
+                             "send in stage2_fmt; drop stage2_fmt")
         if options.get("stochastic_stages", "both") == "2":
             raise ValueError("nanogeo.parallel.fsdp: FSDP's reduce-scatter has no second stage to "
                              "round stochastically; use stochastic_stages='both' or '1'")

@@ -68,6 +68,7 @@ TRAIN_CHOICES = {"comm": ("fp32", "bf16", "fp8", "geofp8", "subspace", "hadamard
                  "geo_judge": compress.JUDGES, "preset": tuple(model_lib.PRESETS),
                  "optimizer": ("adamw", "muon"),
                  "muon_adjust_lr": ("original", "match_rms_adamw"),
+                 "stage2_fmt": ("", *collective.FORMATS),
                  "stochastic_stages": tuple(collective.ROUNDING_STAGES),
                  "feedback_stages": FEEDBACK_STAGES}
 
@@ -123,7 +124,8 @@ def parse_config(argv, config_class, presets, choices, doc):
     config = config_class(**{**presets[preset], **given})
     for key, allowed in choices.items():
         if getattr(config, key) not in allowed:
-            raise ConfigError(f"--{key}={getattr(config, key)} is not one of {', '.join(allowed)}")
+            raise ConfigError(f"--{key}={getattr(config, key)} is not one of "
+                              f"{', '.join(a or repr(a) for a in allowed)}")
     positive = ("max_iters", "batch_size", "block_size", "grad_accum", "eval_interval",
                 "eval_iters", "final_evals", "log_interval", "geo_rank", "whiten_rank",
                 "scale_sync_every", "muon_ns_steps")

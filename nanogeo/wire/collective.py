@@ -10,7 +10,9 @@ nanogeo's forms passed in.
     what the ranks draw;
   * each rank's own round trip of stage 1, for error feedback (KeptSends);
   * a benchmark's stage timer (TimedLayout), and the bytes of a ring all-reduce (the bf16
-    baseline every wire is compared with).
+    baseline every wire is compared with);
+  * a second format for stage 2 (TwoFormatLayout, --stage2_fmt): e.g. an NVFP4 all-to-all and an
+    e4m3 all-gather, since re-quantizing the mean is the larger error at 4 bits.
 
 The wire is compress.py's, byte for byte, and so are the means (tests/test_compress.py).
 ProductionCommunicator.collective passes bucket_layout()'s layout to compress.all_reduce_mean
@@ -81,7 +83,8 @@ class KeptSends:
         """[each kept rank's round trip: its tensors, fp32] (rank order)."""
         if self.one_rank:           # all_reduce_mean (none kept: only empty tensors, none sent)
             empty = torch.empty(0, dtype=torch.uint8, device=self.device)
-            return [compress.dequantize_bucket(self.sends[0] if self.sends else empty, self.layout)]
+            sent = getattr(self.layout, "stage1_layout", self.layout)   # (TwoFormatLayout)
+            return [compress.dequantize_bucket(self.sends[0] if self.sends else empty, sent)]
         if not sum(self.nbytes):    # only empty tensors
             return [compress.dequantize_bucket(send, self.layout) for send in self.sends]
         sizes = [math.prod(s) for s in self.shapes]
@@ -114,6 +117,60 @@ class TimedLayout:
             return self.layout.dequantize_shards(buffer, stride)
 
 
+class TwoFormatLayout:
+    """A layout whose stages send two formats (--stage2_fmt): stage 1 (each rank's send, the
+    owner's decode of the W copies) in stage1_layout's, stage 2 (the owner's mean quantized
+    again, gathered, decoded by every rank) in stage2_layout's - two layouts of the same pieces,
+    so each piece's mean is quantized again as that same piece. stage2_nbytes: stage 2's shard
+    sizes, which compress.all_reduce_mean gathers and compress.collective_bytes counts."""
+
+    def __init__(self, stage1_layout, stage2_layout):
+        self.stage1_layout, self.stage2_layout = stage1_layout, stage2_layout
+        self.stage2_nbytes = stage2_layout.nbytes
+
+    def __getattr__(self, name):        # stage 1's: pieces, nbytes, quantize_shards, ...
+        return getattr(self.stage1_layout, name)
+
+    def with_streams(self, rng_for):
+        """Stage 1 rounded as rng_for says, stage 2 to nearest (Options rejects stochastic
+        rounding of a second stage-2 format)."""
+        if rng_for is None:
+            return self
+        return TwoFormatLayout(self.stage1_layout.with_streams(rng_for), self.stage2_layout)
+
+    def average_shard(self, received, shard):
+        """The owner's step: the W copies decoded and added in rank order by stage 1's codec,
+        divided by W, quantized again by stage 2's (packed FP8: in one call; the wire is
+        compress.quantize's of each piece either way)."""
+        means = [v / self.world_size for v in self.stage1_layout.sum_copies(received, shard)]
+        second = self.stage2_layout
+        if not means:
+            return received.new_empty(0)
+        if isinstance(second, packing.PackedLayout) and second.fmt in compress.FP8_FORMATS:
+            B = second.block            # each piece zero-padded to whole groups, as quantize does
+            blocks = torch.cat([torch.nn.functional.pad(v, (0, -v.numel() % B)) for v in means])
+            return packing.pack_groups(blocks.view(-1, B), second.fmt)
+        return torch.cat([second.quantize_piece(v, p) for v, p in zip(means, second.pieces[shard])])
+
+    def dequantize_shards(self, buffer, stride=None):
+        return self.stage2_layout.dequantize_shards(buffer, stride)
+
+
+def two_format_layout(shapes, fmt, stage2_fmt, block, world_size):
+    """TwoFormatLayout: both stages on the pieces layout() cuts for the FP8 one of the two
+    formats (its groups of `block` are whole NVFP4 blocks of 16 when block is a multiple of 16:
+    cut in NVFP4's finer groups instead, every piece would pad its last FP8 group), each
+    stage scaling them in its own groups (NVFP4: 16; FP8: `block`) from the piece's start."""
+    cut = layout(shapes, stage2_fmt if fmt == "nvfp4" else fmt, block, world_size).pieces
+
+    def pieces_for(f):
+        b = compress.NVFP4_BLOCK if f == "nvfp4" else block
+        return [[p if p.block == b else p._replace(shape=(p.end - p.start,), block=b)
+                 for p in shard] for shard in cut]
+    return TwoFormatLayout(layout(shapes, fmt, block, world_size, pieces_for(fmt)),
+                           layout(shapes, stage2_fmt, block, world_size, pieces_for(stage2_fmt)))
+
+
 def stochastic_quantize(x, fmt="e4m3", block=128, generator=None):
     """compress.quantize, rounded stochastically (from `generator`; None: torch's global
     stream): the same wire."""
@@ -134,9 +191,11 @@ def layout(shapes, fmt, block, world_size, pieces=None, packed=True):
 
 
 @functools.lru_cache(maxsize=64)
-def shard_layout(shapes, fmt, block, world_size):
-    """layout(), built once per (shapes, format, world size): the collective asks for the same
-    one every step."""
+def shard_layout(shapes, fmt, block, world_size, stage2_fmt=""):
+    """layout() (or with another stage2_fmt, two_format_layout()), built once per (shapes,
+    formats, world size): the collective asks for the same one every step."""
+    if stage2_fmt and stage2_fmt != fmt:
+        return two_format_layout(shapes, fmt, stage2_fmt, block, world_size)
     return layout(shapes, fmt, block, world_size)
 
 
@@ -166,11 +225,12 @@ def streams(stochastic, seed, device, stages="both"):
 
 
 def bucket_layout(tensors, fmt, block, world, stochastic=False, seed=None, stages="both",
-                  feedback=None, timer=NO_TIMER):
+                  feedback=None, timer=NO_TIMER, stage2_fmt=""):
     """The layout one step's collective runs on a bucket of tensors: cached by shapes, with this
     step's stochastic-rounding streams (in the `stages` of streams()), stage 2's error feedback
-    (`feedback`: a packing.ShardFeedback) and a benchmark's `timer` on its codec stages."""
-    bucket = shard_layout(tuple(tuple(t.shape) for t in tensors), fmt, block, world)
+    (`feedback`: a packing.ShardFeedback), a benchmark's `timer` on its codec stages, and stage
+    2 in `stage2_fmt` ("": fmt)."""
+    bucket = shard_layout(tuple(tuple(t.shape) for t in tensors), fmt, block, world, stage2_fmt)
     bucket = bucket.with_streams(streams(stochastic, seed, tensors[0].device, stages))
     if feedback is not None:
         bucket = FeedbackLayout(bucket, feedback)
@@ -178,22 +238,25 @@ def bucket_layout(tensors, fmt, block, world, stochastic=False, seed=None, stage
 
 
 def mean_over_ranks(tensors, fmt="e4m3", block=128, group=None, stochastic=False, seed=None,
-                    return_local=False, stages="both", feedback=None, timer=NO_TIMER):
+                    return_local=False, stages="both", feedback=None, timer=NO_TIMER,
+                    stage2_fmt=""):
     """compress.all_reduce_mean on bucket_layout()'s layout: packed, NVFP4, stochastic rounding,
-    stage-2 error feedback; return_local adds this rank's own round trip (KeptSends)."""
+    stage-2 error feedback, a second stage-2 format; return_local adds this rank's own round
+    trip (KeptSends)."""
     world = torch.distributed.get_world_size(group) if torch.distributed.is_initialized() else 1
-    bucket = bucket_layout(tensors, fmt, block, world, stochastic, seed, stages, feedback, timer)
+    bucket = bucket_layout(tensors, fmt, block, world, stochastic, seed, stages, feedback, timer,
+                           stage2_fmt)
     kept = KeptSends(bucket, tensors[0].device) if return_local else bucket
     means, nbytes = compress.all_reduce_mean(tensors, group=group, layout=kept)
     return (means, nbytes, kept.local()[0]) if return_local else (means, nbytes)
 
 
 def mean_over_workers(worker_tensors, fmt="e4m3", block=128, stochastic=False, seed=None,
-                      return_local=False, stages="both", feedback=None):
+                      return_local=False, stages="both", feedback=None, stage2_fmt=""):
     """compress.simulate_mean on the same layouts: exactly mean_over_ranks' numerics
     (return_local: and each rank's own round trip)."""
     bucket = bucket_layout(worker_tensors[0], fmt, block, len(worker_tensors), stochastic, seed,
-                           stages, feedback)
+                           stages, feedback, stage2_fmt=stage2_fmt)
     kept = KeptSends(bucket, worker_tensors[0][0].device) if return_local else bucket
     means, nbytes = compress.simulate_mean(worker_tensors, layout=kept)
     return (means, nbytes, kept.local()) if return_local else (means, nbytes)

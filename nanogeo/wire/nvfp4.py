@@ -189,6 +189,13 @@ class Nvfp4PackedLayout(Nvfp4Layout, packing.PackedLayout):
         run = self.shards[shard]
         return packing.sum_in_rank_order(run.decode(received.view(self.world_size, run.nbytes)))
 
+    def sum_copies(self, received, shard):
+        """sum_groups() as one flat fp32 view per piece of the shard (the two-format layout's
+        stage 1: nanogeo.wire.collective.TwoFormatLayout)."""
+        run, total = self.shards[shard], self.sum_groups(received, shard)
+        return [total[a: b].reshape(-1)[: p.end - p.start]
+                for a, b, p in zip(run.first_group, run.first_group[1:], self.pieces[shard])]
+
     def average_shard(self, received, shard, feedback=None):
         run = self.shards[shard]
         means = self.sum_groups(received, shard) / self.world_size

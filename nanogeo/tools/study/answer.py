@@ -12,6 +12,8 @@ The rule (RULE, printed under each table):
     stochastic rounding, then the Hadamard rotation, then a geometry; more seeds first, then by
     name); each costlier candidate replaces the pick only when it is lower than the pick at
     95 % on the seeds they share. Extra machinery must show that it helps;
+  * a mixed wire (NVFP4 all-to-all, FP8 all-gather: "4-bit + FP8") is a row of its own, only
+    where one was measured, with its bytes and no byte goal (it is neither budget's wire);
   * several W: one recommendation per wire format, the rule run on all W's seeds pooled (each
     (W, machine, seed) a block), unless at some W that W's own pick is lower than the pooled
     one at 95 % - then the data separate the W's and each keeps its own;
@@ -128,7 +130,10 @@ def answer_row(optimizer, name, budget, by_comm, margin=MARGIN, pick=None):
     if flagged:
         notes.append(f"{optimizer}, {name}: a machine's mean differs from the others' (Welch "
                      f"t, 5 %) in {', '.join(flagged)}: see the comparisons' by-machine column.")
-    if wire_of(runs) > budget:
+    if budget is None:
+        notes.append(f"{optimizer}, {name}: a mixed wire, {wire_of(runs):.3f}× bf16's bytes, "
+                     "reported with no byte goal of its own.")
+    elif wire_of(runs) > budget:
         notes.append(f"{optimizer}, {name}: {comm} sends {wire_of(runs):.3f}× bf16's bytes here, "
                      f"above the {budget:.2f}× the goal allows.")
     return row, notes
@@ -164,6 +169,8 @@ def answer(results, workers=32, margin=MARGIN, picks=None, pick_notes=()):
     notes = []
     for optimizer, by_comm in groups.items():
         for name, budget in BUDGETS:
+            if budget is None and not candidates(by_comm, name):
+                continue                # a mixed wire: a row only where one was measured
             row, row_notes = answer_row(optimizer, name, budget, by_comm, margin,
                                         (picks or {}).get((optimizer, name)))
             lines.append(row)
