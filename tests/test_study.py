@@ -445,6 +445,20 @@ def test_study_one_recommendation_across_w_unless_the_data_separate_them():
     assert "| adamw | 4-bit | subspace-nvfp4 | 4 |" in text.split("**W = 64")[1]
 
 
+def test_paired_t_p_value():
+    """The two-sided p of the paired t test, against closed forms: with 2 degrees of freedom
+    P(|T| > t) = 1 - t / sqrt(2 + t^2); p < 0.05 exactly where the 95 % interval excludes 0."""
+    from nanogeo.tools.study import stats
+    t = 2 / (1 / math.sqrt(3))                                  # [1, 2, 3]: mean 2, sd 1
+    assert stats.p_value([1.0, 2.0, 3.0]) == pytest.approx(1 - t / math.sqrt(2 + t * t), abs=1e-9)
+    assert stats.p_value([0.5, -0.5]) == pytest.approx(1.0)
+    assert math.isnan(stats.p_value([0.1])) and stats.p_value([0.2, 0.2]) == 0.0
+    for shift in (0.0, 0.3, 0.45, 0.6, 1.0):
+        diffs = [shift + x for x in (-1.0, -0.4, 0.1, 0.5, 0.9, 1.3)]
+        mean, half = stats.mean_ci(diffs)
+        assert (stats.p_value(diffs) < 0.05) == (abs(mean) > half), shift
+
+
 def test_study_comparisons_table():
     """--comparisons: each arm against its Euclidean twin, the rotation against stage-2 error
     feedback, bf16 against fp32, and every arm that is not a control against bf16 and fp32 - on
@@ -464,8 +478,8 @@ def test_study_comparisons_table():
                      "nvfp4 − fp32", "nvfp4 − bf16", "subspace-nvfp4 − fp32",
                      "subspace-nvfp4 − bf16", "nvfp4-ef2 − fp32", "nvfp4-ef2 − bf16"]
     [row] = [line for line in rows if "| subspace-nvfp4 − nvfp4-ef2 |" in line]
-    assert "| 4 | +0.0000 ± 0.0009 | -0.0007 to +0.0007 | equivalent within ±0.002 (TOST) | — |" \
-        in row
+    assert ("| 4 | +0.0000 ± 0.0009 | -0.0007 to +0.0007 | 1.000 | equivalent within ±0.002 "
+            "(TOST) | — |") in row
     [row] = [line for line in rows if "| nvfp4 − fp32 |" in line]
     assert "| 4 | +0.0140 ± 0.0000 |" in row and "higher at 95 %" in row
     assert "Equivalent within ±0.002 (TOST): the 90 % paired t interval" in text

@@ -8,7 +8,7 @@ verdict at the margin, and each machine's mean.
 
 from nanogeo.tools.study.arms import COMMS, collective, cost, is_control, wire_format
 from nanogeo.tools.study.report import machine_cell, machine_labels, study_groups
-from nanogeo.tools.study.stats import MARGIN, estimate, mean_ci, paired, tost, verdict
+from nanogeo.tools.study.stats import MARGIN, estimate, mean_ci, p_value, paired, tost, verdict
 
 # comparisons beside each arm's against its Euclidean twin: the two 4-bit levers head to head,
 # an e4m3 stage 2 against NVFP4's (another wire, so not its twin), and bf16's own gap to fp32
@@ -63,8 +63,8 @@ def comparisons(results, workers=(32,), margin=MARGIN):
     reads (study_groups: per optimizer the largest group of recorded machines)."""
     labels = machine_labels([r for r in results if not r.get("sweep")])
     lines = ["| optimizer | W | wire format | comparison | shared seeds | paired mean (95 % t) | "
-             f"90 % interval | verdict (margin ±{margin:g}) | by machine (seeds) |",
-             "| --- " * 9 + "|"]
+             f"90 % interval | p (paired t) | verdict (margin ±{margin:g}) | by machine (seeds) |",
+             "| --- " * 10 + "|"]
     for w in workers:
         for optimizer, by in study_groups(results, w).items():
             recorded = all(b[0] for runs in by.values() for b in runs)
@@ -78,7 +78,8 @@ def comparisons(results, workers=(32,), margin=MARGIN):
                     f"| {optimizer}{where} | {w} | {wire_format(a) or 'none'} | {a} − {b} | "
                     f"{len(blocks)} | {estimate(diffs, sign='+')} | "
                     + (f"{interval[0]:+.4f} to {interval[1]:+.4f}" if interval else "—")
-                    + f" | {verdict(diffs, margin)} | {machine_cell(by[a], by[b], labels)} |")
+                    + f" | {p_value(diffs):.3f} | {verdict(diffs, margin)} | "
+                    + f"{machine_cell(by[a], by[b], labels)} |")
     legend = [f"\nMachines: " + "; ".join(f"{k} = {m}" for m, k in labels.items()) + "."
               if labels else "",
               f"\nA − B: per seed (a seed on one machine, every arm of it run there) A's final "
@@ -86,7 +87,9 @@ def comparisons(results, workers=(32,), margin=MARGIN):
               f"Student t. Equivalent within ±{margin:g} (TOST): the 90 % paired t interval lies "
               "inside the margin (two one-sided t tests at 5 %); lower / higher at 95 %: the "
               "95 % interval excludes 0; else no difference detected (± the 95 % half-width). "
-              "Each row is its own test at 5 %: among this many rows a few verdicts are chance. "
+              "Each row is its own test at 5 %: among this many rows a few verdicts are chance; "
+              "p: the paired t test's two-sided p, for a correction over a family of comparisons "
+              "(Holm: the smallest of k p's against 0.05 / k). "
               "By machine: each machine's mean and seeds; \"differs\": a Welch t test (5 %) of "
               "its differences against the other machines' rejects equal means (expect one "
               "false flag in twenty)."]

@@ -83,6 +83,21 @@ def mean_ci(values, level=0.95):
     return mean, t_quantile((1 + level) / 2, n - 1) * sd / math.sqrt(n)
 
 
+def p_value(diffs):
+    """The two-sided p of the paired t test that the mean difference is 0 (Student t, n - 1
+    degrees of freedom): I_{df / (df + t^2)}(df / 2, 1 / 2). nan with fewer than 2 blocks; 0
+    when every difference is the same nonzero value. For a family of k comparisons read it with
+    Holm's correction: the smallest p against 0.05 / k, the next against 0.05 / (k - 1), ..."""
+    n = len(diffs)
+    if n < 2 or not all(map(math.isfinite, diffs)):
+        return float("nan")
+    mean, sd = mean_sd(diffs)
+    if sd == 0:
+        return 1.0 if mean == 0 else 0.0
+    t = mean / (sd / math.sqrt(n))
+    return incomplete_beta((n - 1) / (n - 1 + t * t), (n - 1) / 2, 0.5)
+
+
 def tost(diffs, margin=MARGIN):
     """Two one-sided t tests at 5 % of |mean difference| < margin, from per-block differences
     A - B: (low, high) of the 90 % paired t interval, and whether it lies inside (-margin,
