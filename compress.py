@@ -20,8 +20,8 @@ the error as its optimizer sees it (section 5); one function decides, Communicat
 
 What the studies found (BENCHMARKS.md sections 14 and 17; the README has the intervals): under
 Muon on the two-stage collective of section 2, plain Euclidean FP8 ends a small, detected amount
-(~0.002-0.003 in val loss) above fp32 and bf16; the rotation recovers part of it, the whitening
-is not detected to; at 4 bits nothing here reaches fp32.
+(~0.002-0.003 in val loss) above fp32 and bf16; the rotation recovers about its gap to fp32,
+the whitening is not detected to; at 4 bits nothing here reaches fp32.
 
 `python compress.py` (section 7) shows it work. This file imports nothing from nanogeo/, which
 runs the same algorithms at scale and passes its faster forms in: packed codecs, the paper's
@@ -60,6 +60,10 @@ class Quantized:
     fmt: str
     block: object           # elements per scale group (int), "row" or "tensor"
 
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel()
+
 
 def check_codec(fmt, block):
     if fmt not in FORMATS:
@@ -81,8 +85,10 @@ def scale_groups(x, block):
     """View x as (groups, group_len) fp32: one scale per group. Integer blocks pad the flattened
     tensor with zeros to a whole number of groups."""
     flat, groups = x.reshape(-1).float(), num_groups(x.shape, block)
-    if isinstance(block, int) and groups * block > flat.numel():
-        flat = torch.cat([flat, flat.new_zeros(groups * block - flat.numel())])
+    if isinstance(block, int):
+        if groups * block > flat.numel():
+            flat = torch.cat([flat, flat.new_zeros(groups * block - flat.numel())])
+        return flat.view(-1, block)                     # (an empty x: (0, block))
     return flat.view(groups, -1)
 
 
@@ -249,8 +255,8 @@ Piece = namedtuple("Piece", "tensor start end shape block")
 
 class ShardLayout:
     """How a bucket of tensors is cut into W shards (alike on every rank, from the shapes), and
-    the two stages' codec steps: seams, which nanogeo.wire's packed and stochastic layouts
-    override."""
+    the two stages' codec steps: seams, which nanogeo.wire's layouts override (packed, NVFP4,
+    stochastic, two formats)."""
 
     def __init__(self, shapes, fmt, block, world_size):
         check_codec(fmt, block)
@@ -259,7 +265,8 @@ class ShardLayout:
         self.world_size = world_size
         self.pieces = self.cut()                                # pieces[j]: rank j's shard
         self.nbytes = [sum(map(self.piece_nbytes, shard)) for shard in self.pieces]
-        self.stage2_nbytes = self.nbytes    # stage 2's shard sizes (another codec: its own)
+        self.stage2_nbytes = self.nbytes    # stage 2's shard sizes: the same codec here (nanogeo's
+                                            # TwoFormatLayout sends stage 2 in another format)
 
     def groups_of(self, shape):
         """(elements per scale group, the pieces' block) of one tensor ("tensor" scaling: W
@@ -892,7 +899,8 @@ class Communicator:
         """Seam: the collective on the tensors in coordinates ({worker: [tensors]}): over the
         process group, or its simulator. Returns (means in coordinates, bytes a rank sends)."""
         if across_ranks:                        # (this rank's tensors only)
-            return all_reduce_mean(*coords.values(), self.opts.fmt, self.opts.block, self.group)
+            [tensors] = coords.values()
+            return all_reduce_mean(tensors, self.opts.fmt, self.opts.block, self.group)
         return simulate_mean(list(coords.values()), self.opts.fmt, self.opts.block)
 
     # -- the geometry --------------------------------------------------------------------------
@@ -982,7 +990,9 @@ class Communicator:
     def measure(self, layers, means, sent, across_ranks):
         """Seam: (layers, 2) float64 on the device: the squared codec error of Euclidean FP8 and
         of the geometry-aware codec, as each layer's optimizer sees it, summed over the workers -
-        and over the ranks, so that every rank decides alike."""
+        and over the ranks, so that every rank decides alike. (Production's sides="auto" measures
+        one column per rotation that through_codec returns and keeps the better, rotating the
+        layer to it.)"""
         world = dist.get_world_size(self.group) if across_ranks else 1
         errors = []
         for name, layer in layers.items():

@@ -176,6 +176,36 @@ def test_stage2_fmt_supported_combinations_and_flags():
         fsdp.GeoFP8ReduceScatter(None, geometry="euclidean", fmt="nvfp4", stage2_fmt="e4m3")
 
 
+def test_stage2_fmt_refused_where_it_cannot_be_honoured():
+    """The collective's own entry points, the fidelity tool and a resume refuse what they cannot
+    do with a second format in one line, instead of a TypeError, silent rounding to nearest or
+    a resume with other numerics; the same format under both names resumes."""
+    from nanogeo.run import checkpoint
+    from nanogeo.tools import fidelity
+    from nanogeo.wire import packing
+    tensors = [torch.randn(300)]
+    for kwargs in (dict(stochastic=True, seed=1), dict(stochastic=True, seed=1, stages="2"),
+                   dict(feedback=packing.ShardFeedback({}))):
+        with pytest.raises(ValueError, match="stages='1' and feedback=None") as error:
+            mean_over_workers([tensors, tensors], "nvfp4", stage2_fmt="e4m3", **kwargs)
+        assert "\n" not in str(error.value)
+    mean_over_workers([tensors, tensors], "nvfp4", stochastic=True, seed=1, stages="1",
+                      stage2_fmt="e4m3")
+    with pytest.raises(ValueError, match="stage2_fmt is not measured here"):
+        fidelity.method_options("nvfp4:stage2_fmt=e4m3", 65)
+    old = {"config": {"preset": "char-study", "comm": "fp8", "fmt": "e4m3"}}   # before the flag
+    with pytest.raises(ConfigError, match="is a --stage2_fmt='' run"):
+        checkpoint.check_resumable(old, "ckpt.pt", train.parse_config(
+            ["--preset=char-study", "--comm=fp8", "--stage2_fmt=nvfp4"]), 1)
+    checkpoint.check_resumable(old, "ckpt.pt", train.parse_config(
+        ["--preset=char-study", "--comm=fp8", "--stage2_fmt=e4m3"]), 1)   # e4m3 both ways
+
+
+def test_scale_groups_of_an_empty_tensor():
+    assert compress.scale_groups(torch.empty(0), 128).shape == (0, 128)
+    assert compress.scale_groups(torch.empty(0), compress.NVFP4_BLOCK).shape == (0, 16)
+
+
 def test_train_with_an_e4m3_stage_2_logs_a_wire_between_nvfp4_and_e4m3(tiny_corpus, tmp_path):
     """train.py --fmt=nvfp4 --stage2_fmt=e4m3 with 4 simulated ranks finishes, and its logged
     wire ratio lies between plain NVFP4's and plain e4m3's."""

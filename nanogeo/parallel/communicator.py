@@ -2,12 +2,13 @@
 The communicator as training runs it: compress.Communicator (the method: coordinates, the
 two-stage collective, refresh, the gain check, the decision) with what production adds around
 it - a subclass that overrides compress.py's seams, the methods whose docstrings begin "Seam"
-(average_moments, outgoing, collective, error_seen, advance, update_geometry,
-propose; measure and through_codec for sides="auto"; to_coords and from_coords for a
+(average_moments, whitened_sides, statistics, outgoing, collective, error_seen, advance,
+update_geometry, propose; measure and through_codec for sides="auto"; to_coords and from_coords for a
 benchmark's timer; reduce_workers for each simulated rank's K-FAC statistics), so that
 compress.py stays the one statement of the method:
 
-  * the wire: the packed stages, NVFP4 and stochastic rounding's streams (nanogeo.wire.collective),
+  * the wire: the packed stages, NVFP4, stochastic rounding's streams, a stage 2 in a format of
+    its own (--stage2_fmt) and each rank's kept round trip (nanogeo.wire.collective),
     and the paper's collective, one FP8 all_reduce SUM with per-tensor scales
     (nanogeo.wire.fp8sum), with its fragility profile and the published top-k selection;
   * error feedback: each rank's own stage-1 rounding error, kept in original coordinates and
@@ -133,7 +134,8 @@ class Options(compress.GeoOptions):
 
     def check_stage2_fmt(self):
         """A stage-2 format of its own: on the two-stage collective, rounded to nearest, without
-        stage 2's error feedback, after NVFP4 in integer blocks (the same format: "")."""
+        stage 2's error feedback, after NVFP4 in integer blocks (the same format: ""). The gain
+        check still measures `fmt`'s round trip only: stage 1's codec."""
         if self.stage2_fmt == self.fmt:
             self.stage2_fmt = ""
         if not self.stage2_fmt:
@@ -147,6 +149,7 @@ class Options(compress.GeoOptions):
         if self.error_feedback and self.feedback_stages != "1":
             raise ValueError("stage2_fmt: stage 2's error feedback is not supported in a format "
                              "of its own; use feedback_stages='1' or drop stage2_fmt")
+        compress.check_codec(self.stage2_fmt, self.block)
         if self.fmt == "nvfp4" and not isinstance(self.block, int):
             raise ValueError(f"stage2_fmt={self.stage2_fmt!r} after nvfp4 scales stage 2 in "
                              f"groups of `block` elements: use an integer block (e.g. 128), not "

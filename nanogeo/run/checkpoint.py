@@ -197,12 +197,19 @@ def keep_damaged(path):
     return kept
 
 
+def stage2_format(config):
+    """The format stage 2 sends in ("" and --fmt's own name mean the same)."""
+    return config.get("stage2_fmt") or config.get("fmt", "e4m3")
+
+
 def check_resumable(ckpt, path, cfg, world_size):
     """Refuse, naming the fix, a checkpoint whose numerics differ from this run's."""
-    saved = {"optimizer": "adamw", **ckpt["config"]}
-    for flag in RESUME_MUST_MATCH:
-        if flag in saved and saved[flag] != getattr(cfg, flag):
-            raise ConfigError(f"{path} is a --{flag}={saved[flag]} run; resume it with that "
+    saved = {"optimizer": "adamw", "stage2_fmt": "", **ckpt["config"]}   # (older checkpoints)
+    for flag in (f for f in RESUME_MUST_MATCH if f in saved):
+        ours, theirs = (stage2_format(c) if flag == "stage2_fmt" else c[flag]
+                        for c in (vars(cfg), saved))
+        if theirs != ours:
+            raise ConfigError(f"{path} is a --{flag}={saved[flag]!r} run; resume it with that "
                               f"setting or use another --out_dir")
     saved_world = ckpt.get("world_size", world_size)
     if cfg.error_feedback and saved_world != world_size:

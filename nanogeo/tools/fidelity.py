@@ -102,6 +102,9 @@ def method_options(spec, vocab_size):
             options[key] = tuple(value.split("+"))
         else:
             options[key] = type(default)(value)
+    if options.get("stage2_fmt") not in (None, "", options.get("fmt", "e4m3")):
+        raise ValueError(f"{spec}: stage2_fmt is not measured here (the per-layer bytes count "
+                         "one format for both stages): drop it, or run train.py --stage2_fmt")
     return Options.of(**options)
 
 

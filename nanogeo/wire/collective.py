@@ -230,6 +230,9 @@ def bucket_layout(tensors, fmt, block, world, stochastic=False, seed=None, stage
     step's stochastic-rounding streams (in the `stages` of streams()), stage 2's error feedback
     (`feedback`: a packing.ShardFeedback), a benchmark's `timer` on its codec stages, and stage
     2 in `stage2_fmt` ("": fmt)."""
+    if stage2_fmt and stage2_fmt != fmt and (feedback is not None or stochastic and stages != "1"):
+        raise ValueError("a stage 2 in its own format (stage2_fmt) rounds to nearest and keeps no "
+                         "error feedback: pass stages='1' and feedback=None, or drop stage2_fmt")
     bucket = shard_layout(tuple(tuple(t.shape) for t in tensors), fmt, block, world, stage2_fmt)
     bucket = bucket.with_streams(streams(stochastic, seed, tensors[0].device, stages))
     if feedback is not None:
