@@ -209,7 +209,8 @@ def check_resumable(ckpt, path, cfg, world_size):
         ours, theirs = (stage2_format(c) if flag == "stage2_fmt" else c[flag]
                         for c in (vars(cfg), saved))
         if theirs != ours:
-            raise ConfigError(f"{path} is a --{flag}={saved[flag]!r} run; resume it with that "
+            shown = saved[flag] if saved[flag] != "" else "''"
+            raise ConfigError(f"{path} is a --{flag}={shown} run; resume it with that "
                               f"setting or use another --out_dir")
     saved_world = ckpt.get("world_size", world_size)
     if cfg.error_feedback and saved_world != world_size:
