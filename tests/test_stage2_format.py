@@ -52,6 +52,25 @@ def by_hand(workers, fmt, stage2_fmt, block):
     return [m.view(s) for m, s in zip(means, SHAPES)], stage1, stage2
 
 
+def feedback_communicator():
+    """Stage 1's error feedback with stage 2 in its own format (decoded by KeptSends with stage
+    1's layout)."""
+    return ProductionCommunicator([(f"t{i}", s) for i, s in enumerate(SHAPES)],
+                                  Options(geometry="euclidean", fmt="nvfp4", stage2_fmt="e4m3",
+                                          error_feedback=True))
+
+
+def feedback_steps(tensors, reduce):
+    """Three steps of a worker's gradients (scaled per step) through `reduce`, in place: the means
+    of each step."""
+    out = []
+    for step in range(3):
+        grads = [t * (1 + step) for t in tensors]
+        reduce(grads)
+        out.append(grads)
+    return out
+
+
 def mixed_rank(rank, world_size, out_path):
     """mean_over_ranks for every case, with the bytes handed to the all_to_all and all_gather;
     and the communicator train.py runs (Options(stage2_fmt=...))."""
@@ -73,6 +92,9 @@ def mixed_rank(rank, world_size, out_path):
                                   Options(geometry="euclidean", fmt="nvfp4", stage2_fmt="e4m3"))
     grads = [t.clone() for t in rank_tensors(rank)]
     results["communicator"] = (grads, comm.reduce(grads))
+    comm_fb = feedback_communicator()
+    results["feedback"] = (feedback_steps(rank_tensors(rank), comm_fb.reduce),
+                           comm_fb.residuals[rank])
     torch.save(results, f"{out_path}.{rank}")
     dist.destroy_process_group()
 
@@ -103,6 +125,15 @@ def test_mixed_collective_bit_identical_on_ranks_equal_to_simulator_and_by_hand(
     for r in range(2):
         assert all(torch.equal(g, m) for g, m in zip(ranks[r]["communicator"][0], means))
     assert (ranks[0]["communicator"][1] + ranks[1]["communicator"][1]) / 2 == nbytes
+    fb = feedback_communicator()            # error feedback: means and residuals alike too
+    for step in range(3):
+        grads = [[t * (1 + step) for t in w] for w in workers]
+        means, _ = fb.reduce_workers(grads)
+        for r in range(2):
+            assert all(torch.equal(g, m) for g, m in zip(ranks[r]["feedback"][0][step], means))
+    for r in range(2):
+        kept = ranks[r]["feedback"][1]
+        assert kept and all(torch.equal(kept[n], fb.residuals[r][n]) for n in kept)
 
 
 @pytest.mark.parametrize("world", [1, 3, 8])
