@@ -12,7 +12,8 @@
 # whitening's refresh (a subspace eigensolver), so continue it in a worktree of that commit:
 #   git worktree add ../study 06360f0 && cd ../study && python prepare_data.py --tokenizer char
 #   LANE=a bash ../main/docs/study/namesake.sh & LANE=b bash ../main/docs/study/namesake.sh
-# First session (2026-12-04, AMD EPYC family 25 model 17): step 1 only, as far as the session ran.
+# Sessions of 2026-12-04 (AMD EPYC family 25 model 17): steps 1-3 and the AdamW sweep and step 4
+# as far as the third session ran (BENCHMARKS.md section 17).
 #
 # LANE=a (seeds 12-23) or LANE=b (seeds 24-35) runs one half: two processes, one per core of a
 # 2-core machine, sharing out/namesake (its results.json is locked). The same flags as the
@@ -41,6 +42,23 @@ done
 # 3. FP8, Muon, W = 64, 12 seeds: the five arms of 1
 for lane in $(lanes); do
   study --comms fp32,bf16,fp8,subspace,geofp8 --workers 64 --seeds $(seeds $lane | cut -d, -f1-6) -- $FLAGS
+done
+# 4. AdamW, W = 32, 12 seeds: first an fp32 learning-rate sweep on this machine whose grid
+#    reaches past the old best (3e-2 sat at the end of the first study's grid), seed 12 in lane
+#    a, 13 in lane b; then the five arms of 1 at the swept rate (--lr_from). A lane waits for the
+#    other's sweep runs (10 in all), then writes sweep.json from all of them (every run skipped).
+AFLAGS="--preset=char-study --max_iters=300 --eval_interval=300 --log_interval=25 --tail_evals=12"
+SWEEP=${SWEEP:-out/adamw-sweep}
+adamw() { python -m nanogeo.tools.study --optimizers adamw --workers 32 "$@" -- $AFLAGS; }
+swept() { python -c "import json, sys; sys.exit(len(json.load(open('$SWEEP/results.json'))) < 10)" 2>/dev/null; }
+for lane in $(lanes); do
+  adamw --sweep learning_rate=1e-2,2e-2,3e-2,6e-2,1e-1 --seeds $(case $lane in a) echo 12 ;; b) echo 13 ;; esac) --out_dir $SWEEP
+done
+until swept; do sleep 30; done
+adamw --sweep learning_rate=1e-2,2e-2,3e-2,6e-2,1e-1 --seeds 12,13 --out_dir $SWEEP
+for lane in $(lanes); do
+  adamw --lr_from $SWEEP/sweep.json --comms fp32,bf16,fp8,subspace,geofp8 --out_dir $OUT \
+        --seeds $(seeds $lane | cut -d, -f1-6)
 done
 # 5. (not run by this script: the study's worktree is at 06360f0, which has no --stage2_fmt)
 #    nvfp4-e4m3s2, W = 32, >= 12 seeds: the NVFP4 all-to-all with an e4m3 all-gather - what a
