@@ -52,17 +52,9 @@ FORMATS = (*FP8_FORMATS, "nvfp4")
 FP32_MAX = torch.finfo(torch.float32).max
 
 
-@dataclass
-class Quantized:
-    """A quantized tensor: `buffer` is the uint8 wire buffer (its layout: quantize)."""
-    buffer: torch.Tensor    # (nbytes,) uint8
-    shape: torch.Size
-    fmt: str
-    block: object           # elements per scale group (int), "row" or "tensor"
-
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.numel()
+# A quantized tensor: buffer, its uint8 wire bytes (their layout: quantize), and the shape, fmt
+# and block (elements per scale group: an int, "row" or "tensor") it was quantized with.
+Quantized = namedtuple("Quantized", "buffer shape fmt block")
 
 
 def check_codec(fmt, block):
@@ -130,13 +122,6 @@ def fp8_pack(scale, codes):
     return torch.cat([scale.view(torch.uint8).view(-1, 4), codes], dim=1).view(-1)
 
 
-def fp8_unpack(buffer, groups, dtype):
-    """Inverse of fp8_pack and fp8_encode: wire bytes -> (groups, L) fp32. (The scales are
-    copied out: a float32 view needs 4-byte alignment, and a piece may start at any byte.)"""
-    rows = buffer.view(groups, -1)
-    return fp8_decode(rows[:, 4:], rows[:, :4].reshape(-1).clone().view(torch.float32), dtype)
-
-
 # NVFP4 (the 4-bit format of NVIDIA's Blackwell GPUs): blocks of 16 values, each an e2m1 number
 # (magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6), each block scaled by an e4m3 number, and one fp32
 # scale per tensor that brings the largest block scale to the top of e4m3's range. Two values a
@@ -144,7 +129,6 @@ def fp8_unpack(buffer, groups, dtype):
 NVFP4_BLOCK = 16
 E2M1_MAX, E4M3_MAX = 6.0, 448.0
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)    # a 4-bit code: sign << 3 | index
-SIGNED_E2M1 = E2M1_GRID + tuple(-v for v in E2M1_GRID)  # the value of each code (8: -0.0)
 
 
 def e2m1_codes(y):
@@ -179,9 +163,9 @@ def nvfp4_encode(blocks, amax, scale, to_e2m1=e2m1_codes):
 
 @functools.lru_cache(maxsize=None)
 def e2m1_grid(device):
-    """SIGNED_E2M1 on `device`, made once: a copy from host memory at every call would make a
-    GPU stream wait."""
-    return torch.tensor(SIGNED_E2M1, device=device)
+    """The value of each 4-bit code (8: -0.0) on `device`, made once: a copy from host memory at
+    every call would make a GPU stream wait."""
+    return torch.tensor(E2M1_GRID + tuple(-v for v in E2M1_GRID), device=device)
 
 
 def nvfp4_decode(block_scale, nibbles, scale):
@@ -223,8 +207,11 @@ def dequantize(q: Quantized) -> torch.Tensor:
     numel = math.prod(q.shape)
     if numel == 0:
         return torch.zeros(q.shape, device=q.buffer.device)
-    if q.fmt != "nvfp4":
-        values = fp8_unpack(q.buffer, num_groups(q.shape, q.block), FP8_FORMATS[q.fmt][0])
+    if q.fmt != "nvfp4":    # per group [fp32 scale | codes]
+        rows = q.buffer.view(num_groups(q.shape, q.block), -1)
+        # scales copied out: a float32 view needs 4-byte alignment, and a piece starts anywhere
+        scale = rows[:, :4].reshape(-1).clone().view(torch.float32)
+        values = fp8_decode(rows[:, 4:], scale, FP8_FORMATS[q.fmt][0])
     else:       # [tensor scale | G block scales | codes], the last block's unsent codes 0
         G, tensor_scale = num_groups(q.shape, NVFP4_BLOCK), q.buffer[:4].clone().view(torch.float32)
         nibbles = torch.nn.functional.pad(q.buffer[4 + G:], (0, 8 * G - (numel + 1) // 2))

@@ -90,8 +90,8 @@ def pack_groups(groups, fmt, stochastic=False, generator=None):
 
 
 def unpack_groups(buffer, block, fmt):
-    """Inverse of pack_groups: uint8 bytes -> (G, block) fp32 values (compress.fp8_unpack, with
-    the kernel compiled or not)."""
+    """Inverse of pack_groups: uint8 bytes -> (G, block) fp32 values (compress.dequantize's FP8
+    branch, with the kernel compiled or not)."""
     rows = buffer.view(-1, 4 + block)
     scale = rows[:, :4].contiguous().view(torch.float32).view(-1)       # (G,)
     return kernels.KERNELS["fp8_decode"](rows[:, 4:], scale, compress.FP8_FORMATS[fmt][0])
