@@ -307,11 +307,8 @@ class ShardLayout:
     def sum_copies(self, received, shard):
         """Seam: the W copies of a shard (back to back, in source-rank order), decoded and added
         in fp32 in rank order (every rank and the simulator add alike): a tensor per piece."""
-        total = None
-        for one_copy in received.split(self.nbytes[shard]):
-            values = self.decode_shard(one_copy, shard)
-            total = values if total is None else [a + b for a, b in zip(total, values)]
-        return total
+        copies = [self.decode_shard(c, shard) for c in received.split(self.nbytes[shard])]
+        return [functools.reduce(torch.add, piece) for piece in zip(*copies)]  # (c0 + c1) + ...
 
     def average_shard(self, received, shard):
         """Seam: between the stages, on the owner of `shard`: the mean of its W copies, quantized
