@@ -663,8 +663,6 @@ class SubspaceLayer:
         """Seam (dense-basis ablations): new bases from the decoded mean (alike on every rank)."""
         U, V = self.dominant_subspaces(mean)
         self.left_basis, self.right_basis = HouseholderBasis.complete(U), HouseholderBasis.complete(V)
-        if self.swaps is not None:      # once on the gradients' device: no copy at each step
-            self.swaps = tuple(s.to(mean.device) for s in self.swaps)
 
 
 # ==== 5. The error the optimizer sees =============================================================
