@@ -251,7 +251,7 @@ class ShardLayout:
         self.shapes, self.fmt, self.block = [tuple(s) for s in shapes], fmt, block
         self.world_size = world_size
         self.pieces = self.cut()                                # pieces[j]: rank j's shard
-        self.nbytes = [sum(map(self.piece_nbytes, shard)) for shard in self.pieces]
+        self.nbytes = [sum(wire_nbytes(p.shape, fmt, p.block) for p in shard) for shard in self.pieces]
         self.stage2_nbytes = self.nbytes    # stage 2's shard sizes: the same codec here (nanogeo's
                                             # TwoFormatLayout sends stage 2 in another format)
 
@@ -282,11 +282,8 @@ class ShardLayout:
                 if end > start:     # (an empty range is no piece)
                     shape = (count, group_len) if block == "row" else (end - start,)
                     pieces[j].append(Piece(t, start, end, shape, block))
-                    load[j] += self.piece_nbytes(pieces[j][-1])
+                    load[j] += wire_nbytes(shape, self.fmt, block)
         return pieces
-
-    def piece_nbytes(self, piece):
-        return wire_nbytes(piece.shape, self.fmt, piece.block)
 
     def quantize_piece(self, values, piece):
         """Seam (stochastic rounding): one piece through the codec, its wire bytes."""
@@ -300,7 +297,7 @@ class ShardLayout:
 
     def decode_shard(self, buffer, shard):
         """One shard's bytes -> the flat fp32 values of each of its pieces."""
-        sizes = [self.piece_nbytes(p) for p in self.pieces[shard]]
+        sizes = [wire_nbytes(p.shape, self.fmt, p.block) for p in self.pieces[shard]]
         return [dequantize(Quantized(b, p.shape, self.fmt, p.block)).reshape(-1)
                 for b, p in zip(buffer[: sum(sizes)].split(sizes), self.pieces[shard])]
 
