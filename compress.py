@@ -77,10 +77,8 @@ def scale_groups(x, block):
     """View x as (groups, group_len) fp32: one scale per group. Integer blocks pad the flattened
     tensor with zeros to a whole number of groups."""
     flat, groups = x.reshape(-1).float(), num_groups(x.shape, block)
-    if isinstance(block, int):
-        if groups * block > flat.numel():
-            flat = torch.cat([flat, flat.new_zeros(groups * block - flat.numel())])
-        return flat.view(-1, block)                     # (an empty x: (0, block))
+    if isinstance(block, int):                          # (an empty x: (0, block))
+        return torch.nn.functional.pad(flat, (0, groups * block - flat.numel())).view(-1, block)
     return flat.view(groups, -1)
 
 
