@@ -240,8 +240,7 @@ Piece = namedtuple("Piece", "tensor start end shape block")
 
 class ShardLayout:
     """How a bucket of tensors is cut into W shards (alike on every rank, from the shapes), and
-    the two stages' codec steps: seams, which nanogeo.wire's layouts override (packed, NVFP4,
-    stochastic, two formats)."""
+    the two stages' codec steps: seams, which nanogeo.wire's layouts override."""
 
     def __init__(self, shapes, fmt, block, world_size):
         check_codec(fmt, block)
@@ -250,8 +249,7 @@ class ShardLayout:
         self.world_size = world_size
         self.pieces = self.cut()                                # pieces[j]: rank j's shard
         self.nbytes = [sum(wire_nbytes(p.shape, fmt, p.block) for p in shard) for shard in self.pieces]
-        self.stage2_nbytes = self.nbytes    # stage 2's shard sizes: the same codec here (nanogeo's
-                                            # TwoFormatLayout sends stage 2 in another format)
+        self.stage2_nbytes = self.nbytes    # stage 2's shard sizes (nanogeo: another format's)
 
     def groups_of(self, shape):
         """(elements per scale group, the pieces' block) of one tensor ("tensor" scaling: W
@@ -475,9 +473,8 @@ class WhitenedLayer:
         return self.factors["input"].unwhiten(h)
 
     def refresh(self, moments):
-        """New factors from this step's second moments ({side: A or B}, the same on every rank),
-        smoothed by the EMA of the moments. New dicts: a copy of this layer (a proposal, section
-        6) must not change the layer in use."""
+        """New factors from this step's moments ({side: A or B}, alike on every rank) through
+        their EMA; new dicts, so a proposal (a copy, section 6) does not change the layer in use."""
         self.moments, self.factors = dict(self.moments), dict(self.factors)
         for side, moment in moments.items():
             old = self.moments.get(side)
@@ -508,9 +505,8 @@ class WhitenedLayer:
 
 @dataclass
 class HouseholderBasis:
-    """P = R_1 ... R_r = I - Y T Y^T, an m x m orthogonal matrix whose first r columns are +-U
-    (the r orthonormal columns it was built from): Y (m x r) the reflector vectors, T (r x r)
-    upper triangular."""
+    """P = I - Y T Y^T (m x m; its first r columns are +-U, the orthonormal columns it was
+    completed from): Y (m x r) the reflector vectors, T (r x r) upper triangular."""
     Y: torch.Tensor
     T: torch.Tensor
 
@@ -594,9 +590,8 @@ def orthonormal(A):
 
 
 def update_subspaces(G, U, V, iters=1):
-    """One refresh of G's (m x n) dominant subspaces from U (m x r), V (n x r): subspace
-    iteration on G G^T and G^T G, then a Rayleigh-Ritz rotation that makes U^T G V diagonal,
-    largest first. Returns the new (U, V)."""
+    """One refresh of G's (m x n) dominant subspaces U (m x r), V (n x r): subspace iteration
+    on G G^T and G^T G, then a Rayleigh-Ritz rotation making U^T G V diagonal, largest first."""
     for _ in range(iters):
         U, V = orthonormal(G @ (G.T @ U)), orthonormal(G.T @ (G @ V))  # G G^T U, G^T G V
     a, _, bh = torch.linalg.svd(U.T @ G @ V)                            # r x r: negligible
@@ -775,8 +770,7 @@ def exemption(name, shape, opts, linear=None):
 class Communicator:
     """Averages a fixed list of named tensors through the two-stage collective, each matrix in
     Euclidean or geometry-aware coordinates: reduce() over the process group, reduce_workers()
-    for W simulated workers. `moments`: the whitened layers' K-FAC statistics ({"input":
-    {name: A}}), on the steps where wants_moments() is true."""
+    for W simulated workers (K-FAC `moments`, {"input": {name: A}}, when wants_moments())."""
     LAYERS = {"geofp8": WhitenedLayer, "subspace": SubspaceLayer}
 
     def __init__(self, named_shapes, options=None, group=None, linear=None):
@@ -819,8 +813,7 @@ class Communicator:
         return self.layers[name].decode(c) if self.is_geo(name) else c
 
     def whitened_sides(self):
-        """Seam: the sides the whitening whitens (published: the input; production's ablation
-        also the output)."""
+        """Seam: the sides it whitens (published: the input; production's ablation: the output)."""
         return ("input",)
 
     def wants_moments(self):
@@ -842,9 +835,8 @@ class Communicator:
         return nbytes
 
     def average_moments(self, moments):
-        """Seam: the mean over the group of every rank's K-FAC statistics, so that every rank
-        builds the same factors (equal weights: every rank ran as many tokens; production
-        weights by the token counts)."""
+        """Seam: the mean of every rank's K-FAC statistics, so that every rank builds the same
+        factors (equal weights: every rank ran as many tokens; production weights by tokens)."""
         out = {side: {n: m.clone() for n, m in moments.get(side, {}).items()}
                for side in self.whitened_sides()}
         for moment in (m for by_name in out.values() for m in by_name.values()):
@@ -853,8 +845,8 @@ class Communicator:
         return out
 
     def reduce_workers(self, worker_grads, moments=None):
-        """Seam: the same numerics for W simulated workers (moments: already over all of them;
-        production also takes each worker's own): (means, bytes a rank sends)."""
+        """Seam: reduce()'s numerics for W simulated workers (`moments`: already averaged over all
+        of them): (means, bytes a rank sends)."""
         return self.communicate(dict(enumerate(worker_grads)), moments, across_ranks=False)
 
     def communicate(self, worker_grads, moments, across_ranks):
@@ -967,9 +959,7 @@ class Communicator:
     def measure(self, layers, means, sent, across_ranks):
         """Seam: (layers, 2) float64 on the device: the squared codec error of Euclidean FP8 and
         of the geometry-aware codec, as each layer's optimizer sees it, summed over the workers -
-        and over the ranks, so that every rank decides alike. (Production's sides="auto" measures
-        one column per rotation that through_codec returns and keeps the better, rotating the
-        layer to it.)"""
+        and over the ranks, so every rank decides alike (production: a column per rotation)."""
         world = dist.get_world_size(self.group) if across_ranks else 1
         errors = []
         for name, layer in layers.items():
@@ -984,9 +974,8 @@ class Communicator:
         return errors                           # on the device: judge's .tolist() reads it
 
     def error_seen(self, name, mean, workers):
-        """Seam: delta -> the squared size of a gradient error as the layer's optimizer sees it
-        (its view, section 5), or in plain L2 - with a warning (once) when the optimizer's view
-        was asked for and no optimizer is watched."""
+        """Seam: delta -> a gradient error's squared size as the layer's optimizer sees it (its
+        view, section 5), or in plain L2 - warning once if asked for but no optimizer is watched."""
         view = self.views.get(name) if self.opts.geo_judge == "optimizer" else None
         if view is not None:
             return view.error(mean, workers)
@@ -1002,8 +991,7 @@ class Communicator:
         return dequantize(quantize(x, self.opts.fmt, self.opts.block))
 
     def through_codec(self, layer, g):
-        """Seam (production: one per rotation that sides="auto" compares): [g through the codec
-        in the layer's coordinates]."""
+        """Seam (production: one per rotation compared): [g through the codec in coordinates]."""
         return [layer.decode(self.round_trip(layer.encode(g)))]
 
 
