@@ -98,16 +98,12 @@ def scale_from_amax(amax, fmax):
     return torch.where(amax > 0, fmax / amax, torch.ones_like(amax)).clamp(max=FP32_MAX)
 
 
-def fp8_scale(groups, fmax):
-    """Per-group scale s = fmax / amax and the scaled, saturated values."""
+def fp8_encode(groups, fmax, dtype, to_fp8=torch.Tensor.to):
+    """(G, L) fp32 -> scales (G,) fp32 and codes (G, L) uint8, rounded to nearest even
+    (production passes a stochastic `to_fp8`)."""
     scale = scale_from_amax(groups.abs().amax(dim=1), fmax)            # (G,)
-    return scale, (groups * scale[:, None]).clamp(-fmax, fmax)
-
-
-def fp8_encode(groups, fmax, dtype):
-    """(G, L) fp32 -> scales (G,) fp32 and codes (G, L) uint8, rounded to nearest even."""
-    scale, y = fp8_scale(groups, fmax)
-    return scale, y.to(dtype).view(torch.uint8)
+    y = (groups * scale[:, None]).clamp(-fmax, fmax)                   # saturated at +-fmax
+    return scale, to_fp8(y, dtype).view(torch.uint8)
 
 
 def fp8_decode(codes, scale, dtype):

@@ -55,8 +55,8 @@ def stochastic_fp8(y, dtype, generator=None):
 def stochastic_encode(groups, fmax, dtype, generator=None):
     """compress.fp8_encode with stochastic rounding: (G, L) fp32 -> scales (G,) fp32 and codes
     (G, L) uint8."""
-    scale, y = compress.fp8_scale(groups, fmax)
-    return scale, stochastic_fp8(y, dtype, generator).view(torch.uint8)
+    to_fp8 = functools.partial(stochastic_fp8, generator=generator)
+    return compress.fp8_encode(groups, fmax, dtype, to_fp8)
 
 
 @functools.lru_cache(maxsize=None)
