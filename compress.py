@@ -520,22 +520,17 @@ class HouseholderBasis:
         return cls(Y, T)
 
     def apply_t(self, X):
-        """P^T X for X (m, n)."""
-        return reflect(X, self.Y, self.T.T)
+        """P^T X = (I - Y T^T Y^T) X for X (m, n): three thin products, never the m x m matrix."""
+        return X - self.Y @ (self.T.T @ (self.Y.T @ X))
 
     def apply(self, X):
-        """P X for X (m, n)."""
-        return reflect(X, self.Y, self.T)
+        """P X = (I - Y T Y^T) X, likewise."""
+        return X - self.Y @ (self.T @ (self.Y.T @ X))
 
     def columns(self):
         """The r vectors the basis was completed from (up to sign): P's first r columns."""
         m, r = self.Y.shape
         return self.apply(torch.eye(m, r, device=self.Y.device, dtype=self.Y.dtype))
-
-
-def reflect(X, Y, T):
-    """(I - Y T Y^T) X: three thin matrix products, never the m x m matrix."""
-    return X - Y @ (T @ (Y.T @ X))
 
 
 def encode_geo(G, left, right):

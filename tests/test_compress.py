@@ -827,12 +827,12 @@ def test_geometry_on_row_blocks_matches_whole_matrix(tmp_path):
 def test_compiling_changes_only_the_kernel_table():
     """compile_hot_path(True) puts compiled kernels in nanogeo.wire.kernels.KERNELS, which the
     packed stages call; no other module's functions change, and False puts the plain ones back."""
-    fp8_encode, reflect = compress.fp8_encode, compress.reflect
+    fp8_encode, encode_geo = compress.fp8_encode, compress.encode_geo
     kernels.compile_hot_path(True)
     try:
         assert kernels.compiled() and set(kernels.KERNELS) == set(kernels.EAGER)
         assert all(kernels.KERNELS[n] is not f for n, f in kernels.EAGER.items())
-        assert compress.fp8_encode is fp8_encode and compress.reflect is reflect
+        assert compress.fp8_encode is fp8_encode and compress.encode_geo is encode_geo
     finally:
         kernels.compile_hot_path(False)
     assert not kernels.compiled() and kernels.KERNELS == kernels.EAGER
