@@ -138,8 +138,7 @@ def e2m1_codes(y):
 
 def nvfp4_tensor_scale(amax):
     """The fp32 scale that brings the largest block scale to e4m3's max (1 where amax is 0), at
-    least fp32's smallest normal (for subnormal values the quotient would round to 0, and a zero
-    block's scale to 0 / 0 = NaN). Elementwise: one call serves every piece of a bucket."""
+    least fp32's smallest normal: for subnormal values it would round to 0, and 0 / 0 = NaN."""
     scale = (amax / (E2M1_MAX * E4M3_MAX)).clamp(min=torch.finfo(torch.float32).tiny)
     return torch.where(amax > 0, scale, torch.ones_like(amax))
 
