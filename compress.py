@@ -244,7 +244,7 @@ class ShardLayout:
         self.world_size = world_size
         self.pieces = self.cut()                                # pieces[j]: rank j's shard
         self.nbytes = [sum(wire_nbytes(p.shape, fmt, p.block) for p in shard) for shard in self.pieces]
-        self.stage2_nbytes = self.nbytes    # stage 2's shard sizes (nanogeo: another format's)
+        self.stage2_nbytes = self.nbytes    # stage 2's (nanogeo's TwoFormatLayout: another format)
 
     def groups_of(self, shape):
         """(elements per scale group, the pieces' block) of one tensor ("tensor" scaling: W
