@@ -52,17 +52,9 @@ FORMATS = (*FP8_FORMATS, "nvfp4")
 FP32_MAX = torch.finfo(torch.float32).max
 
 
-@dataclass
-class Quantized:
-    """A quantized tensor: `buffer` is the uint8 wire buffer (its layout: quantize)."""
-    buffer: torch.Tensor    # (nbytes,) uint8
-    shape: torch.Size
-    fmt: str
-    block: object           # elements per scale group (int), "row" or "tensor"
-
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.numel()
+# A quantized tensor: buffer, its uint8 wire bytes (their layout: quantize), and the shape, fmt
+# and block (elements per scale group: an int, "row" or "tensor") it was quantized with.
+Quantized = namedtuple("Quantized", "buffer shape fmt block")
 
 
 def check_codec(fmt, block):
@@ -85,10 +77,8 @@ def scale_groups(x, block):
     """View x as (groups, group_len) fp32: one scale per group. Integer blocks pad the flattened
     tensor with zeros to a whole number of groups."""
     flat, groups = x.reshape(-1).float(), num_groups(x.shape, block)
-    if isinstance(block, int):
-        if groups * block > flat.numel():
-            flat = torch.cat([flat, flat.new_zeros(groups * block - flat.numel())])
-        return flat.view(-1, block)                     # (an empty x: (0, block))
+    if isinstance(block, int):                          # (an empty x: (0, block))
+        return torch.nn.functional.pad(flat, (0, groups * block - flat.numel())).view(-1, block)
     return flat.view(groups, -1)
 
 
@@ -108,16 +98,12 @@ def scale_from_amax(amax, fmax):
     return torch.where(amax > 0, fmax / amax, torch.ones_like(amax)).clamp(max=FP32_MAX)
 
 
-def fp8_scale(groups, fmax):
-    """Per-group scale s = fmax / amax and the scaled, saturated values."""
+def fp8_encode(groups, fmax, dtype, to_fp8=torch.Tensor.to):
+    """(G, L) fp32 -> scales (G,) fp32 and codes (G, L) uint8, rounded to nearest even
+    (production passes a stochastic `to_fp8`)."""
     scale = scale_from_amax(groups.abs().amax(dim=1), fmax)            # (G,)
-    return scale, (groups * scale[:, None]).clamp(-fmax, fmax)
-
-
-def fp8_encode(groups, fmax, dtype):
-    """(G, L) fp32 -> scales (G,) fp32 and codes (G, L) uint8, rounded to nearest even."""
-    scale, y = fp8_scale(groups, fmax)
-    return scale, y.to(dtype).view(torch.uint8)
+    y = (groups * scale[:, None]).clamp(-fmax, fmax)                   # saturated at +-fmax
+    return scale, to_fp8(y, dtype).view(torch.uint8)
 
 
 def fp8_decode(codes, scale, dtype):
@@ -130,13 +116,6 @@ def fp8_pack(scale, codes):
     return torch.cat([scale.view(torch.uint8).view(-1, 4), codes], dim=1).view(-1)
 
 
-def fp8_unpack(buffer, groups, dtype):
-    """Inverse of fp8_pack and fp8_encode: wire bytes -> (groups, L) fp32. (The scales are
-    copied out: a float32 view needs 4-byte alignment, and a piece may start at any byte.)"""
-    rows = buffer.view(groups, -1)
-    return fp8_decode(rows[:, 4:], rows[:, :4].reshape(-1).clone().view(torch.float32), dtype)
-
-
 # NVFP4 (the 4-bit format of NVIDIA's Blackwell GPUs): blocks of 16 values, each an e2m1 number
 # (magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6), each block scaled by an e4m3 number, and one fp32
 # scale per tensor that brings the largest block scale to the top of e4m3's range. Two values a
@@ -144,7 +123,6 @@ def fp8_unpack(buffer, groups, dtype):
 NVFP4_BLOCK = 16
 E2M1_MAX, E4M3_MAX = 6.0, 448.0
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)    # a 4-bit code: sign << 3 | index
-SIGNED_E2M1 = E2M1_GRID + tuple(-v for v in E2M1_GRID)  # the value of each code (8: -0.0)
 
 
 def e2m1_codes(y):
@@ -160,8 +138,7 @@ def e2m1_codes(y):
 
 def nvfp4_tensor_scale(amax):
     """The fp32 scale that brings the largest block scale to e4m3's max (1 where amax is 0), at
-    least fp32's smallest normal (for subnormal values the quotient would round to 0, and a zero
-    block's scale to 0 / 0 = NaN). Elementwise: one call serves every piece of a bucket."""
+    least fp32's smallest normal: for subnormal values it would round to 0, and 0 / 0 = NaN."""
     scale = (amax / (E2M1_MAX * E4M3_MAX)).clamp(min=torch.finfo(torch.float32).tiny)
     return torch.where(amax > 0, scale, torch.ones_like(amax))
 
@@ -179,9 +156,9 @@ def nvfp4_encode(blocks, amax, scale, to_e2m1=e2m1_codes):
 
 @functools.lru_cache(maxsize=None)
 def e2m1_grid(device):
-    """SIGNED_E2M1 on `device`, made once: a copy from host memory at every call would make a
-    GPU stream wait."""
-    return torch.tensor(SIGNED_E2M1, device=device)
+    """The value of each 4-bit code (8: -0.0) on `device`, made once: a copy from host memory at
+    every call would make a GPU stream wait."""
+    return torch.tensor(E2M1_GRID + tuple(-v for v in E2M1_GRID), device=device)
 
 
 def nvfp4_decode(block_scale, nibbles, scale):
@@ -223,8 +200,11 @@ def dequantize(q: Quantized) -> torch.Tensor:
     numel = math.prod(q.shape)
     if numel == 0:
         return torch.zeros(q.shape, device=q.buffer.device)
-    if q.fmt != "nvfp4":
-        values = fp8_unpack(q.buffer, num_groups(q.shape, q.block), FP8_FORMATS[q.fmt][0])
+    if q.fmt != "nvfp4":    # per group [fp32 scale | codes]
+        rows = q.buffer.view(num_groups(q.shape, q.block), -1)
+        # scales copied out: a float32 view needs 4-byte alignment, and a piece starts anywhere
+        scale = rows[:, :4].reshape(-1).clone().view(torch.float32)
+        values = fp8_decode(rows[:, 4:], scale, FP8_FORMATS[q.fmt][0])
     else:       # [tensor scale | G block scales | codes], the last block's unsent codes 0
         G, tensor_scale = num_groups(q.shape, NVFP4_BLOCK), q.buffer[:4].clone().view(torch.float32)
         nibbles = torch.nn.functional.pad(q.buffer[4 + G:], (0, 8 * G - (numel + 1) // 2))
@@ -255,8 +235,7 @@ Piece = namedtuple("Piece", "tensor start end shape block")
 
 class ShardLayout:
     """How a bucket of tensors is cut into W shards (alike on every rank, from the shapes), and
-    the two stages' codec steps: seams, which nanogeo.wire's layouts override (packed, NVFP4,
-    stochastic, two formats)."""
+    the two stages' codec steps: seams, which nanogeo.wire's layouts override."""
 
     def __init__(self, shapes, fmt, block, world_size):
         check_codec(fmt, block)
@@ -264,9 +243,8 @@ class ShardLayout:
         self.shapes, self.fmt, self.block = [tuple(s) for s in shapes], fmt, block
         self.world_size = world_size
         self.pieces = self.cut()                                # pieces[j]: rank j's shard
-        self.nbytes = [sum(map(self.piece_nbytes, shard)) for shard in self.pieces]
-        self.stage2_nbytes = self.nbytes    # stage 2's shard sizes: the same codec here (nanogeo's
-                                            # TwoFormatLayout sends stage 2 in another format)
+        self.nbytes = [sum(wire_nbytes(p.shape, fmt, p.block) for p in shard) for shard in self.pieces]
+        self.stage2_nbytes = self.nbytes    # stage 2's (nanogeo's TwoFormatLayout: another format)
 
     def groups_of(self, shape):
         """(elements per scale group, the pieces' block) of one tensor ("tensor" scaling: W
@@ -295,11 +273,8 @@ class ShardLayout:
                 if end > start:     # (an empty range is no piece)
                     shape = (count, group_len) if block == "row" else (end - start,)
                     pieces[j].append(Piece(t, start, end, shape, block))
-                    load[j] += self.piece_nbytes(pieces[j][-1])
+                    load[j] += wire_nbytes(shape, self.fmt, block)
         return pieces
-
-    def piece_nbytes(self, piece):
-        return wire_nbytes(piece.shape, self.fmt, piece.block)
 
     def quantize_piece(self, values, piece):
         """Seam (stochastic rounding): one piece through the codec, its wire bytes."""
@@ -313,18 +288,15 @@ class ShardLayout:
 
     def decode_shard(self, buffer, shard):
         """One shard's bytes -> the flat fp32 values of each of its pieces."""
-        sizes = [self.piece_nbytes(p) for p in self.pieces[shard]]
+        sizes = [wire_nbytes(p.shape, self.fmt, p.block) for p in self.pieces[shard]]
         return [dequantize(Quantized(b, p.shape, self.fmt, p.block)).reshape(-1)
                 for b, p in zip(buffer[: sum(sizes)].split(sizes), self.pieces[shard])]
 
     def sum_copies(self, received, shard):
         """Seam: the W copies of a shard (back to back, in source-rank order), decoded and added
         in fp32 in rank order (every rank and the simulator add alike): a tensor per piece."""
-        total = None
-        for one_copy in received.split(self.nbytes[shard]):
-            values = self.decode_shard(one_copy, shard)
-            total = values if total is None else [a + b for a, b in zip(total, values)]
-        return total
+        copies = [self.decode_shard(c, shard) for c in received.split(self.nbytes[shard])]
+        return [functools.reduce(torch.add, piece) for piece in zip(*copies)]  # (c0 + c1) + ...
 
     def average_shard(self, received, shard):
         """Seam: between the stages, on the owner of `shard`: the mean of its W copies, quantized
@@ -496,9 +468,8 @@ class WhitenedLayer:
         return self.factors["input"].unwhiten(h)
 
     def refresh(self, moments):
-        """New factors from this step's second moments ({side: A or B}, the same on every rank),
-        smoothed by the EMA of the moments. New dicts: a copy of this layer (a proposal, section
-        6) must not change the layer in use."""
+        """New factors from this step's moments ({side: A or B}, alike on every rank) through
+        their EMA; new dicts, so a proposal (a copy, section 6) does not change the layer in use."""
         self.moments, self.factors = dict(self.moments), dict(self.factors)
         for side, moment in moments.items():
             old = self.moments.get(side)
@@ -529,9 +500,8 @@ class WhitenedLayer:
 
 @dataclass
 class HouseholderBasis:
-    """P = R_1 ... R_r = I - Y T Y^T, an m x m orthogonal matrix whose first r columns are +-U
-    (the r orthonormal columns it was built from): Y (m x r) the reflector vectors, T (r x r)
-    upper triangular."""
+    """P = I - Y T Y^T (m x m; its first r columns are +-U, the orthonormal columns it was
+    completed from): Y (m x r) the reflector vectors, T (r x r) upper triangular."""
     Y: torch.Tensor
     T: torch.Tensor
 
@@ -549,22 +519,17 @@ class HouseholderBasis:
         return cls(Y, T)
 
     def apply_t(self, X):
-        """P^T X for X (m, n)."""
-        return reflect(X, self.Y, self.T.T)
+        """P^T X = (I - Y T^T Y^T) X for X (m, n): three thin products, never the m x m matrix."""
+        return X - self.Y @ (self.T.T @ (self.Y.T @ X))
 
     def apply(self, X):
-        """P X for X (m, n)."""
-        return reflect(X, self.Y, self.T)
+        """P X = (I - Y T Y^T) X, likewise."""
+        return X - self.Y @ (self.T @ (self.Y.T @ X))
 
     def columns(self):
         """The r vectors the basis was completed from (up to sign): P's first r columns."""
         m, r = self.Y.shape
         return self.apply(torch.eye(m, r, device=self.Y.device, dtype=self.Y.dtype))
-
-
-def reflect(X, Y, T):
-    """(I - Y T Y^T) X: three thin matrix products, never the m x m matrix."""
-    return X - Y @ (T @ (Y.T @ X))
 
 
 def encode_geo(G, left, right):
@@ -615,9 +580,8 @@ def orthonormal(A):
 
 
 def update_subspaces(G, U, V, iters=1):
-    """One refresh of G's (m x n) dominant subspaces from U (m x r), V (n x r): subspace
-    iteration on G G^T and G^T G, then a Rayleigh-Ritz rotation that makes U^T G V diagonal,
-    largest first. Returns the new (U, V)."""
+    """One refresh of G's (m x n) dominant subspaces U (m x r), V (n x r): subspace iteration
+    on G G^T and G^T G, then a Rayleigh-Ritz rotation making U^T G V diagonal, largest first."""
     for _ in range(iters):
         U, V = orthonormal(G @ (G.T @ U)), orthonormal(G.T @ (G @ V))  # G G^T U, G^T G V
     a, _, bh = torch.linalg.svd(U.T @ G @ V)                            # r x r: negligible
@@ -679,8 +643,6 @@ class SubspaceLayer:
         """Seam (dense-basis ablations): new bases from the decoded mean (alike on every rank)."""
         U, V = self.dominant_subspaces(mean)
         self.left_basis, self.right_basis = HouseholderBasis.complete(U), HouseholderBasis.complete(V)
-        if self.swaps is not None:      # once on the gradients' device: no copy at each step
-            self.swaps = tuple(s.to(mean.device) for s in self.swaps)
 
 
 # ==== 5. The error the optimizer sees =============================================================
@@ -798,8 +760,7 @@ def exemption(name, shape, opts, linear=None):
 class Communicator:
     """Averages a fixed list of named tensors through the two-stage collective, each matrix in
     Euclidean or geometry-aware coordinates: reduce() over the process group, reduce_workers()
-    for W simulated workers. `moments`: the whitened layers' K-FAC statistics ({"input":
-    {name: A}}), on the steps where wants_moments() is true."""
+    for W simulated workers (K-FAC `moments`, {"input": {name: A}}, when wants_moments())."""
     LAYERS = {"geofp8": WhitenedLayer, "subspace": SubspaceLayer}
 
     def __init__(self, named_shapes, options=None, group=None, linear=None):
@@ -842,8 +803,7 @@ class Communicator:
         return self.layers[name].decode(c) if self.is_geo(name) else c
 
     def whitened_sides(self):
-        """Seam: the sides the whitening whitens (published: the input; production's ablation
-        also the output)."""
+        """Seam: the sides it whitens (published: the input; production's ablation: the output)."""
         return ("input",)
 
     def wants_moments(self):
@@ -865,9 +825,8 @@ class Communicator:
         return nbytes
 
     def average_moments(self, moments):
-        """Seam: the mean over the group of every rank's K-FAC statistics, so that every rank
-        builds the same factors (equal weights: every rank ran as many tokens; production
-        weights by the token counts)."""
+        """Seam: the mean of every rank's K-FAC statistics, so that every rank builds the same
+        factors (equal weights: every rank ran as many tokens; production weights by tokens)."""
         out = {side: {n: m.clone() for n, m in moments.get(side, {}).items()}
                for side in self.whitened_sides()}
         for moment in (m for by_name in out.values() for m in by_name.values()):
@@ -876,8 +835,8 @@ class Communicator:
         return out
 
     def reduce_workers(self, worker_grads, moments=None):
-        """Seam: the same numerics for W simulated workers (moments: already over all of them;
-        production also takes each worker's own): (means, bytes a rank sends)."""
+        """Seam: reduce()'s numerics for W simulated workers (`moments`: already averaged over all
+        of them): (means, bytes a rank sends)."""
         return self.communicate(dict(enumerate(worker_grads)), moments, across_ranks=False)
 
     def communicate(self, worker_grads, moments, across_ranks):
@@ -990,9 +949,7 @@ class Communicator:
     def measure(self, layers, means, sent, across_ranks):
         """Seam: (layers, 2) float64 on the device: the squared codec error of Euclidean FP8 and
         of the geometry-aware codec, as each layer's optimizer sees it, summed over the workers -
-        and over the ranks, so that every rank decides alike. (Production's sides="auto" measures
-        one column per rotation that through_codec returns and keeps the better, rotating the
-        layer to it.)"""
+        and over the ranks, so every rank decides alike (production: a column per rotation)."""
         world = dist.get_world_size(self.group) if across_ranks else 1
         errors = []
         for name, layer in layers.items():
@@ -1007,9 +964,8 @@ class Communicator:
         return errors                           # on the device: judge's .tolist() reads it
 
     def error_seen(self, name, mean, workers):
-        """Seam: delta -> the squared size of a gradient error as the layer's optimizer sees it
-        (its view, section 5), or in plain L2 - with a warning (once) when the optimizer's view
-        was asked for and no optimizer is watched."""
+        """Seam: delta -> a gradient error's squared size as the layer's optimizer sees it (its
+        view, section 5), or in plain L2 - warning once if asked for but no optimizer is watched."""
         view = self.views.get(name) if self.opts.geo_judge == "optimizer" else None
         if view is not None:
             return view.error(mean, workers)
@@ -1025,8 +981,7 @@ class Communicator:
         return dequantize(quantize(x, self.opts.fmt, self.opts.block))
 
     def through_codec(self, layer, g):
-        """Seam (production: one per rotation that sides="auto" compares): [g through the codec
-        in the layer's coordinates]."""
+        """Seam (production: one per rotation compared): [g through the codec in coordinates]."""
         return [layer.decode(self.round_trip(layer.encode(g)))]
 
 

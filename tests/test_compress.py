@@ -72,7 +72,7 @@ def test_nvfp4_decodes_only_grid_values_times_scales():
     codes = (dequantize(q).reshape(-1) / step).abs()
     grid = torch.tensor(compress.E2M1_GRID)
     assert (codes[:, None] - grid).abs().min(1).values.max() < 1e-5
-    assert q.nbytes == 4 + 32 + 256
+    assert q.buffer.numel() == 4 + 32 + 256
 
 
 @pytest.mark.parametrize("fmt,rel_bound,sub_bound", [
@@ -146,7 +146,7 @@ def test_stochastic_rounding_is_unbiased(fmt):
     ("e4m3", 128, (0,), 0)])
 def test_byte_counts_are_exact(fmt, block, shape, expected):
     q = quantize(torch.randn(shape), fmt, block)
-    assert q.nbytes == wire_nbytes(shape, fmt, block) == expected
+    assert q.buffer.numel() == wire_nbytes(shape, fmt, block) == expected
 
 
 def test_bad_codec_arguments():
@@ -827,12 +827,12 @@ def test_geometry_on_row_blocks_matches_whole_matrix(tmp_path):
 def test_compiling_changes_only_the_kernel_table():
     """compile_hot_path(True) puts compiled kernels in nanogeo.wire.kernels.KERNELS, which the
     packed stages call; no other module's functions change, and False puts the plain ones back."""
-    fp8_encode, reflect = compress.fp8_encode, compress.reflect
+    fp8_encode, encode_geo = compress.fp8_encode, compress.encode_geo
     kernels.compile_hot_path(True)
     try:
         assert kernels.compiled() and set(kernels.KERNELS) == set(kernels.EAGER)
         assert all(kernels.KERNELS[n] is not f for n, f in kernels.EAGER.items())
-        assert compress.fp8_encode is fp8_encode and compress.reflect is reflect
+        assert compress.fp8_encode is fp8_encode and compress.encode_geo is encode_geo
     finally:
         kernels.compile_hot_path(False)
     assert not kernels.compiled() and kernels.KERNELS == kernels.EAGER

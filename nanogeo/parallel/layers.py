@@ -254,6 +254,8 @@ class ProductionSubspaceLayer(compress.SubspaceLayer):
 
     def refresh(self, mean):
         super().refresh(mean)
+        if self.swaps is not None:      # once on the gradients' device: no copy at each step
+            self.swaps = tuple(s.to(mean.device) for s in self.swaps)
         self.transform = self.rotation()
 
     def dominant_subspaces(self, mean):

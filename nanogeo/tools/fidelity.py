@@ -50,6 +50,7 @@ import sys
 
 import torch
 
+import compress
 from nanogeo.parallel import hooks, update_error
 from nanogeo.wire import collective
 from nanogeo.parallel.communicator import RENAMED, Options, ProductionCommunicator
@@ -128,7 +129,8 @@ def tensor_bytes(layout, index):
     for j, pieces in enumerate(layout.pieces):
         for p in pieces:
             if p.tensor == index:
-                total += (world - 1) * layout.piece_nbytes(p) * 2  # to j by W-1; by j to W-1
+                nbytes = compress.wire_nbytes(p.shape, layout.fmt, p.block)
+                total += (world - 1) * nbytes * 2           # to j by W - 1; by j to W - 1
     return total / world
 
 

@@ -107,7 +107,7 @@ class WireRun:
         amax = blocks.abs().amax(dim=1)                                            # (G,)
         piece_amax = amax.new_zeros(P).scatter_reduce(0, owner, amax, "amax",
                                                        include_self=False)         # (P,)
-        scale = compress.nvfp4_tensor_scale(piece_amax)
+        scale = compress.nvfp4_tensor_scale(piece_amax)         # elementwise: one call, P pieces
         block_scale, nibbles = encode_blocks(blocks, amax, scale.index_select(0, owner),
                                              stochastic, generator)
         fields = torch.cat([scale.view(torch.uint8), block_scale, nibbles.view(-1)])

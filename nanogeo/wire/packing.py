@@ -55,8 +55,8 @@ def stochastic_fp8(y, dtype, generator=None):
 def stochastic_encode(groups, fmax, dtype, generator=None):
     """compress.fp8_encode with stochastic rounding: (G, L) fp32 -> scales (G,) fp32 and codes
     (G, L) uint8."""
-    scale, y = compress.fp8_scale(groups, fmax)
-    return scale, stochastic_fp8(y, dtype, generator).view(torch.uint8)
+    to_fp8 = functools.partial(stochastic_fp8, generator=generator)
+    return compress.fp8_encode(groups, fmax, dtype, to_fp8)
 
 
 @functools.lru_cache(maxsize=None)
@@ -90,8 +90,8 @@ def pack_groups(groups, fmt, stochastic=False, generator=None):
 
 
 def unpack_groups(buffer, block, fmt):
-    """Inverse of pack_groups: uint8 bytes -> (G, block) fp32 values (compress.fp8_unpack, with
-    the kernel compiled or not)."""
+    """Inverse of pack_groups: uint8 bytes -> (G, block) fp32 values (compress.dequantize's FP8
+    branch, with the kernel compiled or not)."""
     rows = buffer.view(-1, 4 + block)
     scale = rows[:, :4].contiguous().view(torch.float32).view(-1)       # (G,)
     return kernels.KERNELS["fp8_decode"](rows[:, 4:], scale, compress.FP8_FORMATS[fmt][0])
