@@ -52,9 +52,10 @@ FORMATS = (*FP8_FORMATS, "nvfp4")
 FP32_MAX = torch.finfo(torch.float32).max
 
 
-# A quantized tensor: buffer, its uint8 wire bytes (their layout: quantize), and the shape, fmt
-# and block (elements per scale group: an int, "row" or "tensor") it was quantized with.
-Quantized = namedtuple("Quantized", "buffer shape fmt block")
+class Quantized(namedtuple("Quantized", "buffer shape fmt block")):
+    """A quantized tensor: buffer, its uint8 wire bytes (their layout: quantize), and the shape, fmt
+    and block (elements per scale group: an int, "row" or "tensor") it was quantized with."""
+    nbytes = property(lambda self: self.buffer.numel())     # exactly the bytes it puts on the wire
 
 
 def check_codec(fmt, block):

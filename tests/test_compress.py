@@ -146,7 +146,7 @@ def test_stochastic_rounding_is_unbiased(fmt):
     ("e4m3", 128, (0,), 0)])
 def test_byte_counts_are_exact(fmt, block, shape, expected):
     q = quantize(torch.randn(shape), fmt, block)
-    assert q.buffer.numel() == wire_nbytes(shape, fmt, block) == expected
+    assert q.nbytes == q.buffer.numel() == wire_nbytes(shape, fmt, block) == expected
 
 
 def test_bad_codec_arguments():
