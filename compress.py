@@ -55,6 +55,7 @@ FP32_MAX = torch.finfo(torch.float32).max
 class Quantized(namedtuple("Quantized", "buffer shape fmt block")):
     """A quantized tensor: buffer, its uint8 wire bytes (their layout: quantize), and the shape, fmt
     and block (elements per scale group: an int, "row" or "tensor") it was quantized with."""
+    __slots__ = ()
     nbytes = property(lambda self: self.buffer.numel())     # exactly the bytes it puts on the wire
 
 
@@ -76,10 +77,11 @@ def num_groups(shape, block):
 
 def scale_groups(x, block):
     """View x as (groups, group_len) fp32: one scale per group. Integer blocks pad the flattened
-    tensor with zeros to a whole number of groups."""
+    tensor with zeros to a whole number of groups (a copy only where padding is needed)."""
     flat, groups = x.reshape(-1).float(), num_groups(x.shape, block)
     if isinstance(block, int):                          # (an empty x: (0, block))
-        return torch.nn.functional.pad(flat, (0, groups * block - flat.numel())).view(-1, block)
+        padding = groups * block - flat.numel()
+        return (torch.nn.functional.pad(flat, (0, padding)) if padding else flat).view(-1, block)
     return flat.view(groups, -1)
 
 
@@ -139,7 +141,7 @@ def e2m1_codes(y):
 
 def nvfp4_tensor_scale(amax):
     """The fp32 scale that brings the largest block scale to e4m3's max (1 where amax is 0), at
-    least fp32's smallest normal: for subnormal values it would round to 0, and 0 / 0 = NaN."""
+    least fp32's smallest normal (a subnormal quotient would round to 0, and 0 / 0 = NaN)."""
     scale = (amax / (E2M1_MAX * E4M3_MAX)).clamp(min=torch.finfo(torch.float32).tiny)
     return torch.where(amax > 0, scale, torch.ones_like(amax))
 
@@ -244,7 +246,8 @@ class ShardLayout:
         self.shapes, self.fmt, self.block = [tuple(s) for s in shapes], fmt, block
         self.world_size = world_size
         self.pieces = self.cut()                                # pieces[j]: rank j's shard
-        self.nbytes = [sum(wire_nbytes(p.shape, fmt, p.block) for p in shard) for shard in self.pieces]
+        self.nbytes = [sum(wire_nbytes(p.shape, fmt, p.block) for p in shard)
+                       for shard in self.pieces]
         self.stage2_nbytes = self.nbytes    # stage 2's (nanogeo's TwoFormatLayout: another format)
 
     def groups_of(self, shape):
@@ -297,7 +300,8 @@ class ShardLayout:
         """Seam: the W copies of a shard (back to back, in source-rank order), decoded and added
         in fp32 in rank order (every rank and the simulator add alike): a tensor per piece."""
         copies = [self.decode_shard(c, shard) for c in received.split(self.nbytes[shard])]
-        return [functools.reduce(torch.add, piece) for piece in zip(*copies)]  # (c0 + c1) + ...
+        return [functools.reduce(torch.add, copies_of_piece)      # (c0 + c1) + ...
+                for copies_of_piece in zip(*copies)]
 
     def average_shard(self, received, shard):
         """Seam: between the stages, on the owner of `shard`: the mean of its W copies, quantized
@@ -950,7 +954,7 @@ class Communicator:
     def measure(self, layers, means, sent, across_ranks):
         """Seam: (layers, 2) float64 on the device: the squared codec error of Euclidean FP8 and
         of the geometry-aware codec, as each layer's optimizer sees it, summed over the workers -
-        and over the ranks, so every rank decides alike (production: a column per rotation)."""
+        and over the ranks, so every rank decides alike."""
         world = dist.get_world_size(self.group) if across_ranks else 1
         errors = []
         for name, layer in layers.items():
@@ -982,7 +986,7 @@ class Communicator:
         return dequantize(quantize(x, self.opts.fmt, self.opts.block))
 
     def through_codec(self, layer, g):
-        """Seam (production: one per rotation compared): [g through the codec in coordinates]."""
+        """Seam: [g through the codec in the layer's coordinates]."""
         return [layer.decode(self.round_trip(layer.encode(g)))]
 
 

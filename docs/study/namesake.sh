@@ -3,9 +3,10 @@
 # collective, and which 4-bit method to run - at >= 24 seeds, every arm of a seed on one machine,
 # back to back. Resumable: a finished run is skipped, so run this again to continue. From the
 # repository root, after `python prepare_data.py --tokenizer char`. Results: out/namesake/results.json
-# (copied to docs/study/namesake/results.json as they come), pooled with the 4-bit study's
-# (docs/study/fourbit/results.json, another machine, seeds 0-11) by
-#   python -m nanogeo.tools.study --answer docs/study/namesake/results.json,docs/study/fourbit/results.json ...
+# (copied to docs/study/namesake/results.json as they come; step 4's sweep to
+# docs/study/namesake/adamw-sweep/), pooled with the earlier studies' (docs/study/results.json:
+# the 4-bit study's machine, seeds 0-11, and older runs of unrecorded machines, never pooled) by
+#   python -m nanogeo.tools.study --answer docs/study/namesake/results.json,docs/study/results.json ...
 # Seeds 12-35 here, so no seed number is shared with the 4-bit study's machine: each seed is a
 # block of its own, its arms paired on one CPU.
 # It runs at commit 06360f0 (the code the 4-bit study's runs share); later commits changed the
@@ -50,11 +51,13 @@ done
 AFLAGS="--preset=char-study --max_iters=300 --eval_interval=300 --log_interval=25 --tail_evals=12"
 SWEEP=${SWEEP:-out/adamw-sweep}
 adamw() { python -m nanogeo.tools.study --optimizers adamw --workers 32 "$@" -- $AFLAGS; }
-swept() { python -c "import json, sys; sys.exit(len(json.load(open('$SWEEP/results.json'))) < 10)" 2>/dev/null; }
+# done when every (rate, seed) pair of the grid has a run in $SWEEP
+swept() { python -c "import json, sys; runs = {(r['sweep'][1], r['seed']) for r in json.load(open('$SWEEP/results.json'))}
+sys.exit(len(runs & {(v, s) for v in '1e-2 2e-2 3e-2 6e-2 1e-1'.split() for s in (12, 13)}) < 10)" 2>/dev/null; }
 for lane in $(lanes); do
   adamw --sweep learning_rate=1e-2,2e-2,3e-2,6e-2,1e-1 --seeds $(case $lane in a) echo 12 ;; b) echo 13 ;; esac) --out_dir $SWEEP
 done
-until swept; do sleep 30; done
+until swept; do echo "waiting for the other lane's sweep runs in $SWEEP"; sleep 60; done
 adamw --sweep learning_rate=1e-2,2e-2,3e-2,6e-2,1e-1 --seeds 12,13 --out_dir $SWEEP
 for lane in $(lanes); do
   adamw --lr_from $SWEEP/sweep.json --comms fp32,bf16,fp8,subspace,geofp8 --out_dir $OUT \
