@@ -64,8 +64,14 @@ for lane in $(lanes); do
         --seeds $(seeds $lane | cut -d, -f1-6)
 done
 # 5. (not run by this script: the study's worktree is at 06360f0, which has no --stage2_fmt)
-#    nvfp4-e4m3s2, W = 32, >= 12 seeds: the NVFP4 all-to-all with an e4m3 all-gather - what a
+#    nvfp4-e4m3s2, W = 32, 12 seeds: the NVFP4 all-to-all with an e4m3 all-gather - what a
 #    finer stage-2 format buys where stage 2's re-quantization is the larger error (0.41x bf16's
-#    bytes on char-study at W = 32; NVFP4 0.29x, e4m3 0.52x). Run it from a worktree at a commit
-#    with --stage2_fmt, same FLAGS and seeds, on the machine that ran 1-2 (pairs: nvfp4, fp32):
-#      study --comms nvfp4-e4m3s2 --workers 32 --seeds $(seeds a) -- $FLAGS
+#    bytes on char-study at W = 32; NVFP4 0.29x, e4m3 0.52x). It ran from a worktree at 44f2bc0
+#    (git worktree add ../study5 44f2bc0), same FLAGS and seeds, on the machine that ran 1-2
+#    (pairs: nvfp4, fp32; nvfp4 seed 12 ends bit-equal at both commits), with the stage
+#    decomposition over 4 seeds (docs/study/namesake/stages.json):
+#      study --comms nvfp4-e4m3s2 --workers 32 --seeds $(seeds a | cut -d, -f1-6) -- $FLAGS  (and b)
+#      study --comms nvfp4,nvfp4-e4m3s2 --workers 32 --seeds 12,13,24,25 --out_dir out/stages \
+#            -- $FLAGS --log_stages
+#    Not run yet: nvfp4-ef12 (feedback on both stages), W = 32, >= 12 seeds, from 06360f0:
+#      study --comms nvfp4-ef12 --workers 32 --seeds $(seeds a | cut -d, -f1-6) -- $FLAGS
