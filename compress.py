@@ -246,8 +246,9 @@ class ShardLayout:
         self.shapes, self.fmt, self.block = [tuple(s) for s in shapes], fmt, block
         self.world_size = world_size
         self.pieces = self.cut()                                # pieces[j]: rank j's shard
-        self.nbytes = [sum(wire_nbytes(p.shape, fmt, p.block) for p in shard)
-                       for shard in self.pieces]
+        self.piece_nbytes = [[wire_nbytes(p.shape, fmt, p.block) for p in shard]
+                             for shard in self.pieces]                 # each piece's wire bytes
+        self.nbytes = [sum(sizes) for sizes in self.piece_nbytes]
         self.stage2_nbytes = self.nbytes    # stage 2's (nanogeo's TwoFormatLayout: another format)
 
     def groups_of(self, shape):
@@ -292,7 +293,7 @@ class ShardLayout:
 
     def decode_shard(self, buffer, shard):
         """One shard's bytes -> the flat fp32 values of each of its pieces."""
-        sizes = [wire_nbytes(p.shape, self.fmt, p.block) for p in self.pieces[shard]]
+        sizes = self.piece_nbytes[shard]
         return [dequantize(Quantized(b, p.shape, self.fmt, p.block)).reshape(-1)
                 for b, p in zip(buffer[: sum(sizes)].split(sizes), self.pieces[shard])]
 

@@ -72,7 +72,7 @@ def test_nvfp4_decodes_only_grid_values_times_scales():
     codes = (dequantize(q).reshape(-1) / step).abs()
     grid = torch.tensor(compress.E2M1_GRID)
     assert (codes[:, None] - grid).abs().min(1).values.max() < 1e-5
-    assert q.buffer.numel() == 4 + 32 + 256
+    assert q.nbytes == 4 + 32 + 256
 
 
 @pytest.mark.parametrize("fmt,rel_bound,sub_bound", [

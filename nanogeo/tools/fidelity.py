@@ -50,7 +50,6 @@ import sys
 
 import torch
 
-import compress
 from nanogeo.parallel import hooks, update_error
 from nanogeo.wire import collective
 from nanogeo.parallel.communicator import RENAMED, Options, ProductionCommunicator
@@ -126,10 +125,9 @@ def tensor_bytes(layout, index):
     the other ranks plus its stage-2 piece to the W - 1 others (all_gather padding excluded)."""
     world = layout.world_size
     total = 0
-    for j, pieces in enumerate(layout.pieces):
-        for p in pieces:
+    for pieces, sizes in zip(layout.pieces, layout.piece_nbytes):
+        for p, nbytes in zip(pieces, sizes):
             if p.tensor == index:
-                nbytes = compress.wire_nbytes(p.shape, layout.fmt, p.block)
                 total += (world - 1) * nbytes * 2           # to j by W - 1; by j to W - 1
     return total / world
 
