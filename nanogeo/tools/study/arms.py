@@ -62,7 +62,13 @@ COMMS = {"fp32": ["--comm=fp32"], "bf16": ["--comm=bf16"], "fp8": ["--comm=fp8"]
          # an NVFP4 all-to-all and an e4m3 all-gather: stage 2's re-quantization of the mean is
          # the larger error at 4 bits; what does a finer stage-2 format buy, at a wire between
          # NVFP4's and FP8's (0.41x bf16 on char-study at W = 32)?
-         "nvfp4-e4m3s2": ["--comm=fp8", "--fmt=nvfp4", "--stage2_fmt=e4m3"]}
+         "nvfp4-e4m3s2": ["--comm=fp8", "--fmt=nvfp4", "--stage2_fmt=e4m3"],
+         # the mixed wire's levers on stage 1 (each rank's NVFP4 send, whose error is what is
+         # left once stage 2 is e4m3): each rank adds back its last send's error; the rotation,
+         # whose coordinates serve both stages
+         "nvfp4-e4m3s2-ef1": ["--comm=fp8", "--fmt=nvfp4", "--stage2_fmt=e4m3",
+                              "--error_feedback", "--feedback_stages=1"],
+         "subspace-nvfp4-e4m3s2": ["--comm=subspace", "--fmt=nvfp4", "--stage2_fmt=e4m3"]}
 EUCLIDEAN = ("fp8", "fp8-paper", "e5m2-tensor", "nvfp4")      # candidates for --reference
 
 
