@@ -74,4 +74,4 @@ test: install
 # the first thing to run on a GPU node (docs/guide.md, GPUs): collectives, codec, DDP and FSDP
 # hooks, training and resume on every visible GPU; at toy size on 2 CPU ranks without one
 gpu-smoke: install data device-check
-	$(MALLOC) $(BIN)/python -m nanogeo.tools.smoke --nproc=$(NPROC) --out=smoke.json $(SMOKE_ARGS)
+	$(MALLOC) $(BIN)/python -m nanogeo.smoke --nproc=$(NPROC) --out=smoke.json $(SMOKE_ARGS)

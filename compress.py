@@ -659,7 +659,7 @@ class SubspaceLayer:
 # error moves the orthogonalised matrix. Each layer is judged by how much a codec error changes
 # its optimizer's next update, from the optimizer's own state. AdamW's, exactly, is below (an
 # error as large as a quiet element flips its sign: no derivative sees that); Muon's, to first
-# order, is nanogeo/parallel/update_error.py's.
+# order, is nanogeo/geometry/update_error.py's.
 
 def adamw_direction(g, state, betas, eps):
     """AdamW's next update from the gradient g, in float64, without learning rate and weight

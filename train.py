@@ -104,7 +104,7 @@ class TrainConfig:
     collective: str = "two-stage"     # two-stage | fp8-sum (the paper's: one FP8 all_reduce SUM)
     sum_order: str = "ring"           # fp8-sum: the order the FP8 partial sums are added in
     scale_sync_every: int = 1         # fp8-sum: >1 = the published local-scale defect (ablation)
-    geo_layers: str = "gain"          # gain | all | fragile:K | FILE (a list from nanogeo.tools.profile)
+    geo_layers: str = "gain"          # gain | all | fragile:K | FILE (a list from nanogeo.lab.profile)
     geo_refresh: int = 0              # re-estimate the geometry every N steps (0: 50 geofp8, 4 the
                                       # others; hadamard: re-judge it)
     geo_warmup: int = 10              # steps in Euclidean coordinates before GeoFP8 starts

@@ -13,12 +13,12 @@ set -e
 D=${1:?usage: bash docs/identity.sh OUT_DIR}
 mkdir -p "$D"
 export OMP_NUM_THREADS=1
-python -m nanogeo.tools.capture --out="$D/grads.pt" --preset=char-study --data_dir=data/shakespeare_char \
+python -m nanogeo.lab.capture --out="$D/grads.pt" --preset=char-study --data_dir=data/shakespeare_char \
     --workers=8 --train_steps=30 --capture_steps=4 --optimizer=muon --muon_lr=3e-2 > /dev/null
 METHODS=bf16,fp8-block,fp8-tensor,fp8-paper,geofp8,geofp8-paper,subspace,subspace-full,hadamard
 METHODS=$METHODS,hadamard-paper,nvfp4,geo-nvfp4,subspace-nvfp4,hadamard-nvfp4
 METHODS=$METHODS,subspace:error_feedback=True
-python -m nanogeo.tools.fidelity "$D/grads.pt" --methods "$METHODS" --per_step --last 3 > "$D/fidelity.txt"
+python -m nanogeo.lab.fidelity "$D/grads.pt" --methods "$METHODS" --per_step --last 3 > "$D/fidelity.txt"
 rm "$D/grads.pt"
 
 # keep a log line's and record's numbers, drop its wall-clock ones

@@ -1,23 +1,50 @@
-"""nanogeo: the production path of GeoFP8 (tools and integrations).
+"""nanogeo: the production path of geometry-aware FP8 gradient communication.
 
-The algorithm itself lives in the top-level `compress.py`; everything here imports it."""
+The algorithms live in the top-level `compress.py`; everything here imports them. The folders:
+
+    parallel/   the communicator and what plugs it into training: DDP and FSDP2 hooks, the
+                model's K-FAC hooks, simulated ranks, the IEEE-fp32 guard
+    geometry/   the coordinates (whitening, subspace rotation, Hadamard) and what builds and
+                judges them: the eigensolver, FSDP row blocks, the optimizer's update error,
+                the check that every rank holds the same geometry
+    wire/       the bytes: packed codecs, the two-stage collective, the paper's FP8-sum, NVFP4
+    run/        train.py's pieces: config, runtime, checkpoints, logs, evaluation
+    smoke/      the first thing to run on a GPU node (make gpu-smoke)
+    lab/        studies, benchmarks and measurement tools, not needed to train
+"""
 import importlib
 import importlib.abc
 import importlib.util
 import sys
 import warnings
 
+# old module path -> new one; a module of a renamed package follows its package unless it is
+# named here itself (the longest old prefix wins). Drop an entry a release after it was added.
+RENAMED = {
+    "nanogeo.dist": "nanogeo.parallel",
+    **{f"nanogeo.{old}.{m}": f"nanogeo.geometry.{m}"
+       for old in ("parallel", "dist")
+       for m in ("layers", "rows", "eigensolver", "hadamard", "agreement", "update_error")},
+    "nanogeo.tools": "nanogeo.lab",
+    "nanogeo.tools.smoke": "nanogeo.smoke",
+}
+
+
+def renamed(fullname):
+    """The new name of an old module path, or None."""
+    old = max((o for o in RENAMED if fullname == o or fullname.startswith(o + ".")),
+              key=len, default=None)
+    return None if old is None else RENAMED[old] + fullname[len(old):]
+
 
 class _RenamedPackage(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """`nanogeo.dist.*` became `nanogeo.parallel.*`; the old names keep importing, for one
-    release, with a DeprecationWarning that names the new module: `import nanogeo.dist.ddp`
-    hands back the module object of `nanogeo.parallel.ddp` itself (one module, one set of
-    classes), without a dist/ folder. Drop this class and its registration in the next release."""
-
-    OLD, NEW = "nanogeo.dist", "nanogeo.parallel"
+    """Modules that moved keep importing under their old names (RENAMED), for one release, with
+    a DeprecationWarning that names the new module: `import nanogeo.tools.study` hands back the
+    module object of `nanogeo.lab.study` itself (one module, one set of classes), without an old
+    folder. (`python -m` needs the new names.)"""
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname == self.OLD or fullname.startswith(self.OLD + "."):
+        if renamed(fullname) is not None:
             return importlib.util.spec_from_loader(fullname, self)
         return None
 
@@ -25,11 +52,22 @@ class _RenamedPackage(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None                     # a placeholder; exec_module puts the real one in its place
 
     def exec_module(self, module):
-        new = self.NEW + module.__name__[len(self.OLD):]
+        new = renamed(module.__name__)
         # stacklevel 2: the importing line (the import system's own frames are skipped)
         warnings.warn(f"{module.__name__} is deprecated: import {new} instead (the old name "
                       "goes in the next release)", DeprecationWarning, stacklevel=2)
-        sys.modules[module.__name__] = importlib.import_module(new)   # what the import returns
+        target = importlib.import_module(new)
+        if any(o.startswith(module.__name__ + ".") for o in RENAMED):
+            # a package whose modules went to several places (tools/ -> lab/ and smoke/): the
+            # old package stays a name that finds each module where it went
+            def attribute(name, old=module.__name__):
+                try:
+                    return importlib.import_module(renamed(f"{old}.{name}"))
+                except ImportError:
+                    raise AttributeError(f"module {old!r} has no attribute {name!r}") from None
+            module.__path__, module.__getattr__ = [], attribute
+            return
+        sys.modules[module.__name__] = target   # what the import returns
 
 
 if not any(isinstance(f, _RenamedPackage) for f in sys.meta_path):

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import compress
 from compress import HouseholderBasis, decode_geo, encode_geo
 from conftest import run_ranks
-from nanogeo.parallel import layers
+from nanogeo.geometry import layers
 from nanogeo.parallel.communicator import Options, ProductionCommunicator
 from nanogeo.run import summary
 from nanogeo.wire import collective, kernels, nvfp4, packing
@@ -532,7 +532,7 @@ def test_production_row_form_is_compress_iteration_number_for_number():
     """nanogeo's layer estimates its bases with rows.py's form (FSDP row blocks, an optional EMA
     of the covariances); on a whole matrix at decay 0 it must be compress.py's iteration, bit for
     bit, so the two communicators rotate alike."""
-    from nanogeo.parallel import rows as fsdp
+    from nanogeo.geometry import rows as fsdp
     g = torch.Generator().manual_seed(5)
     G = (torch.randn(40, 6, generator=g) @ torch.randn(6, 30, generator=g)
          + torch.randn(40, 30, generator=g))
@@ -549,7 +549,7 @@ def test_production_subspace_layer_refreshes_as_the_teaching_one():
     """The same wiring at the layer level: two refreshes (cold start, then warm) give the same
     Householder bases in compress.SubspaceLayer and nanogeo's ProductionSubspaceLayer."""
     from nanogeo.parallel.communicator import Options
-    from nanogeo.parallel.layers import ProductionSubspaceLayer
+    from nanogeo.geometry.layers import ProductionSubspaceLayer
     g = torch.Generator().manual_seed(6)
     teaching = compress.SubspaceLayer.create("w", (48, 40), compress.GeoOptions(geometry="subspace"))
     production = ProductionSubspaceLayer.create("w", (48, 40), Options(geometry="subspace"))
@@ -777,7 +777,7 @@ def test_state_dict_round_trip(options):
 
 def sharded_rank(rank, world_size, out):
     """Each rank holds a block of rows (FSDP's layout); results must match the whole-matrix ones."""
-    from nanogeo.parallel import rows as fsdp
+    from nanogeo.geometry import rows as fsdp
     dist.init_process_group("gloo")
     m, n, r = 37, 24, 4                                 # 37 rows: uneven, padded blocks
     g = torch.Generator().manual_seed(0)

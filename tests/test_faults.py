@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import run_ranks
-from nanogeo.parallel import agreement, update_error
+from nanogeo.geometry import agreement, update_error
 from nanogeo.wire import collective, kernels
 from test_published import anisotropic_moment
 from nanogeo.parallel.communicator import Options, ProductionCommunicator

@@ -2,7 +2,7 @@ import json
 
 import torch
 
-from nanogeo.tools import fidelity
+from nanogeo.lab import fidelity
 from test_compress import planted_workers
 
 
@@ -66,7 +66,7 @@ def test_whitening_needs_inputs(tmp_path):
     try:
         fidelity.main([path, "--methods", "geofp8"])
     except SystemExit as e:
-        assert "no 'inputs'" in str(e) and "nanogeo.tools.capture" in str(e)
+        assert "no 'inputs'" in str(e) and "nanogeo.lab.capture" in str(e)
     else:
         raise AssertionError("expected an error")
 

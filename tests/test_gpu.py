@@ -1,6 +1,6 @@
 """The device twins of the CPU suite's codec, collective, DDP-hook and FSDP checks: `pytest -m gpu`
 on a CUDA machine (deselected by `make test`, skipped without CUDA). The multi-rank checks run
-nanogeo.tools.smoke's rank checks under torchrun on every visible GPU (NCCL), the same code as
+nanogeo.smoke's rank checks under torchrun on every visible GPU (NCCL), the same code as
 `make gpu-smoke`."""
 import json
 import os
@@ -59,7 +59,7 @@ def test_rank_checks_pass_on_every_gpu(tmp_path):
     out = tmp_path / "smoke.json"
     env = dict(os.environ)
     env.pop("CUDA_VISIBLE_DEVICES", None) if env.get("CUDA_VISIBLE_DEVICES") == "" else None
-    done = subprocess.run([sys.executable, "-m", "nanogeo.tools.smoke",
+    done = subprocess.run([sys.executable, "-m", "nanogeo.smoke",
                            f"--nproc={torch.cuda.device_count()}", "--no-train", "--iters=3",
                            "--numel=4e6", f"--out={out}"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)

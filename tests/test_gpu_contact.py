@@ -61,7 +61,7 @@ def test_cpu_only_torch_on_a_gpu_node_stops_with_one_line(tmp_path, tiny_corpus)
                           "docs/guide.md", "--device=cpu")
     assert line.startswith("train.py: error:")
     for argv in (["--nproc=2"], ["--preset=cpu-tiny", "--numel=1000", "--iters=1"]):
-        one_line_error(subprocess.run([sys.executable, "-m", "nanogeo.tools.smoke", *argv], **run),
+        one_line_error(subprocess.run([sys.executable, "-m", "nanogeo.smoke", *argv], **run),
                        "CPU-only", "PIP_ARGS")
     # on purpose: the CPU
     cpu = subprocess.run([sys.executable, "train.py", *args, "--device=cpu"], **run)
@@ -86,7 +86,7 @@ def test_makefile_checks_the_torch_build_before_starting_ranks(tmp_path):
         out = dry.stdout
         assert "pip install -q --index-url https://example/whl" in out, out
         assert out.index("-m nanogeo.run.runtime") < out.index(
-            "torchrun" if target == "train" else "-m nanogeo.tools.smoke"), out
+            "torchrun" if target == "train" else "-m nanogeo.smoke"), out
 
 
 def test_device_node_counts_and_hidden_gpus(tmp_path, monkeypatch):
@@ -138,7 +138,7 @@ def test_cpu_suite_is_pinned_to_the_cpu():
 # ---------------------------------------------------------------- 7. timers wait for the device
 
 def test_stage_timer_synchronizes_the_device(monkeypatch):
-    from nanogeo.tools import bench
+    from nanogeo.lab import bench
     calls = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
     timer = bench.StageTimer(device="cuda:0")
@@ -150,7 +150,7 @@ def test_stage_timer_synchronizes_the_device(monkeypatch):
 def timed_collective_rank(rank, world_size, out):
     """time_collective on gloo ranks, with every clock read and device sync of bench logged."""
     import torch.distributed as dist
-    from nanogeo.tools import bench
+    from nanogeo.lab import bench
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     events = []
     real_clock = time.perf_counter
@@ -310,7 +310,7 @@ def test_gpu_smoke_on_two_cpu_ranks(tmp_path):
     summary, smoke.json with every check. (The training check and the compiled codec are left
     to .ci/run's `make gpu-smoke`: they cost a minute more.)"""
     out = tmp_path / "smoke.json"
-    done = subprocess.run([sys.executable, "-m", "nanogeo.tools.smoke", "--nproc=2", "--iters=1",
+    done = subprocess.run([sys.executable, "-m", "nanogeo.smoke", "--nproc=2", "--iters=1",
                            "--no-compile", "--no-train", f"--out={out}"], cwd=ROOT,
                           capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -333,7 +333,7 @@ def test_smoke_kills_a_hung_torchrun_with_its_ranks(tmp_path):
     """make gpu-smoke runs torchrun in a session of its own: a command that outlives its timeout
     (a hung collective) is reported as such, and every process it started is killed - no rank
     left holding a GPU, no traceback instead of the summary."""
-    from nanogeo.tools import smoke
+    from nanogeo import smoke
     pid_file = tmp_path / "child.pid"
     script = ("import subprocess, sys, time; "
               "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "

@@ -172,7 +172,7 @@ def test_subspace_eigenpairs_give_the_textbook_metric(alpha):
     """The top-r eigenpairs by subspace iteration (cold, and warm from the factor of an earlier
     moment) give nearly compress.top_eigenpairs' A^: its distance to the exact A^ is a small part
     of A^'s own distance to A (the low-rank approximation's error), also on a flat spectrum."""
-    from nanogeo.parallel import eigensolver
+    from nanogeo.geometry import eigensolver
     d, r = 256, 32
     A = decaying_moment(d, alpha, 0)
     later = 0.95 * A + 0.05 * decaying_moment(d, alpha, 1)     # the EMA one refresh later
@@ -192,7 +192,7 @@ def test_subspace_eigenpairs_give_the_textbook_metric(alpha):
 def test_fast_factor_is_the_textbook_factor_on_a_clear_spectrum():
     """Where A's top r eigenvalues stand clear of the rest, the fast factor is compress.py's:
     the same whitening of a gradient to fp32 rounding (the directions may differ in sign)."""
-    from nanogeo.parallel import eigensolver
+    from nanogeo.geometry import eigensolver
     d, r = 200, 16
     A = decaying_moment(d, 0.3, 2) * 1e-2 + 10 * metric(
         torch.linalg.qr(torch.randn(d, r, dtype=torch.float64,
@@ -289,7 +289,7 @@ def host_reads(skip=()):
 def row_swaps_rank(rank, world_size, out):
     """FSDP's un-scattering of the core on row blocks, counted."""
     import torch.distributed as dist
-    from nanogeo.parallel import rows as row_blocks
+    from nanogeo.geometry import rows as row_blocks
     dist.init_process_group("gloo")
     m, n, r = 37, 24, 4
     H = torch.randn(m, n, generator=torch.Generator().manual_seed(0))
@@ -317,7 +317,7 @@ def test_fsdp_row_decode_reads_nothing_on_the_host(tmp_path):
 def test_auto_solver_is_exact_where_layers_are_used_unmeasured():
     """whiten_solver="auto": the fast subspace iteration only where the gain check measures every
     factor before it is used; a listed / profiled / forced layer choice gets the exact eigh."""
-    from nanogeo.parallel import layers
+    from nanogeo.geometry import layers
     from nanogeo.run import config
     import train
     for flags, solver in ((["--comm=geofp8"], "subspace"),

@@ -1,4 +1,4 @@
-"""The randomized Hadamard transform, the geometry-agnostic control (nanogeo/parallel/hadamard.py): exact
+"""The randomized Hadamard transform, the geometry-agnostic control (nanogeo/geometry/hadamard.py): exact
 and orthonormal, equal to its dense definition, the same on every rank, incoherent (it spreads
 an outlier), and used only where the gain check measured it better - like every geometry."""
 import json
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nanogeo.parallel.hadamard import HadamardLayer, hadamard_cuts
+from nanogeo.geometry.hadamard import HadamardLayer, hadamard_cuts
 from conftest import ROOT, run_ranks
 from nanogeo.run import config, summary
 from nanogeo.parallel.communicator import Options, ProductionCommunicator
@@ -266,7 +266,7 @@ def test_fidelity_cli_runs_the_hadamard_methods(tmp_path):
     path, report = str(tmp_path / "grads.pt"), str(tmp_path / "report.json")
     write_gradient_file(path, steps=3)
     methods = "fp8-block,hadamard,hadamard-paper,hadamard-nvfp4,hadamard:select=all"
-    result = subprocess.run([sys.executable, "-m", "nanogeo.tools.fidelity", path, "--methods", methods,
+    result = subprocess.run([sys.executable, "-m", "nanogeo.lab.fidelity", path, "--methods", methods,
                              "--json", report], cwd=ROOT, capture_output=True, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr

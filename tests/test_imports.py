@@ -100,3 +100,44 @@ print("ok")
     # the bytes: FP8 about half of a bf16 ring's, NVFP4 under 0.30x
     assert rows["bf16", "", ""][2] == 1.0 and 0.5 < euclid[2] < 0.53
     assert rows["euclidean", "nvfp4", ""][2] < 0.30 and rows["bf16", "", ""][0] < euclid[0]
+
+
+def test_package_folders_and_old_paths():
+    """The folders say what lives in them (nanogeo/__init__.py lists them), and every module
+    that moved keeps importing under its old path with a DeprecationWarning naming the new one:
+    the same module object, for `import a.b.c`, `from a.b import c` and `from a.b.c import X`."""
+    import nanogeo
+    folders = {n for n in os.listdir(os.path.dirname(nanogeo.__file__))
+               if os.path.isdir(os.path.join(os.path.dirname(nanogeo.__file__), n))
+               and not n.startswith("__")}
+    assert folders == {"parallel", "geometry", "wire", "run", "smoke", "lab"}
+    assert all(f"{f}/" in nanogeo.__doc__ for f in folders)
+    code = """
+import warnings
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import nanogeo.tools.study as old_study
+    from nanogeo.tools import smoke as old_smoke, fidelity as old_fidelity
+    from nanogeo.parallel.layers import ProductionSubspaceLayer
+    from nanogeo.parallel import rows as old_rows
+    import nanogeo.dist.eigensolver as old_eig
+import nanogeo.lab.study, nanogeo.smoke, nanogeo.lab.fidelity, nanogeo.geometry.layers
+import nanogeo.geometry.rows, nanogeo.geometry.eigensolver
+assert old_study is nanogeo.lab.study and old_smoke is nanogeo.smoke
+assert old_fidelity is nanogeo.lab.fidelity and old_rows is nanogeo.geometry.rows
+assert old_eig is nanogeo.geometry.eigensolver
+assert ProductionSubspaceLayer is nanogeo.geometry.layers.ProductionSubspaceLayer
+said = " ".join(str(w.message) for w in caught if w.category is DeprecationWarning)
+for old, new in [("nanogeo.tools.study", "nanogeo.lab.study"), ("nanogeo.parallel.layers",
+                 "nanogeo.geometry.layers"), ("nanogeo.dist.eigensolver", "nanogeo.geometry.eigensolver")]:
+    assert f"{old} is deprecated: import {new} instead" in said, (old, said)
+try:
+    from nanogeo.tools import nothing
+except ImportError:
+    pass
+else:
+    raise AssertionError("a missing module imported")
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -1,5 +1,5 @@
 """The error the optimizer sees (compress.py section 5) and GeoFP8's do-no-harm rule, on a model
-this project did not design (nanogeo.tools.bytegpt: GPT-2 style, byte vocabulary 256 < MLP width 768)."""
+this project did not design (nanogeo.lab.bytegpt: GPT-2 style, byte vocabulary 256 < MLP width 768)."""
 
 import copy
 import warnings
@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import compress
-from nanogeo.tools import bytegpt, capture, fidelity, variants
-from nanogeo.parallel import hooks, update_error
+from nanogeo.lab import bytegpt, capture, fidelity, variants
+from nanogeo.parallel import hooks
+from nanogeo.geometry import update_error
 from nanogeo.parallel.communicator import Options, ProductionCommunicator
 
 
@@ -150,7 +151,7 @@ def test_geofp8_does_no_harm_on_a_model_we_did_not_design(tmp_path):
                 + 1e-9, (method, n)
     harmful = report["subspace:geo_judge=l2"]["total"]["update_err"]["adamw"]
     assert harmful > 10 * euclid["total"]["update_err"]["adamw"]
-    # why (nanogeo.tools.variants): rotating the rows spreads error onto the quiet ones; rotating the
+    # why (nanogeo.lab.variants): rotating the rows spreads error onto the quiet ones; rotating the
     # columns only, or only the r x r core, spreads less
     ratios = variants.compare(path)
     assert ratios["both"] > 10 and ratios["right"] < ratios["core"] < ratios["both"]

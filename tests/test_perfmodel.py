@@ -4,8 +4,8 @@ from dataclasses import replace
 
 import pytest
 
-from nanogeo.tools import perfmodel
-from nanogeo.tools.perfmodel import Cluster
+from nanogeo.lab import perfmodel
+from nanogeo.lab.perfmodel import Cluster
 
 
 def test_ring_allreduce_known_answers():

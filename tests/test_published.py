@@ -10,7 +10,7 @@ from nanogeo.wire import fp8sum
 from nanogeo.parallel import hooks
 from conftest import run_ranks
 from nanogeo.parallel.communicator import Options, ProductionCommunicator
-from nanogeo.parallel import layers
+from nanogeo.geometry import layers
 
 
 def anisotropic_moment(d, seed=0, tokens=4096):

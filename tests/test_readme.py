@@ -54,34 +54,34 @@ TOY = {
     "python prepare_data.py corpus/ more/*.jsonl --out_dir data/mine": "",
     "python prepare_data.py --tokenizer char": "",
     "torchrun --standalone --nproc_per_node=2 train.py": TRAIN,
-    "python -m nanogeo.tools.capture --out grads.pt --workers=4 --train_steps=150 --capture_steps=4":
+    "python -m nanogeo.lab.capture --out grads.pt --workers=4 --train_steps=150 --capture_steps=4":
         CAPTURE,
-    "python -m nanogeo.tools.capture --out grads_muon.pt --optimizer=muon --workers=4 --train_steps=150":
+    "python -m nanogeo.lab.capture --out grads_muon.pt --optimizer=muon --workers=4 --train_steps=150":
         CAPTURE,
-    "python -m nanogeo.tools.capture --model=bytegpt --out grads_bytegpt.pt --workers=4 --train_steps=150":
+    "python -m nanogeo.lab.capture --model=bytegpt --out grads_bytegpt.pt --workers=4 --train_steps=150":
         CAPTURE,
-    "python -m nanogeo.tools.fidelity grads.pt --methods bf16,fp8-block,fp8-paper,geofp8,geofp8-paper,"
+    "python -m nanogeo.lab.fidelity grads.pt --methods bf16,fp8-block,fp8-paper,geofp8,geofp8-paper,"
     "subspace --last 3 --json report.json": "--last 1",
-    "python -m nanogeo.tools.fidelity grads.pt --methods fp8-block,geofp8:whiten_factor=diag,subspace:geo_rank=8,"
+    "python -m nanogeo.lab.fidelity grads.pt --methods fp8-block,geofp8:whiten_factor=diag,subspace:geo_rank=8,"
     "subspace:sides=left": "",
-    "python -m nanogeo.tools.tables grads.pt --last 3": "--last 1",
-    "python -m nanogeo.tools.variants grads.pt": "",
-    "python -m nanogeo.tools.profile --workers=8 --steps=100 --top_k=4 --out layers.json":
+    "python -m nanogeo.lab.tables grads.pt --last 3": "--last 1",
+    "python -m nanogeo.lab.variants grads.pt": "",
+    "python -m nanogeo.lab.profile --workers=8 --steps=100 --top_k=4 --out layers.json":
         f"{CHARS} --steps=2 --batch_size=1 --block_size=16",
-    "torchrun --standalone --nproc_per_node=2 -m nanogeo.tools.bench collective --sizes 1,4,16":
+    "torchrun --standalone --nproc_per_node=2 -m nanogeo.lab.bench collective --sizes 1,4,16":
         "--sizes 0.01 --iters 1",
-    "python -m nanogeo.tools.bench overhead": "--steps 1 --refresh 4 --batch_size 1 --block_size 16",
-    "python -m nanogeo.tools.bench flops --preset llama-600m --tokens 8192 --geo_rank 32": "",
-    "python -m nanogeo.tools.bench step --preset cpu-tiny --steps 5": "--steps 1 --batch_size 1 --block_size 16",
-    "torchrun --standalone --nproc_per_node=2 -m nanogeo.tools.bench fsdp --checkpoint "
+    "python -m nanogeo.lab.bench overhead": "--steps 1 --refresh 4 --batch_size 1 --block_size 16",
+    "python -m nanogeo.lab.bench flops --preset llama-600m --tokens 8192 --geo_rank 32": "",
+    "python -m nanogeo.lab.bench step --preset cpu-tiny --steps 5": "--steps 1 --batch_size 1 --block_size 16",
+    "torchrun --standalone --nproc_per_node=2 -m nanogeo.lab.bench fsdp --checkpoint "
     "out/ablate/fp32/adamw/ranks2/seed1337/ckpt.pt --steps 12":
         "--steps 2 --last 1 --batch_size 1 --block_size 16",
-    "python -m nanogeo.tools.smoke --out smoke.json":
+    "python -m nanogeo.smoke --out smoke.json":
         Skip("its main(), toy size: test_tools.py::test_smoke_test_runs_on_cpu"),
     "torchrun --nnodes=N --nproc_per_node=4 --rdzv-backend=c10d --rdzv-endpoint=HOST0:29500 "
     "--rdzv-id=myrun train.py --preset=llama-600m --comm=geofp8 --out_dir=/shared/runs/geo":
         TRAIN_CHARS + " --out_dir=runs/geo",     # on one node: N=1, HOST0=127.0.0.1 (NODES)
-    "torchrun --standalone --nproc_per_node=4 -m nanogeo.tools.bench collective --sizes 16,64 --compile":
+    "torchrun --standalone --nproc_per_node=4 -m nanogeo.lab.bench collective --sizes 16,64 --compile":
         Skip("the compiled codec on 4 ranks takes minutes on 2 CPU cores; the same mode runs "
              "uncompiled above and the compiled codec in test_smoke_test_runs_on_cpu"),
     "torchrun --standalone --nproc_per_node=4 train.py --preset=llama-300m --max_iters=50 "
@@ -264,17 +264,17 @@ def test_make_train_runs_the_demo(scratch):
 
 
 STUDY_RESULTS = ("docs/study/namesake/results.json", "docs/study/results.json")
-ANSWER_COMMAND = ("python -m nanogeo.tools.study --answer docs/study/namesake/results.json,"
+ANSWER_COMMAND = ("python -m nanogeo.lab.study --answer docs/study/namesake/results.json,"
                   "docs/study/results.json --readme README.md --answer_workers 32,64")
-COMPARISONS_COMMAND = ("python -m nanogeo.tools.study --comparisons docs/study/namesake/results.json,"
+COMPARISONS_COMMAND = ("python -m nanogeo.lab.study --comparisons docs/study/namesake/results.json,"
                        "docs/study/results.json --answer_workers 32,64 > docs/study/comparisons.md")
 
 
 def test_readme_answer_is_the_study_table():
-    """The README's which-method-to-run table is what `nanogeo.tools.study --answer` makes of the
+    """The README's which-method-to-run table is what `nanogeo.lab.study --answer` makes of the
     committed study results (the namesake study's and the earlier studies'): no number in it is
     typed by hand; docs/study/comparisons.md likewise."""
-    from nanogeo.tools import study
+    from nanogeo.lab import study
     text = open(os.path.join(ROOT, "README.md")).read()
     block = text.split(study.ANSWER_BEGIN + "\n")[1].split(study.ANSWER_END)[0]
     results = study.load_results([os.path.join(ROOT, p) for p in STUDY_RESULTS])

@@ -212,7 +212,7 @@ def test_stage2_fmt_refused_where_it_cannot_be_honoured():
     do with a second format in one line, instead of a TypeError, silent rounding to nearest or
     a resume with other numerics; the same format under both names resumes."""
     from nanogeo.run import checkpoint
-    from nanogeo.tools import fidelity
+    from nanogeo.lab import fidelity
     from nanogeo.wire import packing
     tensors = [torch.randn(300)]
     for kwargs in (dict(stochastic=True, seed=1), dict(stochastic=True, seed=1, stages="2"),

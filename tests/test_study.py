@@ -1,4 +1,4 @@
-"""The study driver (nanogeo.tools.study): its statistics, tables, pooling of machines, the
+"""The study driver (nanogeo.lab.study): its statistics, tables, pooling of machines, the
 answer's rule and its command line, on hand-made records; two tiny real studies."""
 import importlib.metadata
 import json
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from nanogeo.tools import study
+from nanogeo.lab import study
 
 
 def test_study_t_interval_and_paired_fraction():
@@ -448,7 +448,7 @@ def test_study_one_recommendation_across_w_unless_the_data_separate_them():
 def test_paired_t_p_value():
     """The two-sided p of the paired t test, against closed forms: with 2 degrees of freedom
     P(|T| > t) = 1 - t / sqrt(2 + t^2); p < 0.05 exactly where the 95 % interval excludes 0."""
-    from nanogeo.tools.study import stats
+    from nanogeo.lab.study import stats
     t = 2 / (1 / math.sqrt(3))                                  # [1, 2, 3]: mean 2, sd 1
     assert stats.p_value([1.0, 2.0, 3.0]) == pytest.approx(1 - t / math.sqrt(2 + t * t), abs=1e-9)
     assert stats.p_value([0.5, -0.5]) == pytest.approx(1.0)
@@ -556,7 +556,7 @@ def test_study_a_mixed_wire_is_a_row_of_its_own_with_no_byte_goal():
     lower than nvfp4 in every seed), gets a row of its own with its bytes and no goal (0.41x is
     above the 4-bit goal: no "above the goal" note), and is compared with nvfp4; without it the
     table has no such row."""
-    from nanogeo.tools.study import arms, compare
+    from nanogeo.lab.study import arms, compare
     assert {arms.wire_format(c) for c in study.COMMS} - {None} <= {n for n, _ in study.BUDGETS}
     assert arms.wire_format("nvfp4-e4m3s2") == "4-bit + FP8"
     assert compare.twin("nvfp4-e4m3s2", ["nvfp4", "nvfp4-e4m3s2"]) is None

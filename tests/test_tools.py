@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import run_ranks
-from nanogeo.tools import bench, capture
+from nanogeo.lab import bench, capture
 
 
 def test_capture_writes_the_gradient_file_contract(tiny_corpus, tmp_path):
@@ -75,7 +75,7 @@ def test_vocabulary_mismatch_is_refused(tmp_path):
 
 
 def smoke_rank(rank, world_size, out):
-    from nanogeo.tools import smoke
+    from nanogeo import smoke
     smoke.main(["--preset=cpu-tiny", "--numel=5000", "--iters=1", "--batch_size=2",
                 "--block_size=16", "--no-compile", f"--out={out}"])
 
@@ -113,7 +113,7 @@ def test_capture_records_moments_and_optimizer(tiny_corpus, tmp_path):
     assert classes == {"Muon", "AdamW"} and data["vocab_size"] == 128
     muon = next(g for g in data["optimizer"]["groups"] if g["class"] == "Muon")
     assert "layers.0.attn.wq.weight" in muon["params"] and "lm_head.weight" not in muon["params"]
-    from nanogeo.tools import fidelity
+    from nanogeo.lab import fidelity
     report = fidelity.evaluate(str(out), ["fp8-block", "geofp8:select=all"], last=1)
     for method in report.values():      # real optimizer steps: FP8 moves them, but not wholly
         assert set(method["total"]["update_err"]) == {"muon", "adamw"}
@@ -123,7 +123,7 @@ def test_capture_records_moments_and_optimizer(tiny_corpus, tmp_path):
 
 
 def test_profile_and_tables(tiny_corpus, tmp_path):
-    from nanogeo.tools import profile, tables
+    from nanogeo.lab import profile, tables
     out = tmp_path / "layers.json"
     profile.main([f"--out={out}", "--preset=char-study", f"--data_dir={tiny_corpus}", "--workers=4",
                   "--steps=2",

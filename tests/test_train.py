@@ -35,7 +35,7 @@ def test_geo_layers_flag(tmp_path):
     assert paper.select == "fragile" and paper.top_k == 4 and paper.geo_refresh == 50
     with pytest.raises(ConfigError, match="fragile:K"):
         geo("--geo_layers=fragile:x")
-    with pytest.raises(ConfigError, match="nanogeo.tools.profile"):
+    with pytest.raises(ConfigError, match="nanogeo.lab.profile"):
         geo(f"--geo_layers={tmp_path}/missing.json")
     with pytest.raises(ConfigError, match="fp8-sum"):        # the profile needs that collective
         geo("--geo_layers=fragile:4")

@@ -5,7 +5,7 @@
 # namesake study's fp32 and bf16 runs of the same machine. Resumable: a finished run is skipped,
 # so run this again to continue. Results: out/mixed/results.json (copied to
 # docs/study/mixed/results.json as they come), read together with the namesake study's by
-#   python -m nanogeo.tools.study --comparisons \
+#   python -m nanogeo.lab.study --comparisons \
 #       docs/study/mixed/results.json,docs/study/namesake/results.json,docs/study/results.json
 #
 # From the root of a worktree of the commit that has the arms, after
@@ -24,7 +24,7 @@ LANE=${LANE:-ab}
 FLAGS="--preset=char-study --max_iters=300 --eval_interval=300 --log_interval=25 --tail_evals=12 --muon_lr=3e-2"
 OUT=${OUT:-out/mixed}
 RECORDED=${RECORDED:-docs/study/namesake/results.json}
-study() { python -m nanogeo.tools.study --optimizers muon --out_dir $OUT "$@" -- $FLAGS; }
+study() { python -m nanogeo.lab.study --optimizers muon --out_dir $OUT "$@" -- $FLAGS; }
 seeds() { case $1 in a) echo 12,13,14,15,16,17,18,19,20,21,22,23 ;;
                     b) echo 24,25,26,27,28,29,30,31,32,33,34,35 ;; esac; }
 new() { case $1 in a) echo 18,19,20,21,22,23 ;; b) echo 30,31,32,33,34,35 ;; esac; }   # step 1
@@ -35,7 +35,7 @@ check_run() { case $1 in a) echo "fp32 12" ;; b) echo "nvfp4-e4m3s2 24" ;; esac;
 # 0. the machine check: exit 0 when the run ends bit-equal to its record
 same_machine() {
   set -- $(check_run $1)
-  python -m nanogeo.tools.study --optimizers muon --comms $1 --workers 32 --seeds $2 \
+  python -m nanogeo.lab.study --optimizers muon --comms $1 --workers 32 --seeds $2 \
          --out_dir out/mixed-check -- $FLAGS > /dev/null
   python - "$1" "$2" "$RECORDED" <<'EOF'
 import json, sys

@@ -15,9 +15,9 @@ compress.py stays the one statement of the method:
     added back at the next step (the paper's missing ablation is Euclidean + error feedback);
   * across ranks: the K-FAC statistics averaged over the ranks (nanogeo.parallel.hooks), one
     finiteness decision for all of them before the geometry moves, the check that every rank
-    holds the same geometry after a refresh (nanogeo.parallel.agreement), FSDP's row blocks;
+    holds the same geometry after a refresh (nanogeo.geometry.agreement), FSDP's row blocks;
   * the layers' state for the rank checks and checkpoints, the Hadamard control and the dense
-    ablations (nanogeo.parallel.layers, .hadamard): whitening factors other than the low-rank
+    ablations (nanogeo.geometry.layers, .hadamard): whitening factors other than the low-rank
     one and their EMA, exact or random subspace bases, the stale residual of the published
     defect (c);
   * a benchmark's stage timer, the layer table's reasons, checkpoints.
@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 import compress
-from nanogeo.parallel import agreement, hadamard, hooks, layers, update_error
+from nanogeo.geometry import agreement, hadamard, layers, update_error
+from nanogeo.parallel import hooks
 from nanogeo.parallel.precision import ieee
 from nanogeo.wire import collective, fp8sum, packing
 
@@ -68,18 +69,18 @@ class Options(compress.GeoOptions):
     feedback_stages: str = "1"      # ... of stage 1; "2": instead the owner's re-quantization
                                     # error of each averaged shard; "both"
     feedback_geo_only: bool = False # stage 1 only on the geometry-aware matrices (as published)
-    # the Hadamard control (geometry="hadamard", nanogeo/parallel/hadamard.py)
+    # the Hadamard control (geometry="hadamard", nanogeo/geometry/hadamard.py)
     hadamard_block: int = 128       # entries per Walsh-Hadamard block, a power of two
     hadamard_sides: str = "right"   # "right": along each row (row-local), "both": columns too
     sides: str = "auto"             # subspace: both | left (output side) | right (input side) |
                                     # auto (both or right, the better measured; right keeps every
                                     # row's scale)
-    # ablations (nanogeo/parallel/layers.py)
+    # ablations (nanogeo/geometry/layers.py)
     whiten_sides: str = "input"     # geofp8: input (published) | output | both
     whiten_factor: str = "lowrank"  # lowrank | lowrank-dense | full | diag | block
     whiten_block: int = 64          # block size of whiten_factor="block"
     whiten_solver: str = "auto"     # the low-rank factor's top-r eigenpairs: "subspace" iteration,
-                                    # warm-started (nanogeo/parallel/eigensolver.py), or "eigh"
+                                    # warm-started (nanogeo/geometry/eigensolver.py), or "eigh"
                                     # (compress.py's full float64 eigendecomposition); "auto":
                                     # subspace where the gain check measures every factor before
                                     # use (geo_layers=gain), eigh where layers are used unmeasured
@@ -362,7 +363,7 @@ class ProductionCommunicator(compress.Communicator):
 
     def profiling(self):
         """Is the fragility profile taken this step? During the warmup for select="fragile",
-        always in Euclidean mode (nanogeo.tools.profile)."""
+        always in Euclidean mode (nanogeo.lab.profile)."""
         warmup = self.opts.select == "fragile" and self.step < self.opts.geo_warmup
         return warmup or self.opts.geometry == "euclidean"
 

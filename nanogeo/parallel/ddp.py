@@ -82,7 +82,7 @@ class GeoFP8HookState:
         self.trainable = sum(p.requires_grad for p in self.names)     # what DDP's buckets hold
         self.linear = set(hooks.linear_layers(module) if linear is None else linear)
         check_candidates(self.linear, module)
-        self.views = {}             # name -> nanogeo.parallel.update_error.OptimizerView, from watch()
+        self.views = {}             # name -> nanogeo.geometry.update_error.OptimizerView, from watch()
         self.communicators = {}     # tuple of names -> ProductionCommunicator
         self.owner = {}             # name -> the key of the communicator holding its state
         self.iteration = 0          # backward passes completed: the one step counter
@@ -102,7 +102,7 @@ class GeoFP8HookState:
                           is None]
             if self.options.select == "fragile":
                 raise ValueError("nanogeo.parallel.ddp: select='fragile' would pick top_k per bucket; "
-                                 "profile with nanogeo.tools.profile and pass select='list', geo_layers=...")
+                                 "profile with nanogeo.lab.profile and pass select='list', geo_layers=...")
             layers = hooks.linear_layers(module, candidates)
             other = sorted(set(candidates) - set(layers))
             if other:

@@ -38,7 +38,7 @@ and an m x r all-gather every `refresh` steps); every rank completes the same Ho
 The coordinates of each matrix are chosen as in DDP, by the codec error measured on each rank's
 own local gradient in both systems, all-reduced.
 
-The Hadamard control (geometry="hadamard", nanogeo/parallel/hadamard.py) fits the row shards as they
+The Hadamard control (geometry="hadamard", nanogeo/geometry/hadamard.py) fits the row shards as they
 are: along the columns it transforms each row alone, so a rank decodes its rows of the mean with
 the layer's own decode - no collective at all, and no statistics to refresh. Its rows option
 (hadamard_sides="both") mixes rows across the shards and is refused.
@@ -68,7 +68,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 import compress
 from nanogeo.parallel import hooks
 from nanogeo.parallel.precision import ieee
-from nanogeo.parallel.rows import RowBlocks, decode_geo_rows, swap_entries_rows
+from nanogeo.geometry.rows import RowBlocks, decode_geo_rows, swap_entries_rows
 from nanogeo.run import summary
 from nanogeo.parallel.ddp import check_candidates
 from nanogeo.wire import collective

@@ -20,7 +20,7 @@ import functools
 import torch
 
 from nanogeo.parallel.precision import ieee
-from nanogeo.parallel.update_error import OptimizerView
+from nanogeo.geometry.update_error import OptimizerView
 from nanogeo.wire.collective import ring_allreduce_bytes
 
 

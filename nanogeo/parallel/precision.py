@@ -8,7 +8,7 @@ relative error of about 5e-4 - harmless for a forward pass, fatal for what the c
 computes from the gradients:
 
   * Muon's gain check is a finite difference with a relative step of 1e-3 through Newton-Schulz
-    (nanogeo/parallel/update_error.py): TF32's rounding is the same size as the step, so the
+    (nanogeo/geometry/update_error.py): TF32's rounding is the same size as the step, so the
     measured error would be rounding noise;
   * the K-FAC moments x^T x and the whitening's eigenpairs lose the small-variance directions
     that the whitening amplifies;

@@ -1,6 +1,6 @@
 """
-Command-line flags for train.py and the tools that share its configuration (nanogeo.tools.capture,
-nanogeo.tools.profile): every field of a config dataclass is a flag, `--name=value` or `--name value`
+Command-line flags for train.py and the tools that share its configuration (nanogeo.lab.capture,
+nanogeo.lab.profile): every field of a config dataclass is a flag, `--name=value` or `--name value`
 (a bare `--name` sets a boolean). A preset fills defaults; explicit flags win; unknown flags,
 bad values and out-of-range numbers are a ConfigError whose message names the fix.
 """
@@ -13,7 +13,7 @@ import compress
 import model as model_lib
 from nanogeo.parallel.communicator import (Options, COLLECTIVES, FEEDBACK_STAGES, SUM_ORDERS,
                                            WHITEN_SIDES)
-from nanogeo.parallel import hadamard, layers
+from nanogeo.geometry import hadamard, layers
 from nanogeo.wire import collective
 
 
@@ -33,7 +33,7 @@ TRAIN_PRESETS = {
     # Muon's peak from the fp32 sweep at W = 32, 300 steps (BENCHMARKS.md section 14: 3e-2 best
     # of 5e-4 ... 1e-1). AdamW's sweep found a plateau 1e-2 ... 3e-2; learning_rate stays 3e-3
     # here because it is also the peak of Muon's AdamW groups (embeddings, gains), which its
-    # sweep ran at - a study passes AdamW's best explicitly (nanogeo.tools.study --lr_from)
+    # sweep ran at - a study passes AdamW's best explicitly (nanogeo.lab.study --lr_from)
     "char-study": dict(data_dir="data/shakespeare_char", batch_size=4, block_size=64,
                        learning_rate=3e-3, min_lr=3e-4, muon_lr=3e-2, max_iters=2000,
                        warmup_iters=100, eval_interval=250, eval_iters=16, final_evals=3,
@@ -155,7 +155,7 @@ def parse_block(text):
 
 def parse_geo_layers(text):
     """--geo_layers -> Options fields: 'gain', 'all', 'fragile:K' (the K matrices whose FP8
-    sums saturate most during the warm-up) or a file listing weight names (nanogeo.tools.profile)."""
+    sums saturate most during the warm-up) or a file listing weight names (nanogeo.lab.profile)."""
     if text in ("gain", "all"):
         return {"select": text}
     if text.startswith("fragile:"):
@@ -166,7 +166,7 @@ def parse_geo_layers(text):
         return {"select": "fragile", "top_k": int(k)}
     if not os.path.isfile(text):
         raise ConfigError(f"--geo_layers={text}: not gain, all, fragile:K or an existing file; "
-                          "write one with `python -m nanogeo.tools.profile`")
+                          "write one with `python -m nanogeo.lab.profile`")
     with open(text) as f:
         names = json.load(f)["selected"] if text.endswith(".json") else f.read().split()
     return {"select": "list", "geo_layers": tuple(names)}

@@ -13,7 +13,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from nanogeo.parallel import agreement
+from nanogeo.geometry import agreement
 from nanogeo.run.config import ConfigError
 
 
@@ -55,7 +55,7 @@ class RankMismatch(RuntimeError):
 
 def check_ranks_agree(params, step, device):
     """All ranks must hold bitwise-identical parameters: one all-reduce of a checksum checks it
-    (nanogeo.parallel.agreement.same_on_every_rank)."""
+    (nanogeo.geometry.agreement.same_on_every_rank)."""
     checksum = torch.zeros((), dtype=torch.float64, device=device)
     for i, p in enumerate(params):
         checksum += p.detach().double().sum() * (1 + (i % 7) / 7)

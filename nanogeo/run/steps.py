@@ -1,7 +1,7 @@
 """
 The pieces of a training step that train.py and the tools share: batches, optimizers, the
 learning-rate schedule. train.py imports them from here (so `train.get_batch` and the others
-still name them), and so do nanogeo.tools.capture and nanogeo.tools.bench: the tools replay
+still name them), and so do nanogeo.lab.capture and nanogeo.lab.bench: the tools replay
 train.py's steps without importing train.py.
 
     get_batch, batch_rng           which token windows a rank reads at a step (a pure function
@@ -44,7 +44,7 @@ def make_optimizers(cfg, model, fused=False):
 
     cfg: any config with the optimizer's fields (optimizer, learning_rate, weight_decay, beta1,
     beta2, muon_lr, muon_momentum, muon_ns_steps, muon_adjust_lr): train.py's TrainConfig, or a
-    tool's own (nanogeo.tools.capture's CaptureConfig)."""
+    tool's own (nanogeo.lab.capture's CaptureConfig)."""
     betas = (cfg.beta1, cfg.beta2)
     if cfg.optimizer == "muon":
         return list(model.configure_muon(cfg.weight_decay, cfg.learning_rate, betas, cfg.muon_lr,

@@ -1,5 +1,5 @@
 """
-torch.compile for the packed FP8 codec (train.py --compile, nanogeo.tools.bench --compile).
+torch.compile for the packed FP8 codec (train.py --compile, nanogeo.lab.bench --compile).
 
 The codec is a chain of small elementwise kernels (abs, amax, divide, clamp, cast); inductor
 fuses each chain. The packed stages (nanogeo/wire/packing.py) call the two kernels through the

@@ -1,0 +1,96 @@
+"""
+Pairwise comparisons of a study's arms, in the study's words, and the table the README quotes
+(--comparisons): per optimizer, W and wire format, each geometry-aware arm against its Euclidean
+twin (and stage-2 error feedback against the rotation), and each arm against bf16 and fp32 -
+on the seeds both share, with the paired mean +- 95 % t, the 90 % interval the TOST reads, the
+verdict at the margin, and each machine's mean.
+"""
+
+from nanogeo.lab.study.arms import COMMS, collective, cost, is_control, wire_format
+from nanogeo.lab.study.report import machine_cell, machine_labels, study_groups
+from nanogeo.lab.study.stats import MARGIN, estimate, mean_ci, p_value, paired, tost, verdict
+
+# comparisons beside each arm's against its Euclidean twin: the two 4-bit levers head to head,
+# an e4m3 stage 2 against NVFP4's (another wire, so not its twin), and bf16's own gap to fp32
+# (the yardstick every FP8 and 4-bit gap is read against)
+EXTRA_PAIRS = (("subspace-nvfp4", "nvfp4-ef2"), ("nvfp4-e4m3s2", "nvfp4"), ("bf16", "fp32"))
+BASELINES = ("fp32", "bf16")
+
+
+def words(a, b, diffs, margin=MARGIN):
+    """One sentence on the paired differences a - b: "a: equivalent to b within +-margin
+    (TOST; ...)", "a: lower than b at 95 % (...)", "a: higher than b at 95 % (...)" or "a: no
+    difference detected from b (+- 95 % half-width; ...)", each with the mean and the seeds."""
+    if len(diffs) < 2:
+        return f"{a}: {len(diffs)} seed{'' if len(diffs) == 1 else 's'} shared with {b}, no test"
+    mean, half = mean_ci(diffs)
+    facts = f"{a} − {b} = {estimate(diffs, sign='+')}, {len(diffs)} seeds"
+    side = "lower than" if mean < 0 else "higher than"
+    significant = abs(mean) > half
+    if (tost(diffs, margin) or (0, 0, False))[2]:
+        also = f", and {side} it at 95 %" if significant else ""
+        return f"{a}: equivalent to {b} within ±{margin:g} (TOST; {facts}){also}"
+    if significant:
+        return f"{a}: {side} {b} at 95 % ({facts})"
+    return f"{a}: no difference detected from {b} (± {half:.4f}; {facts})"
+
+
+def twin(comm, present):
+    """The Euclidean arm on the same collective (same format, block and collective flags) that
+    `comm` is compared with: the plain one (cost 0), if present; None for fp32 and bf16."""
+    if comm in BASELINES:
+        return None
+    for other in present:
+        if (other != comm and other not in BASELINES and cost(other) == 0
+                and collective(other) == collective(comm)):
+            return other
+    return None
+
+
+def pairs(present):
+    """The comparisons of a group with these arms, in order: each arm against its Euclidean twin,
+    the extra pairs, then every arm that is not a control against bf16 and fp32."""
+    present = [c for c in COMMS if c in present]            # COMMS's order
+    out = [(c, twin(c, present)) for c in present if twin(c, present)]
+    out += [(a, b) for a, b in EXTRA_PAIRS if a in present and b in present]
+    out += [(c, base) for c in present if c not in BASELINES and not is_control(c)
+            for base in BASELINES if base in present]
+    return out
+
+
+def comparisons(results, workers=(32,), margin=MARGIN):
+    """The markdown table of every comparison (pairs()) at each W, of the groups the answer
+    reads (study_groups: per optimizer the largest group of recorded machines)."""
+    labels = machine_labels([r for r in results if not r.get("sweep")])
+    lines = ["| optimizer | W | wire format | comparison | shared seeds | paired mean (95 % t) | "
+             f"90 % interval | p (paired t) | verdict (margin ±{margin:g}) | by machine (seeds) |",
+             "| --- " * 10 + "|"]
+    for w in workers:
+        for optimizer, by in study_groups(results, w).items():
+            recorded = all(b[0] for runs in by.values() for b in runs)
+            where = "" if recorded else " (machine not recorded)"
+            for a, b in pairs(by):
+                blocks, diffs = paired(by[a], by[b])
+                if not blocks:
+                    continue
+                interval = tost(diffs, margin)
+                lines.append(
+                    f"| {optimizer}{where} | {w} | {wire_format(a) or 'none'} | {a} − {b} | "
+                    f"{len(blocks)} | {estimate(diffs, sign='+')} | "
+                    + (f"{interval[0]:+.4f} to {interval[1]:+.4f}" if interval else "—")
+                    + f" | {p_value(diffs):.3f} | {verdict(diffs, margin)} | "
+                    + f"{machine_cell(by[a], by[b], labels)} |")
+    legend = [f"\nMachines: " + "; ".join(f"{k} = {m}" for m, k in labels.items()) + "."
+              if labels else "",
+              f"\nA − B: per seed (a seed on one machine, every arm of it run there) A's final "
+              "val loss minus B's, on the seeds both have, pooled over machines; 95 % paired "
+              f"Student t. Equivalent within ±{margin:g} (TOST): the 90 % paired t interval lies "
+              "inside the margin (two one-sided t tests at 5 %); lower / higher at 95 %: the "
+              "95 % interval excludes 0; else no difference detected (± the 95 % half-width). "
+              "Each row is its own test at 5 %: among this many rows a few verdicts are chance; "
+              "p: the paired t test's two-sided p, for a correction over a family of comparisons "
+              "(Holm: the smallest of k p's against 0.05 / k). "
+              "By machine: each machine's mean and seeds; \"differs\": a Welch t test (5 %) of "
+              "its differences against the other machines' rejects equal means (expect one "
+              "false flag in twenty)."]
+    return "\n".join(lines + [x for x in legend if x]) + "\n"
