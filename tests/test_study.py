@@ -10,6 +10,11 @@ import pytest
 from nanogeo.lab import study
 
 
+def flat(text):
+    """Generated text with its line breaks undone (notes are wrapped at 100 characters)."""
+    return " ".join(text.split())
+
+
 def test_study_t_interval_and_paired_fraction():
     """Hand-computed: [1, 2, 3] has mean 2, sd 1, half-width t(2) sd / sqrt(3); the recovered
     fraction is the mean of the per-seed fractions 1 - gap / reference gap (here 0.5, 0.4, 0.6:
@@ -133,8 +138,8 @@ def test_study_pools_seeds_of_two_machines_never_pairing_across_them():
     assert row.endswith("| M1 +0.1000 (3, differs); M2 +0.2000 (3, differs) |")
     assert "| fp32 | 6 |" in text
     answer = study.answer(results, workers=4)
-    assert f"adamw: seeds of 2 machines pooled, M1 = {here} (seeds 0-2); M2 = {there}" in answer
-    assert "a machine's mean differs from the others' (Welch t, 5 %) in fp8 − fp32" in answer
+    assert f"adamw: seeds of 2 machines pooled, M1 = {here} (seeds 0-2); M2 = {there}" in flat(answer)
+    assert "a machine's mean differs from the others' (Welch t, 5 %) in fp8 − fp32" in flat(answer)
     # one machine: no by-machine column
     one = study.table([r for r in results if r["machine"] == here], "fp8")
     assert f"machine M1 = {here} (seeds 0-2)" in one and "by machine" not in one
@@ -144,8 +149,8 @@ def test_study_pools_seeds_of_two_machines_never_pairing_across_them():
     text = study.table(older + results, "fp8")
     assert text.count("### adamw, W = 4") == 2 and "| fp8 | 5 | 2.0000 ± 0.0000 |" in text
     assert "machine not recorded (pairs may mix machines)" in text
-    assert "seeds of 2 machines pooled" in study.answer(older + results, 4)
-    assert "adamw: machine not recorded: pairs may mix machines." in study.answer(older, 4)
+    assert "seeds of 2 machines pooled" in flat(study.answer(older + results, 4))
+    assert "adamw: machine not recorded: pairs may mix machines." in flat(study.answer(older, 4))
 
 
 def test_study_reads_several_results_files_as_one(tmp_path, capsys):
@@ -342,16 +347,16 @@ def test_study_answer_recommends_the_cheapest_unless_a_costlier_one_is_shown_low
     assert ("adamw, FP8: run fp8. fp8: higher than fp32 at 95 % (fp8 − fp32 = +0.0200 ± 0.0000, "
             "3 seeds); fp8: higher than bf16 at 95 % (fp8 − bf16 = +0.0100 ± 0.0000, 3 seeds); "
             "subspace: no difference detected from fp8 (± 0.0143; subspace − fp8 = -0.0017 ± "
-            "0.0143, 3 seeds).") in text
+            "0.0143, 3 seeds).") in flat(text)
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{study.ANSWER_BEGIN}\nold\n{study.ANSWER_END}\nrest\n")
     (tmp_path / "results.json").write_text(json.dumps(records))
-    study.write_answer(str(tmp_path / "results.json"), str(readme))
+    assert study.write_blocks(str(tmp_path / "results.json"), str(readme)) == ["answer"]
     assert readme.read_text() == (f"intro\n{study.ANSWER_BEGIN}\n{study.answer(records)}"
                                   f"{study.ANSWER_END}\nrest\n")
     readme.write_text("no markers\n")
     with pytest.raises(ValueError, match="answer: begin"):
-        study.write_answer(str(tmp_path / "results.json"), str(readme))
+        study.write_blocks(str(tmp_path / "results.json"), str(readme))
 
 
 def four_bit_arms(seeds, gains, w=32, offset=0.0):
@@ -432,7 +437,7 @@ def test_study_one_recommendation_across_w_unless_the_data_separate_them():
     assert "| adamw | 4-bit | subspace-nvfp4 | 4 |" in w32
     assert ("adamw, 4-bit: one recommendation across W = 32, 64: subspace-nvfp4, the rule on "
             "every W's seeds pooled; at W = 32 alone the rule picks nvfp4-ef2, not lower than "
-            "subspace-nvfp4 at 95 % there.") in w32
+            "subspace-nvfp4 at 95 % there.") in flat(w32)
     assert "| adamw | 4-bit | subspace-nvfp4 | 4 |" in w64 and "one recommendation" not in w64
     # the rotation far better at W = 64 only, feedback far better at W = 32 only: separated
     records = four_bit_arms(range(4), {"nvfp4-ef2": [-0.008 + x for x in j],
@@ -440,7 +445,7 @@ def test_study_one_recommendation_across_w_unless_the_data_separate_them():
     records += four_bit_arms(range(4), {"nvfp4-ef2": [x for x in j],
                                         "subspace-nvfp4": [-0.006 - x for x in j]}, w=64)
     text = study.answers(records, (32, 64))
-    assert "the data separate the W's" in text
+    assert "the data separate the W's" in flat(text)
     assert "| adamw | 4-bit | nvfp4-ef2 | 4 |" in text.split("**W = 64")[0]
     assert "| adamw | 4-bit | subspace-nvfp4 | 4 |" in text.split("**W = 64")[1]
 
@@ -482,7 +487,7 @@ def test_study_comparisons_table():
             "(TOST) | — |") in row
     [row] = [line for line in rows if "| nvfp4 − fp32 |" in line]
     assert "| 4 | +0.0140 ± 0.0000 |" in row and "higher at 95 %" in row
-    assert "Equivalent within ±0.002 (TOST): the 90 % paired t interval" in text
+    assert "Equivalent within ±0.002 (TOST): the 90 % paired t interval" in flat(text)
     [row] = [line for line in rows if "| bf16 − fp32 |" in line]
     assert "| none | bf16 − fp32 | 4 | +0.0003 ± " in row
     assert "| fp32 − " not in text and "| bf16 − nvfp4" not in text   # baselines have no twin
@@ -501,17 +506,17 @@ def test_study_answer_edge_cases(tmp_path, capsys):
     text = study.answer(fp32 + better + diverged + heavy)
     row = text.splitlines()[2]
     assert row.startswith("| adamw | FP8 | fp8 | 3 | -0.0300 ± ")
-    assert "fp8: lower than fp32 at 95 % (fp8 − fp32 = -0.0300 ± 0.0025, 3 seeds)" in text
-    assert "fp8 sends 0.543× bf16's bytes here, above the 0.52× the goal allows" in text
-    assert "Not finite in some run, so in no row: subspace." in text
+    assert "fp8: lower than fp32 at 95 % (fp8 − fp32 = -0.0300 ± 0.0025, 3 seeds)" in flat(text)
+    assert "fp8 sends 0.543× bf16's bytes here, above the 0.52× the goal allows" in flat(text)
+    assert "Not finite in some run, so in no row: subspace." in flat(text)
     assert "nothing measured yet" in text.splitlines()[3]       # 4-bit: no run
     same = [study_record("fp8", s, 2.0 + s / 10 + (0.001, -0.001, 0.0)[s], 0.5) for s in range(3)]
     # fp8 - fp32: 0.001, -0.001, 0: 95 % half-width 4.303 * 0.001 / sqrt(3) = 0.0025; 90 %:
     # 2.920 * 0.001 / sqrt(3) = 0.0017, inside +-0.002 but not +-0.001
     assert ("fp8: equivalent to fp32 within ±0.002 (TOST; fp8 − fp32 = +0.0000 ± 0.0025, 3 "
-            "seeds)") in study.answer(fp32 + same)
+            "seeds)") in flat(study.answer(fp32 + same))
     assert ("fp8: no difference detected from fp32 (± 0.0025; fp8 − fp32 = +0.0000 ± 0.0025, 3 "
-            "seeds)") in study.answer(fp32 + same, margin=0.001)
+            "seeds)") in flat(study.answer(fp32 + same, margin=0.001))
     # a method run on fewer seeds is compared on the seeds it shares: equal to nvfp4 on seeds 0
     # and 1, it is not "better" because nvfp4's seed 2 was its worst
     nvfp4 = [study_record("nvfp4", s, 2.0 + s / 10 + (0.01, 0.012, 0.03)[s], 0.29) for s in range(3)]
@@ -571,5 +576,181 @@ def test_study_a_mixed_wire_is_a_row_of_its_own_with_no_byte_goal():
     assert [r.split(" | ")[1] for r in rows] == ["FP8", "4-bit", "4-bit + FP8"]
     assert rows[1].split(" | ")[2] == "nvfp4" and rows[2].split(" | ")[2] == "nvfp4-e4m3s2"
     assert "| 0.410 |" in rows[2]
-    assert "a mixed wire, 0.410× bf16's bytes, reported with no byte goal" in text
+    assert "a mixed wire, 0.410× bf16's bytes, reported with no byte goal" in flat(text)
     assert "above the" not in text
+
+
+def test_fieller_holm_and_power_by_hand():
+    """Fieller, by hand: numerators [1, 2, 3], denominators [3, 4, 5] (means 2 and 4; each mean's
+    variance and their covariance 1/3), t(2) = 4.303, t^2 = 18.515809: (16 - t^2/3) R^2 -
+    2 (8 - t^2/3) R + (4 - t^2/3) = 0, i.e. 9.828064 R^2 - 3.656128 R - 2.171936 = 0, roots
+    (1.828064 -+ 4.968677) / 9.828064 = -0.319556 and 0.691565 around the ratio 0.5 - not the
+    symmetric interval a mean of per-seed ratios would give; with a constant denominator [4, 4, 4]
+    (no variance, no covariance) (2 -+ t / sqrt(3)) / 4 = -0.121085, 1.121085. A denominator
+    whose mean is not clear of 0 has no bounded interval. Holm: p = 0.01, 0.04, 0.03 of a family
+    of three -> 0.03 (0.01 x 3), 0.06 (0.03 x 2), 0.06 (0.04 x 1, raised to the one before it).
+    Power: at sd = effect, n = 10 passes, (t(.975, 9) 2.262 + t(.8, 9) 0.883)^2 = 9.89 <= 10,
+    and n = 9 does not, (2.306 + 0.889)^2 = 10.21 > 9 (a simulation of normal tests gave 80.3 %
+    and 74.9 % power)."""
+    ratio, low, high = study.fieller([1.0, 2.0, 3.0], [3.0, 4.0, 5.0])
+    assert ratio == 0.5 and low == pytest.approx(-0.319556, abs=1e-6)
+    assert high == pytest.approx(0.691565, abs=1e-6)
+    _, low, high = study.fieller([1.0, 2.0, 3.0], [4.0, 4.0, 4.0])
+    assert (low, high) == (pytest.approx(-0.121085, abs=1e-6), pytest.approx(1.121085, abs=1e-6))
+    assert study.fieller([1.0, 2.0, 3.0], [-1.0, 0.5, 1.0])[1:] == (None, None)
+    with pytest.raises(ValueError, match="paired"):
+        study.fieller([1.0], [2.0])
+    assert study.holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+    assert study.holm([0.5, 0.9]) == [1.0, 1.0]
+    assert study.seeds_for_power(1.0, 1.0) == 10 and study.seeds_for_power(0.002, 0.001) > 30
+    with pytest.raises(ValueError, match="positive"):
+        study.seeds_for_power(0.0, 0.001)
+
+
+def test_tost_at_the_edge():
+    """[1, -1, 2, 0] x 1e-3: 90 % interval (-0.001019, +0.002019). Within +-0.0021 it passes with
+    its upper bound within 5 % of the margin (0.002019 >= 0.95 x 0.0021): "at the edge", said in
+    the verdict and the words; within +-0.0025 it passes clear of the edge; within +-0.002 it
+    does not pass."""
+    diffs = [0.001, -0.001, 0.002, 0.0]
+    assert study.edge(diffs, 0.0021) == pytest.approx(0.002019, abs=2e-6)
+    assert study.edge(diffs, 0.0025) is None and study.edge(diffs, 0.002) is None
+    assert study.verdict(diffs, 0.0021) == ("equivalent within ±0.0021 (TOST at the edge, 90 % "
+                                            "bound +0.00202)")
+    assert study.verdict(diffs, 0.0025) == "equivalent within ±0.0025 (TOST)"
+    assert study.words("a", "b", diffs, 0.0021).startswith(
+        "a: equivalent to b within ±0.0021 (TOST at the edge, 90 % bound +0.00202; a − b = ")
+
+
+def namesake_records(gains, seeds=range(6)):
+    """Muon, W = 32 records of fp32, bf16 (+0.0005 on odd seeds), fp8 (+0.002, jittered) and each
+    arm in gains {comm: per-seed difference from fp8}, on one machine."""
+    jitter = (0.0004, -0.0004, 0.0002, -0.0002, 0.0001, -0.0001)
+    out = []
+    for k, s in enumerate(seeds):
+        base = 2.0 + s / 10
+        loss = {"fp32": base, "bf16": base + 0.0005 * (k % 2), "fp8": base + 0.002 + jitter[k]}
+        loss.update({c: loss["fp8"] + g[k] for c, g in gains.items()})
+        out += [dict(study_record(c, s, v, 0.525 if c not in ("fp32", "bf16") else 1.0),
+                     optimizer="muon", machine="CPU A") for c, v in loss.items()]
+    return out
+
+
+def test_study_findings_in_words_from_the_numbers():
+    """The findings block: the rotation lower than fp8 at 95 % gets the fraction of fp8's gap it
+    recovers with Fieller's interval (here the fraction is uncertain: about the gap) and the
+    remark that the margin is wider than that gap; Holm over the planned family (the two FP8
+    geometry tests of Muon at W = 32) with the adjusted p of holm(); power from the paired sd;
+    an optimizer with no 4-bit run says so."""
+    from nanogeo.lab.study import stats
+    gains = {"subspace": [-0.001, -0.004, -0.0005, -0.003, -0.002, -0.0015],
+             "geofp8": [0.001, -0.002, 0.0, -0.001, 0.002, -0.001]}
+    records = namesake_records(gains)
+    text = flat(study.findings(records, (32,)))
+    by_comm = study.study_groups(records, 32)["muon"]
+    gain = stats.paired(by_comm["fp8"], by_comm["subspace"])[1]
+    gap = stats.paired(by_comm["fp8"], by_comm["fp32"])[1]
+    ratio, low, high = study.fieller(gain, gap)
+    assert (f"It recovers {100 * ratio:.0f} % of `fp8`'s gap to fp32 (6 seeds; 95 % Fieller "
+            f"interval {100 * low:.0f} % to {100 * high:.0f} %): about the size of that gap, the "
+            "fraction uncertain.") in text
+    assert "the margin is wider than `fp8`'s whole gap (+0.0020)" in text
+    p = [stats.p_value(stats.paired(by_comm[c], by_comm["fp8"])[1]) for c in ("geofp8", "subspace")]
+    assert (f"Holm over the family fixed before the runs (`geofp8` − `fp8`, `subspace` − `fp8`, "
+            f"Muon, W = 32): the smallest adjusted p is {min(study.holm(p)):.3f}") in text
+    sd = stats.mean_sd(stats.paired(by_comm["subspace"], by_comm["fp8"])[1])[1]
+    assert (f"`subspace` − `fp8` under Muon: sd {sd:.4f}, {study.seeds_for_power(sd, 0.002)} seeds "
+            "(6 ran)") in text
+    assert "- 4-bit: not measured in these results" in text
+    assert all(len(line) <= 100 for line in study.findings(records, (32,)).splitlines())
+
+
+def test_study_summary_the_readmes_table():
+    """The README's what-to-run table: per optimizer (Muon first), W and wire format the method
+    to run, its bytes, its paired gaps, seeds and why in words: lower than the cheaper one it
+    replaced (with p), where it stands against fp32 and bf16; a W whose recommendation is the
+    pooled one says so."""
+    losses = {"fp32": (2.00, 2.10, 2.20, 2.0), "bf16": (2.01, 2.11, 2.21, 1.0),
+              "fp8": (2.02, 2.12, 2.22, 0.5), "subspace": (2.015, 2.125, 2.215, 0.5),
+              "nvfp4": (2.10, 2.20, 2.30, 0.28), "subspace-nvfp4": (2.05, 2.15, 2.25, 0.28)}
+    records = [study_record(comm, seed, values[seed], values[3])
+               for comm, values in losses.items() for seed in range(3)]
+    records += [dict(r, optimizer="muon") for r in records if r["comm"] in ("fp32", "fp8")]
+    rows = study.summary(records).splitlines()
+    assert rows[2] == ("| Muon, W = 32 | FP8 | `fp8` | 0.500× | +0.0200 ± 0.0000 | — | 3 | the "
+                       "only candidate; above fp32 at 95 % |")
+    assert rows[3] == ("| AdamW, W = 32 | FP8 | `fp8` | 0.500× | +0.0200 ± 0.0000 | +0.0100 ± "
+                       "0.0000 | 3 | no other candidate lower; above fp32 and bf16 at 95 % |")
+    assert rows[4] == ("| AdamW, W = 32 | 4-bit | `subspace-nvfp4` | 0.280× | +0.0500 ± 0.0000 "
+                       "| +0.0400 ± 0.0000 | 3 | lower than `nvfp4` (p < 0.001); above fp32 and "
+                       "bf16 at 95 % |")
+    assert all(len(line) <= 100 for line in rows[6:])
+    j = (0.0003, -0.0003, 0.0002, -0.0002)
+    records = four_bit_arms(range(4), {"nvfp4-ef2": [-0.006 + x for x in j],
+                                       "subspace-nvfp4": [-0.006 - x for x in j]})
+    records += four_bit_arms(range(4), {"nvfp4-ef2": [x for x in j],
+                                        "subspace-nvfp4": [-0.006 - x for x in j]}, w=64)
+    rows = study.summary(records, (32, 64)).splitlines()
+    assert rows[2].startswith("| AdamW, W = 32 | 4-bit | `subspace-nvfp4` |")
+    assert "| pooled with W = 64 (at W = 32 alone the rule picks `nvfp4-ef2`); above fp32" in rows[2]
+    assert rows[3].startswith("| AdamW, W = 64 | 4-bit | `subspace-nvfp4` |")
+    assert "lower than `nvfp4`" in rows[3]
+
+
+def test_study_figure_values_are_the_comparisons(tmp_path, monkeypatch, capsys):
+    """forest(): per optimizer and W a panel - bf16 and each candidate against fp32, each
+    geometry against its Euclidean twin - whose means and 95 % half-widths are the comparisons
+    table's; --figure writes the PNG and its values beside it, and without matplotlib draws
+    nothing and says so in one line (the tables are still written)."""
+    gains = {"subspace": [-0.001, -0.004, -0.0005, -0.003, -0.002, -0.0015],
+             "geofp8": [0.001, -0.002, 0.0, -0.001, 0.002, -0.001]}
+    records = namesake_records(gains)
+    data = study.forest(records, (32,))
+    [panel] = data["panels"]
+    assert panel["title"] == "Muon, W = 32" and data["margin"] == study.MARGIN
+    assert [(r["a"], r["b"]) for r in panel["rows"]] == [
+        ("bf16", "fp32"), ("fp8", "fp32"), ("geofp8", "fp32"), ("subspace", "fp32"),
+        ("geofp8", "fp8"), ("subspace", "fp8")]
+    table = study.comparisons(records, (32,))
+    for row in panel["rows"]:
+        half = (row["high"] - row["low"]) / 2
+        assert (f"| {row['a']} − {row['b']} | {row['seeds']} | {row['mean']:+.4f} ± {half:.4f} |"
+                in table)
+        assert row["label"] == f"{row['a']} − {row['b']}  ({row['wire']:.3f}×, 6 seeds)"
+    (tmp_path / "r.json").write_text(json.dumps(records))
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)   # import fails
+    study.main(["--answer", str(tmp_path / "r.json"), "--figure", str(tmp_path / "f.png")])
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].startswith(f"matplotlib not installed: {tmp_path / 'f.png'} not drawn")
+    assert not list(tmp_path.glob("f.*"))
+    with pytest.raises(SystemExit):
+        study.main(["--figure", str(tmp_path / "f.png")])
+    assert "--figure goes with --answer" in capsys.readouterr().err
+    monkeypatch.undo()
+    pytest.importorskip("matplotlib")
+    study.main(["--answer", str(tmp_path / "r.json"), "--figure", str(tmp_path / "f.png")])
+    assert (tmp_path / "f.png").stat().st_size > 0
+    assert json.loads((tmp_path / "f.json").read_text()) == json.loads(json.dumps(data))
+
+
+def test_study_writes_every_block_a_file_holds(tmp_path, capsys):
+    """--readme FILE (repeatable) rewrites every generated block FILE holds, from one read of
+    the results: the README's what-to-run table and the study page's answer, findings,
+    comparisons and machines (which file, machine, commits, W and seeds)."""
+    records = namesake_records({"subspace": [-0.001, -0.004, -0.0005, -0.003, -0.002, -0.0015]})
+    records = [dict(r, commit="0123456789abcdef") for r in records]
+    (tmp_path / "r.json").write_text(json.dumps(records))
+    from nanogeo.lab.study import page
+    readme, docs = tmp_path / "README.md", tmp_path / "page.md"
+    readme.write_text("top\n" + "\n".join(page.marker("what to run")) + "\nend\n")
+    docs.write_text("\n".join(x for n in ("findings", "comparisons", "machines")
+                              for x in page.marker(n)) + "\n")
+    study.main(["--answer", str(tmp_path / "r.json"), "--readme", str(readme),
+                "--readme", str(docs)])
+    assert capsys.readouterr().out == (f"{readme}: what to run\n"
+                                       f"{docs}: findings, comparisons, machines\n")
+    assert study.summary(records) in readme.read_text()
+    text = docs.read_text()
+    assert study.findings(records) in text and study.comparisons(records) in text
+    assert (f"| {tmp_path / 'r.json'} | M1 | 24 | 0123456 | 32 | 0-5 |\n\n- M1 = CPU A\n"
+            in text)

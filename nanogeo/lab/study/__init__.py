@@ -63,35 +63,47 @@ learning_rate's warm-up and cosine scaled to its own peak, so a muon_lr sweep ke
 With matplotlib installed, out_dir/loss_OPTIMIZER_simW.png (or _ranksN): the study's train-loss
 curves, mean over seeds with a min-max band.
 
---answer RESULTS[,RESULTS...] prints the README's which-method-to-run table under the study's rule
+--answer RESULTS[,RESULTS...] prints the which-method-to-run tables under the study's rule
 (answer.py: candidates compared on the seeds they share, controls never recommended, equivalence
-only by a TOST within --margin); --comparisons the table of every comparison it rests on.
+only by a TOST within --margin); --comparisons the table of every comparison they rest on. With
+--readme FILE (repeatable) --answer rewrites every generated block FILE holds instead (page.py:
+the README's what-to-run table; docs/study/README.md's findings, answer tables, comparisons and
+machines), and --figure PNG draws the forest plot of the paired differences with its values
+beside it (figure.py) - one command for all of it (docs/study/README.md names it).
 
 The package, by what each part is for:
     arms.py         COMMS (method -> train.py flags) and what kind of method each is
     runs.py         each run's command, running it (resumable), its record and provenance
-    stats.py        Student t, paired intervals, TOST, Welch, recovered fractions
+    stats.py        Student t, paired intervals, TOST, Welch, recovered fractions; Fieller's
+                    interval of a ratio, Holm's correction, the seeds a power needs
     report.py       study.md's tables, pooling machines; reading several results files
     compare.py      pairwise comparisons in the study's words (--comparisons)
-    answer.py       the rule and the README's answer block (--answer)
+    answer.py       the rule and the answer tables (--answer)
+    findings.py     what the data show, in words written from the numbers
+    figure.py       the forest plot and its values (--figure)
+    page.py         the generated blocks of the README and docs/study/README.md (--readme)
     sweep.py        the learning-rate sweep and --lr_from
     diagnostics.py  gain history, loss plots, the error by stage (--stages), --sensitivity
     cli.py          the command line (python -m nanogeo.lab.study)
 """
 
-from nanogeo.lab.study.answer import (ANSWER_BEGIN, ANSWER_END, COMPARISONS_BEGIN,  # noqa: F401
-                                        COMPARISONS_END, answer, answers, recommend,
-                                        write_answer)
+from nanogeo.lab.study.answer import answer, answers, choices, recommend  # noqa: F401
 from nanogeo.lab.study.arms import BUDGETS, COMMS, EUCLIDEAN, cost, is_control  # noqa: F401
 from nanogeo.lab.study.compare import comparisons, words  # noqa: F401
+from nanogeo.lab.study.figure import forest, write_figure  # noqa: F401
+from nanogeo.lab.study.findings import findings  # noqa: F401
+from nanogeo.lab.study.page import (ANSWER_BEGIN, ANSWER_END, COMPARISONS_BEGIN,  # noqa: F401
+                                      COMPARISONS_END, SUMMARY_BEGIN, SUMMARY_END, machines,
+                                      summary, write_blocks)
 from nanogeo.lab.study.diagnostics import (at_endpoint, gain_history, plot,  # noqa: F401
                                              sensitivity, stage_table)
 from nanogeo.lab.study.report import group, load_results, study_groups, table  # noqa: F401
 from nanogeo.lab.study.runs import (StudyRun, execute, git_commit, machine,  # noqa: F401
                                       merge, provenance, record, write)
-from nanogeo.lab.study.stats import (MARGIN, estimate, mean_ci, paired,  # noqa: F401
-                                       recovered, reference_problem, t_quantile, tost,
-                                       verdict, welch_differs)
+from nanogeo.lab.study.stats import (MARGIN, edge, estimate, fieller, holm,  # noqa: F401
+                                       mean_ci, paired, recovered, reference_problem,
+                                       seeds_for_power, t_quantile, tost, verdict,
+                                       welch_differs)
 from nanogeo.lab.study.sweep import (lr_flags, parse_sweep, sweep_summary,  # noqa: F401
                                        sweep_table)
 from nanogeo.lab.study.cli import main  # noqa: F401,E402

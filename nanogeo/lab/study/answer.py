@@ -1,6 +1,7 @@
 """
-The answer: which method to run, per optimizer and wire format - the README's table, written by
-`python -m nanogeo.lab.study --answer RESULTS[,RESULTS...] --readme README.md`.
+The answer: which method to run, per optimizer and wire format - the tables of
+docs/study/README.md (and, in short, the README's: page.summary), written by
+`python -m nanogeo.lab.study --answer RESULTS[,RESULTS...] --readme FILE`.
 
 The rule (RULE, printed under each table):
   * candidates: the methods measured with that wire format that are not controls (is_control:
@@ -24,16 +25,13 @@ The rule (RULE, printed under each table):
 """
 
 import math
-import os
+from collections import namedtuple
 
 from nanogeo.lab.study.arms import BUDGETS, cost, is_control, wire_format
 from nanogeo.lab.study.compare import twin, words
 from nanogeo.lab.study.report import (fraction_cell, gap_cell, load_results, machine_labels,
                                         machines_text, per_machine, study_groups)
-from nanogeo.lab.study.stats import MARGIN, estimate, mean_ci, paired, welch_differs
-
-ANSWER_BEGIN, ANSWER_END = "<!-- answer: begin -->", "<!-- answer: end -->"
-COMPARISONS_BEGIN, COMPARISONS_END = "<!-- comparisons: begin -->", "<!-- comparisons: end -->"
+from nanogeo.lab.study.stats import MARGIN, estimate, mean_ci, paired, welch_differs, wrap
 
 
 def mean_ms(runs):
@@ -191,7 +189,8 @@ def answer(results, workers=32, margin=MARGIN, picks=None, pick_notes=()):
     unfinished = sorted({r["comm"] for r in used if not math.isfinite(r["final_val_loss"])})
     if unfinished:
         notes.append(f"Not finite in some run, so in no row: {', '.join(unfinished)}.")
-    return "\n".join(lines + [""] + notes + [""] + [rule_text(workers, margin)]) + "\n"
+    bullets = [wrap("- " + note) for note in notes]
+    return "\n".join(lines + [""] + bullets + [""] + [wrap(rule_text(workers, margin))]) + "\n"
 
 
 def one_pick_across_w(results, workers):
@@ -222,6 +221,30 @@ def one_pick_across_w(results, workers):
     return overrides, notes
 
 
+# what a table recommends for one optimizer and wire format at one W: the method, the candidates
+# it was chosen among, the rule's pick on that W's seeds alone, and whether the two differ (the
+# recommendation is the pick on every W's seeds pooled)
+Choice = namedtuple("Choice", "comm fits alone pooled")
+
+
+def choices(results, workers=(32,)):
+    """{W: {(optimizer, format): Choice}} for the formats with a candidate at that W: what
+    answers() recommends, one method across the W's unless the data separate them."""
+    overrides = (one_pick_across_w(results, workers)[0] if len(workers) > 1
+                 else {w: {} for w in workers})
+    out = {}
+    for w in workers:
+        for optimizer, by_comm in study_groups(results, w).items():
+            for name, _ in BUDGETS:
+                picked = recommend(by_comm, name)
+                if picked is not None:
+                    alone, fits = picked
+                    comm = overrides[w].get((optimizer, name), alone)
+                    out.setdefault(w, {})[(optimizer, name)] = Choice(comm, fits, alone,
+                                                                      comm != alone)
+    return out
+
+
 def answers(results, workers=(32,), margin=MARGIN):
     """answer() at each W in `workers`, one table after another, each under a "W = ..." line
     when there are several, with one recommendation per wire format across them unless the data
@@ -231,24 +254,3 @@ def answers(results, workers=(32,), margin=MARGIN):
     overrides, notes = one_pick_across_w(results, workers)
     return "\n".join(f"**W = {w} ranks**\n\n{answer(results, w, margin, overrides[w], notes[w])}"
                      for w in workers)
-
-
-def write_block(readme, begin, end, text):
-    """Replace the README's text between the markers begin and end with text; a ValueError
-    naming the fix when they are missing."""
-    content = open(readme).read()
-    head, found_begin, rest = content.partition(begin)
-    _, found_end, tail = rest.partition(end)
-    if not found_begin or not found_end:
-        raise ValueError(f"{readme} has no {begin} ... {end} block: add one where the table goes")
-    with open(readme + ".tmp", "w") as f:
-        f.write(f"{head}{begin}\n{text}{end}{tail}")
-    os.replace(readme + ".tmp", readme)
-    return text
-
-
-def write_answer(paths, readme, workers=(32,), margin=MARGIN):
-    """Replace the README's text between the answer markers with answers() of the records in
-    `paths` (results.json files: a list, or one comma-separated text) and return that text."""
-    return write_block(readme, ANSWER_BEGIN, ANSWER_END,
-                       answers(load_results(paths), workers, margin))

@@ -9,12 +9,14 @@ import os
 import sys
 
 from nanogeo.run import config
-from nanogeo.lab.study.answer import (COMPARISONS_BEGIN, COMPARISONS_END, answers,
-                                        write_answer, write_block)
+from nanogeo.lab.study.answer import answers
 from nanogeo.lab.study.arms import COMMS, EUCLIDEAN
 from nanogeo.lab.study.compare import comparisons
 from nanogeo.lab.study.diagnostics import (at_endpoint, gain_history, plot, sensitivity,
                                              stage_table)
+from nanogeo.lab.study.figure import write_figure
+from nanogeo.lab.study.page import (COMPARISONS_BEGIN, COMPARISONS_END, write_block,
+                                      write_blocks)
 from nanogeo.lab.study.report import load_results, table
 from nanogeo.lab.study.runs import StudyRun, execute, git_commit, machine, run_dir, write
 from nanogeo.lab.study.stats import MARGIN
@@ -49,13 +51,19 @@ def parse_args(argv):
                         "optimizer trains with the best values swept for it at that W")
     results = "RESULTS[,RESULTS...]"
     parser.add_argument("--answer", default=None, metavar=results, help="print the "
-                        "which-method-to-run table from results.json files (no runs); with "
-                        "--readme FILE, write it between FILE's answer markers")
+                        "which-method-to-run tables from results.json files (no runs); with "
+                        "--readme FILE, write every generated block FILE holds instead (the "
+                        "README's what-to-run table, docs/study/README.md's answer, findings, "
+                        "comparisons and machines: nanogeo/lab/study/page.py)")
     parser.add_argument("--comparisons", default=None, metavar=results, help="print every "
                         "comparison the answer rests on (each arm against its Euclidean twin, "
                         "bf16 and fp32) with its TOST verdict (no runs); with --readme FILE, "
                         "write it between FILE's comparisons markers")
-    parser.add_argument("--readme", default=None)
+    parser.add_argument("--readme", action="append", default=None, metavar="FILE",
+                        help="a markdown file whose generated blocks to rewrite; repeatable")
+    parser.add_argument("--figure", default=None, metavar="PNG", help="with --answer: draw "
+                        "the forest plot of the paired differences to PNG and write its values "
+                        "beside it (.json); needs matplotlib (pip install -e \".[plot]\")")
     parser.add_argument("--margin", type=float, default=MARGIN, help="the equivalence margin "
                         f"of --answer and --comparisons in final val loss (default {MARGIN:g}, "
                         "about 0.12 %% of the study's loss): two methods are called equivalent "
@@ -151,6 +159,8 @@ def read_only(parser, args):
     if (args.readme or args.answer_workers) and not (args.answer or args.comparisons):
         parser.error("--readme and --answer_workers go with --answer RESULTS (or --comparisons "
                      "RESULTS): give both")
+    if args.figure and not args.answer:
+        parser.error("--figure goes with --answer RESULTS: give both")
     if not (args.answer or args.comparisons):
         return False
     if args.answer and args.comparisons and args.readme:
@@ -170,16 +180,20 @@ def read_only(parser, args):
     if not args.margin > 0:
         parser.error(f"--margin {args.margin}: a positive loss difference, e.g. 0.002")
     try:
-        if args.answer:
-            text = (write_answer(paths, args.readme, workers, args.margin) if args.readme
-                    else answers(load_results(paths), workers, args.margin))
-            print(text, end="")
+        if args.answer and args.readme:
+            for readme in args.readme:
+                names = write_blocks(paths, readme, workers, args.margin)
+                print(f"{readme}: {', '.join(names)}")
+        elif args.answer:
+            print(answers(load_results(paths), workers, args.margin), end="")
+        if args.figure:
+            print(write_figure(load_results(paths), workers, args.figure, args.margin))
         if args.comparisons:
             text = comparisons(load_results(paths), workers, args.margin)
-            if args.readme:
-                write_block(args.readme, COMPARISONS_BEGIN, COMPARISONS_END, text)
+            for readme in args.readme or []:
+                write_block(readme, COMPARISONS_BEGIN, COMPARISONS_END, text)
             print(text, end="")
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         parser.error(str(e))
     return True
 

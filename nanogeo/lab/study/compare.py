@@ -8,7 +8,8 @@ verdict at the margin, and each machine's mean.
 
 from nanogeo.lab.study.arms import COMMS, collective, cost, is_control, wire_format
 from nanogeo.lab.study.report import machine_cell, machine_labels, study_groups
-from nanogeo.lab.study.stats import MARGIN, estimate, mean_ci, p_value, paired, tost, verdict
+from nanogeo.lab.study.stats import (MARGIN, EDGE, edge_text, estimate, mean_ci, p_value,
+                                       paired, tost, verdict, wrap)
 
 # comparisons beside each arm's against its Euclidean twin: the two 4-bit levers head to head,
 # an e4m3 stage 2 against NVFP4's (another wire, so not its twin), and bf16's own gap to fp32
@@ -19,8 +20,9 @@ BASELINES = ("fp32", "bf16")
 
 def words(a, b, diffs, margin=MARGIN):
     """One sentence on the paired differences a - b: "a: equivalent to b within +-margin
-    (TOST; ...)", "a: lower than b at 95 % (...)", "a: higher than b at 95 % (...)" or "a: no
-    difference detected from b (+- 95 % half-width; ...)", each with the mean and the seeds."""
+    (TOST; ...)" ("TOST at the edge, 90 % bound ..." where it passes at the edge), "a: lower
+    than b at 95 % (...)", "a: higher than b at 95 % (...)" or "a: no difference detected from b
+    (+- 95 % half-width; ...)", each with the mean and the seeds."""
     if len(diffs) < 2:
         return f"{a}: {len(diffs)} seed{'' if len(diffs) == 1 else 's'} shared with {b}, no test"
     mean, half = mean_ci(diffs)
@@ -29,7 +31,8 @@ def words(a, b, diffs, margin=MARGIN):
     significant = abs(mean) > half
     if (tost(diffs, margin) or (0, 0, False))[2]:
         also = f", and {side} it at 95 %" if significant else ""
-        return f"{a}: equivalent to {b} within ±{margin:g} (TOST; {facts}){also}"
+        return (f"{a}: equivalent to {b} within ±{margin:g} "
+                f"(TOST{edge_text(diffs, margin)}; {facts}){also}")
     if significant:
         return f"{a}: {side} {b} at 95 % ({facts})"
     return f"{a}: no difference detected from {b} (± {half:.4f}; {facts})"
@@ -80,17 +83,18 @@ def comparisons(results, workers=(32,), margin=MARGIN):
                     + (f"{interval[0]:+.4f} to {interval[1]:+.4f}" if interval else "—")
                     + f" | {p_value(diffs):.3f} | {verdict(diffs, margin)} | "
                     + f"{machine_cell(by[a], by[b], labels)} |")
-    legend = [f"\nMachines: " + "; ".join(f"{k} = {m}" for m, k in labels.items()) + "."
+    legend = [wrap("Machines: " + "; ".join(f"{k} = {m}" for m, k in labels.items()) + ".")
               if labels else "",
-              f"\nA − B: per seed (a seed on one machine, every arm of it run there) A's final "
-              "val loss minus B's, on the seeds both have, pooled over machines; 95 % paired "
-              f"Student t. Equivalent within ±{margin:g} (TOST): the 90 % paired t interval lies "
-              "inside the margin (two one-sided t tests at 5 %); lower / higher at 95 %: the "
-              "95 % interval excludes 0; else no difference detected (± the 95 % half-width). "
-              "Each row is its own test at 5 %: among this many rows a few verdicts are chance; "
-              "p: the paired t test's two-sided p, for a correction over a family of comparisons "
-              "(Holm: the smallest of k p's against 0.05 / k). "
-              "By machine: each machine's mean and seeds; \"differs\": a Welch t test (5 %) of "
-              "its differences against the other machines' rejects equal means (expect one "
-              "false flag in twenty)."]
-    return "\n".join(lines + [x for x in legend if x]) + "\n"
+              wrap("A − B: per seed (a seed on one machine, every arm of it run there) A's final "
+                   "val loss minus B's, on the seeds both have, pooled over machines; 95 % "
+                   f"paired Student t. Equivalent within ±{margin:g} (TOST): the 90 % paired t "
+                   "interval lies inside the margin (two one-sided t tests at 5 %; \"at the "
+                   f"edge\": its outer bound within {EDGE * 100:.0f} % of the margin); lower / "
+                   "higher at 95 %: the 95 % interval excludes 0; else no difference detected "
+                   "(± the 95 % half-width). Each row is its own test at 5 %: among this many "
+                   "rows a few verdicts are chance; p: the paired t test's two-sided p, for a "
+                   "correction over a family of comparisons (Holm: the smallest of k p's against "
+                   "0.05 / k). By machine: each machine's mean and seeds; \"differs\": a Welch t "
+                   "test (5 %) of its differences against the other machines' rejects equal "
+                   "means (expect one false flag in twenty).")]
+    return "\n".join(lines + ["\n" + x for x in legend if x]) + "\n"

@@ -78,6 +78,19 @@ def study_groups(results, workers):
     return out
 
 
+OPTIMIZER_NAMES = {"muon": "Muon", "adamw": "AdamW"}     # in the order shown: the paper's first
+
+
+def settings(results, workers):
+    """[(optimizer, W, {comm: {block: record}})] of study_groups at each W, optimizer by
+    optimizer (OPTIMIZER_NAMES's order, then others by name), each at every W it ran: the order
+    of the README's table, the findings and the figure's panels."""
+    groups = {w: study_groups(results, w) for w in workers}
+    present = {o for g in groups.values() for o in g}
+    order = [o for o in OPTIMIZER_NAMES if o in present] + sorted(present - set(OPTIMIZER_NAMES))
+    return [(o, w, groups[w][o]) for o in order for w in workers if o in groups[w]]
+
+
 def machine_labels(results):
     """{machine: "M1", ...}: short names for the recorded machines, in sorted order."""
     names = sorted({r["machine"] for r in results if r.get("machine")})

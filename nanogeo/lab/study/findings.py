@@ -1,0 +1,239 @@
+"""
+What the study's data show, in words written from the numbers (the findings block of
+docs/study/README.md; page.py writes it): nothing here is typed by hand but the sentences'
+frame.
+
+  * per optimizer and W, per wire format: the Euclidean arm against fp32 and bf16; every other
+    candidate against its Euclidean twin (with the paired t test's p), and where it is lower at
+    95 % the fraction of the twin's gap to fp32 it recovers - a ratio of two paired means with
+    Fieller's interval, said in words ("about the size of that gap, the fraction uncertain" when
+    the interval holds 100 % and is wider than the gap itself), and whether the equivalence
+    margin can tell full recovery from none;
+  * multiple tests: Holm over the family fixed before the runs (PLANNED) and over every FP8
+    geometry-against-Euclidean test the results hold;
+  * a recommendation shared across W's, where it rests on pooling;
+  * power: the seeds a paired t test needs to detect the planned group's Euclidean FP8 gap at
+    the paired sd each comparison showed.
+"""
+
+from nanogeo.lab.study.answer import candidates, choices, lower, wire_of
+from nanogeo.lab.study.arms import BUDGETS, cost, wire_format
+from nanogeo.lab.study.compare import EXTRA_PAIRS, twin, words
+from nanogeo.lab.study.report import OPTIMIZER_NAMES, settings, study_groups
+from nanogeo.lab.study.stats import (MARGIN, edge, fieller, holm, mean_ci, mean_sd, p_value,
+                                       paired, seeds_for_power, tost, wrap)
+
+# the namesake study's family of tests, fixed before its runs (docs/study/namesake.sh, step 1):
+# each FP8 geometry against Euclidean FP8 under Muon at W = 32
+PLANNED = ("muon", 32, "FP8")
+
+
+def name(optimizer):
+    return OPTIMIZER_NAMES.get(optimizer, optimizer)
+
+
+def p_text(diffs):
+    p = p_value(diffs)
+    return "p < 0.001" if p < 0.001 else f"p = {p:.3f}"
+
+
+def state(diffs, margin):
+    """Where a method stands against a baseline, as a phrase around "{}" (the baseline):
+    "within M of {}" (TOST, "at the edge" where it is), "above {}" / "below {}" (the 95 %
+    interval excludes 0) or "no difference detected from {}"."""
+    interval = tost(diffs, margin)
+    if interval and interval[2]:
+        return f"within {margin:g} of {{}}" + (" (at the edge)" if edge(diffs, margin) else "")
+    mean, half = mean_ci(diffs)
+    if abs(mean) > half:
+        return ("above" if mean > 0 else "below") + " {} at 95 %"
+    return "no difference detected from {}"
+
+
+def against_baselines(by_comm, comm, margin=MARGIN):
+    """'above fp32 and bf16 at 95 %', 'within 0.002 of fp32; no difference detected from
+    bf16', ...: the method against each baseline the group ran, in a few words."""
+    said = [(state(diffs, margin), b) for b in ("fp32", "bf16") if b in by_comm
+            for diffs in [paired(by_comm[comm], by_comm[b])[1]] if len(diffs) > 1]
+    if not said:
+        return "no baseline measured"
+    if len({s for s, _ in said}) == 1:
+        return said[0][0].format(" and ".join(b for _, b in said))
+    return "; ".join(s.format(b) for s, b in said)
+
+
+def percent(x):
+    return f"{100 * x:.0f} %"
+
+
+def recovered_words(by_comm, comm, plain, margin):
+    """The fraction of `plain`'s gap to fp32 that `comm` recovers, on the seeds all three share:
+    mean(plain - comm) / mean(plain - fp32) with Fieller's 95 % interval, in words."""
+    fp32 = by_comm["fp32"]
+    blocks = [b for b in sorted(by_comm[comm]) if b in by_comm[plain] and b in fp32]
+    if len(blocks) < 2:
+        return ""
+    loss = lambda c, b: by_comm[c][b]["final_val_loss"]
+    gain = [loss(plain, b) - loss(comm, b) for b in blocks]
+    gap = [loss(plain, b) - fp32[b]["final_val_loss"] for b in blocks]
+    ratio, low, high = fieller(gain, gap)
+    if low is None:
+        return (f"The fraction of `{plain}`'s gap to fp32 it recovers has no bounded 95 % "
+                "interval (Fieller): that gap is not established on these seeds.")
+    text = (f"It recovers {percent(ratio)} of `{plain}`'s gap to fp32 ({len(blocks)} seeds; "
+            f"95 % Fieller interval {percent(low)} to {percent(high)}"
+            + ("; a ratio of the two means, which the tables' per-seed fraction is not: some "
+               "seed's own gap is <= 0" if min(gap) <= 0 else "") + ")")
+    if low <= 1 <= high:
+        text += (": about the size of that gap, the fraction uncertain" if high - low > 1
+                 else ": about that gap")
+    else:
+        text += ": part of that gap" if high < 1 else ": more than that gap"
+    gap_mean = mean_sd(gap)[0]
+    if 0 < gap_mean < margin:
+        text += (f". An equivalence test at ±{margin:g} cannot tell full recovery from none: "
+                 f"the margin is wider than `{plain}`'s whole gap ({gap_mean:+.4f})")
+    return text + "."
+
+
+def method_findings(by_comm, comm, fits, margin):
+    """One bullet: a method against its Euclidean twin (if it has one among the candidates:
+    the paired difference, p and, where it is lower at 95 %, the fraction of the twin's gap it
+    recovers), then against fp32 and bf16."""
+    said = [f"- `{comm}` ({wire_format(comm)}, {wire_text(by_comm[comm])}):"]
+    base = twin(comm, list(by_comm))
+    diffs = paired(by_comm[comm], by_comm[base])[1] if base in fits and base != comm else []
+    if len(diffs) > 1:
+        mean, half = mean_ci(diffs)
+        said.append(f"{words(comm, base, diffs, margin).partition(': ')[2]}, {p_text(diffs)}.")
+        if mean + half < 0:
+            said.append(recovered_words(by_comm, comm, base, margin))
+    for a, b in EXTRA_PAIRS:            # the comparisons beside the twins': compare.EXTRA_PAIRS
+        extra = paired(by_comm[a], by_comm[b])[1] if a == comm and b in by_comm else []
+        if len(extra) > 1:
+            sentence = words(a, b, extra, margin).partition(": ")[2]
+            said.append(f"{sentence[0].upper()}{sentence[1:]}, {p_text(extra)}.")
+    against = [words(comm, b, d, margin).partition(": ")[2] for b in ("fp32", "bf16")
+               if b in by_comm for d in [paired(by_comm[comm], by_comm[b])[1]] if len(d) > 1]
+    if against:
+        said.append(("Against the baselines: " if len(said) > 1 else "") + "; ".join(against)
+                    + ".")
+    return " ".join(s for s in said if s)
+
+
+def wire_text(runs):
+    wire = wire_of(runs)
+    return "bytes not recorded" if wire is None else f"{wire:.3f}× bf16's bytes"
+
+
+def group_findings(optimizer, w, by_comm, margin):
+    """Bullets for one optimizer and W: bf16 against fp32, then each wire format's candidates
+    (a format with none says so; a mixed wire only where one ran)."""
+    out = [f"**{name(optimizer)}, W = {w}.**", ""]
+    if "bf16" in by_comm and "fp32" in by_comm:
+        diffs = paired(by_comm["bf16"], by_comm["fp32"])[1]
+        out.append(wrap(f"- bf16: {words('bf16', 'fp32', diffs, margin).partition(': ')[2]}."))
+    for fmt, _ in BUDGETS:
+        fits = candidates(by_comm, fmt)
+        if not fits and fmt != "4-bit + FP8":
+            out.append(wrap(f"- {fmt}: not measured in these results (no method with >= 2 "
+                            "seeds paired with fp32)."))
+        out += [wrap(method_findings(by_comm, c, fits, margin)) for c in fits]
+    return out
+
+
+def geometry_tests(results, workers):
+    """[(optimizer, W, geometry, its Euclidean twin, diffs)]: every FP8 geometry (cost 3, not a
+    control) against its twin, in the order of the tables."""
+    tests = []
+    for optimizer, w, by_comm in settings(results, workers):
+        for c in candidates(by_comm, "FP8"):
+            base = twin(c, list(by_comm))
+            diffs = paired(by_comm[c], by_comm[base])[1] if base else []
+            if cost(c) == 3 and len(diffs) > 1:
+                tests.append((optimizer, w, c, base, diffs))
+    return tests
+
+
+def holm_findings(results, workers):
+    """Holm over the planned family, and over every FP8 geometry test the results hold."""
+    tests = geometry_tests(results, workers)
+    planned = [t for t in tests if (t[0], t[1]) == PLANNED[:2]]
+    if not planned:
+        return []
+    listed = lambda family: ", ".join(f"`{t[2]}` − `{t[3]}`" for t in family)
+    families = [(planned, f"the family fixed before the runs ({listed(planned)}, "
+                          f"{name(PLANNED[0])}, W = {PLANNED[1]})")]
+    if len(tests) > len(planned):
+        ws = {}
+        for t in tests:
+            ws.setdefault(name(t[0]), []).append(str(t[1]))
+        settings = "; ".join(f"{n} at W = {' and '.join(dict.fromkeys(w))}" for n, w in ws.items())
+        families.append((tests, f"all {len(tests)} FP8 geometry-against-Euclidean tests here "
+                                f"({settings})"))
+    out = []
+    for family, what in families:
+        adjusted = holm([p_value(t[4]) for t in family])
+        best = min(range(len(family)), key=lambda k: adjusted[k])
+        t = family[best]
+        out.append(f"Holm over {what}: the smallest adjusted p is {adjusted[best]:.3f} "
+                   f"(`{t[2]}` − `{t[3]}`, {name(t[0])}, W = {t[1]}), "
+                   + ("significant at 5 %." if adjusted[best] < 0.05 else
+                      "not significant at 5 % in this family."))
+    return ["**Multiple tests.** " + " ".join(out)]
+
+
+def pooling_findings(results, workers):
+    """Where a W's recommendation is the pick on every W's seeds pooled, not its own."""
+    out = []
+    for w, picks in choices(results, workers).items():
+        for (optimizer, fmt), choice in picks.items():
+            if not choice.pooled:
+                continue
+            by_comm = study_groups(results, w)[optimizer]
+            separated = any(lower(by_comm, a, b) for a in choice.fits for b in choice.fits
+                            if a != b)
+            others = ", ".join(str(x) for x in workers if x != w)
+            out.append(f"{name(optimizer)}, {fmt}, W = {w}: `{choice.comm}` rests on pooling with "
+                       f"W = {others}; at W = {w} alone "
+                       + (f"the rule picks `{choice.alone}`." if separated else
+                          "no candidate is lower than another at 95 % (each comparison null)."))
+    return ["**One recommendation across W.** " + " ".join(out)] if out else []
+
+
+def power_findings(results, workers):
+    """The seeds 80 % power needs to detect the planned group's Euclidean FP8 gap to fp32, at
+    the paired sd of each FP8 geometry test and each Euclidean FP8 gap at the first W."""
+    groups = study_groups(results, PLANNED[1])
+    planned = groups.get(PLANNED[0], {})
+    plain = next((c for c in candidates(planned, "FP8") if cost(c) == 0), None)
+    if plain is None or "fp32" not in planned:
+        return []
+    # the gap as the tables print it (4 decimals), so that the seeds below are for that number
+    effect = round(mean_sd(paired(planned[plain], planned["fp32"])[1])[0], 4)
+    if not effect > 0:
+        return []
+    said = []
+    for optimizer, _, by_comm in settings(results, [PLANNED[1]]):
+        tests = [(c, twin(c, list(by_comm))) for c in candidates(by_comm, "FP8") if cost(c) == 3]
+        tests = [t for t in tests if t[1]] + ([(plain, "fp32")] if plain in by_comm else [])
+        for a, b in tests:
+            diffs = paired(by_comm[a], by_comm[b])[1]
+            if len(diffs) > 2:
+                sd = mean_sd(diffs)[1]
+                said.append(f"`{a}` − `{b}` under {name(optimizer)}: sd {sd:.4f}, "
+                            f"{seeds_for_power(sd, effect)} seeds ({len(diffs)} ran)")
+    return [f"**Power.** To detect {effect:.4f} (`{plain}`'s gap to fp32 under "
+            f"{name(PLANNED[0])} at W = {PLANNED[1]}) with 80 % power, a paired t test at 5 % "
+            "(two-sided) needs, at the paired sd each comparison showed at that W: "
+            + "; ".join(said) + "."] if said else []
+
+
+def findings(results, workers=(32,), margin=MARGIN):
+    """The findings block: markdown paragraphs in lines of at most 100 characters."""
+    paragraphs = ["\n".join(group_findings(optimizer, w, by_comm, margin))
+                  for optimizer, w, by_comm in settings(results, workers)]
+    for part in (holm_findings(results, workers), pooling_findings(results, workers),
+                 power_findings(results, workers)):
+        paragraphs += [wrap(p) for p in part]
+    return "\n\n".join(paragraphs) + "\n"
