@@ -754,3 +754,12 @@ def test_study_writes_every_block_a_file_holds(tmp_path, capsys):
     assert study.findings(records) in text and study.comparisons(records) in text
     assert (f"| {tmp_path / 'r.json'} | M1 | 24 | 0123456 | 32 | 0-5 |\n\n- M1 = CPU A\n"
             in text)
+
+
+def test_generated_lines_keep_numbers_with_their_units():
+    """wrap(): lines of at most 100 characters that never part "23 %" or "± 0.0017" (a bare
+    "%" or "0.0017" opening a line reads as another number), bullets hanging under their dash."""
+    from nanogeo.lab.study.stats import wrap
+    assert wrap("x" * 96 + " 23 %").splitlines() == ["x" * 96, "23 %"]
+    assert wrap("x" * 97 + " ± 0.0017").splitlines() == ["x" * 97, "± 0.0017"]
+    assert wrap("- " + "word " * 30).splitlines()[1].startswith("  word")

@@ -82,8 +82,8 @@ def recovered_words(by_comm, comm, plain, margin):
                 "interval (Fieller): that gap is not established on these seeds.")
     text = (f"It recovers {percent(ratio)} of `{plain}`'s gap to fp32 ({len(blocks)} seeds; "
             f"95 % Fieller interval {percent(low)} to {percent(high)}"
-            + ("; a ratio of the two means, which the tables' per-seed fraction is not: some "
-               "seed's own gap is <= 0" if min(gap) <= 0 else "") + ")")
+            + ("; the mean gain over the mean gap: the tables' per-seed fraction is undefined, "
+               "some seed's own gap being <= 0" if min(gap) <= 0 else "") + ")")
     if low <= 1 <= high:
         text += (": about the size of that gap, the fraction uncertain" if high - low > 1
                  else ": about that gap")

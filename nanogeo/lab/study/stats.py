@@ -272,8 +272,10 @@ def includes_zero(values):
 
 
 def wrap(text, width=100):
-    """A generated paragraph in lines of at most `width` characters (never breaking a word or
-    a hyphenated name); a leading "- " makes the rest hang under it, as a markdown bullet."""
+    """A generated paragraph in lines of at most `width` characters (never breaking a word, a
+    hyphenated name, "23 %" or "± 0.0017"); a leading "- " makes the rest hang under it, as a
+    markdown bullet."""
     indent = "  " if text.startswith("- ") else ""
-    return textwrap.fill(text, width, subsequent_indent=indent, break_long_words=False,
-                         break_on_hyphens=False)
+    kept = text.replace(" %", "\u00a0%").replace("± ", "±\u00a0")   # textwrap splits no NBSP
+    return textwrap.fill(kept, width, subsequent_indent=indent, break_long_words=False,
+                         break_on_hyphens=False).replace("\u00a0", " ")
