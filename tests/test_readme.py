@@ -263,38 +263,84 @@ def test_make_train_runs_the_demo(scratch):
                                                     "(Euclidean e4m3, blocks of 128, two-stage")
 
 
-STUDY_RESULTS = ("docs/study/namesake/results.json", "docs/study/results.json")
-ANSWER_COMMAND = ("python -m nanogeo.lab.study --answer docs/study/namesake/results.json,"
-                  "docs/study/results.json --readme README.md --answer_workers 32,64")
-COMPARISONS_COMMAND = ("python -m nanogeo.lab.study --comparisons docs/study/namesake/results.json,"
-                       "docs/study/results.json --answer_workers 32,64 > docs/study/comparisons.md")
+STUDY_RESULTS = ("docs/study/namesake/results.json", "docs/study/mixed/results.json",
+                 "docs/study/results.json")
+STUDY_COMMAND = ("python -m nanogeo.lab.study --answer_workers 32,64 --answer "
+                 + ",".join(STUDY_RESULTS) + " --readme README.md --readme docs/study/README.md "
+                 "--figure docs/study/answer.png")
+STUDY_PAGE = os.path.join(ROOT, "docs", "study", "README.md")
 
 
-def test_readme_answer_is_the_study_table():
-    """The README's which-method-to-run table is what `nanogeo.lab.study --answer` makes of the
-    committed study results (the namesake study's and the earlier studies'): no number in it is
-    typed by hand; docs/study/comparisons.md likewise."""
+def study_results():
     from nanogeo.lab import study
-    text = open(os.path.join(ROOT, "README.md")).read()
-    block = text.split(study.ANSWER_BEGIN + "\n")[1].split(study.ANSWER_END)[0]
-    results = study.load_results([os.path.join(ROOT, p) for p in STUDY_RESULTS])
-    assert block == study.answers(results, (32, 64)), (
-        f"README's answer tables are stale: run {ANSWER_COMMAND}")
-    table = open(os.path.join(ROOT, "docs", "study", "comparisons.md")).read()
-    assert table == study.comparisons(results, (32, 64)), (
-        f"docs/study/comparisons.md is stale: run {COMPARISONS_COMMAND}")
+    return study.load_results([os.path.join(ROOT, p) for p in STUDY_RESULTS])
 
 
-def test_readme_headline_numbers_come_from_the_study():
-    """Every 'mean ± half-width' the README's answer prose (from 'What we measured' to the
-    generated table) quotes is one the study's tables print: the headline cannot drift from
-    results.json."""
+def block(text, name):
+    from nanogeo.lab.study import page
+    begin, end = page.marker(name)
+    assert begin in text and end in text, f"no {begin} ... {end} block"
+    return text.split(begin + "\n")[1].split(end)[0]
+
+
+def test_the_study_blocks_are_the_study_tools_output():
+    """The README's what-to-run table and docs/study/README.md's findings, answer tables,
+    comparisons and machines are what `nanogeo.lab.study --answer ... --readme ...` writes from
+    the committed results files: no number in them is typed by hand."""
+    from nanogeo.lab import study
+    from nanogeo.lab.study import page
+    results, workers = study_results(), (32, 64)
+    paths = [os.path.join(ROOT, p) for p in STUDY_RESULTS]
+    readme, docs = open(os.path.join(ROOT, "README.md")).read(), open(STUDY_PAGE).read()
+    assert block(readme, "what to run") == study.summary(results, workers), (
+        f"README's what-to-run table is stale: run {STUDY_COMMAND}")
+    for name in ("findings", "answer", "comparisons", "machines"):
+        expected = page.block_text(name, paths, results, workers, study.MARGIN)
+        expected = expected.replace(ROOT + os.sep, "")      # the machines table names the files
+        assert block(docs, name) == expected, (
+            f"docs/study/README.md's {name} block is stale: run {STUDY_COMMAND}")
+
+
+def test_the_figure_plots_the_tables_values():
+    """docs/study/answer.json holds exactly the values docs/study/answer.png plots, and they
+    are the study's: what forest() makes of the results files, and each row's mean and 95 %
+    half-width the comparisons table's for the same optimizer, W and pair (no matplotlib
+    needed)."""
+    from nanogeo.lab import study
+    plotted = json.load(open(os.path.join(ROOT, "docs", "study", "answer.json")))
+    assert plotted == json.loads(json.dumps(study.forest(study_results(), (32, 64)))), (
+        f"docs/study/answer.json (and its PNG) are stale: run {STUDY_COMMAND}")
+    assert os.path.exists(os.path.join(ROOT, "docs", "study", "answer.png"))
+    table = block(open(STUDY_PAGE).read(), "comparisons").splitlines()
+    for panel in plotted["panels"]:
+        for row in panel["rows"]:
+            hits = [line for line in table
+                    if line.startswith(f"| {panel['optimizer']} | {panel['workers']} | ")
+                    and f" | {row['a']} − {row['b']} | " in line]
+            half = (row["high"] - row["low"]) / 2
+            assert len(hits) == 1 and (f" | {row['seeds']} | {row['mean']:+.4f} ± {half:.4f} | "
+                                       in hits[0]), (panel["title"], row["label"], hits)
+
+
+def test_readme_first_screen_and_size():
+    """Issue 51: the README's first 60 lines say what the project is, the two commands, the
+    figure, the what-to-run table and the scope (model, steps, simulated ranks, CPU, no GPU);
+    the whole README stays short (<= 220 lines, <= 15 "±", none outside the generated table) and
+    its prose lines <= 100 characters; no doc speaks of "this session"."""
     text = open(os.path.join(ROOT, "README.md")).read()
-    prose = text.split("## What we measured")[1].split("<!-- answer: begin -->")[0]
-    quoted = re.findall(r"[+\u2212-]\d\.\d{4} ± \d\.\d{4}", prose)
-    assert quoted, "the README's answer prose quotes no paired difference"
-    generated = (text.split("<!-- answer: begin -->")[1].split("<!-- answer: end -->")[0]
-                 + open(os.path.join(ROOT, "docs", "study", "comparisons.md")).read())
-    missing = [q for q in quoted if q.replace("\u2212", "-") not in generated]
-    assert not missing, (f"README quotes {missing}, which neither the answer tables nor "
-                         f"docs/study/comparisons.md print ({COMPARISONS_COMMAND})")
+    lines = text.splitlines()
+    first = "\n".join(lines[:60])
+    for needed in ("make train", "make test", "](docs/study/answer.png)", "<!-- what to run: end -->",
+                   "char-study, 0.12M parameters", "300 steps", "simulated", "CPU only",
+                   "nothing has run on a GPU yet"):
+        assert needed in first, f"README's first 60 lines lack {needed!r}"
+    assert len(lines) <= 220 and text.count("±") <= 15, (len(lines), text.count("±"))
+    assert "±" not in text.replace(block(text, "what to run"), ""), "a ± outside the table"
+    fenced = re.sub(r"```.*?```", "", text, flags=re.S)
+    long = [l for l in fenced.splitlines() if len(l) > 100 and not l.startswith("|")]
+    assert not long, f"README lines over 100 characters: {long}"
+    docs = ["README.md", "BENCHMARKS.md", *glob.glob("docs/**/*.md", root_dir=ROOT, recursive=True),
+            *glob.glob("docs/study/*.sh", root_dir=ROOT)]
+    said = [d for d in docs if re.search(r"\bthis session|session's",
+                                         open(os.path.join(ROOT, d)).read(), re.I)]
+    assert not said, f"docs that speak of a session instead of a machine and commit: {said}"

@@ -13,8 +13,9 @@
 # whitening's refresh (a subspace eigensolver), so continue it in a worktree of that commit:
 #   git worktree add ../study 06360f0 && cd ../study && python prepare_data.py --tokenizer char
 #   LANE=a bash ../main/docs/study/namesake.sh & LANE=b bash ../main/docs/study/namesake.sh
-# Sessions of 2026-12-04 (AMD EPYC family 25 model 17): steps 1-3 and the AdamW sweep and step 4
-# as far as the third session ran (BENCHMARKS.md section 17).
+# Ran to the end on 2026-12-04 on one machine, AMD EPYC cpu family 25 model 17 (torch
+# 2.13.0+cpu): steps 1-4 and the AdamW sweep at 06360f0, step 5 at 44f2bc0 (BENCHMARKS.md
+# section 17; the results: docs/study/README.md).
 #
 # LANE=a (seeds 12-23) or LANE=b (seeds 24-35) runs one half: two processes, one per core of a
 # 2-core machine, sharing out/namesake (its results.json is locked). The same flags as the
@@ -44,7 +45,7 @@ done
 for lane in $(lanes); do
   study --comms fp32,bf16,fp8,subspace,geofp8 --workers 64 --seeds $(seeds $lane | cut -d, -f1-6) -- $FLAGS
 done
-# 4. AdamW, W = 32, 12 seeds: first an fp32 learning-rate sweep on this machine whose grid
+# 4. AdamW, W = 32, 12 seeds: first an fp32 learning-rate sweep on the study's machine whose grid
 #    reaches past the old best (3e-2 sat at the end of the first study's grid), seed 12 in lane
 #    a, 13 in lane b; then the five arms of 1 at the swept rate (--lr_from). A lane waits for the
 #    other's sweep runs (10 in all), then writes sweep.json from all of them (every run skipped).

@@ -1,5 +1,5 @@
 #!/bin/bash
-# The study of BENCHMARKS.md section 14 and of the README's "Which method to run" table, as it
+# The first study of BENCHMARKS.md section 14 (its tables: docs/study/study.md), as it
 # is run (resumable: a finished run is skipped, so run this again to continue it). From the
 # repository root, after `python prepare_data.py --tokenizer char`. Results: out/study/results.json
 # (copied to docs/study/results.json with the plots, then
