@@ -20,6 +20,9 @@ from nanogeo.wire import packing
 from nanogeo.wire.packing import on_device
 
 CODE_BYTES = NVFP4_BLOCK // 2           # a block's 16 codes, two a byte
+# how a block's scale is chosen: its max at 6 (NVIDIA's recipe), or at 6 or 4, whichever errs
+# less (Four Over Six, compress.nvfp4_encode_4over6): the same wire, the same decoder
+NVFP4_SCALES = ("6", "4over6")
 
 
 def stochastic_e2m1(generator=None):
@@ -70,7 +73,8 @@ class WireRun:
     first_group[k] to first_group[k + 1], its last row zero-padded. encode and decode convert
     between the two: one codec call and one gather each."""
 
-    def __init__(self, shards):
+    def __init__(self, shards, four_over_six=False):
+        self.four_over_six = four_over_six          # compress.nvfp4_encode_4over6's choice
         sizes = [p.end - p.start for pieces in shards for p in pieces]
         self.groups = [-(-n // NVFP4_BLOCK) for n in sizes]
         self.code_bytes = [(n + 1) // 2 for n in sizes]               # sent: no padding
@@ -107,9 +111,14 @@ class WireRun:
         amax = blocks.abs().amax(dim=1)                                            # (G,)
         piece_amax = amax.new_zeros(P).scatter_reduce(0, owner, amax, "amax",
                                                        include_self=False)         # (P,)
-        scale = compress.nvfp4_tensor_scale(piece_amax)         # elementwise: one call, P pieces
-        block_scale, nibbles = encode_blocks(blocks, amax, scale.index_select(0, owner),
-                                             stochastic, generator)
+        if self.four_over_six:                  # (to nearest: Options refuses it stochastic)
+            scale = compress.nvfp4_tensor_scale(piece_amax, compress.FOUR_OVER_SIX_TOP)
+            block_scale, nibbles = compress.nvfp4_encode_4over6(blocks, amax,
+                                                                scale.index_select(0, owner))
+        else:
+            scale = compress.nvfp4_tensor_scale(piece_amax)     # elementwise: one call, P pieces
+            block_scale, nibbles = encode_blocks(blocks, amax, scale.index_select(0, owner),
+                                                 stochastic, generator)
         fields = torch.cat([scale.view(torch.uint8), block_scale, nibbles.view(-1)])
         segments = self.cached("encode", blocks.device, self.encode_segments)
         return gather_segments(fields, segments, self.nbytes)
@@ -152,15 +161,22 @@ class WireRun:
 
 class Nvfp4Layout(packing.PieceLayout):
     """compress.ShardLayout for NVFP4, piece by piece (the reference the packed form is tested
-    against), to nearest or stochastically."""
+    against), to nearest or stochastically; nvfp4_scale="4over6": each block's max at 6 or 4,
+    whichever errs less (compress.nvfp4_encode_4over6; to nearest)."""
 
-    def __init__(self, shapes, fmt, block, world_size, pieces=None):
+    def __init__(self, shapes, fmt, block, world_size, pieces=None, nvfp4_scale="6"):
         if fmt != "nvfp4":
             raise ValueError(f"an NVFP4 layout codes nvfp4, not {fmt!r} "
                              "(nanogeo.wire.collective.layout picks the layout of a format)")
+        if nvfp4_scale not in NVFP4_SCALES:
+            raise ValueError(f"nvfp4_scale must be one of {', '.join(NVFP4_SCALES)}, got "
+                             f"{nvfp4_scale!r}")
         super().__init__(shapes, fmt, NVFP4_BLOCK, world_size, pieces)
+        self.four_over_six = nvfp4_scale == "4over6"
 
     def quantize_piece(self, values, p, rounding=(False, None)):
+        if self.four_over_six:
+            return compress.nvfp4_wire(values.view(p.shape), four_over_six=True)
         if not rounding[0]:
             return compress.ShardLayout.quantize_piece(self, values, p)
         return quantize_nvfp4_stochastic(values.view(p.shape), rounding[1]).buffer
@@ -172,10 +188,10 @@ class Nvfp4PackedLayout(Nvfp4Layout, packing.PackedLayout):
     wire order, one codec call per stage - with the piece-by-piece path's wire (Nvfp4Layout's
     piece codec and sizes): the same bytes and, summed in the same order, the same means."""
 
-    def __init__(self, shapes, fmt, block, world_size, pieces=None):
-        super().__init__(shapes, fmt, block, world_size, pieces)
-        self.bucket = WireRun(self.pieces)                                       # stages 1, 3
-        self.shards = [WireRun([pieces]) for pieces in self.pieces]              # stage 2
+    def __init__(self, shapes, fmt, block, world_size, pieces=None, nvfp4_scale="6"):
+        super().__init__(shapes, fmt, block, world_size, pieces, nvfp4_scale)
+        self.bucket = WireRun(self.pieces, self.four_over_six)                   # stages 1, 3
+        self.shards = [WireRun([pieces], self.four_over_six) for pieces in self.pieces]  # 2
 
     def quantize_ranks(self, rank_tensors):
         """Rank by rank, as compress.ShardLayout does (each piece's tensor scale is a max over
