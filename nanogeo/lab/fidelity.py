@@ -103,9 +103,6 @@ def method_options(spec, vocab_size):
             options[key] = tuple(value.split("+"))
         else:
             options[key] = type(default)(value)
-    if options.get("stage2_fmt") not in (None, "", options.get("fmt", "e4m3")):
-        raise ValueError(f"{spec}: stage2_fmt is not measured here (the per-layer bytes count "
-                         "one format for both stages): drop it, or run train.py --stage2_fmt")
     return Options.of(**options)
 
 
@@ -123,13 +120,15 @@ def bf16_ring_mean(worker_grads):
 
 def tensor_bytes(layout, index):
     """Bytes per rank (averaged over ranks) that carry tensor `index`: its stage-1 pieces for
-    the other ranks plus its stage-2 piece to the W - 1 others (all_gather padding excluded)."""
+    the other ranks plus its stage-2 piece to the W - 1 others (all_gather padding excluded;
+    stage 2 in its own format where the layout has one, --stage2_fmt)."""
     world = layout.world_size
+    stage2 = getattr(layout, "stage2_layout", layout)
     total = 0
-    for pieces, sizes in zip(layout.pieces, layout.piece_nbytes):
-        for p, nbytes in zip(pieces, sizes):
+    for pieces, sizes, sizes2 in zip(layout.pieces, layout.piece_nbytes, stage2.piece_nbytes):
+        for p, nbytes, nbytes2 in zip(pieces, sizes, sizes2):
             if p.tensor == index:
-                total += (world - 1) * nbytes * 2           # to j by W - 1; by j to W - 1
+                total += (world - 1) * (nbytes + nbytes2)   # to j by W - 1; by j to W - 1
     return total / world
 
 
@@ -156,7 +155,7 @@ def run_method(spec, steps, names, vocab_size, moments=None, linear=None, views=
         per_tensor = [collective.ring_allreduce_bytes(math.prod(s), 1, world) for s in shapes]
     else:
         layout = collective.shard_layout(tuple(tuple(s) for s in shapes), options.fmt,
-                                         options.block, world)
+                                         options.block, world, options.stage2_fmt)
         per_tensor = [tensor_bytes(layout, i) for i in range(len(names))]  # fixed by the shapes
     for s, workers in enumerate(steps):
         coords = [comm.coords(n) for n in names]  # the coordinates this step is sent in
