@@ -140,9 +140,9 @@ def e2m1_codes(y):
 
 
 def nvfp4_tensor_scale(amax, top=E4M3_MAX):
-    """The fp32 scale that brings the largest block scale to `top` (e4m3's max; Four Over Six:
-    FOUR_OVER_SIX_TOP) - 1 where amax is 0, at least fp32's smallest normal (a subnormal
-    quotient would round to 0, and 0 / 0 = NaN)."""
+    """The fp32 scale that brings the largest block scale to `top` (e4m3's max) - 1 where amax
+    is 0, at least fp32's smallest normal (a subnormal quotient would round to 0, and 0 / 0 =
+    NaN)."""
     scale = (amax / (E2M1_MAX * top)).clamp(min=torch.finfo(torch.float32).tiny)
     return torch.where(amax > 0, scale, torch.ones_like(amax))
 
@@ -172,26 +172,6 @@ def nvfp4_decode(block_scale, nibbles, scale):
     return values * (block_scale.view(torch.float8_e4m3fn).float() * scale)[:, None]
 
 
-# Four Over Six (Cook et al., arXiv 2512.02010): e2m1 has nothing between 4 and 6, so with the
-# block's max at 6 a value at 0.67-1x of it loses up to 13 %. Each block is encoded twice, its
-# max at 6 and at 4 (a 1.5x larger block scale: the tensor scale puts the largest block scale at
-# 256, not 448, so that it still fits), and keeps the one whose decoded block is closer. The
-# same bytes: the choice lives in the block scale, and decoding is unchanged.
-FOUR_OVER_SIX_TOP = 256.0
-
-
-def nvfp4_encode_4over6(blocks, amax, scale):
-    """nvfp4_encode with each block's max at 6 or at 4, whichever decodes with the smaller
-    squared error (ties: 6). `scale`: nvfp4_tensor_scale(., FOUR_OVER_SIX_TOP)."""
-    six = nvfp4_encode(blocks, amax, scale)
-    four = nvfp4_encode(blocks, amax, scale, block_max=4.0)
-    six_err, four_err = ((nvfp4_decode(*enc, scale) - blocks).square().sum(dim=1)
-                         for enc in (six, four))                          # (G,) each
-    four_wins = four_err < six_err
-    return (torch.where(four_wins, four[0], six[0]),
-            torch.where(four_wins[:, None], four[1], six[1]))
-
-
 def quantize(x, fmt="e4m3", block=128) -> Quantized:
     """x -> its wire bytes. FP8: each group gets the scale s = fmax / amax and is sent as [fp32
     scale | its codes], values cast as torch casts x * s, saturated at +-fmax (a finite input
@@ -209,16 +189,14 @@ def quantize(x, fmt="e4m3", block=128) -> Quantized:
     return Quantized(buffer, x.shape, fmt, block)
 
 
-def nvfp4_wire(x, to_e2m1=e2m1_codes, four_over_six=False):
-    """x (not empty) -> NVFP4 wire bytes: [tensor scale | block scales | codes, padding cut]."""
+def nvfp4_wire(x, encode=nvfp4_encode, top=E4M3_MAX):
+    """x (not empty) -> NVFP4 wire bytes: [tensor scale | block scales | codes, padding cut]
+    (production passes a stochastic or a Four Over Six `encode`, with the `top` of its tensor
+    scale)."""
     blocks = scale_groups(x, NVFP4_BLOCK)                              # (G, 16)
     amax = blocks.abs().amax(dim=1)
-    if four_over_six:                               # (nearest rounding: the choice compares)
-        scale = nvfp4_tensor_scale(amax.max(), FOUR_OVER_SIX_TOP).reshape(1)
-        block_scale, nibbles = nvfp4_encode_4over6(blocks, amax, scale)
-    else:
-        scale = nvfp4_tensor_scale(amax.max()).reshape(1)
-        block_scale, nibbles = nvfp4_encode(blocks, amax, scale, to_e2m1)
+    scale = nvfp4_tensor_scale(amax.max(), top).reshape(1)
+    block_scale, nibbles = encode(blocks, amax, scale)
     codes = nibbles.view(-1)[: (x.numel() + 1) // 2]
     return torch.cat([scale.view(torch.uint8), block_scale, codes])
 

@@ -1,5 +1,5 @@
 """Four Over Six (--nvfp4_scale=4over6): each NVFP4 block's max at 6 or at 4, whichever decodes
-closer (compress.nvfp4_encode_4over6). The same wire and decoder as NVFP4; the packed production
+closer (nvfp4.encode_4over6). The same wire and decoder as NVFP4; the packed production
 layouts write compress.py's bytes; on 2 gloo ranks the means are the simulator's."""
 import pytest
 import torch
@@ -27,25 +27,24 @@ def test_each_block_keeps_the_closer_of_its_two_encodings():
     blocks = torch.randn(512, 16, generator=g) * torch.logspace(-3, 2, 512)[:, None]
     blocks[0] = torch.tensor([1.0, 0.8, -0.78, 0.7] + [0.05] * 12)
     amax = blocks.abs().amax(dim=1)
-    scale = compress.nvfp4_tensor_scale(amax.max(), compress.FOUR_OVER_SIX_TOP).reshape(1)
-    chosen = block_errors(blocks, *compress.nvfp4_encode_4over6(blocks, amax, scale), scale)
+    scale = compress.nvfp4_tensor_scale(amax.max(), nvfp4.FOUR_OVER_SIX_TOP).reshape(1)
+    chosen = block_errors(blocks, *nvfp4.encode_4over6(blocks, amax, scale), scale)
     six = block_errors(blocks, *compress.nvfp4_encode(blocks, amax, scale), scale)
     four = block_errors(blocks, *compress.nvfp4_encode(blocks, amax, scale, block_max=4.0), scale)
     assert torch.equal(chosen, torch.minimum(six, four))
     assert four[0] < six[0] and chosen[0] == four[0]
     assert 0.1 < (four < six).float().mean() < 0.9          # both choices occur
-    block_scale = compress.nvfp4_encode_4over6(blocks, amax, scale)[0]
-    assert block_scale.view(torch.float8_e4m3fn).float().max() <= 1.5 * compress.FOUR_OVER_SIX_TOP
+    block_scale = nvfp4.encode_4over6(blocks, amax, scale)[0]
+    assert block_scale.view(torch.float8_e4m3fn).float().max() <= 1.5 * nvfp4.FOUR_OVER_SIX_TOP
 
 
 def test_same_wire_same_decoder_smaller_error():
-    """nvfp4_wire(four_over_six=True) has NVFP4's size and decodes with compress.dequantize as it
+    """nanogeo.wire.nvfp4.quantize_4over6 has NVFP4's size and decodes with compress.dequantize as it
     is; on Gaussian values its relative L2 error is lower than NVFP4's (measured ~0.087 vs
     ~0.095 with these draws)."""
     x = torch.randn(256, 96, generator=torch.Generator().manual_seed(1))
     plain = compress.quantize(x, "nvfp4")
-    both = compress.Quantized(compress.nvfp4_wire(x, four_over_six=True), x.shape, "nvfp4",
-                              compress.NVFP4_BLOCK)
+    both = nvfp4.quantize_4over6(x)
     assert both.nbytes == plain.nbytes == compress.wire_nbytes(x.shape, "nvfp4", 16)
     err = lambda q: ((compress.dequantize(q) - x).norm() / x.norm()).item()
     assert err(both) < 0.95 * err(plain)
@@ -54,7 +53,7 @@ def test_same_wire_same_decoder_smaller_error():
 @pytest.mark.parametrize("world", [1, 3, 8])
 def test_packed_layout_writes_the_piece_by_piece_bytes(world, monkeypatch, one_thread):
     """The packed layout (one codec call per bucket and stage) sends the same bytes and gives the
-    same means as quantizing piece by piece with compress.nvfp4_wire(four_over_six=True) - odd
+    same means as quantizing piece by piece with compress.nanogeo.wire.nvfp4.quantize_4over6 - odd
     sizes, partial blocks, zero tensors; NVFP4's bytes, other values; and as the mixed wire's
     stage 1 (an e4m3 stage 2) NVFP4's bytes, other values too."""
     workers = [nvfp4_rank_tensors(r) for r in range(world)]
@@ -64,8 +63,7 @@ def test_packed_layout_writes_the_piece_by_piece_bytes(world, monkeypatch, one_t
     for w in workers:
         send = compress.quantize_bucket(w, packed)
         assert torch.equal(send, compress.quantize_bucket(w, apart))
-        by_piece = torch.cat([compress.nvfp4_wire(w[p.tensor].reshape(-1)[p.start:p.end],
-                                                  four_over_six=True)
+        by_piece = torch.cat([nvfp4.quantize_4over6(w[p.tensor].reshape(-1)[p.start:p.end]).buffer
                               for shard in apart.pieces for p in shard])
         assert torch.equal(send, by_piece)
     monkeypatch.setattr(collective, "shard_layout", lambda *a: apart)
@@ -127,6 +125,6 @@ def test_the_gain_check_measures_the_codec_the_wire_uses():
     comms = {rule: ProductionCommunicator([("w", (64, 48))],
                                           Options(geometry="subspace", fmt="nvfp4", nvfp4_scale=rule))
              for rule in ("6", "4over6")}
-    four = compress.Quantized(compress.nvfp4_wire(x, four_over_six=True), x.shape, "nvfp4", 16)
+    four = nvfp4.quantize_4over6(x)
     assert torch.equal(comms["4over6"].round_trip(x), compress.dequantize(four))
     assert torch.equal(comms["6"].round_trip(x), compress.dequantize(compress.quantize(x, "nvfp4")))

@@ -528,9 +528,8 @@ class ProductionCommunicator(compress.Communicator):
     def round_trip(self, x):
         """x through stage 1's codec and back, as the collective encodes it (Four Over Six's
         block scales where nvfp4_scale says so)."""
-        if self.opts.fmt == "nvfp4" and self.opts.nvfp4_scale == "4over6" and x.numel():
-            wire = compress.nvfp4_wire(x, four_over_six=True)
-            return compress.dequantize(compress.Quantized(wire, x.shape, "nvfp4", self.opts.block))
+        if self.opts.fmt == "nvfp4" and self.opts.nvfp4_scale == "4over6":
+            return compress.dequantize(nvfp4.quantize_4over6(x))
         return super().round_trip(x)
 
     def through_codec(self, layer, g):
