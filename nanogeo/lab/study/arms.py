@@ -69,15 +69,10 @@ COMMS = {"fp32": ["--comm=fp32"], "bf16": ["--comm=bf16"], "fp8": ["--comm=fp8"]
          "nvfp4-e4m3s2-ef1": ["--comm=fp8", "--fmt=nvfp4", "--stage2_fmt=e4m3",
                               "--error_feedback", "--feedback_stages=1"],
          "subspace-nvfp4-e4m3s2": ["--comm=subspace", "--fmt=nvfp4", "--stage2_fmt=e4m3"],
-         # Four Over Six on stage 1's NVFP4 (each block's max at 6 or 4, whichever errs less):
-         # alone, and with each of the levers above
+         # Four Over Six on stage 1's NVFP4 (each block's max at 6 or 4, whichever errs less;
+         # not run by the mixed-wire study: its error gain measured below the 10 % asked for)
          "nvfp4-e4m3s2-4over6": ["--comm=fp8", "--fmt=nvfp4", "--stage2_fmt=e4m3",
-                                 "--nvfp4_scale=4over6"],
-         "nvfp4-e4m3s2-ef1-4over6": ["--comm=fp8", "--fmt=nvfp4", "--stage2_fmt=e4m3",
-                                     "--error_feedback", "--feedback_stages=1",
-                                     "--nvfp4_scale=4over6"],
-         "subspace-nvfp4-e4m3s2-4over6": ["--comm=subspace", "--fmt=nvfp4", "--stage2_fmt=e4m3",
-                                          "--nvfp4_scale=4over6"]}
+                                 "--nvfp4_scale=4over6"]}
 EUCLIDEAN = ("fp8", "fp8-paper", "e5m2-tensor", "nvfp4")      # candidates for --reference
 
 
