@@ -5,7 +5,8 @@
 #                  one PASS/FAIL line per check, a summary, smoke.json
 # Overridable: PYTHON, VENV, TORCH (pip spec), PIP_ARGS (pip's index or extra arguments for
 # torch, e.g. PyTorch's CUDA wheel index on aarch64), NPROC (ranks), DEMO (the demo's
-# communication flags), ARGS (extra train.py flags, after DEMO: they win).
+# optimizer and communication flags), ARGS (extra train.py flags, after DEMO: they win), OUT
+# (the demo's out_dir), CAPTURE and TABLE (the closing table's gradients and methods).
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -18,22 +19,17 @@ PIP_ARGS ?=
 NPROC  ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | wc -l); [ "$$n" -gt 0 ] && echo $$n || echo 2)
 ARGS   ?=
 SMOKE_ARGS ?=
-# The demo trains with the published GeoFP8 on its own collective: per-tensor e5m2 codes summed
-# by one FP8 all_reduce; the 4 matrices whose FP8 sums saturate most during the first 10 steps
-# (the paper's profiler) go to whitened coordinates for good (enter/exit gain 0), with error
-# feedback on them and an EMA of the factors. It ends with the per-layer table, the wire ratio
-# and the last step's error against Euclidean FP8 on the same collective, and against the
-# recommended FP8 (Euclidean e4m3 on the two-stage collective).
-# NCCL sums float8 only on compute capability 9.0 and newer (Hopper): on older GPUs the demo
-# runs the published whitening on the two-stage collective (its gain check chooses the layers).
-GPU_CC := $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d .)
-ifeq ($(shell [ -n "$(GPU_CC)" ] && [ "$(GPU_CC)" -lt 90 ] && echo old),old)
-DEMO   ?= --comm=geofp8 --error_feedback --feedback_geo_only --factor_decay=0.95
-else
-DEMO   ?= --comm=geofp8 --fmt=e5m2 --block=tensor --collective=fp8-sum --geo_layers=fragile:4 \
-          --geo_enter_gain=0 --geo_exit_gain=0 --error_feedback --feedback_geo_only \
-          --factor_decay=0.95
-endif
+# The demo trains as the README recommends for the paper's optimizer: Muon, with the subspace
+# rotation on the two-stage FP8 collective. It ends with one table on fresh gradients of the
+# trained model (CAPTURE: 2 workers' gradients over 3 steps from the checkpoint, Muon's state
+# included): every wire a user chooses between - bf16, Euclidean FP8, the rotation, the
+# published GeoFP8 on its own FP8-sum collective, NVFP4 and the mixed 4-bit + FP8 wire - with
+# its bytes against bf16's and the update error Muon (and AdamW, on the embeddings and norms)
+# sees (nanogeo/lab/fidelity.py --brief).
+DEMO   ?= --optimizer=muon --comm=subspace
+OUT    ?= out/demo
+CAPTURE ?= --workers=2 --capture_steps=3
+TABLE  ?= bf16,fp8-block,subspace,geofp8-paper:select=all,nvfp4,nvfp4-e4m3s2
 BIN     = $(VENV)/bin
 # glibc hands every freed buffer above its mmap threshold (at most 32 MB by default) back to the
 # kernel and gets fresh zeroed pages for the next one; the demo allocates and frees 200 MB of
@@ -65,8 +61,11 @@ device-check:
 	$(BIN)/python -m nanogeo.run.runtime
 
 train: install data device-check
-	$(MALLOC) $(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) train.py --out_dir=out/demo --overwrite=true \
+	$(MALLOC) $(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) train.py --out_dir=$(OUT) --overwrite=true \
 	    $(DEMO) $(ARGS)
+	$(MALLOC) $(BIN)/python -m nanogeo.lab.capture --checkpoint=$(OUT)/ckpt.pt --out=$(OUT)/grads.pt \
+	    --optimizer=muon $(CAPTURE) > $(OUT)/capture.log
+	$(BIN)/python -m nanogeo.lab.fidelity $(OUT)/grads.pt --methods=$(TABLE) --last=1 --brief
 
 test: install
 	$(BIN)/python -m pytest -q --durations=10

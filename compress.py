@@ -139,18 +139,19 @@ def e2m1_codes(y):
     return idx | (y < 0).to(torch.uint8) << 3
 
 
-def nvfp4_tensor_scale(amax):
-    """The fp32 scale that brings the largest block scale to e4m3's max (1 where amax is 0), at
-    least fp32's smallest normal (a subnormal quotient would round to 0, and 0 / 0 = NaN)."""
-    scale = (amax / (E2M1_MAX * E4M3_MAX)).clamp(min=torch.finfo(torch.float32).tiny)
+def nvfp4_tensor_scale(amax, top=E4M3_MAX):
+    """The fp32 scale that brings the largest block scale to `top` (e4m3's max) - 1 where amax
+    is 0, at least fp32's smallest normal (a subnormal quotient would round to 0, and 0 / 0 =
+    NaN)."""
+    scale = (amax / (E2M1_MAX * top)).clamp(min=torch.finfo(torch.float32).tiny)
     return torch.where(amax > 0, scale, torch.ones_like(amax))
 
 
-def nvfp4_encode(blocks, amax, scale, to_e2m1=e2m1_codes):
+def nvfp4_encode(blocks, amax, scale, to_e2m1=e2m1_codes, block_max=E2M1_MAX):
     """blocks (G, 16) fp32, their amax (G,) and tensor scale ((G,) or (1,)) -> block scales (G,)
-    as e4m3 bytes and codes (G, 8) uint8, two a byte, low nibble first (production passes a
-    stochastic `to_e2m1`)."""
-    block_scale = (amax / (E2M1_MAX * scale)).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    as e4m3 bytes and codes (G, 8) uint8, two a byte, low nibble first: each block's amax maps
+    to `block_max` of the e2m1 grid (production passes a stochastic `to_e2m1`)."""
+    block_scale = (amax / (block_max * scale)).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
     step = block_scale.float() * scale                                 # (G,) decoded block scale
     y = torch.where(step[:, None] > 0, blocks / step[:, None], torch.zeros_like(blocks))
     codes = to_e2m1(y.clamp(-E2M1_MAX, E2M1_MAX))                       # (G, 16)
@@ -188,12 +189,14 @@ def quantize(x, fmt="e4m3", block=128) -> Quantized:
     return Quantized(buffer, x.shape, fmt, block)
 
 
-def nvfp4_wire(x, to_e2m1=e2m1_codes):
-    """x (not empty) -> NVFP4 wire bytes: [tensor scale | block scales | codes, padding cut]."""
+def nvfp4_wire(x, encode=nvfp4_encode, top=E4M3_MAX):
+    """x (not empty) -> NVFP4 wire bytes: [tensor scale | block scales | codes, padding cut]
+    (production passes a stochastic or a Four Over Six `encode`, with the `top` of its tensor
+    scale)."""
     blocks = scale_groups(x, NVFP4_BLOCK)                              # (G, 16)
     amax = blocks.abs().amax(dim=1)
-    scale = nvfp4_tensor_scale(amax.max()).reshape(1)
-    block_scale, nibbles = nvfp4_encode(blocks, amax, scale, to_e2m1)
+    scale = nvfp4_tensor_scale(amax.max(), top).reshape(1)
+    block_scale, nibbles = encode(blocks, amax, scale)
     codes = nibbles.view(-1)[: (x.numel() + 1) // 2]
     return torch.cat([scale.view(torch.uint8), block_scale, codes])
 

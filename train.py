@@ -101,6 +101,8 @@ class TrainConfig:
     block: str = "128"                # scale granularity: elements per block, row or tensor
     stage2_fmt: str = ""              # two-stage: the all-gather's format ("" = --fmt), e.g. e4m3
                                       # after an NVFP4 all-to-all
+    nvfp4_scale: str = "6"            # NVFP4 block scales: max at 6 | 4over6 (at 6 or 4, the
+                                      # smaller error: Four Over Six)
     collective: str = "two-stage"     # two-stage | fp8-sum (the paper's: one FP8 all_reduce SUM)
     sum_order: str = "ring"           # fp8-sum: the order the FP8 partial sums are added in
     scale_sync_every: int = 1         # fp8-sum: >1 = the published local-scale defect (ablation)

@@ -241,26 +241,36 @@ def test_readme_commands_run_as_written(scratch):
 
 
 def test_make_train_runs_the_demo(scratch):
-    """`make train` = the install, the bundled data and one torchrun line. That line, at toy
-    size, trains with the published GeoFP8 and ends with what the demo is for: the per-layer
-    table, the wire ratio and the last step's error against Euclidean FP8 on the same collective
-    and, last before the summary, against the FP8 the README recommends (two-stage)."""
+    """`make train` = the install, the bundled data and three lines: torchrun trains with the
+    README's recommendation for Muon (the subspace rotation on the two-stage FP8 collective),
+    the capture takes fresh gradients of the trained model, and the run ends with one table:
+    every wire the README compares - bf16, Euclidean FP8, the rotation, the published GeoFP8 on
+    its collective, NVFP4, the mixed wire - with its bytes against bf16's and the update error
+    of each optimizer. Run at toy size."""
     if shutil.which("make") is None:
         pytest.skip("no make")
     dry = subprocess.run(["make", "-n", "-C", ROOT, "train", "VENV=venv", "NPROC=2"],
                          capture_output=True, text=True, check=True).stdout
-    line = next(l for l in dry.replace("\\\n", " ").splitlines() if "bin/torchrun" in l)
-    line = line.replace("venv/bin/torchrun", "torchrun")
+    lines = [l.replace("venv/bin/", "") for l in dry.replace("\\\n", " ").splitlines()]
+    train, capture, table = (next(l for l in lines if word in l)
+                             for word in ("torchrun",
+                                          "nanogeo.lab.capture", "nanogeo.lab.fidelity"))
+    assert "--optimizer=muon" in train and "--comm=subspace" in train
     if not (scratch / "data" / "shakespeare" / "train.bin").exists():
         assert shell(scratch, "python prepare_data.py").returncode == 0
-    done = shell(scratch, f"{line} {TRAIN} --max_iters=4 --eval_interval=4")
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = done.stdout
-    assert "--comm=geofp8" in line and "--geo_layers=fragile:4" in line
-    assert "geometry-aware layers at step 4" in out and "wire" in out
-    assert "Euclidean FP8, same collective" in out and out.rstrip().splitlines()[-1].startswith("summary")
-    assert out.rstrip().splitlines()[-2].startswith("  the recommended FP8 on the same gradients "
-                                                    "(Euclidean e4m3, blocks of 128, two-stage")
+    toy = "--batch_size=2 --block_size=16"
+    for line, extra in ((train, f"{TRAIN} --max_iters=4 --eval_interval=4"),
+                        (capture.replace(" >", f" {toy} >"), ""), (table, "")):
+        done = shell(scratch, f"{line} {extra}")
+        assert done.returncode == 0, (line, done.stderr[-3000:])
+    rows = done.stdout.rstrip().splitlines()
+    assert rows[0].split()[:4] == ["method", "bytes", "vs", "bf16"], rows
+    assert "update err muon" in rows[0] and "update err adamw" in rows[0]
+    methods = [r.split()[0] for r in rows[1:]]
+    assert methods == ["bf16", "fp8-block", "subspace", "geofp8-paper:select=all", "nvfp4",
+                       "nvfp4-e4m3s2"], rows
+    ratios = {m: float(r.split()[1]) for m, r in zip(methods, rows[1:])}
+    assert ratios["bf16"] == 1.0 and ratios["nvfp4"] < ratios["nvfp4-e4m3s2"] < ratios["fp8-block"]
 
 
 STUDY_RESULTS = ("docs/study/namesake/results.json", "docs/study/mixed/results.json",

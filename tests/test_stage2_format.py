@@ -222,8 +222,7 @@ def test_stage2_fmt_refused_where_it_cannot_be_honoured():
         assert "\n" not in str(error.value)
     mean_over_workers([tensors, tensors], "nvfp4", stochastic=True, seed=1, stages="1",
                       stage2_fmt="e4m3")
-    with pytest.raises(ValueError, match="stage2_fmt is not measured here"):
-        fidelity.method_options("nvfp4:stage2_fmt=e4m3", 65)
+    assert fidelity.method_options("nvfp4:stage2_fmt=e4m3", 65).stage2_fmt == "e4m3"
     old = {"config": {"preset": "char-study", "comm": "fp8", "fmt": "e4m3"}}   # before the flag
     with pytest.raises(ConfigError, match="is a --stage2_fmt='' run"):
         checkpoint.check_resumable(old, "ckpt.pt", train.parse_config(
@@ -253,3 +252,15 @@ def test_train_with_an_e4m3_stage_2_logs_a_wire_between_nvfp4_and_e4m3(tiny_corp
         assert steps and summary["mean_wire_vs_bf16"] == steps[-1]["wire_vs_bf16"]
         wire[name] = summary["mean_wire_vs_bf16"]
     assert wire["nvfp4"] < wire["mixed"] < wire["e4m3"], wire
+
+
+def test_fidelity_counts_each_stage_in_its_own_format():
+    """The fidelity tool's bytes per tensor of the mixed wire: its stage-1 pieces in NVFP4 and
+    its stage-2 pieces in e4m3, (W - 1) / W of both stages' shard sizes in all."""
+    from nanogeo.lab import fidelity
+    shapes, world = ((300, 7), (64,), (5, 130)), 4
+    mixed = collective.shard_layout(shapes, "nvfp4", 128, world, "e4m3")
+    total = sum(fidelity.tensor_bytes(mixed, i) for i in range(len(shapes)))
+    assert total == (world - 1) / world * (sum(mixed.nbytes) + sum(mixed.stage2_nbytes))
+    plain = collective.shard_layout(shapes, "nvfp4", 128, world)
+    assert sum(fidelity.tensor_bytes(plain, i) for i in range(len(shapes))) < total

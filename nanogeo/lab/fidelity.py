@@ -2,7 +2,7 @@
 How faithfully does each method deliver the mean gradient?
 
     python -m nanogeo.lab.fidelity grads.pt [--methods bf16,fp8-block,geofp8] [--json OUT] [--last K]
-                                        [--per_step]
+                                        [--per_step] [--brief]
 
 Reads a gradient file (nanogeo.lab.capture writes one), runs every method's full pipeline over the
 steps in order - geometry is estimated only from earlier decoded means, exactly as in training,
@@ -25,6 +25,7 @@ Methods (each with the two-stage e4m3 block-128 collective unless it says otherw
     subspace, subspace-full     this project's rotation (r = 16; per matrix both sides or the
                                 columns only, sides=auto; exact dense bases, both sides)
     nvfp4, geo-nvfp4, subspace-nvfp4    NVFP4 Euclidean / whitened / rotated
+    nvfp4-e4m3s2    the mixed wire: each rank's send in NVFP4, the averaged shards in e4m3
     hadamard, hadamard-paper, hadamard-nvfp4    the geometry-agnostic control: a randomized
                     Hadamard transform (random signs, Walsh-Hadamard blocks of 128 along each
                     row; no statistics), on the default codec / the paper's codec and collective
@@ -68,6 +69,7 @@ METHODS = {  # name -> Options fields (None: the bf16 ring all-reduce)
     "subspace": dict(geometry="subspace"),
     "subspace-full": dict(geometry="subspace", full=True),
     "nvfp4": dict(geometry="euclidean", fmt="nvfp4"),
+    "nvfp4-e4m3s2": dict(geometry="euclidean", fmt="nvfp4", stage2_fmt="e4m3"),
     "geo-nvfp4": dict(geometry="geofp8", fmt="nvfp4"),
     "subspace-nvfp4": dict(geometry="subspace", fmt="nvfp4"),
     "hadamard": dict(geometry="hadamard"),
@@ -103,9 +105,6 @@ def method_options(spec, vocab_size):
             options[key] = tuple(value.split("+"))
         else:
             options[key] = type(default)(value)
-    if options.get("stage2_fmt") not in (None, "", options.get("fmt", "e4m3")):
-        raise ValueError(f"{spec}: stage2_fmt is not measured here (the per-layer bytes count "
-                         "one format for both stages): drop it, or run train.py --stage2_fmt")
     return Options.of(**options)
 
 
@@ -123,13 +122,15 @@ def bf16_ring_mean(worker_grads):
 
 def tensor_bytes(layout, index):
     """Bytes per rank (averaged over ranks) that carry tensor `index`: its stage-1 pieces for
-    the other ranks plus its stage-2 piece to the W - 1 others (all_gather padding excluded)."""
+    the other ranks plus its stage-2 piece to the W - 1 others (all_gather padding excluded;
+    stage 2 in its own format where the layout has one, --stage2_fmt)."""
     world = layout.world_size
+    stage2 = getattr(layout, "stage2_layout", layout)
     total = 0
-    for pieces, sizes in zip(layout.pieces, layout.piece_nbytes):
-        for p, nbytes in zip(pieces, sizes):
+    for pieces, sizes, sizes2 in zip(layout.pieces, layout.piece_nbytes, stage2.piece_nbytes):
+        for p, nbytes, nbytes2 in zip(pieces, sizes, sizes2):
             if p.tensor == index:
-                total += (world - 1) * nbytes * 2           # to j by W - 1; by j to W - 1
+                total += (world - 1) * (nbytes + nbytes2)   # to j by W - 1; by j to W - 1
     return total / world
 
 
@@ -156,7 +157,7 @@ def run_method(spec, steps, names, vocab_size, moments=None, linear=None, views=
         per_tensor = [collective.ring_allreduce_bytes(math.prod(s), 1, world) for s in shapes]
     else:
         layout = collective.shard_layout(tuple(tuple(s) for s in shapes), options.fmt,
-                                         options.block, world)
+                                         options.block, world, options.stage2_fmt)
         per_tensor = [tensor_bytes(layout, i) for i in range(len(names))]  # fixed by the shapes
     for s, workers in enumerate(steps):
         coords = [comm.coords(n) for n in names]  # the coordinates this step is sent in
@@ -401,6 +402,21 @@ def print_report(report):
     print("(g = sent in geometry-aware coordinates)")
 
 
+def print_brief(report):
+    """One row per method: its bytes against the bf16 ring's (when bf16 is among the methods),
+    the relative L2 error of the mean and, where the file records its optimizer, the update
+    error each optimizer sees (the error that matters: README, "What the optimizer sees")."""
+    methods, base = list(report), report.get("bf16")
+    optimizers = list(report[methods[0]]["total"].get("update_err", {}))
+    print(f"{'method':34s}{'bytes vs bf16':>14s}{'rel. L2':>10s}"
+          + "".join(f"{'update err ' + c:>18s}" for c in optimizers))
+    for m in methods:
+        total = report[m]["total"]
+        ratio = f"{total['bytes'] / base['total']['bytes']:14.3f}" if base else f"{'-':>14s}"
+        print(f"{m[:34]:34s}{ratio}{total['rel_err']:10.4f}"
+              + "".join(f"{total['update_err'][c]:18.4f}" for c in optimizers))
+
+
 def plot(report, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -432,13 +448,15 @@ def main(argv=None):
                         help="also print every step's total update error (files with an optimizer)")
     parser.add_argument("--round_trip", action="store_true",
                         help="one codec round trip of the exact mean instead of the collective")
+    parser.add_argument("--brief", action="store_true",
+                        help="only the totals, one row per method (bytes vs bf16, errors)")
     args = parser.parse_args(argv)
     try:
         report = evaluate(args.path, args.methods.split(","), args.last, args.vocab_size,
                           args.round_trip)
     except (ValueError, FileNotFoundError, KeyError) as e:
         sys.exit(f"nanogeo.lab.fidelity: error: {e}")
-    print_report(report)
+    (print_brief if args.brief else print_report)(report)
     if args.per_step:
         print_steps(report)
     if args.json:

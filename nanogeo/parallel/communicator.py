@@ -36,7 +36,7 @@ import compress
 from nanogeo.geometry import agreement, hadamard, layers, update_error
 from nanogeo.parallel import hooks
 from nanogeo.parallel.precision import ieee
-from nanogeo.wire import collective, fp8sum, packing
+from nanogeo.wire import collective, fp8sum, nvfp4, packing
 
 # options renamed to train.py's flag names (one vocabulary), and the whitening's old name
 RENAMED = {"refresh": "geo_refresh", "warmup": "geo_warmup", "judge": "geo_judge",
@@ -62,6 +62,8 @@ class Options(compress.GeoOptions):
     seed: int = 0                   # stochastic rounding's and the Hadamard control's draws
     stage2_fmt: str = ""            # the two-stage collective's all-gather in another format
                                     # ("": fmt's), e.g. e4m3 after an NVFP4 all-to-all
+    nvfp4_scale: str = "6"          # NVFP4's block scales: each block's max at 6, or "4over6":
+                                    # at 6 or 4, whichever errs less (Four Over Six)
     stochastic_round: bool = False  # stochastic rounding (two-stage collective only)
     stochastic_stages: str = "both" # ... in both stages, or only "1" (each rank's send) or "2"
                                     # (the re-quantized averaged shard)
@@ -96,7 +98,7 @@ class Options(compress.GeoOptions):
                 "sides": SUBSPACE_SIDES, "whiten_sides": WHITEN_SIDES,
                 "whiten_factor": layers.WHITEN_FACTORS, "whiten_solver": layers.WHITEN_SOLVERS,
                 "basis": ("householder", "random"),
-                "stage2_fmt": ("", *compress.FORMATS),
+                "stage2_fmt": ("", *compress.FORMATS), "nvfp4_scale": nvfp4.NVFP4_SCALES,
                 "stochastic_stages": tuple(collective.ROUNDING_STAGES),
                 "feedback_stages": FEEDBACK_STAGES,
                 "hadamard_sides": hadamard.HADAMARD_SIDES}
@@ -121,6 +123,7 @@ class Options(compress.GeoOptions):
             raise ValueError("stochastic_stages chooses the stages that stochastic_round rounds "
                              "stochastically: turn stochastic_round on too (--stochastic_round)")
         self.check_stage2_fmt()
+        self.check_nvfp4_scale()
         if self.full and self.basis != "householder":
             raise ValueError("full=True (exact bases) and basis='random' are two different "
                              "ablations; choose one")
@@ -155,6 +158,18 @@ class Options(compress.GeoOptions):
             raise ValueError(f"stage2_fmt={self.stage2_fmt!r} after nvfp4 scales stage 2 in "
                              f"groups of `block` elements: use an integer block (e.g. 128), not "
                              f"{self.block!r}")
+
+    def check_nvfp4_scale(self):
+        """Four Over Six scales NVFP4 blocks (a stage in nvfp4), rounded to nearest: its choice
+        compares the two encodings' errors, which a stochastic draw would not reproduce."""
+        if self.nvfp4_scale == "6":
+            return
+        if "nvfp4" not in (self.fmt, self.stage2_fmt):
+            raise ValueError(f"nvfp4_scale={self.nvfp4_scale!r} chooses NVFP4's block scales: "
+                             "send a stage in nvfp4 (--fmt=nvfp4) or drop nvfp4_scale")
+        if self.stochastic_round:
+            raise ValueError(f"nvfp4_scale={self.nvfp4_scale!r} rounds to nearest: drop "
+                             "stochastic_round (--stochastic_round) or nvfp4_scale")
 
     @classmethod
     def of(cls, **options):
@@ -307,7 +322,7 @@ class ProductionCommunicator(compress.Communicator):
             bucket = collective.bucket_layout(
                 workers[0], opts.fmt, opts.block, world, opts.stochastic_round,
                 self.rounding_seed(), opts.stochastic_stages, self.stage2_feedback(), self.timer,
-                opts.stage2_fmt)
+                opts.stage2_fmt, opts.nvfp4_scale)
             if keep_local:
                 bucket = collective.KeptSends(bucket, workers[0][0].device)
             if across_ranks:
@@ -509,6 +524,13 @@ class ProductionCommunicator(compress.Communicator):
         may divide by a tiny root)?"""
         return (self.opts.sides == "auto" and self.kind is not None
                 and issubclass(self.kind, compress.SubspaceLayer))
+
+    def round_trip(self, x):
+        """x through stage 1's codec and back, as the collective encodes it (Four Over Six's
+        block scales where nvfp4_scale says so)."""
+        if self.opts.fmt == "nvfp4" and self.opts.nvfp4_scale == "4over6":
+            return compress.dequantize(nvfp4.quantize_4over6(x))
+        return super().round_trip(x)
 
     def through_codec(self, layer, g):
         """g through the codec in the layer's coordinates, or with sides="auto" in each of its

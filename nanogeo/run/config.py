@@ -14,7 +14,7 @@ import model as model_lib
 from nanogeo.parallel.communicator import (Options, COLLECTIVES, FEEDBACK_STAGES, SUM_ORDERS,
                                            WHITEN_SIDES)
 from nanogeo.geometry import hadamard, layers
-from nanogeo.wire import collective
+from nanogeo.wire import collective, nvfp4
 
 
 class ConfigError(ValueError):
@@ -68,7 +68,7 @@ TRAIN_CHOICES = {"comm": ("fp32", "bf16", "fp8", "geofp8", "subspace", "hadamard
                  "geo_judge": compress.JUDGES, "preset": tuple(model_lib.PRESETS),
                  "optimizer": ("adamw", "muon"),
                  "muon_adjust_lr": ("original", "match_rms_adamw"),
-                 "stage2_fmt": ("", *collective.FORMATS),
+                 "stage2_fmt": ("", *collective.FORMATS), "nvfp4_scale": nvfp4.NVFP4_SCALES,
                  "stochastic_stages": tuple(collective.ROUNDING_STAGES),
                  "feedback_stages": FEEDBACK_STAGES}
 

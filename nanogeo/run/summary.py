@@ -64,7 +64,7 @@ def geometry_state_bytes(communicator):
 
 # the FP8 the README recommends: Euclidean e4m3, blocks of 128, the two-stage collective
 RECOMMENDED = {"fmt": "e4m3", "block": 128, "collective": "two-stage", "stochastic_round": False,
-               "stochastic_stages": "both", "stage2_fmt": ""}
+               "stochastic_stages": "both", "stage2_fmt": "", "nvfp4_scale": "6"}
 
 
 def euclidean_twin(communicator, **codec):
@@ -73,7 +73,8 @@ def euclidean_twin(communicator, **codec):
     o = communicator.opts
     same = dict(fmt=o.fmt, block=o.block, collective=o.collective, sum_order=o.sum_order,
                 scale_sync_every=o.scale_sync_every, stochastic_round=o.stochastic_round,
-                stochastic_stages=o.stochastic_stages, stage2_fmt=o.stage2_fmt)
+                stochastic_stages=o.stochastic_stages, stage2_fmt=o.stage2_fmt,
+                nvfp4_scale=o.nvfp4_scale)
     options = Options(geometry="euclidean", seed=o.seed + 1, vocab_size=o.vocab_size,
                       **{**same, **codec})
     twin = ProductionCommunicator([(n, communicator.shapes[n]) for n in communicator.names],

@@ -156,7 +156,7 @@ class TwoFormatLayout:
         return self.stage2_layout.dequantize_shards(buffer, stride)
 
 
-def two_format_layout(shapes, fmt, stage2_fmt, block, world_size):
+def two_format_layout(shapes, fmt, stage2_fmt, block, world_size, nvfp4_scale="6"):
     """TwoFormatLayout: both stages on the pieces layout() cuts for the FP8 one of the two
     formats (its groups of `block` are whole NVFP4 blocks of 16 when block is a multiple of 16:
     cut in NVFP4's finer groups instead, every piece would pad its last FP8 group), each
@@ -167,8 +167,10 @@ def two_format_layout(shapes, fmt, stage2_fmt, block, world_size):
         b = compress.NVFP4_BLOCK if f == "nvfp4" else block
         return [[p if p.block == b else p._replace(shape=(p.end - p.start,), block=b)
                  for p in shard] for shard in cut]
-    return TwoFormatLayout(layout(shapes, fmt, block, world_size, pieces_for(fmt)),
-                           layout(shapes, stage2_fmt, block, world_size, pieces_for(stage2_fmt)))
+    return TwoFormatLayout(layout(shapes, fmt, block, world_size, pieces_for(fmt),
+                                  nvfp4_scale=nvfp4_scale),
+                           layout(shapes, stage2_fmt, block, world_size, pieces_for(stage2_fmt),
+                                  nvfp4_scale=nvfp4_scale))
 
 
 def stochastic_quantize(x, fmt="e4m3", block=128, generator=None):
@@ -180,23 +182,24 @@ def stochastic_quantize(x, fmt="e4m3", block=128, generator=None):
     return packing.quantize_fp8_stochastic(x, fmt, block, generator)
 
 
-def layout(shapes, fmt, block, world_size, pieces=None, packed=True):
+def layout(shapes, fmt, block, world_size, pieces=None, packed=True, nvfp4_scale="6"):
     """The ShardLayout of a bucket: packed for integer blocks (packed=False: piece by piece,
-    the reference the packed form is tested against)."""
+    the reference the packed form is tested against); NVFP4's block scales as nvfp4_scale
+    says (nanogeo.wire.nvfp4.NVFP4_SCALES; other formats ignore it)."""
     if fmt == "nvfp4":                                  # always blocks of 16
         kind = nvfp4.Nvfp4PackedLayout if packed else nvfp4.Nvfp4Layout
-    else:
-        kind = packing.PackedLayout if packed and isinstance(block, int) else packing.PieceLayout
+        return kind(shapes, fmt, block, world_size, pieces, nvfp4_scale)
+    kind = packing.PackedLayout if packed and isinstance(block, int) else packing.PieceLayout
     return kind(shapes, fmt, block, world_size, pieces)
 
 
 @functools.lru_cache(maxsize=64)
-def shard_layout(shapes, fmt, block, world_size, stage2_fmt=""):
+def shard_layout(shapes, fmt, block, world_size, stage2_fmt="", nvfp4_scale="6"):
     """layout() (or with another stage2_fmt, two_format_layout()), built once per (shapes,
     formats, world size): the collective asks for the same one every step."""
     if stage2_fmt and stage2_fmt != fmt:
-        return two_format_layout(shapes, fmt, stage2_fmt, block, world_size)
-    return layout(shapes, fmt, block, world_size)
+        return two_format_layout(shapes, fmt, stage2_fmt, block, world_size, nvfp4_scale)
+    return layout(shapes, fmt, block, world_size, nvfp4_scale=nvfp4_scale)
 
 
 def rng(seed, rank, stage, device):
@@ -225,15 +228,16 @@ def streams(stochastic, seed, device, stages="both"):
 
 
 def bucket_layout(tensors, fmt, block, world, stochastic=False, seed=None, stages="both",
-                  feedback=None, timer=NO_TIMER, stage2_fmt=""):
+                  feedback=None, timer=NO_TIMER, stage2_fmt="", nvfp4_scale="6"):
     """The layout one step's collective runs on a bucket of tensors: cached by shapes, with this
     step's stochastic-rounding streams (in the `stages` of streams()), stage 2's error feedback
-    (`feedback`: a packing.ShardFeedback), a benchmark's `timer` on its codec stages, and stage
-    2 in `stage2_fmt` ("": fmt)."""
+    (`feedback`: a packing.ShardFeedback), a benchmark's `timer` on its codec stages, stage
+    2 in `stage2_fmt` ("": fmt) and NVFP4's block scales as `nvfp4_scale` says."""
     if stage2_fmt and stage2_fmt != fmt and (feedback is not None or stochastic and stages != "1"):
         raise ValueError("a stage 2 in its own format (stage2_fmt) rounds to nearest and keeps no "
                          "error feedback: pass stages='1' and feedback=None, or drop stage2_fmt")
-    bucket = shard_layout(tuple(tuple(t.shape) for t in tensors), fmt, block, world, stage2_fmt)
+    bucket = shard_layout(tuple(tuple(t.shape) for t in tensors), fmt, block, world, stage2_fmt,
+                          nvfp4_scale)
     bucket = bucket.with_streams(streams(stochastic, seed, tensors[0].device, stages))
     if feedback is not None:
         bucket = FeedbackLayout(bucket, feedback)
@@ -242,24 +246,25 @@ def bucket_layout(tensors, fmt, block, world, stochastic=False, seed=None, stage
 
 def mean_over_ranks(tensors, fmt="e4m3", block=128, group=None, stochastic=False, seed=None,
                     return_local=False, stages="both", feedback=None, timer=NO_TIMER,
-                    stage2_fmt=""):
+                    stage2_fmt="", nvfp4_scale="6"):
     """compress.all_reduce_mean on bucket_layout()'s layout: packed, NVFP4, stochastic rounding,
     stage-2 error feedback, a second stage-2 format; return_local adds this rank's own round
     trip (KeptSends)."""
     world = torch.distributed.get_world_size(group) if torch.distributed.is_initialized() else 1
     bucket = bucket_layout(tensors, fmt, block, world, stochastic, seed, stages, feedback, timer,
-                           stage2_fmt)
+                           stage2_fmt, nvfp4_scale)
     kept = KeptSends(bucket, tensors[0].device) if return_local else bucket
     means, nbytes = compress.all_reduce_mean(tensors, group=group, layout=kept)
     return (means, nbytes, kept.local()[0]) if return_local else (means, nbytes)
 
 
 def mean_over_workers(worker_tensors, fmt="e4m3", block=128, stochastic=False, seed=None,
-                      return_local=False, stages="both", feedback=None, stage2_fmt=""):
+                      return_local=False, stages="both", feedback=None, stage2_fmt="",
+                      nvfp4_scale="6"):
     """compress.simulate_mean on the same layouts: exactly mean_over_ranks' numerics
     (return_local: and each rank's own round trip)."""
     bucket = bucket_layout(worker_tensors[0], fmt, block, len(worker_tensors), stochastic, seed,
-                           stages, feedback, stage2_fmt=stage2_fmt)
+                           stages, feedback, stage2_fmt=stage2_fmt, nvfp4_scale=nvfp4_scale)
     kept = KeptSends(bucket, worker_tensors[0][0].device) if return_local else bucket
     means, nbytes = compress.simulate_mean(worker_tensors, layout=kept)
     return (means, nbytes, kept.local()) if return_local else (means, nbytes)
