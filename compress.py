@@ -1,5 +1,5 @@
 """
-GeoFP8: geometry-aware FP8 gradient communication, in one file to read top to bottom.
+Geometry-aware FP8 gradient communication, in one file to read top to bottom.
 
 Data-parallel training averages W ranks' gradients every step; FP8 (a byte an element) instead
 of bf16 halves the bytes. FP8 is floating point: a block of values shares one fp32 scale that
@@ -8,20 +8,19 @@ its own size (~6 % for e4m3). LLM weight gradients are anisotropic - a few direc
 of the energy - so in their own coordinates every element's rounding error is set by the
 dominant part, and the small directions drown in it.
 
-The idea (GeoFP8, arXiv 2607.07494): send each matrix in coordinates where its geometry is
-round, quantize there, average with the usual collective, and map back. The map is linear and
-the same on every rank, so averaging in coordinates and decoding once is exact. Two coordinate
-systems share one interface (encode, decode, refresh): the published whitening (section 3, the
-default), G~ = G F^-T with F F^T ~ A, the layer's K-FAC input second moment; and this
-project's two-sided rotation (section 4), H = P^T G Q toward the dominant singular directions
-of earlier averaged gradients. A matrix uses its coordinates only while they measurably lower
-the error as its optimizer sees it (section 5); one function decides, Communicator.decide
-(section 6); new geometry is measured on later gradients before it is used (do no harm).
+The idea (from the GeoFP8 paper, arXiv 2607.07494): send each matrix in coordinates where its
+geometry is round, quantize there, average with the usual collective, and map back. The map is
+linear and the same on every rank, so averaging in coordinates and decoding once is exact. Two
+coordinate
+systems share one interface (encode, decode, refresh): GeoFP8, the paper's whitening
+(section 3), G~ = G F^-T with F F^T ~ A, the layer's K-FAC input second moment; and this project's
+subspace rotation (section 4), H = P^T G Q toward the dominant singular directions of earlier
+averaged gradients. A matrix uses its coordinates only while they measurably lower the error as
+its optimizer sees it (section 5); one function decides, Communicator.decide (section 6); new
+geometry is measured on later gradients before it is used (do no harm).
 
-What the studies found (BENCHMARKS.md sections 14 and 17; the README has the intervals): under
-Muon on the two-stage collective of section 2, plain Euclidean FP8 ends a small, detected amount
-(~0.002-0.003 in val loss) above fp32 and bf16; the rotation recovers about its gap to fp32,
-the whitening is not detected to; at 4 bits nothing here reaches fp32.
+What to run (the studies' answer, with its intervals and limits: docs/study/README.md): under
+Muon, the subspace rotation on the two-stage collective of section 2.
 
 `python compress.py` (section 7) shows it work. This file imports nothing from nanogeo/, which
 runs the same algorithms at scale and passes its faster forms in: packed codecs, the paper's
