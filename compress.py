@@ -11,13 +11,12 @@ dominant part, and the small directions drown in it.
 The idea (from the GeoFP8 paper, arXiv 2607.07494): send each matrix in coordinates where its
 geometry is round, quantize there, average with the usual collective, and map back. The map is
 linear and the same on every rank, so averaging in coordinates and decoding once is exact. Two
-coordinate
-systems share one interface (encode, decode, refresh): GeoFP8, the paper's whitening
-(section 3), G~ = G F^-T with F F^T ~ A, the layer's K-FAC input second moment; and this project's
-subspace rotation (section 4), H = P^T G Q toward the dominant singular directions of earlier
-averaged gradients. A matrix uses its coordinates only while they measurably lower the error as
-its optimizer sees it (section 5); one function decides, Communicator.decide (section 6); new
-geometry is measured on later gradients before it is used (do no harm).
+coordinate systems share one interface (encode, decode, refresh): GeoFP8, the paper's whitening
+(section 3), G~ = G F^-T with F F^T ~ A, the layer's K-FAC input second moment; and this
+project's subspace rotation (section 4), H = P^T G Q toward the dominant singular directions of
+earlier averaged gradients. A matrix uses its coordinates only while they measurably lower the
+error as its optimizer sees it (section 5); one function decides, Communicator.decide (section
+6); new geometry is measured on later gradients before it is used (do no harm).
 
 What to run (the studies' answer, with its intervals and limits: docs/study/README.md): under
 Muon, the subspace rotation on the two-stage collective of section 2.
