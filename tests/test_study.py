@@ -665,6 +665,33 @@ def test_study_findings_in_words_from_the_numbers():
     assert all(len(line) <= 100 for line in study.findings(records, (32,)).splitlines())
 
 
+def test_study_findings_say_whether_a_wire_under_the_goal_reaches_bf16():
+    """The goal paragraph: a method of <= 0.42x bf16's bytes equivalent to bf16 (TOST at the
+    margin) is named as reaching it; otherwise the closest one (smallest upper 90 % bound) and
+    how far past the margin it ends; methods above 0.42x are not in it."""
+    from nanogeo.lab.study import stats
+    from nanogeo.lab.study.findings import goal_findings
+    records = namesake_records({})          # fp32, bf16, fp8 (0.525x: not under the goal)
+    mixed = {"nvfp4-e4m3s2": [0.006, 0.007, 0.005, 0.006, 0.008, 0.006],
+             "nvfp4-e4m3s2-ef1": [0.003, 0.002, 0.004, 0.003, 0.002, 0.003]}
+    for comm, gaps in mixed.items():
+        for k, s in enumerate(range(6)):
+            base = 2.0 + s / 10 + 0.0005 * (k % 2)          # bf16's loss on that seed
+            records.append(dict(study_record(comm, s, base + gaps[k], 0.411), optimizer="muon",
+                                machine="CPU A"))
+    text = flat("\n".join(goal_findings(records, (32,))))
+    by_comm = study.study_groups(records, 32)["muon"]
+    low, high, _ = stats.tost(stats.paired(by_comm["nvfp4-e4m3s2-ef1"], by_comm["bf16"])[1])
+    assert (f"Muon, W = 32: not reached: the closest, `nvfp4-e4m3s2-ef1`, ends "
+            f"{high - 0.002:+.4f} past the margin at its upper 90 % bound") in text
+    assert f"90 % {low:+.4f} to {high:+.4f}, 6 seeds" in text and "`fp8`" not in text
+    for r in records:                       # ef1 now within 0.0005 of bf16 on every seed
+        if r["comm"] == "nvfp4-e4m3s2-ef1":
+            r["final_val_loss"] -= 0.0027
+    assert "Muon, W = 32: reached by `nvfp4-e4m3s2-ef1`" in flat(
+        "\n".join(goal_findings(records, (32,))))
+
+
 def test_study_summary_the_readmes_table():
     """The README's what-to-run table: per optimizer (Muon first), W and wire format the method
     to run, its bytes, its paired gaps, seeds and why in words: lower than the cheaper one it

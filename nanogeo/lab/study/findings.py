@@ -20,8 +20,8 @@ from nanogeo.lab.study.answer import candidates, choices, lower, wire_of
 from nanogeo.lab.study.arms import BUDGETS, cost, wire_format
 from nanogeo.lab.study.compare import EXTRA_PAIRS, twin, words
 from nanogeo.lab.study.report import OPTIMIZER_NAMES, settings, study_groups
-from nanogeo.lab.study.stats import (MARGIN, edge, fieller, holm, mean_ci, mean_sd, p_value,
-                                       paired, seeds_for_power, tost, wrap)
+from nanogeo.lab.study.stats import (MARGIN, edge, estimate, fieller, holm, mean_ci, mean_sd,
+                                       p_value, paired, seeds_for_power, tost, wrap)
 
 # the namesake study's family of tests, fixed before its runs (docs/study/namesake.sh, step 1):
 # each FP8 geometry against Euclidean FP8 under Muon at W = 32
@@ -229,11 +229,44 @@ def power_findings(results, workers):
             + "; ".join(said) + "."] if said else []
 
 
+# the frontier the studies aim at: a wire of at most this many bf16 bytes with bf16's quality
+GOAL_BYTES = 0.42
+GOAL_SHOWN = 3          # the methods named with their gaps, the closest first
+
+
+def goal_findings(results, workers, margin=MARGIN):
+    """Does any non-control method of <= GOAL_BYTES x bf16's bytes train as bf16 does (a TOST
+    within +-margin), per optimizer and W? The closest methods' gaps to bf16 with the 90 %
+    intervals the TOST reads; where none is equivalent, how far the closest (the smallest upper
+    90 % bound) ends past the margin."""
+    out = []
+    for optimizer, w, by_comm in settings(results, workers):
+        fits = [c for fmt, _ in BUDGETS for c in candidates(by_comm, fmt)
+                if (wire_of(by_comm[c]) or 1) <= GOAL_BYTES and "bf16" in by_comm]
+        rows = [(c, paired(by_comm[c], by_comm["bf16"])[1]) for c in fits]
+        rows = [(c, d, tost(d, margin)) for c, d in rows if len(d) > 1]
+        if not rows:
+            continue
+        rows.sort(key=lambda r: r[2][1])        # the closest first (smallest upper bound)
+        said = [f"`{c}` ({wire_of(by_comm[c]):.3f}×) {estimate(d, sign='+')}, 90 % "
+                f"{t[0]:+.4f} to {t[1]:+.4f}, {len(d)} seeds" for c, d, t in rows[:GOAL_SHOWN]]
+        reached = [c for c, _, t in rows if t[2]]
+        closest = rows[0]
+        verdict = (f"reached by {', '.join(f'`{c}`' for c in reached)}" if reached else
+                   f"not reached: the closest, `{closest[0]}`, ends {closest[2][1] - margin:+.4f} "
+                   f"past the margin at its upper 90 % bound")
+        out.append(f"{name(optimizer)}, W = {w}: {verdict} (gaps to bf16"
+                   + (f", the {GOAL_SHOWN} closest of {len(rows)}" if len(rows) > GOAL_SHOWN else "")
+                   + ": " + "; ".join(said) + ").")
+    return [f"**bf16's quality at <= {GOAL_BYTES:g}× its bytes** (within ±{margin:g} of bf16 by "
+            "a TOST). " + " ".join(out)] if out else []
+
+
 def findings(results, workers=(32,), margin=MARGIN):
     """The findings block: markdown paragraphs in lines of at most 100 characters."""
     paragraphs = ["\n".join(group_findings(optimizer, w, by_comm, margin))
                   for optimizer, w, by_comm in settings(results, workers)]
-    for part in (holm_findings(results, workers), pooling_findings(results, workers),
-                 power_findings(results, workers)):
+    for part in (goal_findings(results, workers, margin), holm_findings(results, workers),
+                 pooling_findings(results, workers), power_findings(results, workers)):
         paragraphs += [wrap(p) for p in part]
     return "\n\n".join(paragraphs) + "\n"
