@@ -1,8 +1,9 @@
 """
 The study's figure (docs/study/answer.png): a forest plot of paired differences in final val
 loss, one panel per optimizer and W with runs - every candidate method and bf16 against fp32,
-and every geometry against its Euclidean twin - each a mean with its 95 % t interval, the
-equivalence band +-margin shaded, each label with the method's bytes against bf16's.
+every lever against its Euclidean twin, the mixed wire's candidates against bf16 - each a mean
+with its 95 % t interval, the equivalence band +-margin shaded, each label with the method's
+bytes against bf16's.
 
     python -m nanogeo.lab.study --answer RESULTS --answer_workers 32,64 --figure docs/study/answer.png
 
@@ -15,20 +16,28 @@ import json
 import os
 
 from nanogeo.lab.study.answer import candidates, wire_of
-from nanogeo.lab.study.arms import BUDGETS, cost
+from nanogeo.lab.study.arms import BUDGETS, cost, wire_format
 from nanogeo.lab.study.compare import twin
-from nanogeo.lab.study.findings import name
+from nanogeo.lab.study.findings import GOAL_BYTES, name
 from nanogeo.lab.study.report import settings
 from nanogeo.lab.study.stats import MARGIN, mean_ci, paired
 
 
+COLOURS = {"fp32": "tab:blue", "bf16": "tab:green"}    # else a lever against its twin: orange
+
+
 def panel_rows(by_comm):
     """[(a, b)] of one panel: bf16 and every candidate (wire formats in BUDGETS order, each
-    cheapest first) against fp32, then each geometry against its Euclidean twin."""
+    cheapest first) against fp32; each lever (a geometry, error feedback, ...) against its
+    Euclidean twin; and each candidate of a wire at most GOAL_BYTES x bf16's against bf16 (the
+    goal: bf16's quality at those bytes)."""
     fits = [c for fmt, _ in BUDGETS for c in candidates(by_comm, fmt)]
     rows = [(c, "fp32") for c in (["bf16"] if "bf16" in by_comm else []) + fits]
     rows += [(c, twin(c, list(by_comm))) for c in fits
-             if cost(c) == 3 and twin(c, list(by_comm))]
+             if cost(c) > 0 and twin(c, list(by_comm))]
+    if "bf16" in by_comm:
+        rows += [(c, "bf16") for c in fits if wire_format(c) == "4-bit + FP8"
+                 and (wire_of(by_comm[c]) or 1) <= GOAL_BYTES]
     return rows
 
 
@@ -74,7 +83,7 @@ def draw(data, path):
                    label=f"±{data['margin']:g} (equivalence margin)")
         ax.axvline(0, color="0.4", lw=0.8)
         for y, row in zip(ys, rows):
-            colour = "tab:blue" if row["b"] == "fp32" else "tab:orange"
+            colour = COLOURS.get(row["b"], "tab:orange")
             ax.plot([row["low"], row["high"]], [y, y], color=colour, lw=1.6)
             ax.plot([row["mean"]], [y], "o", color=colour, ms=4)
         ax.set_yticks(list(ys), [r["label"] for r in rows], fontsize=7)
@@ -82,9 +91,9 @@ def draw(data, path):
         ax.set_title(panel["title"], fontsize=9, loc="left")
         ax.tick_params(axis="x", labelsize=7)
     axes[0, 0].legend(fontsize=7, loc="lower right")
-    axes[-1, 0].set_xlabel("paired difference in final val loss, mean and 95 % t interval "
-                           "(blue: against fp32; orange: a geometry against its Euclidean twin)",
-                           fontsize=7)
+    axes[-1, 0].set_xlabel("paired difference in final val loss, mean and 95 % t interval\n"
+                           "blue: against fp32; orange: a lever against its Euclidean twin; "
+                           "green: a mixed wire against bf16", fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=130, metadata={"Software": None})
     plt.close(fig)
