@@ -184,7 +184,7 @@ def test_compiled_codec_compiles_once_for_many_bucket_sizes(monkeypatch):
     from torch._dynamo.testing import CompileCounter
     from nanogeo.wire import kernels, packing
     counter, real_compile = CompileCounter(), torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, **{**kw, "backend": counter}))
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend=counter))
     monkeypatch.setattr(kernels, "COMPILED", {})
     dynamo.reset()
     g = torch.Generator().manual_seed(0)
@@ -352,3 +352,52 @@ def test_smoke_kills_a_hung_torchrun_with_its_ranks(tmp_path):
         time.sleep(0.1)
     else:
         raise AssertionError(f"the command's child {child} outlived the timeout")
+
+
+# ---------------------------------------------------------------- issue 50: first contact, again
+
+def test_compiled_codec_divides_as_eager_does_whenever_it_is_compiled(monkeypatch):
+    """Inductor's Triton code divides approximately unless eager_numerics.division_rounding is
+    set; the C++ backend divides exactly, so no CPU run can see the difference in the bytes.
+    What a CPU can see: the setting in force whenever inductor generates the codec's code (a
+    spy on its code generation reads the config), every op of the compiled graphs among the
+    audited EXACT_OPS (a new op gets audited before it ships), the bytes of eager - and the
+    setting NOT in force for another torch.compile after it (the model's compile keeps
+    Triton's faster division)."""
+    import torch._dynamo as dynamo
+    import torch._inductor.compile_fx as compile_fx
+    from torch._inductor import config as inductor_config
+    from nanogeo.wire import kernels, packing
+    seen, real = [], compile_fx.fx_codegen_and_compile
+
+    def spy(gm, *args, **kwargs):
+        ops = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+        seen.append((inductor_config.eager_numerics.division_rounding, ops))
+        return real(gm, *args, **kwargs)
+    monkeypatch.setattr(compile_fx, "fx_codegen_and_compile", spy)
+    monkeypatch.setattr(kernels, "COMPILED", {})
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    dynamo.reset()
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 1e-3
+    groups = compress.scale_groups(x, 128)
+    try:
+        with inductor_config.patch(fx_graph_cache=False):
+            wires = []
+            for compiled in (False, True):
+                kernels.compile_hot_path(compiled)
+                wire = packing.pack_groups(groups, "e4m3")
+                wires.append((wire, packing.unpack_groups(wire, 128, "e4m3")))
+            kernels.compile_hot_path(False)
+            codec_graphs = len(seen)
+            torch.compile(lambda a, b: a / b)(x, x + 2)         # a model's compile, after it
+    finally:
+        kernels.compile_hot_path(False)
+        dynamo.reset()
+    assert torch.equal(wires[0][0], wires[1][0]) and torch.equal(wires[0][1], wires[1][1])
+    assert codec_graphs == 2, seen                                  # encode, decode
+    for rounding, ops in seen[:codec_graphs]:
+        assert rounding, "the codec was compiled with Triton's approximate division"
+        assert ops <= kernels.EXACT_OPS, ops - kernels.EXACT_OPS
+    assert {"aten.reciprocal.default", "aten.div.Tensor"} <= set().union(*(o for _, o in seen[:2]))
+    assert [r for r, _ in seen[codec_graphs:]] == [False]           # not leaked to the model's
+    assert not inductor_config.eager_numerics.division_rounding
