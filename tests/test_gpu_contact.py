@@ -401,3 +401,43 @@ def test_compiled_codec_divides_as_eager_does_whenever_it_is_compiled(monkeypatc
     assert {"aten.reciprocal.default", "aten.div.Tensor"} <= set().union(*(o for _, o in seen[:2]))
     assert [r for r, _ in seen[codec_graphs:]] == [False]           # not leaked to the model's
     assert not inductor_config.eager_numerics.division_rounding
+
+
+class FakeCudaBatch:
+    """Stands in for torch.Tensor.pin_memory and .to on a CPU-only torch: records each call and
+    keeps the data on the CPU, so get_batch can be given a CUDA device."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        real_to = torch.Tensor.to
+
+        def pin_memory(t):
+            self.calls.append("pin_memory")
+            return t
+
+        def to(t, *args, **kwargs):
+            device = args[0] if args else kwargs.get("device")
+            self.calls.append(("to", str(device), kwargs.get("non_blocking", False)))
+            return t if str(device).startswith("cuda") else real_to(t, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+        monkeypatch.setattr(torch.Tensor, "to", to)
+
+
+def test_batches_are_copied_pinned_and_non_blocking_on_a_gpu(monkeypatch):
+    """get_batch: on CUDA the host batch is pinned and copied non_blocking (a pageable copy makes
+    the host wait every step); on the CPU a plain copy, no pinning, and the batch bit for bit
+    the one read before (the windows of the same random starts)."""
+    import numpy as np
+    from nanogeo.run.steps import batch_rng, get_batch
+    tokens = np.arange(10_000, dtype=np.uint16) * 7 % 50257
+    starts = batch_rng(1, 0, 3, 0).integers(0, len(tokens) - 33, size=4)
+    expected = torch.from_numpy(np.stack([tokens[s: s + 33] for s in starts]).astype(np.int64))
+    x, y = get_batch(tokens, 4, 32, batch_rng(1, 0, 3, 0), torch.device("cpu"))
+    assert torch.equal(x, expected[:, :-1]) and torch.equal(y, expected[:, 1:])
+    fake = FakeCudaBatch(monkeypatch)
+    get_batch(tokens, 4, 32, batch_rng(1, 0, 3, 0), torch.device("cpu"))
+    assert fake.calls == [("to", "cpu", False)], fake.calls
+    fake.calls.clear()
+    x, y = get_batch(tokens, 4, 32, batch_rng(1, 0, 3, 0), torch.device("cuda", 0))
+    assert fake.calls == ["pin_memory", ("to", "cuda:0", True)], fake.calls
+    assert torch.equal(x, expected[:, :-1]) and torch.equal(y, expected[:, 1:])
