@@ -441,3 +441,65 @@ def test_batches_are_copied_pinned_and_non_blocking_on_a_gpu(monkeypatch):
     x, y = get_batch(tokens, 4, 32, batch_rng(1, 0, 3, 0), torch.device("cuda", 0))
     assert fake.calls == ["pin_memory", ("to", "cuda:0", True)], fake.calls
     assert torch.equal(x, expected[:, :-1]) and torch.equal(y, expected[:, 1:])
+
+
+def fake_driver(tmp_path, version):
+    """An nvidia-smi that lists one GH200 and reports driver `version`."""
+    bin_dir = tmp_path / f"driver-{version}"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\ncase \"$1\" in\n  -L) echo '" + GH200_LIST + "';;\n"
+                   f"  --query-gpu=driver_version) echo {version};;\n  *) echo 9.0;;\nesac\n")
+    smi.chmod(0o755)
+    return str(bin_dir)
+
+
+@pytest.mark.parametrize("driver, index", [("535.183.01", "cu128"), ("580.65.06", "cu130"),
+                                           ("470.256.02", None)])
+def test_install_advice_names_the_wheel_index_that_fits_the_driver(tmp_path, monkeypatch,
+                                                                  driver, index):
+    """A CPU-only torch on a GPU node: the one line names the CUDA wheel index that the driver
+    nvidia-smi reports can run (CUDA 13 needs >= 580, CUDA 12 >= 525: NVIDIA's compatibility
+    table), not cu130 always; below every minimum it says to update the driver."""
+    from nanogeo.run import runtime
+    monkeypatch.setenv("PATH", fake_driver(tmp_path, driver) + os.pathsep + os.environ["PATH"])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert runtime.driver_version() == driver
+    line = runtime.cuda_build_missing()
+    assert f"driver {driver}" in line and "--device=cpu" in line
+    if index:
+        assert line.count("download.pytorch.org/whl/") == 1
+        assert f"download.pytorch.org/whl/{index}\"" in line, line
+    else:
+        assert "update the NVIDIA driver to >= 525" in line, line
+
+
+def differing_init_rank(rank, world_size, argv, out):
+    """train.train on a rank whose initial parameters differ from rank 0's (another seed, as two
+    hosts' CPUs might draw) when `differ` is set."""
+    import json
+    import train
+    if "--differ" in argv:
+        argv = [a for a in argv if a != "--differ"]
+        real_seed = torch.manual_seed
+        torch.manual_seed = lambda seed: real_seed(seed + 1000 * rank)
+    summary = train.train(train.parse_config(argv))
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(summary["param_sha256"], f)
+
+
+def test_ranks_start_from_rank_0s_parameters(tmp_path, tiny_corpus):
+    """Two gloo ranks whose initial parameters differ train as if they had not: every rank
+    takes rank 0's parameters at the start (at the old code the ranks diverged, and the
+    agreement check at step 1 stopped the run), bit for bit the run of two ranks that agree."""
+    import json
+    from test_train import tiny_args
+    hashes = {}
+    for variant in ("same", "differ"):
+        argv = tiny_args(tiny_corpus, tmp_path / variant, "--max_iters=3", "--check_every=1",
+                         "--comm=fp8", *(["--differ"] if variant == "differ" else []))
+        out = str(tmp_path / f"{variant}.json")
+        run_ranks(differing_init_rank, 2, argv, out)
+        hashes[variant] = [json.load(open(f"{out}.{r}")) for r in (0, 1)]
+    assert hashes["differ"][0] == hashes["differ"][1] == hashes["same"][0] == hashes["same"][1]
