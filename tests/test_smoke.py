@@ -392,3 +392,41 @@ def test_gpu_figures_run_at_toy_size_on_gloo(tmp_path):
     table = result["markdown"]
     assert sum(line.startswith("| two-stage") for line in table) == 4
     assert sum(line.startswith("| char-study") for line in table) == 3
+
+
+# ---------------------------------------------------------------- the fault matrix (BENCHMARKS §18)
+
+def codec_faults():
+    """{fault: status} of the codec check (one rank, in process), without pytest."""
+    from nanogeo.wire import packing
+    cpu, statuses = torch.device("cpu"), {}
+    real_pack, real_decode = packing.pack_groups, compress.fp8_decode
+
+    def one_byte_off(groups, fmt, *args, **kwargs):
+        wire = real_pack(groups, fmt, *args, **kwargs).clone()
+        wire[-1] ^= 1
+        return wire
+    for fault, module, name, replacement in (
+            ("none", packing, "pack_groups", real_pack),
+            ("one byte off", packing, "pack_groups", one_byte_off),
+            ("nan", compress, "fp8_decode",
+             lambda codes, scale, dtype: real_decode(codes, scale, dtype) * math.nan)):
+        with mock.patch.object(module, name, replacement):
+            statuses[fault] = ranks.smoke_codec(cpu, 1e4, 1, with_compiled=False)[0]
+    return statuses
+
+
+if __name__ == "__main__":
+    # `python tests/test_smoke.py`: each check's status, clean and with each fault, for the
+    # nanogeo of this checkout (copy this file into an older checkout to see its statuses)
+    import sys
+    import tempfile
+    print("codec", json.dumps(codec_faults()), flush=True)
+    with tempfile.TemporaryDirectory() as work:
+        for check in CHECKS:
+            out = os.path.join(work, check)
+            try:
+                run_ranks(faults_rank, 2, check, out)
+                print(check, open(f"{out}.0").read(), flush=True)
+            except Exception as e:      # a check that does not exist in this checkout
+                print(check, f"cannot run: {type(e).__name__}", file=sys.stderr, flush=True)
