@@ -28,7 +28,7 @@ def inputs():
             torch.randn(300, generator=g) * 1e-37]
 
 
-@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "nvfp4"])
 def test_codec_bytes_on_the_device_equal_the_cpu(fmt):
     """compress.quantize on CUDA writes the CPU's bytes, and decodes to the CPU's values."""
     for x in inputs():

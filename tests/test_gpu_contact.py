@@ -508,3 +508,38 @@ def test_ranks_start_from_rank_0s_parameters(tmp_path, tiny_corpus):
         run_ranks(differing_init_rank, 2, argv, out)
         hashes[variant] = [json.load(open(f"{out}.{r}")) for r in (0, 1)]
     assert hashes["differ"][0] == hashes["differ"][1] == hashes["same"][0] == hashes["same"][1]
+
+
+def test_the_codec_never_divides_by_a_python_number():
+    """CUDA divides a tensor by a Python number as a multiplication by the number's reciprocal
+    (PyTorch's div_true_kernel_cuda: "may lose one bit of precision"); the CPU divides. A codec
+    that did would write other bytes on a GPU than on the CPU and the simulator: NVFP4's tensor
+    scale, amax / 2688, did for about a quarter of all amax. A dispatch mode sees every division
+    of the codecs (FP8 and NVFP4, compress.py's and the packed forms, at 2 ranks): none is by a
+    Python number, unless a power of two (then both are exact: the stage-1 mean's / W at W = 2;
+    at other W that division is the collective's, not the codec's)."""
+    import math
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from nanogeo.wire import collective
+
+    class Divisions(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.by_number = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.div, torch.ops.aten.div_) and \
+                    isinstance(args[1], (int, float)):
+                self.by_number.append(args[1])
+            return func(*args, **(kwargs or {}))
+    g = torch.Generator().manual_seed(0)
+    workers = [[torch.randn(40, 48, generator=g), torch.randn(1000, generator=g) * 1e-3]
+               for _ in range(2)]
+    with Divisions() as seen:
+        for fmt in ("e4m3", "e5m2", "nvfp4"):
+            for x in workers[0]:
+                compress.dequantize(compress.quantize(x, fmt, 128))
+            compress.simulate_mean(workers, fmt)
+            collective.mean_over_workers(workers, fmt)             # the packed forms
+    odd = [d for d in seen.by_number if not math.log2(abs(d)).is_integer()]
+    assert not odd, f"divisions by Python numbers that are not powers of two: {odd}"
