@@ -65,7 +65,7 @@ def test_rank_checks_pass_on_every_gpu(tmp_path):
     env.pop("CUDA_VISIBLE_DEVICES", None) if env.get("CUDA_VISIBLE_DEVICES") == "" else None
     done = subprocess.run([sys.executable, "-m", "nanogeo.smoke",
                            f"--nproc={torch.cuda.device_count()}", "--no-train", "--iters=3",
-                           "--numel=4e6", f"--out={out}"], cwd=ROOT, env=env,
+                           "--numel=4e6", "--no-figures", f"--out={out}"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     result = json.loads(out.read_text())
