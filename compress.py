@@ -140,8 +140,11 @@ def e2m1_codes(y):
 def nvfp4_tensor_scale(amax, top=E4M3_MAX):
     """The fp32 scale that brings the largest block scale to `top` (e4m3's max) - 1 where amax
     is 0, at least fp32's smallest normal (a subnormal quotient would round to 0, and 0 / 0 =
-    NaN)."""
-    scale = (amax / (E2M1_MAX * top)).clamp(min=torch.finfo(torch.float32).tiny)
+    NaN). (The divisor is a tensor: CUDA divides by a Python number as a multiplication by its
+    reciprocal, which differs from the CPU's division in the last bit for about a quarter of
+    all amax - and the wire bytes must not depend on the device.)"""
+    divisor = torch.full_like(amax, E2M1_MAX * top)
+    scale = (amax / divisor).clamp(min=torch.finfo(torch.float32).tiny)
     return torch.where(amax > 0, scale, torch.ones_like(amax))
 
 

@@ -368,7 +368,7 @@ def train(cfg):
     rank, world_size, _, device = runtime.setup_distributed(cfg)
     my_ranks = data_parallel_ranks(cfg, rank, world_size)
     data_parallel = len(my_ranks) * world_size
-    torch.manual_seed(cfg.seed)  # same seed on every rank: identical initial parameters
+    torch.manual_seed(cfg.seed)  # same seed on every rank (and rank 0's bits: below)
     # torchrun --max-restarts brought us back: resume if rank 0 sees a checkpoint (cfg.resume)
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     # checked before anything is built: fail in a second, not after a minute
@@ -379,6 +379,8 @@ def train(cfg):
     mcfg = model_lib.model_config(cfg.preset, block_size=cfg.block_size)
     data = load_splits(cfg.data_dir, cfg.block_size, mcfg.vocab_size)
     raw_model = model_lib.Llama(mcfg).to(device)
+    if world_size > 1:          # two hosts' CPUs need not draw the same initial bits
+        runtime.broadcast_from_rank0(raw_model)
     model = torch.compile(raw_model, dynamic=False) if cfg.compile else raw_model
     kernels.compile_hot_path(cfg.compile)      # the packed codec's kernels too
     params = [p for p in raw_model.parameters() if p.requires_grad]

@@ -35,6 +35,14 @@ def global_tf32():
         torch.backends.fp32_precision = saved
 
 
+def restore_precision_defaults():
+    """torch's matmul precision as a process starts: the legacy view "highest", each matmul
+    backend "none" (after a test that set TF32 the way train.py does on a GPU)."""
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cuda.matmul.fp32_precision = "none"
+    torch.backends.mkldnn.matmul.fp32_precision = "none"
+
+
 def project_code(filename):
     """Is `filename` one of the project's own sources outside the tests?"""
     path = os.path.abspath(filename)
@@ -125,31 +133,29 @@ def test_ieee_fp32_restores_the_setting_in_force():
         torch.backends.cuda.matmul.fp32_precision = "none"
 
 
-def test_runtime_turns_tf32_on_through_the_new_api(monkeypatch):
-    """On a GPU runtime.setup_distributed lets the model's fp32 matmuls use TF32 through
-    fp32_precision alone: the legacy allow_tf32 setters are never called (next to the new API
-    they make torch refuse to read the precision, PyTorch #166387), and the communicator's
-    ieee_fp32 still overrides it."""
+def test_runtime_turns_tf32_on_so_that_both_views_agree(monkeypatch):
+    """On a GPU runtime.setup_distributed lets the model's fp32 matmuls use TF32 so that torch's
+    two views of the setting agree: the fp32_precision API says "tf32" and the legacy view
+    (allow_tf32, get_float32_matmul_precision, which inductor reads) says so too instead of
+    raising (PyTorch #166387: set through the new API alone, the legacy read raises). The
+    communicator's ieee_fp32 still overrides it, in both views, and puts it back."""
     from types import SimpleNamespace
     from nanogeo.run import runtime
-
-    def legacy(*args):
-        raise AssertionError("a legacy allow_tf32 setter was called")
-    monkeypatch.setattr(torch._C, "_set_cublas_allow_tf32", legacy)
-    monkeypatch.setattr(torch._C, "_set_cudnn_allow_tf32", legacy)
-    monkeypatch.setattr(torch, "set_float32_matmul_precision", legacy)
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    matmul = torch.backends.cuda.matmul
     try:
         runtime.setup_distributed(SimpleNamespace(device="auto"))
-        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
-        assert torch.backends.cudnn.conv.fp32_precision == "tf32"
+        assert matmul.fp32_precision == "tf32"
+        assert matmul.allow_tf32 and torch.get_float32_matmul_precision() == "high"
         with precision.ieee_fp32():
-            assert torch.backends.cuda.matmul.fp32_precision == "ieee"
-        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+            assert precision.matmul_precisions() == ("ieee", "ieee")
+            assert not matmul.allow_tf32 and torch.get_float32_matmul_precision() == "highest"
+        assert matmul.fp32_precision == "tf32"
+        assert matmul.allow_tf32 and torch.get_float32_matmul_precision() == "high"
     finally:
-        torch.backends.cuda.matmul.fp32_precision = "none"
-        torch.backends.cudnn.conv.fp32_precision = "none"
+        restore_precision_defaults()
+    assert precision.matmul_precisions() == ("none", "none") and not matmul.allow_tf32
 
 
 # -----------------------------------------------------------------------------
@@ -346,5 +352,4 @@ def test_more_ranks_than_gpus_is_one_line(monkeypatch):
         with pytest.raises(ConfigError, match="--nproc_per_node=1"):
             runtime.setup_distributed(train.parse_config(["--device=cuda"]))
     finally:
-        torch.backends.cuda.matmul.fp32_precision = "none"
-        torch.backends.cudnn.conv.fp32_precision = "none"
+        restore_precision_defaults()

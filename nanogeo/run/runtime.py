@@ -1,12 +1,17 @@
 """
 The distributed runtime of train.py: process-group setup under torchrun (elastic restarts
-included), the checks that every rank agrees (finite gradients everywhere, identical
-parameters: a checksum all-reduce, a sha256 for tests), and the GPU's peak for MFU. Nothing here knows about
-gradient communication; that is train.py's reduce_gradients and compress.py.
+included), rank 0's parameters on every rank at the start, the checks that every rank agrees
+(finite gradients everywhere, identical parameters: a checksum all-reduce, a sha256 for
+tests), the GPU's peak for MFU, and the one-line stop (with the CUDA wheel index that fits the
+driver) where GPUs are visible but torch cannot use them. Nothing here knows about gradient
+communication; that is train.py's reduce_gradients and compress.py.
 """
+import datetime
 import hashlib
+import itertools
 import os
 import platform
+import re
 import subprocess
 import sys
 
@@ -38,6 +43,18 @@ def parameter_checksum(params):
     for p in params:
         digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+@torch.no_grad()
+def broadcast_from_rank0(model):
+    """Every rank takes rank 0's parameters and buffers, once, before the first step. Each host
+    builds the model on its own CPU from the same seed, but two CPUs need not draw the same bits
+    (an aarch64 GH200 and an x86 node in one job, another libm: the rotary tables' cos and sin
+    least of all), and the explicit path has no DDP to broadcast them; the first agreement check
+    would come only at --check_every. Where every rank already holds the same bits (all CPU
+    runs here) nothing changes. One broadcast per tensor (tied weights once)."""
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        dist.broadcast(tensor, src=0)
 
 
 def gradients_finite(grads, world_size):
@@ -94,27 +111,77 @@ def cuda_build_missing():
     build = (f"torch {torch.__version__} is a CPU-only build" if torch.version.cuda is None
              else f"torch {torch.__version__} (CUDA {torch.version.cuda}) cannot use them "
                   "(driver too old for this build?)")
-    return (f"{gpus} NVIDIA GPU(s) visible (nvidia-smi) but {build}: install a CUDA build of "
-            f"torch for {platform.machine()} from PyTorch's CUDA wheel index, e.g. `make -B "
-            "install PIP_ARGS=\"--force-reinstall --index-url "
-            "https://download.pytorch.org/whl/cu130\"` (docs/guide.md, GPUs), or pass "
-            "--device=cpu to run on the CPU on purpose")
+    return (f"{gpus} NVIDIA GPU(s) visible (nvidia-smi) but {build}: {install_advice()} "
+            "(docs/guide.md, GPUs), or pass --device=cpu to run on the CPU on purpose")
 
 
-def setup_distributed(cfg):
+# PyTorch's CUDA wheel indexes, newest CUDA first, each with the oldest NVIDIA driver (major
+# version, Linux) that runs its builds. The minimums are NVIDIA's (CUDA Compatibility guide,
+# "Minor Version Compatibility", Table 1: CUDA 13.x needs a driver >= 580, CUDA 12.x >= 525;
+# a build runs on any driver of at least its family's minimum); the index names are PyTorch's
+# (pytorch.org, "Installing previous versions": cu126, cu128 and cu130 since torch 2.9).
+CUDA_WHEEL_INDEXES = (("cu130", 580), ("cu128", 525))
+WHEEL_INDEX_URL = "https://download.pytorch.org/whl/"
+
+
+def driver_version():
+    """The NVIDIA driver's version as nvidia-smi reports it (e.g. "580.65.06"), or None."""
+    try:
+        listed = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
+                                 "--format=csv,noheader"], capture_output=True, text=True,
+                                timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = listed.stdout.strip().splitlines()
+    first = lines[0].strip() if lines else ""
+    return first if re.fullmatch(r"\d+(\.\d+)*", first) else None
+
+
+def wheel_index(driver):
+    """The newest CUDA wheel index whose builds this driver ("580.65.06") runs; None where it is
+    older than every one of them."""
+    major = int(driver.split(".")[0])
+    return next((index for index, minimum in CUDA_WHEEL_INDEXES if major >= minimum), None)
+
+
+def install_command(index):
+    return (f"`make -B install PIP_ARGS=\"--force-reinstall --index-url "
+            f"{WHEEL_INDEX_URL}{index}\"`")
+
+
+def install_advice():
+    """What to install, for the driver nvidia-smi reports: the CUDA wheel index that fits it."""
+    where = f"install a CUDA build of torch for {platform.machine()} from PyTorch's CUDA wheel index"
+    both = " or ".join(f"{index} for a driver >= {minimum}" for index, minimum in CUDA_WHEEL_INDEXES)
+    driver = driver_version()
+    if driver is None:
+        return f"{where} ({both}; nvidia-smi did not report the driver's version)"
+    index = wheel_index(driver)
+    if index is None:
+        oldest, minimum = CUDA_WHEEL_INDEXES[-1]
+        return (f"driver {driver} is older than any CUDA build of torch needs ({both}): update "
+                f"the NVIDIA driver to >= {minimum}, then {where}, e.g. {install_command(oldest)}")
+    return f"{where}, for driver {driver}: {install_command(index)}"
+
+
+def setup_distributed(cfg, timeout=None):
     """(rank, world_size, local_rank, device). torchrun sets RANK/WORLD_SIZE/LOCAL_RANK. On a
     GPU, fp32 matmuls may use TF32 (the model runs in bf16 autocast anyway). --device=auto
     takes the GPUs when torch can, and stops (ConfigError) where GPUs are visible but torch
-    cannot use them: never a silent CPU run on a GPU node."""
+    cannot use them: never a silent CPU run on a GPU node. `timeout` (seconds): how long a
+    collective may wait for the other ranks before the process group reports it (None: torch's
+    default, 10 minutes for NCCL)."""
     if cfg.device == "auto" and (reason := cuda_build_missing()):
         raise ConfigError(reason)
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError(cuda_build_missing() or "--device=cuda but no GPU is visible; use "
                           "--device=cpu")
-    if use_cuda:    # the fp32_precision API only: mixed with allow_tf32 it breaks torch.compile
-        torch.backends.cuda.matmul.fp32_precision = "tf32"      # (the communicator measures in
-        torch.backends.cudnn.conv.fp32_precision = "tf32"       # IEEE: parallel/precision.py)
+    if use_cuda:    # TF32 for the model's fp32 matmuls (the communicator's stay IEEE:
+        # parallel/precision.py), set through the one call that sets the fp32_precision API
+        # and the legacy view alike, so that code reading either (inductor reads the legacy
+        # one) sees "tf32". (cuDNN's convolutions keep their default, TF32; the model has none.)
+        torch.set_float32_matmul_precision("high")
     if "RANK" not in os.environ:
         return 0, 1, 0, torch.device("cuda" if use_cuda else "cpu")
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -135,7 +202,8 @@ def setup_distributed(cfg):
     dist.init_process_group(backend="nccl" if use_cuda else "gloo",
                             store=dist.PrefixStore(f"nanogeo/attempt{attempt}", store),
                             rank=rank, world_size=world_size,
-                            device_id=device if use_cuda else None)
+                            device_id=device if use_cuda else None,
+                            **({"timeout": datetime.timedelta(seconds=timeout)} if timeout else {}))
     return dist.get_rank(), dist.get_world_size(), local_rank, device
 
 

@@ -15,7 +15,7 @@ DESCRIPTION = ("The GPU smoke test: does the NCCL/CUDA path work on this node, a
                "its parts?")
 
 
-def main(argv=None):
+def make_parser():
     parser = argparse.ArgumentParser(prog="python -m nanogeo.smoke", description=DESCRIPTION,
                                      allow_abbrev=False)
     parser.add_argument("--preset", default="llama-600m", choices=list(model_lib.PRESETS))
@@ -33,10 +33,24 @@ def main(argv=None):
     parser.add_argument("--train", action=argparse.BooleanOptionalAction, default=True,
                         help="--nproc: include the training check (train.py runs)")
     parser.add_argument("--timeout", type=float, default=480,
-                        help="--nproc: seconds allowed for each torchrun")
+                        help="--nproc: seconds allowed for each torchrun (within --deadline)")
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="--nproc: seconds for the whole smoke test, its torchruns and "
+                             "train.py runs together (default 600 on GPUs, 1200 on CPU ranks: "
+                             "inductor compiles slowly on a CPU); what finds none left FAILs")
+    parser.add_argument("--pg_timeout", type=float, default=120,
+                        help="--nproc: seconds a rank's collective waits for the others before "
+                             "the process group reports a hang (NCCL's watchdog names it)")
+    parser.add_argument("--figures", action=argparse.BooleanOptionalAction, default=True,
+                        help="--nproc on CUDA: also time the collectives against NCCL's bf16 "
+                             "all_reduce and a llama-300m step (not checked; smoke.json)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker_out", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None):
+    args = make_parser().parse_args(argv)
     if args.worker:
         return worker(args)
     if args.nproc:

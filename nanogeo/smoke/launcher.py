@@ -1,16 +1,21 @@
 """
 `make gpu-smoke` (--nproc=N): a node's first-contact test. first_contact prints the env line,
 starts ranks.worker on N ranks under torchrun, runs train.py for the training check, then prints
-one PASS / FAIL / SKIP line per check (describe), a summary line, and writes smoke.json.
+one PASS / FAIL / SKIP line per check (describe), what was NOT tested and why, the figures of a
+GPU run (not checked), a summary line, and writes smoke.json. A SKIP is never counted as passed.
 
-Every torchrun goes through run_bounded: a session of its own, killed with every process it
-started (os.killpg) after --timeout seconds, so a hung collective becomes a FAIL line that says
-so (exit_reason), never ranks left holding the GPUs.
+Time is bounded twice. Inside: the ranks' process group waits --pg_timeout seconds (120) for a
+collective, then the backend reports the hang itself (NCCL's watchdog names the collective and
+its sequence number; gloo raises "Timed out ..."), and exit_reason quotes that line. Outside:
+the whole smoke has --deadline seconds (600 on GPUs; 1200 on CPU ranks, where inductor compiles
+slowly); every torchrun goes through run_bounded, in a session of its own, killed with every
+process it started (os.killpg) when its share runs out, and what had no time left to run is a
+FAIL that says so, never ranks left holding the GPUs.
 
     run_bounded, exit_reason                   a bounded command, and one line for its failure
     train_command, run_training, step_figures  train.py under torchrun, and its log's figures
     smoke_training                             the train check: geofp8 resumed, and Muon
-    describe                                   one line per check
+    describe, coverage                         one line per check; what was not tested, in words
     first_contact                              the whole of make gpu-smoke
 """
 
@@ -26,7 +31,7 @@ import torch
 
 import compress
 from nanogeo.run import runtime
-from nanogeo.smoke.ranks import env_figures
+from nanogeo.smoke.ranks import env_figures, worst
 
 
 def train_command(nproc, out_dir, toy, extra):
@@ -57,13 +62,22 @@ def run_bounded(command, cwd, timeout, env=None):
         return None, out, err
 
 
+# lines in which a backend reports a hang or a failed collective, most telling first: NCCL's
+# watchdog after the process group's timeout, gloo's timeout, torch's distributed errors
+DIAGNOSES = ("Watchdog caught collective operation timeout", "Timed out", "timed out",
+             "DistBackendError", "NCCL error", "ncclInternalError")
+
+
 def exit_reason(code, stderr, timeout):
-    """One line: why a torchrun command failed."""
+    """One line: why a torchrun command failed - the backend's own diagnosis where its output
+    has one (a timeout of the process group), else the last line."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    diagnosis = next((line for key in DIAGNOSES for line in lines if key in line), None)
     if code is None:
         return (f"no result after {timeout:.0f} s (a hang: a collective that not every rank "
-                "entered?); every process was killed")
-    tail = [line for line in stderr.splitlines() if line.strip()][-1:] or ["(no stderr)"]
-    return f"exited {code}: {tail[0][:300]}"
+                "entered?); every process was killed"
+                + (f"; the backend said: {diagnosis[:300]}" if diagnosis else ""))
+    return f"exited {code}: {(diagnosis or (lines[-1] if lines else '(no stderr)'))[:300]}"
 
 
 def run_training(nproc, out_dir, toy, extra, timeout):
@@ -84,14 +98,20 @@ def step_figures(records, first_step=0):
             "slowest_step_ms": slowest["dt_ms"], "first_step_ms": steps[0]["dt_ms"]}
 
 
-def smoke_training(nproc, work, toy, timeout):
+class DeadlineSpent(RuntimeError):
+    """The smoke's --deadline left no time for the next command."""
+
+
+def smoke_training(nproc, work, toy, time_left):
     """30 steps of --comm=geofp8, resumed to 40, and 30 of Muon; train.py itself compares the
-    ranks' parameters (a checksum all-reduce every 10 steps: RankMismatch stops it)."""
+    ranks' parameters (a checksum all-reduce every 10 steps: RankMismatch stops it). Each run
+    gets time_left() seconds (DeadlineSpent where none is left). PASS: the resumed run reached
+    step 40, and each run's loss fell (a NaN loss does not)."""
     geo = ["--comm=geofp8", "--geo_warmup=5", "--geo_refresh=10", "--learning_rate=3e-3"]
     out = {}
     run = os.path.join(work, "geofp8")
-    first = run_training(nproc, run, toy, [*geo, "--max_iters=30"], timeout)
-    resumed = run_training(nproc, run, toy, [*geo, "--max_iters=40", "--resume"], timeout)
+    first = run_training(nproc, run, toy, [*geo, "--max_iters=30"], time_left())
+    resumed = run_training(nproc, run, toy, [*geo, "--max_iters=40", "--resume"], time_left())
     out["geofp8"] = step_figures(first)
     summary = [r["summary"] for r in resumed if "summary" in r][-1]
     out["geofp8"].update(resumed_to=max(r["step"] for r in resumed if "dt_ms" in r),
@@ -99,7 +119,7 @@ def smoke_training(nproc, work, toy, timeout):
                          param_sha256=summary["param_sha256"][:16])
     muon = run_training(nproc, os.path.join(work, "muon"), toy,
                         ["--comm=fp8", "--optimizer=muon", "--max_iters=30", "--learning_rate=3e-3"],
-                        timeout)
+                        time_left())
     out["muon"] = step_figures(muon)
     out["host_syncs_per_step"] = ("not measured by the smoke test: tests/test_train.py counts "
                                   "them on the CPU")
@@ -112,15 +132,19 @@ def describe(name, status, figures):
     """One line for a check: PASS/FAIL/SKIP, its name and its main figures."""
     if "why" in figures:
         return f"{status} {name}: {figures['why']}"
-    if name == "env":
+    if name == "env":           # (information, not a check)
         return (f"{status} env: torch {figures['torch']} | CUDA {figures['cuda']} | NCCL "
                 f"{figures.get('nccl', '-')} | {figures['machine']} | {figures['device']}"
                 + (f" (sm {figures['capability']})" if "capability" in figures else ""))
     if name == "codec":
         rates = " ".join(f"{k[:-9]} {v:.1f}" for k, v in figures.items() if k.endswith("_gb_per_s"))
-        same = [v for k, v in figures.items() if k.endswith("equals_eager")]
-        return (f"{status} codec: compiled == eager bytes: "
-                f"{all(same) if same else 'not compiled (--no-compile)'} | GB/s: {rates}")
+        agree = {k: v for k, v in figures.items() if isinstance(v, bool)}
+        wrong = [k for k, v in agree.items() if not v]
+        compiled = any(k.endswith("compiled_equals_eager") for k in agree)
+        return (f"{status} codec: {len(agree) - len(wrong)} of {len(agree)} byte comparisons "
+                f"equal (device vs CPU, packed vs compress.quantize"
+                f"{', compiled vs eager' if compiled else '; not compiled: --no-compile'})"
+                + (f", NOT: {', '.join(wrong)}" if wrong else "") + f" | GB/s: {rates}")
     if name == "collective":
         return f"{status} collective: " + " | ".join(
             f"{fmt} error/bound {r['error_vs_bound']:.2f}, same bytes on every rank "
@@ -132,12 +156,12 @@ def describe(name, status, figures):
             f"{r['saturated'][0]:.3f} (emulated {r['emulated_saturated'][0]:.3f})"
             for fmt, r in figures.items() if isinstance(r, dict))
     if name == "ddp":
-        return (f"{status} ddp: max rel err vs plain DDP {max(figures['rel_err_per_step']):.4f}, "
+        return (f"{status} ddp: max rel err vs plain DDP {worst(figures['rel_err_per_step']):.4f}, "
                 f"{figures['geo_matrices']} geo matrices, same grads on every rank "
                 f"{figures['same_grads_every_rank']}")
     if name == "fsdp":
         return f"{status} fsdp: max rel err vs fp32 " + ", ".join(
-            f"{m} {max(e):.4f}" for m, e in figures["rel_err_per_step"].items())
+            f"{m} {worst(e):.4f}" for m, e in figures["rel_err_per_step"].items())
     if name == "train":
         g, m = figures["geofp8"], figures["muon"]
         return (f"{status} train: geofp8 loss {g['first_loss']:.3f} -> {g['last_loss']:.3f}, "
@@ -148,9 +172,31 @@ def describe(name, status, figures):
     return f"{status} {name}"
 
 
+CHECKS = ("codec", "collective", "fp8-sum", "ddp", "fsdp", "train")
+DEADLINE_GPU, DEADLINE_CPU = 600, 1200     # seconds for the whole smoke (--deadline)
+
+
+def coverage(results, nproc, cuda):
+    """What this run did not test, in plain words: [line]. Every SKIP is listed with its reason,
+    and where no two GPUs exchanged anything, the first line says that NCCL was not tested."""
+    lines = []
+    if not cuda:
+        lines.append("NOT TESTED: NCCL and every GPU path - no GPU here: the exchange ran over gloo "
+                     f"on {nproc} CPU ranks at toy size (the logic, not the node)")
+    elif nproc < 2:
+        lines.append("NOT TESTED: NCCL and the FP8 exchange (collective, fp8-sum, ddp, fsdp) - one "
+                     "GPU, one rank: NCCL takes one GPU per rank, so nothing was exchanged; run "
+                     "make gpu-smoke on a node with 2 or more GPUs")
+    for name in CHECKS:
+        if results.get(name, {}).get("status") == "SKIP":
+            lines.append(f"NOT TESTED: {name} ({results[name]['why']})")
+    return lines
+
+
 def first_contact(args):
-    """`make gpu-smoke`: the env check here, the rank checks under torchrun, the training runs
-    as train.py; one line per check, a summary, smoke.json."""
+    """`make gpu-smoke`: the env line here, the rank checks under torchrun, the training runs
+    as train.py; one line per check, what was not tested, the figures, a summary, smoke.json.
+    The whole of it within --deadline seconds."""
     reason = runtime.cuda_build_missing()
     if reason:                          # the one-line stop of a CPU-only torch on a GPU node
         print(f"FAIL env: {reason}", file=sys.stderr)
@@ -162,44 +208,64 @@ def first_contact(args):
         nproc = torch.cuda.device_count()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     results, lines, t_start = {}, [], time.time()
+    budget = args.deadline or (DEADLINE_GPU if cuda else DEADLINE_CPU)
+    deadline = t_start + budget
+
+    def time_left():
+        """Seconds the next command may take: --timeout, or what is left of --deadline."""
+        left = deadline - time.time()
+        if left < 1:
+            raise DeadlineSpent(f"not run: the smoke's {budget:.0f} s deadline was spent")
+        return min(args.timeout, left)
 
     def report(name, status, figures):
         results[name] = {"status": status, **figures}
         lines.append(describe(name, status, figures))
         print(lines[-1], flush=True)
 
-    report("env", "PASS", {**env_figures(device), "nproc": nproc})
+    report("env", "INFO", {**env_figures(device), "nproc": nproc})
     with tempfile.TemporaryDirectory(prefix="nanogeo-smoke-") as work:
         ranks_out = os.path.join(work, "ranks.json")
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    f"--nproc_per_node={nproc}", "-m", "nanogeo.smoke", "--worker",
                    f"--worker_out={ranks_out}", f"--numel={args.numel}", f"--iters={args.iters}",
-                   "--compile" if args.compile else "--no-compile"]
+                   f"--pg_timeout={args.pg_timeout}",
+                   "--compile" if args.compile else "--no-compile",
+                   "--figures" if args.figures else "--no-figures"]
         root = os.path.dirname(os.path.abspath(compress.__file__))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-        code, _, err = run_bounded(command, root, args.timeout, env)
+        timeout = time_left()
+        code, _, err = run_bounded(command, root, timeout, env)
         ranks = {}
         if os.path.exists(ranks_out):
             with open(ranks_out) as f:
                 ranks = json.load(f)
-        for name in ("codec", "collective", "fp8-sum", "ddp", "fsdp"):
+        for name in CHECKS[:-1]:
             figures = dict(ranks.get(name) or {"status": "FAIL", "why": "not run: torchrun "
-                                               + exit_reason(code, err, args.timeout)})
+                                               + exit_reason(code, err, timeout)})
             report(name, figures.pop("status"), figures)
         if args.train:
             try:
-                report("train", *smoke_training(nproc, work, toy, args.timeout))
+                report("train", *smoke_training(nproc, work, toy, time_left))
             except Exception as e:
                 report("train", "FAIL", {"why": f"{type(e).__name__}: {str(e).splitlines()[0]}"})
         else:
             report("train", "SKIP", {"why": "--no-train"})
-    counts = {s: sum(r["status"] == s for r in results.values()) for s in ("PASS", "FAIL", "SKIP")}
+    for line in coverage(results, nproc, cuda):
+        print(line, flush=True)
+    if "figures" in ranks:
+        results["figures"] = ranks["figures"]
+        print("figures (not checked; BENCHMARKS.md section 9):", flush=True)
+        print("\n".join(ranks["figures"].get("markdown") or
+                        [f"not measured: {ranks['figures'].get('error')}"]), flush=True)
+    counts = {s: sum(results[name]["status"] == s for name in CHECKS) for s in ("PASS", "FAIL", "SKIP")}
     results["summary"] = {**counts, "seconds": round(time.time() - t_start, 1), "nproc": nproc,
-                          "device": results["env"]["device"], "toy": toy}
-    print(f"gpu-smoke: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped "
-          f"| {nproc} x {results['env']['device']}{' (toy size)' if toy else ''} | "
-          f"{results['summary']['seconds']:.0f}s" + (f" | {args.out}" if args.out else ""),
+                          "device": results["env"]["device"], "toy": toy,
+                          "not_tested": coverage(results, nproc, cuda)}
+    print(f"gpu-smoke: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} NOT "
+          f"tested (skipped) | {nproc} x {results['env']['device']}{' (toy size)' if toy else ''} "
+          f"| {results['summary']['seconds']:.0f}s" + (f" | {args.out}" if args.out else ""),
           flush=True)
     if args.out:
         with open(args.out, "w") as f:

@@ -135,7 +135,9 @@ def check_ddp(device, width=256, tokens=64):
         ids = [device.index] if device.type == "cuda" else None
         net = DDP(net, device_ids=ids)
         if hooked:
-            state = GeoFP8HookState(net, geometry="subspace", geo_warmup=1, geo_rank=8)
+            # (no optimizer in this check: the layers are judged in plain L2, said so)
+            state = GeoFP8HookState(net, geometry="subspace", geo_warmup=1, geo_rank=8,
+                                    geo_judge="l2")
             net.register_comm_hook(state, geofp8_hook)
         nets.append(net)
     errors = []

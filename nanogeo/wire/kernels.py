@@ -15,6 +15,32 @@ recompile storm, then a silently slower codec). So G is marked dynamic: one comp
 serves every bucket (dynamo specializes G = 1 apart), and a kernel's code does not depend on G:
 the row's amax is over its `block` values, everything else is elementwise, so the bytes equal
 eager's for every G (tests/test_gpu_contact.py, tests/test_compress.py).
+
+Exact as eager on every backend. Compiled code is not eager code on a GPU: inductor's Triton
+backend lowers a float32 division to an approximate one (div.full.f32) unless
+`torch._inductor.config.eager_numerics.division_rounding` is set, while eager CUDA divides as
+IEEE says (to nearest) and the CPU's C++ backend does too - which is why no CPU test could see
+it. The codec divides twice: the scale fmax / amax (traced as reciprocal(amax) * fmax, and a
+reciprocal is lowered as a division 1 / amax) and the decode, codes / scale. So the codec is
+compiled with EXACT_AS_EAGER, inductor options that hold for its compiles only, not for the
+model's torch.compile: the wire bytes must equal eager's (the simulator, every recorded run and
+a run without --compile are the reference), the model's forward need not (its compiled graph
+already adds in other orders) and keeps Triton's faster division. Every op of the two compiled
+graphs, and why its Triton code rounds as eager's CUDA code does (EXACT_OPS; a test fails when
+a new op appears, so it gets the same audit):
+
+    abs, amax, gt, where, clamp_min, clamp_max, full, unsqueeze, view(dtype)
+                        exact: no rounding (a max is the same in any order)
+    mul                 one IEEE rounding on both; no add follows it, so no fused multiply-add
+    reciprocal, div     IEEE division (div_rn) with EXACT_AS_EAGER, an approximation without it
+    convert_element_type  fp32 -> fp8 to nearest even on both (sm_89+; below it the codec runs
+                        eagerly, state["float8_eager"]); the values are clamped to +-fmax first,
+                        so Triton's saturating cast and eager's are never told apart. fp8 -> fp32
+                        is exact.
+
+No sqrt, exp2, log2 or pow is compiled (those go through libdevice, whose approximations may
+differ from eager's by an ulp: eager_numerics.use_pytorch_libdevice). NVFP4 and the transforms
+run eagerly.
 """
 import torch
 
@@ -33,6 +59,15 @@ def any_group_count(compiled_kernel):
         return compiled_kernel(*args)
     return call
 
+
+# inductor options under which the compiled codec rounds every value as eager does (above)
+EXACT_AS_EAGER = {"eager_numerics.division_rounding": True}
+# the ops the codec's compiled graphs may hold: each audited above for Triton against eager
+EXACT_OPS = frozenset({
+    "aten.abs.default", "aten.amax.default", "aten.gt.Scalar", "aten.where.self",
+    "aten.clamp_min.default", "aten.clamp_max.default", "aten.full.default",
+    "aten.unsqueeze.default", "aten.view.dtype", "aten.mul.Tensor", "aten.reciprocal.default",
+    "aten.div.Tensor", "prims.convert_element_type.default"})
 
 EAGER = {"fp8_encode": compress.fp8_encode, "fp8_decode": compress.fp8_decode}
 KERNELS = dict(EAGER)       # what the packed stages call: the plain or the compiled kernels
@@ -56,7 +91,7 @@ def compile_hot_path(enabled=True):
     dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 64)
     for name, plain in EAGER.items():
         if plain not in COMPILED:
-            COMPILED[plain] = any_group_count(torch.compile(plain))
+            COMPILED[plain] = any_group_count(torch.compile(plain, options=EXACT_AS_EAGER))
         KERNELS[name] = COMPILED[plain]
 
 
