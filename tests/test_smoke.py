@@ -394,7 +394,7 @@ def test_gpu_figures_run_at_toy_size_on_gloo(tmp_path):
     assert sum(line.startswith("| char-study") for line in table) == 3
 
 
-# ---------------------------------------------------------------- the fault matrix (BENCHMARKS §18)
+# ---------------------------------------------------------------- the fault matrix (BENCHMARKS §19)
 
 def codec_faults():
     """{fault: status} of the codec check (one rank, in process), without pytest."""
