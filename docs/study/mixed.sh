@@ -81,3 +81,10 @@ for lane in $(lanes); do
   [ "$STEP" = 64 ] && same_machine $lane
   study --comms nvfp4-e4m3s2,$LEVER --workers 64 --seeds $(first6 $lane)
 done
+# 7. The stage decomposition of the best lever against nvfp4-e4m3s2 (whose --log_stages runs
+#    are the namesake study's, docs/study/namesake/stages.json): seeds 12, 13 (lane a) and 24,
+#    25 (lane b), W = 32, each run's loss bit-equal to its run without --log_stages.
+for lane in $(lanes); do
+  python -m $DRIVER --optimizers muon --out_dir out/mixed-stages --comms $LEVER --workers 32 \
+         --seeds $(case $lane in a) echo 12,13 ;; b) echo 24,25 ;; esac) -- $FLAGS --log_stages
+done
