@@ -254,8 +254,13 @@ class ProductionSubspaceLayer(compress.SubspaceLayer):
 
     def refresh(self, mean):
         super().refresh(mean)
-        if self.swaps is not None:      # once on the gradients' device: no copy at each step
-            self.swaps = tuple(s.to(mean.device) for s in self.swaps)
+        self.settle(mean.device)
+
+    def settle(self, device):
+        """After new bases: the core's swaps on the gradients' device (once: no copy at each
+        step), and the rotation in use made of the new bases."""
+        if self.swaps is not None:
+            self.swaps = tuple(s.to(device) for s in self.swaps)
         self.transform = self.rotation()
 
     def dominant_subspaces(self, mean):
@@ -270,9 +275,7 @@ class ProductionSubspaceLayer(compress.SubspaceLayer):
             U, V, self.left_energy, self.right_energy = row_blocks.update_subspaces_rows(
                 mean, self.left_basis.columns(), self.right_basis.columns(), self.left_energy,
                 self.right_energy, self.opts.decay, self.opts.iters, rows)
-        total = rows.sum(mean.pow(2).sum())
-        core = rows.sum(rows.local(U).T @ mean @ V).pow(2).sum()   # sum over ranks, then square
-        self.energy = core / total.clamp(min=1e-30)               # stays on the device
+        self.energy = row_blocks.core_energy(mean, U, V, rows)     # stays on the device
         return U, V
 
     def tensors(self):
