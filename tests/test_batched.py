@@ -230,3 +230,22 @@ def test_small_tensors_are_built_on_the_device():
     assert ops.syncing == 0, ops.counts
     assert ready.tolist() == [1.0, 1.0, 1.0, 0.0]
     assert torch.equal(averaged["input"]["b"], 2 * torch.eye(4))
+
+
+@pytest.mark.parametrize("kind", ["full", "block", "lowrank-dense"])
+def test_dense_factors_check_their_cholesky_on_the_device(kind):
+    """Issue 50, item 2: the dense whitening factors (ablations) use cholesky_ex, the variant
+    that does not wait on the host (the factor of torch.linalg.cholesky, bit for bit); one that
+    failed is NaN."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(64, 20, generator=g, dtype=torch.float64)
+    A = a.T @ a / 64
+    with OpCounter() as ops:
+        factor = layers.factor_of_kind(A, kind, r=4, block=8)
+    assert "linalg_cholesky" not in ops.counts and ops.counts["linalg_cholesky_ex"] == 1
+    assert ops.syncing == (1 if kind == "lowrank-dense" else 0)      # (its eigh: no _ex exists)
+    assert torch.isfinite(factor.dense()).all()
+    if kind == "full":
+        damped = (A + A.T) / 2 + 1e-3 * torch.eye(20, dtype=torch.float64)
+        assert torch.equal(factor.L, torch.linalg.cholesky(damped))
+    assert torch.isnan(layers.cholesky(-torch.eye(3, dtype=torch.float64))).all()

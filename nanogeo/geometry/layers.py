@@ -142,11 +142,20 @@ def load_factor(state):
     return compress.Whitening(**state)
 
 
+def cholesky(M):
+    """The Cholesky factor of M (or of each of a stack), without the host check of
+    torch.linalg.cholesky (on a GPU it waits for the device to report success): cholesky_ex,
+    and a factor that failed is NaN - its layer's gain is then NaN, never taken, and a forced
+    layer's NaN mean is skipped. (M is a damped second moment in float64: positive definite.)"""
+    L, info = torch.linalg.cholesky_ex(M)
+    return torch.where((info == 0)[..., None, None], L, torch.nan)
+
+
 def dense_factor(A, kind, r, block, damping, floor):
     d = A.shape[0]
     eye = torch.eye(d, dtype=A.dtype, device=A.device)
     if kind == "full":
-        return DenseFactor(kind, d, L=torch.linalg.cholesky(A + damping * eye))
+        return DenseFactor(kind, d, L=cholesky(A + damping * eye))
     if kind == "diag":
         return DenseFactor(kind, d, sqrt_d=(A.diagonal().clamp(min=0) + damping).sqrt())
     if kind == "block":
@@ -156,10 +165,10 @@ def dense_factor(A, kind, r, block, damping, floor):
         blocks = torch.stack([padded[i * block:(i + 1) * block, i * block:(i + 1) * block]
                               for i in range(nb)])
         damp = damping * torch.eye(block, dtype=A.dtype, device=A.device)
-        return DenseFactor(kind, d, L=torch.linalg.cholesky(blocks + damp))
+        return DenseFactor(kind, d, L=cholesky(blocks + damp))
     U, lam, rest = compress.top_eigenpairs(A, r, floor)                # "lowrank-dense"
     A_hat = (U * lam) @ U.T + torch.diag(rest)
-    return DenseFactor(kind, d, L=torch.linalg.cholesky(A_hat + damping * eye))
+    return DenseFactor(kind, d, L=cholesky(A_hat + damping * eye))
 
 
 def exact_bases(G):
