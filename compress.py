@@ -479,13 +479,20 @@ class WhitenedLayer:
 
     def refresh(self, moments):
         """New factors from this step's moments ({side: A or B}, alike on every rank) through
-        their EMA; new dicts, so a proposal (a copy, section 6) does not change the layer in use."""
+        their EMA."""
+        self.smooth(moments)
+        for side in moments:
+            self.factors[side] = self.factor_of(side, self.moments[side])
+
+    def smooth(self, moments):
+        """The EMA of each side's moment; new dicts, so a proposal (a copy, section 6) does not
+        change the layer in use (production then builds the factors of a group of layers
+        together)."""
         self.moments, self.factors = dict(self.moments), dict(self.factors)
         for side, moment in moments.items():
             old = self.moments.get(side)
             self.moments[side] = (moment.float() if old is None else
                                   self.opts.moment_decay * old + (1 - self.opts.moment_decay) * moment)
-            self.factors[side] = self.factor_of(side, self.moments[side])
 
     def factor_of(self, side, moment):
         """Seam: the factor of a smoothed moment (production adds dense kinds, for ablations)."""
@@ -520,12 +527,15 @@ class HouseholderBasis:
         a, tau = torch.geqrf(U)              # U = (R_1 ... R_r) R, reflectors stored below diag
         m, r = U.shape
         Y = torch.tril(a, -1) + torch.eye(m, r, device=U.device, dtype=U.dtype)
-        # T by LAPACK's larft recurrence, column by column: small products on the device, no
-        # host sync, and right when a reflector is the identity (tau = 0)
-        YtY = Y.T @ Y
-        T = torch.diag(tau)
-        for i in range(1, r):
-            T[:i, i] = -tau[i] * (T[:i, :i] @ YtY[:i, i])
+        # T by LAPACK's larft recurrence, T[:i, i] = -tau_i T[:i, :i] (Y^T Y)[:i, i], solved at
+        # once: with S the strictly upper part of Y^T Y it reads T (I + S diag(tau)) = diag(tau),
+        # and I + S diag(tau) is unit upper triangular - one triangular solve (a few kernels on
+        # a GPU, not ~3 per column; no host sync), right also where a reflector is the identity
+        # (tau_i = 0: T's column i is 0)
+        S = torch.triu(Y.T @ Y, 1)
+        eye = torch.eye(r, device=U.device, dtype=U.dtype)
+        T = torch.linalg.solve_triangular(eye + S * tau, torch.diag(tau), upper=True, left=False,
+                                          unitriangular=True)
         return cls(Y, T)
 
     def apply_t(self, X):
@@ -853,12 +863,19 @@ class Communicator:
         """One step for the workers this process holds ({index: gradients}): into coordinates,
         through the collective, the mean back, then the geometry. Returns (means, bytes)."""
         sent = {w: self.outgoing(w, grads) for w, grads in worker_grads.items()}
-        coords = {w: [self.to_coords(n, g) for n, g in zip(self.names, gs)]
-                  for w, gs in sent.items()}
+        coords = {w: self.all_to_coords(self.names, gs) for w, gs in sent.items()}
         mean_coords, nbytes = self.collective(coords, across_ranks)
-        means = [self.from_coords(n, c) for n, c in zip(self.names, mean_coords)]
+        means = self.all_from_coords(self.names, mean_coords)
         self.advance(dict(zip(self.names, means)), list(sent.values()), moments, across_ranks)
         return means, nbytes
+
+    def all_to_coords(self, names, tensors):
+        """Seam (production rotates the matrices of one shape together): to_coords of each."""
+        return [self.to_coords(n, t) for n, t in zip(names, tensors)]
+
+    def all_from_coords(self, names, tensors):
+        """Seam (alike): from_coords of each."""
+        return [self.from_coords(n, c) for n, c in zip(names, tensors)]
 
     def outgoing(self, worker, grads):
         """Seam: what a worker sends, in original coordinates (production adds error feedback)."""
@@ -901,8 +918,7 @@ class Communicator:
                   or (layer.ready and (self.uses_moments or math.isnan(layer.gain)))]
         if judged:
             self.judge(judged, means, sent, across_ranks)
-        for name, statistics in self.statistics(means, moments).items():
-            self.propose(name, statistics)
+        self.propose_all(self.statistics(means, moments))
 
     def statistics(self, means, moments):
         """Seam: {name: what its new geometry is built from}: the whitening's averaged K-FAC
@@ -914,13 +930,24 @@ class Communicator:
         return {n: means[n] for n, layer in self.layers.items()
                 if self.step % self.opts.geo_refresh == 0 or not layer.ready}
 
+    def propose_all(self, statistics):
+        """Seam (production refreshes the matrices of one shape together): propose() for each
+        {name: statistics}."""
+        for name, found in statistics.items():
+            self.propose(name, found)
+
     def propose(self, name, statistics):
-        """Seam: new geometry for `name`, a proposal until later gradients measure it (measured
-        on the gradients it was built from, it would look better than it is) - unless decide()
-        takes it unmeasured. A copy: refresh() assigns new tensors, the layer in use stays."""
+        """New geometry for `name` from its statistics. A copy: refresh() assigns new tensors, the
+        layer in use stays."""
         proposal = copy.copy(self.layers[name])
         proposal.gain = float("nan")                    # not measured yet
         proposal.refresh(statistics)
+        self.consider(name, proposal)
+
+    def consider(self, name, proposal):
+        """Seam: new geometry for `name` is a proposal until later gradients measure it (measured
+        on the gradients it was built from, it would look better than it is) - unless decide()
+        takes it unmeasured."""
         if self.decide(name, proposal):
             proposal.use_geo = True
             self.layers[name] = proposal

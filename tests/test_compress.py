@@ -10,6 +10,7 @@ import compress
 from compress import HouseholderBasis, decode_geo, encode_geo
 from conftest import run_ranks
 from nanogeo.geometry import layers
+from nanogeo.lab.probes import OpCounter
 from nanogeo.parallel.communicator import Options, ProductionCommunicator
 from nanogeo.run import summary
 from nanogeo.wire import collective, kernels, nvfp4, packing
@@ -475,6 +476,40 @@ def test_householder_basis_is_orthogonal_and_spans_u():
     P = basis.apply(torch.eye(200, dtype=torch.float64))
     assert torch.allclose(P.T @ P, torch.eye(200, dtype=torch.float64), atol=1e-12)
     assert torch.allclose((P[:, :8].T @ U).abs(), torch.eye(8, dtype=torch.float64), atol=1e-12)
+
+
+def larft_column_by_column(Y, tau):
+    """LAPACK's larft recurrence as compress.py computed T before issue 50: T[:i, i] =
+    -tau_i T[:i, :i] (Y^T Y)[:i, i], one column at a time."""
+    YtY, T = Y.T @ Y, torch.diag(tau)
+    for i in range(1, len(tau)):
+        T[:i, i] = -tau[i] * (T[:i, :i] @ YtY[:i, i])
+    return T
+
+
+@pytest.mark.parametrize("m,r", [(200, 8), (64, 32), (10, 3)])
+def test_householder_t_factor_is_larfts_in_one_solve(m, r):
+    """HouseholderBasis.complete builds T in one triangular solve: the T of LAPACK's column
+    recurrence (to float64 rounding), also where reflectors are the identity (tau = 0)."""
+    for U in (compress.orthonormal(torch.randn(m, r, dtype=torch.float64)),
+              torch.eye(m, r, dtype=torch.float64)):                   # every tau is 0
+        basis = HouseholderBasis.complete(U)
+        _, tau = torch.geqrf(U)
+        assert torch.allclose(basis.T, larft_column_by_column(basis.Y, tau), atol=1e-13)
+        P = basis.apply(torch.eye(m, dtype=torch.float64))
+        assert torch.allclose(P.T @ P, torch.eye(m, dtype=torch.float64), atol=1e-12)
+
+
+def test_householder_completion_launches_do_not_grow_with_r():
+    """Issue 50, item 3: the T factor in a fixed number of kernels (a GPU pays a launch for
+    each), not ~3 per column as LAPACK's recurrence written out column by column made."""
+    counts = []
+    for r in (4, 32):
+        U = compress.orthonormal(torch.randn(128, r))
+        with OpCounter() as ops:
+            HouseholderBasis.complete(U)
+        counts.append(ops.total)
+    assert counts[0] == counts[1] <= 12, counts
 
 
 def test_encode_decode_identity_fp32():

@@ -47,21 +47,36 @@ def same_on_every_rank(value, group=None):
 
 def geometry_checksum(layers, ready):
     """One number (on the device) that changes with the geometry in use: every ready layer's
-    tensors and its decisions, each weighted by its position. `ready`: readiness() of layers."""
-    terms, decisions = [], []
+    tensors, each element weighted by its position among them all, summed in float64 - a few
+    kernels for all the layers, not a few per tensor - plus the layers' decisions, each weighted
+    by its layer's position (host numbers: added as a scalar, not copied to the device).
+    `ready`: readiness() of layers."""
+    tensors, decisions = [], 0.0
     for i, layer in enumerate(layers):
         if layer.ready:
-            terms += [t.double().sum() * (i + k + 1) for k, t in enumerate(layer.tensors())]
+            tensors += [t.reshape(-1) for t in layer.tensors()]
             use_geo, right_only, _ = layer.flags()
-            decisions.append((i + 1) * (0.5 * use_geo + 0.25 * right_only))
-    terms.append(torch.tensor(decisions, dtype=torch.float64, device=ready.device).sum())
-    return torch.stack(terms).sum()
+            decisions += (i + 1) * (0.5 * use_geo + 0.25 * right_only)
+    if not tensors:
+        return ready.new_zeros(()) + decisions
+    flat = torch.cat(tensors)
+    weights = torch.linspace(1, 2, flat.numel(), dtype=flat.dtype, device=flat.device)
+    return (flat * weights).sum(dtype=torch.float64) + decisions
+
+
+def device_vector(values, device):
+    """(len(values),) float64 on the device holding the host numbers `values`, made without a
+    copy from host memory (on a GPU, torch.tensor(list, device=...) copies from pageable memory
+    and makes the host wait): the numbers travel as the arguments of one multi-tensor add."""
+    out = torch.zeros(len(values), dtype=torch.float64, device=device)
+    if len(values):
+        torch._foreach_add_(list(out.unbind()), [float(v) for v in values])
+    return out
 
 
 def readiness(layers, device):
     """(L,) float64 on the device: 1 for each layer that has a geometry, 0 for the others."""
-    return torch.tensor([float(layer.ready) for layer in layers], dtype=torch.float64,
-                        device=device)
+    return device_vector([float(layer.ready) for layer in layers], device)
 
 
 def verify_geometry(layers, group, step, device):
@@ -102,7 +117,7 @@ def broadcast_from_first(layers, group, device):
     non-contiguous tensors, and an SVD's factors are often strided), copied back in place."""
     ready = [layer for layer in layers if layer.ready]
     tensors = [t for layer in ready for t in layer.tensors()]
-    flags = torch.tensor([layer.flags() for layer in ready], dtype=torch.float64, device=device)
+    flags = device_vector([f for layer in ready for f in layer.flags()], device)
     buffer = torch.cat([t.double().reshape(-1) for t in tensors] + [flags.reshape(-1)])
     dist.broadcast(buffer, group=group, group_src=0)
     values = buffer.split([t.numel() for t in tensors] + [flags.numel()])

@@ -57,10 +57,10 @@ def subspace_eigenpairs(A, r, floor, start=None, iterations=None, oversample=OVE
     k = r + oversample
     if 2 * k > d:
         return compress.top_eigenpairs(A, r, floor)
-    Q = random_start(d, k, A.device).clone()                    # (d, k) fp32
+    Q = random_start(d, k, A.device)                            # (d, k) fp32
     warm = start is not None and tuple(start.shape) == (d, r)
-    if warm:
-        Q[:, :r] = start
+    if warm:                        # (a new tensor, not written in place: torch.vmap maps this)
+        Q = torch.cat([start.to(Q.dtype), Q[:, r:]], dim=1)
     A32 = A.float()
     Q = orthonormal(Q)
     for _ in range(iterations or (WARM_ITERATIONS if warm else COLD_ITERATIONS)):

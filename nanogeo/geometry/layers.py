@@ -142,11 +142,20 @@ def load_factor(state):
     return compress.Whitening(**state)
 
 
+def cholesky(M):
+    """The Cholesky factor of M (or of each of a stack), without the host check of
+    torch.linalg.cholesky (on a GPU it waits for the device to report success): cholesky_ex,
+    and a factor that failed is NaN - its layer's gain is then NaN, never taken, and a forced
+    layer's NaN mean is skipped. (M is a damped second moment in float64: positive definite.)"""
+    L, info = torch.linalg.cholesky_ex(M)
+    return torch.where((info == 0)[..., None, None], L, torch.nan)
+
+
 def dense_factor(A, kind, r, block, damping, floor):
     d = A.shape[0]
     eye = torch.eye(d, dtype=A.dtype, device=A.device)
     if kind == "full":
-        return DenseFactor(kind, d, L=torch.linalg.cholesky(A + damping * eye))
+        return DenseFactor(kind, d, L=cholesky(A + damping * eye))
     if kind == "diag":
         return DenseFactor(kind, d, sqrt_d=(A.diagonal().clamp(min=0) + damping).sqrt())
     if kind == "block":
@@ -156,10 +165,10 @@ def dense_factor(A, kind, r, block, damping, floor):
         blocks = torch.stack([padded[i * block:(i + 1) * block, i * block:(i + 1) * block]
                               for i in range(nb)])
         damp = damping * torch.eye(block, dtype=A.dtype, device=A.device)
-        return DenseFactor(kind, d, L=torch.linalg.cholesky(blocks + damp))
+        return DenseFactor(kind, d, L=cholesky(blocks + damp))
     U, lam, rest = compress.top_eigenpairs(A, r, floor)                # "lowrank-dense"
     A_hat = (U * lam) @ U.T + torch.diag(rest)
-    return DenseFactor(kind, d, L=torch.linalg.cholesky(A_hat + damping * eye))
+    return DenseFactor(kind, d, L=cholesky(A_hat + damping * eye))
 
 
 def exact_bases(G):
@@ -254,8 +263,13 @@ class ProductionSubspaceLayer(compress.SubspaceLayer):
 
     def refresh(self, mean):
         super().refresh(mean)
-        if self.swaps is not None:      # once on the gradients' device: no copy at each step
-            self.swaps = tuple(s.to(mean.device) for s in self.swaps)
+        self.settle(mean.device)
+
+    def settle(self, device):
+        """After new bases: the core's swaps on the gradients' device (once: no copy at each
+        step), and the rotation in use made of the new bases."""
+        if self.swaps is not None:
+            self.swaps = tuple(s.to(device) for s in self.swaps)
         self.transform = self.rotation()
 
     def dominant_subspaces(self, mean):
@@ -270,9 +284,7 @@ class ProductionSubspaceLayer(compress.SubspaceLayer):
             U, V, self.left_energy, self.right_energy = row_blocks.update_subspaces_rows(
                 mean, self.left_basis.columns(), self.right_basis.columns(), self.left_energy,
                 self.right_energy, self.opts.decay, self.opts.iters, rows)
-        total = rows.sum(mean.pow(2).sum())
-        core = rows.sum(rows.local(U).T @ mean @ V).pow(2).sum()   # sum over ranks, then square
-        self.energy = core / total.clamp(min=1e-30)               # stays on the device
+        self.energy = row_blocks.core_energy(mean, U, V, rows)     # stays on the device
         return U, V
 
     def tensors(self):

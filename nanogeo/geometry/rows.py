@@ -146,9 +146,27 @@ def update_subspaces_rows(G, U, V, left_energy, right_energy, decay, iters, rows
 def initial_subspaces_rows(G, r, seed, rows, iters=4):
     """compress.initial_subspaces in the row form (this rank's rows under FSDP): the same seeded
     range finder. Returns (U, V, left_energy, right_energy)."""
+    return range_finder_rows(G, seeded_directions(G.shape[1], r, seed, G.device, G.dtype), rows,
+                             iters)
+
+
+def seeded_directions(n, r, seed, device, dtype=torch.float32):
+    """compress.initial_subspaces' random start omega (n, r), seeded alike on every rank."""
     generator = torch.Generator(device="cpu").manual_seed(seed)
-    omega = torch.randn(G.shape[1], r, generator=generator).to(G.device, G.dtype)
+    return torch.randn(n, r, generator=generator).to(device, dtype)
+
+
+def range_finder_rows(G, omega, rows, iters=4):
+    """initial_subspaces_rows from its random start omega (n, r)."""
     U = compress.orthonormal(rows.gather(G @ omega))
     V = compress.orthonormal(rows.sum(G.T @ rows.local(U)))
-    zeros = torch.zeros(r, device=G.device, dtype=G.dtype)
+    zeros = torch.zeros(omega.shape[1], device=G.device, dtype=G.dtype)
     return update_subspaces_rows(G, U, V, zeros, zeros, 0.0, iters, rows)
+
+
+def core_energy(G, U, V, rows):
+    """The fraction of G's energy in the r x r core U^T G V (G: this rank's rows; summed over
+    the ranks), on the device."""
+    total = rows.sum(G.pow(2).sum())
+    core = rows.sum(rows.local(U).T @ G @ V).pow(2).sum()       # sum over ranks, then square
+    return core / total.clamp(min=1e-30)

@@ -7,7 +7,9 @@ just swaps. None of that shows in a CPU's wall time, so the tests and benchmarks
 
     with OpCounter() as ops:            # every aten op dispatched inside: ~ one launch each
         ...
-    ops.total, ops.syncing, ops.counts  # all ops; those that wait for the device on CUDA; by name
+    ops.total, ops.syncing, ops.counts  # ops that launch a kernel; those that wait for the
+                                        # device on CUDA; by name
+    ops.dispatched                      # every aten op, views included (issue 50's measure)
 
     with MemoryPeak() as mem:           # storages made by ops inside, tracked until freed
         ...
@@ -58,6 +60,11 @@ class OpCounter(TorchDispatchMode):
     @property
     def total(self):
         return sum(n for name, n in self.counts.items() if name not in NO_KERNEL)
+
+    @property
+    def dispatched(self):
+        """Every aten op dispatched, those without a kernel (views) included."""
+        return sum(self.counts.values())
 
     @property
     def syncing(self):

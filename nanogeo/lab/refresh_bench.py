@@ -20,6 +20,15 @@ layer of each input width d, times the number of candidate layers of that width:
               use (every later one; here the factor of the same layer one batch earlier, under
               the EMA of 0.95 the moments follow)
 
+  stacked     the same three with the layers of one width built together in one mapped call
+              (nanogeo.geometry.batched.factors_stack, what training runs): timed on two layers
+              (per layer here, as the others), its ops counted once for the group (they do not
+              depend on how many layers it stacks)
+
+Each is also counted (nanogeo.lab.probes.OpCounter, issue 50): the ops that launch a kernel on a
+GPU, and the syncing calls (eigh, svd: each makes a CUDA host wait), for the refresh of all
+layers, against the kernels of one forward + backward.
+
 The moments are the real statistics of the model (random weights) on random tokens, collected
 by the K-FAC hooks during a forward pass. The forward + backward is the model's, eager, fp32, on
 --batch_size x --block_size tokens; every time is the fastest of --repeats.
@@ -31,8 +40,9 @@ import time
 import torch
 
 import model as model_lib
+from nanogeo.lab.probes import OpCounter
 from nanogeo.parallel import hooks
-from nanogeo.geometry import layers
+from nanogeo.geometry import batched, layers
 from nanogeo.parallel.communicator import Options, ProductionCommunicator
 
 
@@ -44,6 +54,13 @@ def fastest(fn, repeats):
         fn()
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def counted(fn):
+    """(kernel launches, syncing calls) of one call of fn."""
+    with OpCounter() as ops:
+        fn()
+    return ops.total, ops.syncing
 
 
 def representatives(communicator, linear):
@@ -82,8 +99,11 @@ def run(preset, batch_size, block_size, repeats, rank, seed=0):
         forward_backward(batch, moments)
         stats.append(moments.take())
     step = fastest(lambda: forward_backward(tokens[0]), repeats)
+    step_ops = counted(lambda: forward_backward(tokens[0]))[0]
 
-    rows, totals = [], {"moments": 0.0, "eigh": 0.0, "cold": 0.0, "warm": 0.0}
+    kinds = ("eigh", "cold", "warm")
+    rows, totals = [], {k: 0.0 for k in ("moments", *kinds, *(f"stacked {k}" for k in kinds))}
+    ops = {k: [0, 0] for k in totals}       # {variant: [launches, syncing calls]}, all layers
     opts = comm.opts
     for d, (name, count) in sorted(widths.items()):
         shapes = {name: comm.shapes[name]}
@@ -96,27 +116,52 @@ def run(preset, batch_size, block_size, repeats, rank, seed=0):
         factor = lambda solver, M, old=None: layers.factor_of_kind(
             M, "lowrank", opts.whiten_rank, damping=opts.damping, solver=solver, old=old)
         old = factor("subspace", A)
-        times = {"moments": avg,
-                 "eigh": fastest(lambda: factor("eigh", A_next), repeats),
-                 "cold": fastest(lambda: factor("subspace", A_next), repeats),
-                 "warm": fastest(lambda: factor("subspace", A_next, old), repeats)}
+        calls = {"eigh": lambda: factor("eigh", A_next),
+                 "cold": lambda: factor("subspace", A_next),
+                 "warm": lambda: factor("subspace", A_next, old)}
+        pair = torch.stack([A_next, A_next])            # two layers of this width, stacked
+
+        def stacked(solver, olds):
+            return lambda: batched.factors_stack(
+                pair, olds, Options(geometry="geofp8", whiten_rank=opts.whiten_rank,
+                                    damping=opts.damping, whiten_solver=solver))
+        calls.update({"stacked eigh": stacked("eigh", [None, None]),
+                      "stacked cold": stacked("subspace", [None, None]),
+                      "stacked warm": stacked("subspace", [old, old])})
+        times = {"moments": avg, **{k: fastest(fn, repeats) for k, fn in calls.items()}}
+        for k, fn in calls.items():
+            launches, syncing = counted(fn)
+            times[k] /= 2 if k.startswith("stacked") else 1         # per layer
+            per = 1 if k.startswith("stacked") else count           # calls for these layers
+            ops[k][0] += per * launches
+            ops[k][1] += per * syncing
+        moments_ops = counted(lambda: hooks.average_moments(
+            {"input": {f"{name}.{i}": stats[0]["input"][name] for i in range(count)},
+             "tokens": {"input": {f"{name}.{i}": 1 for i in range(count)}}},
+            {f"{name}.{i}": comm.shapes[name] for i in range(count)}, ("input",),
+            lambda t: t, torch.device("cpu")))
+        ops["moments"] = [a + b for a, b in zip(ops["moments"], moments_ops)]
         for k, v in times.items():
             totals[k] += count * v
         rows.append((d, count, times))
     return {"preset": preset, "tokens": batch_size * block_size, "step": step, "rows": rows,
-            "totals": totals, "layers": sum(c for _, c, _ in rows)}
+            "totals": totals, "layers": sum(c for _, c, _ in rows), "ops": ops,
+            "step_ops": step_ops}
+
+
+COLUMNS = ("moments", "eigh", "cold", "warm", "stacked eigh", "stacked cold", "stacked warm")
 
 
 def report(result):
     step = result["step"]
     lines = [f"{result['preset']}: {result['layers']} candidate layers; forward + backward on "
              f"{result['tokens']} tokens: {step:.2f} s",
-             f"{'d_in':>6s} {'layers':>6s} {'moments':>9s} {'eigh':>9s} {'cold':>9s} {'warm':>9s}"
-             "   (seconds per layer)"]
+             f"{'d_in':>6s} {'layers':>6s} " + " ".join(f"{k.replace('stacked ', '+'):>9s}"
+                                                        for k in COLUMNS)
+             + "   (seconds per layer; +: stacked)"]
     for d, count, t in result["rows"]:
-        lines.append(f"{d:6d} {count:6d} " + " ".join(f"{t[k]:9.4f}" for k in
-                                                      ("moments", "eigh", "cold", "warm")))
-    tot = result["totals"]
+        lines.append(f"{d:6d} {count:6d} " + " ".join(f"{t[k]:9.4f}" for k in COLUMNS))
+    tot, ops, step_ops = result["totals"], result["ops"], result["step_ops"]
     for label, key in (("compress.py (eigh)", "eigh"), ("subspace, cold", "cold"),
                        ("subspace, warm", "warm")):
         refresh = tot["moments"] + tot[key]
@@ -124,6 +169,15 @@ def report(result):
                      f"{refresh / step:7.2f} x forward+backward"
                      + ("" if key == "eigh" else
                         f"; {(tot['moments'] + tot['eigh']) / refresh:5.1f}x cheaper than eigh"))
+    lines.append(f"kernel launches (syncing calls) of the refresh of all layers, against "
+                 f"{step_ops} of one forward+backward; per layer / each width's layers stacked:")
+    for label, key in (("compress.py (eigh)", "eigh"), ("subspace, cold", "cold"),
+                       ("subspace, warm", "warm")):
+        one, stacked = ([ops["moments"][i] + ops[k][i] for i in (0, 1)]
+                        for k in (key, f"stacked {key}"))
+        lines.append(f"  {label:18s}: {one[0]:7d} ({one[1]:3d}) = {one[0] / step_ops:5.2f} x "
+                     f"forward+backward / stacked {stacked[0]:6d} ({stacked[1]:2d}) = "
+                     f"{stacked[0] / step_ops:5.2f} x, {tot['moments'] + tot['stacked ' + key]:7.2f} s")
     return "\n".join(lines)
 
 

@@ -3,8 +3,9 @@ The communicator as training runs it: compress.Communicator (the method: coordin
 two-stage collective, refresh, the gain check, the decision) with what production adds around
 it - a subclass that overrides compress.py's seams, the methods whose docstrings begin "Seam"
 (average_moments, whitened_sides, statistics, outgoing, collective, error_seen, advance,
-update_geometry, propose; measure and through_codec for sides="auto"; to_coords and from_coords for a
-benchmark's timer; reduce_workers for each simulated rank's K-FAC statistics), so that
+update_geometry, consider; measure and through_codec for sides="auto"; to_coords and from_coords for a
+benchmark's timer; reduce_workers for each simulated rank's K-FAC statistics; all_to_coords,
+all_from_coords, propose_all and measure for the matrices of one shape together), so that
 compress.py stays the one statement of the method:
 
   * the wire: the packed stages, NVFP4, stochastic rounding's streams, a stage 2 in a format of
@@ -20,6 +21,10 @@ compress.py stays the one statement of the method:
     ablations (nanogeo.geometry.layers, .hadamard): whitening factors other than the low-rank
     one and their EMA, exact or random subspace bases, the stale residual of the published
     defect (c);
+  * the subspace rotation's matrices of one shape encoded, decoded, refreshed and judged
+    together, compress.py's functions mapped over the stack (nanogeo.geometry.batched): a GPU
+    launches each op once per shape group, and waits on the host once per group and refresh
+    (the SVD), not once per matrix;
   * a benchmark's stage timer, the layer table's reasons, checkpoints.
 
 Options are compress.GeoOptions plus the fields of this module's Options.
@@ -33,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 import compress
-from nanogeo.geometry import agreement, hadamard, layers, update_error
+from nanogeo.geometry import agreement, batched, hadamard, layers, update_error
 from nanogeo.parallel import hooks
 from nanogeo.parallel.precision import ieee
 from nanogeo.wire import collective, fp8sum, nvfp4, packing
@@ -224,6 +229,7 @@ class ProductionCommunicator(compress.Communicator):
         self.repaired = False   # host_read repaired the geometry (rank 0's broadcast)
         self.decompose = False  # keep this step's stage-1 mean (nanogeo.run.summary.stage_errors)
         self.stage1 = None      # ... each worker's own round trip, averaged, original coordinates
+        self.stacks = batched.StackedBases()    # the rotations in use, stacked by shape
 
     def coords(self, name):
         """"geo" or "euclidean": the coordinates `name` is sent in now (logs and tables)."""
@@ -246,6 +252,36 @@ class ProductionCommunicator(compress.Communicator):
     def from_coords(self, name, c):
         with self.timer.stage("rotate"):
             return super().from_coords(name, c)
+
+    # -- the matrices of one shape together (nanogeo.geometry.batched) -----------------------------
+
+    def all_to_coords(self, names, tensors):
+        """to_coords of each, the rotated matrices of one shape and sides encoded together."""
+        return self.rotate_all(names, tensors, inverse=False)
+
+    def all_from_coords(self, names, tensors):
+        """from_coords of each, likewise."""
+        return self.rotate_all(names, tensors, inverse=True)
+
+    @ieee
+    def rotate_all(self, names, tensors, inverse):
+        keys = {i: batched.rotation_key(self.layers[n]) if self.is_geo(n)
+                and batched.stackable(self.layers[n]) else None for i, n in enumerate(names)}
+        out = list(tensors)
+        for key, where in batched.groups(keys).items():
+            if key is None:                     # Euclidean, or a layer of another kind
+                one = self.from_coords if inverse else self.to_coords
+                for i in where:
+                    out[i] = one(names[i], tensors[i])
+                continue
+            group = [self.layers[names[i]] for i in where]
+            with self.timer.stage("rotate"):
+                bases = self.stacks.of(key, [layer.transform for layer in group])
+                X = torch.stack([tensors[i] for i in where])
+                rotated = batched.rotate_stack(group[0], X, bases, inverse).unbind()
+            for i, x in zip(where, rotated):
+                out[i] = x
+        return out
 
     # -- the K-FAC statistics, averaged over the ranks ----------------------------------------------
 
@@ -364,8 +400,8 @@ class ProductionCommunicator(compress.Communicator):
             old = self.residuals.get(worker, {})
             lost = {n: c - back for n, c, back in zip(self.names, in_coords, returned)
                     if self.has_feedback(n)}
-            new = {n: d if self.opts.stale_residual else self.from_coords(n, d)
-                   for n, d in lost.items()}
+            new = lost if self.opts.stale_residual else dict(
+                zip(lost, self.all_from_coords(list(lost), list(lost.values()))))
             self.residuals[worker] = {n: torch.where(finite, r, old.get(n, torch.zeros_like(r)))
                                       for n, r in new.items()}
             if packing.ShardFeedback.KEY in old:    # stage 2's, kept beside
@@ -479,13 +515,13 @@ class ProductionCommunicator(compress.Communicator):
         (its .tolist() is judge's). Measured again where the agreement check repaired the
         proposals. With sides="auto", each layer is rotated to the better of its two rotations
         (through_codec), and that one's error is returned."""
-        errors = super().measure(layers, means, sent, across_ranks)
+        errors = self.codec_errors(layers, means, sent, across_ranks)
         if self.bad is None:
             read = errors.cpu().numpy()
         else:
             read = self.host_read(errors)
             if self.repaired:   # (rare) measured on proposals that differed across the ranks
-                read = super().measure(layers, means, sent, across_ranks).cpu().numpy()
+                read = self.codec_errors(layers, means, sent, across_ranks).cpu().numpy()
         if not self.auto_sides():
             return read
         right = read[:, 2] < read[:, 1]         # the first of equals, as min() picks: both
@@ -493,6 +529,35 @@ class ProductionCommunicator(compress.Communicator):
             if layer.sides != ("right" if alone else "both"):
                 layer.rotate_sides("right" if alone else "both")
         return numpy.stack([read[:, 0], numpy.where(right, read[:, 2], read[:, 1])], axis=1)
+
+    def codec_errors(self, layers, means, sent, across_ranks):
+        """compress.Communicator.measure, the matrices of one shape, sides and optimizer view
+        measured together (nanogeo.geometry.batched.codec_errors) where every layer can be -
+        and its optimizer is watched, or judge="l2" (else compress.py warns, matrix by matrix)."""
+        watched = self.opts.geo_judge == "l2" or self.views
+        if not watched or not all(batched.stackable(layer) for layer in layers.values()):
+            return super().measure(layers, means, sent, across_ranks)
+        world = dist.get_world_size(self.group) if across_ranks else 1
+        auto, index = self.auto_sides(), {n: i for i, n in enumerate(self.names)}
+        views = {n: self.views.get(n) if self.opts.geo_judge == "optimizer" else None
+                 for n in layers}
+        keys = {n: (layer.shape, None if auto else batched.sides_of(layer.transform),
+                    batched.view_key(views[n])) for n, layer in layers.items()}
+        rows = {}
+        for names in batched.groups(keys).values():
+            grads = [torch.stack([g[index[n]].float() for n in names]) for g in sent]
+            errors = batched.codec_errors(
+                [layers[n] for n in names], torch.stack([means[n] for n in names]), grads,
+                [views[n] for n in names], auto, self.round_trip_stack, world * len(sent))
+            rows.update(zip(names, errors.unbind()))
+        errors = torch.stack([rows[n] for n in layers]).double().sum(1)   # (layers, K)
+        if across_ranks:
+            dist.all_reduce(errors, group=self.group)
+        return errors
+
+    def round_trip_stack(self, X):
+        """round_trip() of each matrix of X (L, m, n), bit-equal, in one codec call."""
+        return batched.round_trip_stack(X, self.opts.fmt, self.opts.block)
 
     def statistics(self, means, moments):
         """compress.Communicator.statistics, after the step's flags are read (host_read)."""
@@ -514,9 +579,28 @@ class ProductionCommunicator(compress.Communicator):
             self.sum_over_ranks(bad)
         return bad
 
-    def propose(self, name, statistics):
+    def propose_all(self, statistics):
+        """compress.Communicator.propose_all, the new geometry of the matrices of one shape
+        built together (nanogeo.geometry.batched.refresh_group: the rotation's bases, the
+        low-rank whitening's factors)."""
+        keys = {n: batched.refresh_key(self.layers[n], found) for n, found in statistics.items()}
+        refreshed = {}
+        for key, names in batched.groups(keys).items():
+            if key is not None:
+                proposals = [copy.copy(self.layers[n]) for n in names]     # as propose() makes
+                for proposal in proposals:
+                    proposal.gain = float("nan")
+                batched.refresh_group(proposals, [statistics[n] for n in names])
+                refreshed.update(zip(names, proposals))
+        for name, found in statistics.items():
+            if name in refreshed:
+                self.consider(name, refreshed[name])
+            else:
+                self.propose(name, found)
+
+    def consider(self, name, proposal):
         self.proposed = True
-        super().propose(name, statistics)
+        super().consider(name, proposal)
 
     def auto_sides(self):
         """Does the gain check compare two rotations (sides="auto"): both sides, and the column

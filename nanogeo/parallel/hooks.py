@@ -19,6 +19,7 @@ import functools
 
 import torch
 
+from nanogeo.geometry import agreement
 from nanogeo.parallel.precision import ieee
 from nanogeo.geometry.update_error import OptimizerView
 from nanogeo.wire.collective import ring_allreduce_bytes
@@ -187,8 +188,8 @@ def average_moments(moments, shapes, sides, all_reduce, device):
         m, count = moments.get(side, {}).get(n), tokens.get(side, {}).get(n, 0)
         parts.append(m.reshape(-1) * count if m is not None
                      else torch.zeros(d * d, device=device))
-    counts = torch.tensor([float(tokens.get(side, {}).get(n, 0)) for side, n, _ in slots],
-                          device=device)
+    counts = agreement.device_vector([tokens.get(side, {}).get(n, 0) for side, n, _ in slots],
+                                     device).float()
     flat = torch.cat(parts + [counts])
     all_reduce(flat)
     totals = flat[: -len(slots)].split([d * d for _, _, d in slots])

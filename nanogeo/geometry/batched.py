@@ -1,0 +1,296 @@
+"""
+The subspace rotation for many matrices at once: the matrices of one shape stacked, and the
+per-matrix code mapped over the stack with torch.vmap. (The production seam of issue 50: the
+communicator's all_to_coords, all_from_coords, propose_all and measure come here.)
+
+compress.py rotates one matrix at a time (its section 4): a dozen small kernels to encode a
+matrix, as many to decode it, and at a refresh a subspace iteration, an SVD and two Householder
+completions per matrix. A GPU pays a launch of a few microseconds for every kernel and, at every
+SVD, a wait of the host (torch's svd checks its result on the host and has no `_ex` variant). A
+transformer has few shapes, each many times over (cpu-tiny: 28 matrices of 4 shapes). Here the
+matrices of one shape go through together: torch.vmap runs compress.py's own functions (and
+nanogeo.geometry.rows' row form of the subspace iteration, nanogeo.geometry.update_error's
+optimizer views) on a stack (L, m, n), each op launched once for the whole stack: a matrix
+product becomes one batched product, and a refresh makes one SVD per shape group. Nothing of the
+method is written a second time; what is here is the stacking.
+
+Numbers: the same ops on the same values, except that a batched product or reduction may add in
+another order than its one-matrix form (torch chooses the kernel), so the bases, coordinates and
+measured errors equal compress.py's to fp32 rounding, not bit for bit (tests/test_batched.py
+states the tolerances, and that the gain check decides alike). The codec's round trip of a stack
+(round_trip_stack) is bit-equal to compress.py's per matrix: it only views the stack so that
+compress.quantize's scale groups are each matrix's own.
+
+What goes through here: nanogeo.geometry.layers.ProductionSubspaceLayer with Householder bases,
+on a rank that holds every row (train.py, the DDP hook) - encode, decode, refresh and the gain
+check's measurements - and the low-rank whitening's refresh (its factors, one eigendecomposition
+and one SVD per side and group of one width: whiten_stack). FSDP's row blocks, the dense-basis
+ablations, the whitening's encode and decode and the Hadamard control go matrix by matrix, as
+before.
+"""
+import functools
+
+import torch
+
+import compress
+from nanogeo.geometry import rows as row_blocks
+from nanogeo.geometry.layers import (LOWRANK_TENSORS, UNSHARDED, ProductionSubspaceLayer,
+                                     ProductionWhitenedLayer, factor_of_kind, whiten_solver)
+from nanogeo.geometry.update_error import OptimizerView, UpdateError
+
+
+def stackable(layer):
+    """Can this layer go through the batched forms: the subspace rotation with Householder
+    bases, every row of its matrix on this rank?"""
+    return (type(layer) is ProductionSubspaceLayer
+            and (layer.rows is None or not layer.rows.sharded))
+
+
+def groups(keys):
+    """{key: [item, ...]} from {item: key}, in first-seen order."""
+    out = {}
+    for item, key in keys.items():
+        out.setdefault(key, []).append(item)
+    return out
+
+
+# -- the rotation: encode and decode ------------------------------------------------------------
+
+def sides_of(transform):
+    """(left rotates, right rotates) of a transform (P or None, Q or None)."""
+    return tuple(basis is not None for basis in transform)
+
+
+def stack_bases(transforms):
+    """[(P or None, Q or None)] of L matrices (all on the same sides) -> per side the stacked
+    (Y (L, m or n, r), T (L, r, r)), or None for a side that does not rotate."""
+    return tuple(None if transforms[0][side] is None else
+                 (torch.stack([t[side].Y for t in transforms]),
+                  torch.stack([t[side].T for t in transforms]))
+                 for side in (0, 1))
+
+
+def rotate_stack(layer, X, bases, inverse=False):
+    """layer.encode (inverse: decode) of each matrix of X (L, m, n) in its own rotation, `bases`
+    as stack_bases gives them; `layer`: any layer of the stack (they share the shape, and so
+    the core's swaps)."""
+    sides = tuple(b is not None for b in bases)
+    tensors = [t for b in bases if b is not None for t in b]
+
+    def one(x, *yt):                    # one matrix, its (Y, T) per rotated side
+        it = iter(yt)
+        transform = tuple(compress.HouseholderBasis(next(it), next(it)) if rotated else None
+                          for rotated in sides)
+        return layer.decode(x, transform) if inverse else layer.encode(x, transform)
+    return torch.vmap(one)(X, *tensors)
+
+
+class StackedBases:
+    """The stacked bases of each group of matrices rotated together, kept while the group and
+    its bases stay the same tensors, unchanged (a refresh makes new ones; rank agreement's repair
+    writes into them, which bumps their version): stacking them at every step would copy them at
+    every step. One entry per rotation_key (shape, sides): bounded."""
+
+    def __init__(self):
+        self.kept = {}          # key -> ([(basis tensor, its version)] in order, the stacks)
+
+    def of(self, key, transforms):
+        sources = [(t, t._version) for transform in transforms for b in transform
+                   if b is not None for t in (b.Y, b.T)]
+        kept = self.kept.get(key)
+        if kept is None or len(kept[0]) != len(sources) or any(
+                a is not b or u != v for (a, u), (b, v) in zip(kept[0], sources)):
+            kept = self.kept[key] = (sources, stack_bases(transforms))
+        return kept[1]
+
+
+def rotation_key(layer):
+    """Matrices rotated together: same shape (so the same r and core swaps), same sides."""
+    return layer.shape, sides_of(layer.transform)
+
+
+# -- the codec's round trip of a stack ----------------------------------------------------------
+
+def round_trip_stack(X, fmt, block):
+    """compress.dequantize(compress.quantize(x, fmt, block)) of every matrix x of X (L, m, n),
+    bit for bit, in one codec call: X is viewed so that the codec's scale groups are each
+    matrix's own - an integer block: each matrix zero-padded to whole groups, as quantize pads
+    it; "row": the rows; "tensor": one group per matrix; NVFP4: each matrix's tensor scale."""
+    L, m, n = X.shape
+    flat = X.reshape(L, m * n)
+    if fmt == "nvfp4":
+        return nvfp4_round_trip_stack(flat).view(L, m, n)
+    if block == "tensor":
+        grouped, by = flat, "row"                       # (L, m n): a group per matrix
+    elif block == "row":
+        grouped, by = X.reshape(L * m, n), "row"
+    else:
+        padding = -(m * n) % block
+        grouped, by = torch.nn.functional.pad(flat, (0, padding)), block    # (L, whole groups)
+    back = compress.dequantize(compress.quantize(grouped, fmt, by))
+    return back.view(L, -1)[:, : m * n].reshape(L, m, n)
+
+
+def nvfp4_round_trip_stack(flat):
+    """The NVFP4 round trip of each row of flat (L, k): compress.nvfp4_wire's encode and
+    compress.dequantize's decode, with each matrix's own tensor scale."""
+    L, k = flat.shape
+    padded = torch.nn.functional.pad(flat, (0, -k % compress.NVFP4_BLOCK))
+    blocks = padded.reshape(-1, compress.NVFP4_BLOCK)                       # (L G, 16)
+    amax = blocks.abs().amax(dim=1)
+    scale = compress.nvfp4_tensor_scale(amax.view(L, -1).amax(dim=1))       # (L,)
+    scale = scale[:, None].expand(L, amax.numel() // L).reshape(-1)         # (L G,)
+    block_scale, nibbles = compress.nvfp4_encode(blocks, amax, scale)
+    values = compress.nvfp4_decode(block_scale, nibbles, scale)
+    return values.view(L, -1)[:, :k]
+
+
+# -- the refresh --------------------------------------------------------------------------------
+
+def refresh_key(layer, statistics):
+    """Layers whose new geometry is built together (None: one by one) - the rotation's: one
+    shape, all cold (no bases yet) or all warm; the low-rank whitening's: one shape, the same
+    sides refreshed, each with a factor in use or none."""
+    if stackable(layer):
+        return "subspace", layer.shape, layer.left_basis is None
+    if whitening_stackable(layer):
+        sides = tuple(sorted(statistics))
+        return "whitening", layer.shape, sides, tuple(side in layer.factors for side in sides)
+    return None
+
+
+def refresh_group(layers, statistics):
+    """layer.refresh(statistics) of each of `layers` (one refresh_key), together."""
+    if stackable(layers[0]):
+        refresh_stack(layers, statistics)
+    else:
+        whiten_stack(layers, statistics)
+
+
+def complete_stack(U):
+    """compress.HouseholderBasis.complete of each (m, r) of U (L, m, r): (Y, T) stacked."""
+    def one(u):
+        basis = compress.HouseholderBasis.complete(u)
+        return basis.Y, basis.T
+    return torch.vmap(one)(U)
+
+
+def columns_stack(Y, T):
+    """HouseholderBasis.columns() of each stacked basis: (L, m, r)."""
+    return torch.vmap(lambda y, t: compress.HouseholderBasis(y, t).columns())(Y, T)
+
+
+def refresh_stack(layers, means):
+    """ProductionSubspaceLayer.refresh(mean) of each of `layers` (stackable, one refresh_key),
+    the bases of the stack estimated together: nanogeo.geometry.rows' subspace iteration (its
+    warm start, or its seeded cold start), the core energy and compress.py's completion, each
+    mapped over the stack (one SVD for the group)."""
+    G = torch.stack(means)                                              # (L, m, n)
+    first = layers[0]
+    rows = functools.partial(row_blocks.update_subspaces_rows, decay=first.opts.decay,
+                             iters=first.opts.iters, rows=UNSHARDED)
+    if first.left_basis is None:        # cold: each matrix's own seeded start
+        omega = torch.stack([row_blocks.seeded_directions(G.shape[2], first.r, layer.seed,
+                                                          G.device, G.dtype) for layer in layers])
+        U, V, left_energy, right_energy = torch.vmap(functools.partial(
+            row_blocks.range_finder_rows, rows=UNSHARDED))(G, omega)
+    else:
+        left, right = stack_bases([(layer.left_basis, layer.right_basis) for layer in layers])
+        U, V, left_energy, right_energy = torch.vmap(rows)(
+            G, columns_stack(*left), columns_stack(*right),
+            torch.stack([layer.left_energy for layer in layers]),
+            torch.stack([layer.right_energy for layer in layers]))
+    energy = torch.vmap(functools.partial(row_blocks.core_energy, rows=UNSHARDED))(G, U, V)
+    left, right = complete_stack(U), complete_stack(V)
+    for layer, Yl, Tl, Yr, Tr, el, er, e in zip(layers, *(t.unbind() for t in (
+            *left, *right, left_energy, right_energy, energy))):
+        layer.left_basis = compress.HouseholderBasis(Yl, Tl)
+        layer.right_basis = compress.HouseholderBasis(Yr, Tr)
+        layer.left_energy, layer.right_energy, layer.energy = el, er, e
+        layer.settle(G.device)
+
+
+def whitening_stackable(layer):
+    """Can this whitened layer's factors be built together with others: the low-rank kind?"""
+    return type(layer) is ProductionWhitenedLayer and layer.opts.whiten_factor == "lowrank"
+
+
+def whiten_stack(layers, moments):
+    """ProductionWhitenedLayer.refresh(moments) of each of `layers` (whitening_stackable, one
+    refresh_key): each layer's EMA of its moments, then per side the low-rank factors of all
+    of them in one mapped call of factor_of_kind - one eigendecomposition (or one subspace
+    iteration and Rayleigh-Ritz eigh) and one SVD per side and group."""
+    for layer, found in zip(layers, moments):
+        layer.smooth(found)
+    for side in moments[0]:
+        factors = factors_stack(torch.stack([layer.moments[side] for layer in layers]),
+                                [layer.factors.get(side) for layer in layers], layers[0].opts)
+        for layer, factor in zip(layers, factors):
+            layer.factors[side] = factor
+
+
+def factors_stack(A, olds, opts):
+    """layers.factor_of_kind(A[i], "lowrank", ..., old=olds[i]) of each moment of A (L, d, d),
+    as ProductionWhitenedLayer.factor_of builds it (olds: the factors in use, all or none
+    None): one mapped call. Returns [compress.Whitening]."""
+    old = [] if olds[0] is None else [torch.stack([getattr(f, k) for f in olds])
+                                      for k in LOWRANK_TENSORS]
+
+    def one(a, *previous):
+        factor = factor_of_kind(
+            a, "lowrank", opts.whiten_rank, opts.whiten_block, opts.damping,
+            solver=whiten_solver(opts),
+            old=compress.Whitening("lowrank", a.shape[0], *previous) if previous else None)
+        return tuple(getattr(factor, k) for k in LOWRANK_TENSORS)
+    # randomness="same": the subspace iteration's seeded random start (eigensolver.random_start,
+    # made once per width) is one draw for the whole stack, as it is for every layer alone
+    out = torch.vmap(one, randomness="same")(A, *old)
+    return [compress.Whitening("lowrank", A.shape[1], *tensors)
+            for tensors in zip(*(t.unbind() for t in out))]
+
+
+# -- the gain check's measurements --------------------------------------------------------------
+
+def view_key(view):
+    """Matrices judged together: the same optimizer view kind, param group (its settings) and
+    state entries (None: plain L2)."""
+    if view is None:
+        return None
+    return view.kind, id(view.hyper), tuple(sorted(view.read_state()))
+
+
+def seen_stack(views, means, workers):
+    """deltas [(L, m, n), ...] -> (L, len(deltas)): each error's squared size as each matrix's
+    optimizer sees it (update_error.UpdateError from its view, or L2 without one), the views of
+    one view_key mapped over the stack."""
+    view = views[0]
+    hyper = view.hyper if view is not None else None
+    state = {} if view is None else {
+        key: torch.stack([v.read_state()[key] for v in views])
+        for key in view.read_state()}
+
+    def one(mean, state, deltas):
+        seen = UpdateError(None if view is None else OptimizerView(
+            view.kind, lambda: hyper, lambda: state), mean, None, workers)
+        return torch.stack([seen(d) for d in deltas])
+    return lambda deltas: torch.vmap(one)(means, state, tuple(deltas))
+
+
+def codec_errors(layers, means, grads, views, auto_sides, round_trip, workers):
+    """compress.Communicator.measure's errors for matrices of one shape, before the sum over
+    workers: (L, W, K) - per matrix and worker (grads[w]: (L, m, n)), the error its optimizer
+    sees of the Euclidean round trip, then of the round trip in each rotation (auto_sides: both
+    sides, then the right alone; else the layer's own)."""
+    if auto_sides:
+        left, right = stack_bases([layer.rotation("both") for layer in layers])
+        rotations = [(left, right), (None, right)]
+    else:
+        rotations = [stack_bases([layer.transform for layer in layers])]
+    deltas = []
+    for G in grads:
+        deltas.append(round_trip(G) - G)
+        for bases in rotations:
+            coords = round_trip(rotate_stack(layers[0], G, bases))
+            deltas.append(rotate_stack(layers[0], coords, bases, inverse=True) - G)
+    errors = seen_stack(views, means, workers)(deltas)                   # (L, W K)
+    return errors.view(len(layers), len(grads), -1)

@@ -1,0 +1,251 @@
+"""nanogeo.geometry.batched: the subspace rotation of the matrices of one shape at once, held to
+compress.py's one-matrix forms (issue 50, items 2 and 3).
+
+Tolerances: the round trip of a stack is the codec's, bit for bit (the same ops on the same
+groups). The rotation, the refresh and the gain check's errors run the same functions mapped
+over a stack (torch.vmap): on this CPU they come out bit-equal too, but a batched matrix product
+or reduction may add in another order on other hardware, so they are held to fp32 rounding -
+1e-5 relative to the largest entry for coordinates, bases and errors - and the gain check to
+the same decisions."""
+import copy
+
+import pytest
+import torch
+
+import compress
+from nanogeo.geometry import batched, layers
+from nanogeo.geometry.update_error import OptimizerView
+from nanogeo.lab.probes import OpCounter
+from nanogeo.parallel.communicator import Options, ProductionCommunicator
+
+SHAPES = [(48, 64), (96, 32)]
+
+
+def planted(m, n, count, seed):
+    """`count` gradients (m, n): six dominant directions on each side (the same for every seed
+    of a shape, as a layer's are from step to step), their weights and noise drawn by `seed`."""
+    fixed = torch.Generator().manual_seed(m * 1000 + n)
+    left, right = torch.randn(m, 6, generator=fixed), torch.randn(6, n, generator=fixed)
+    g = torch.Generator().manual_seed(seed)
+    return [left @ torch.diag(torch.logspace(1, -1, 6) * (1 + 0.1 * torch.randn(6, generator=g)))
+            @ right + 0.05 * torch.randn(m, n, generator=g) for _ in range(count)]
+
+
+def close(a, b, rel=1e-5):
+    return (a - b).abs().max() <= rel * b.abs().max().clamp(min=1e-30)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "nvfp4"])
+@pytest.mark.parametrize("block", [128, 100, "row", "tensor"])
+@pytest.mark.parametrize("shape", [(48, 40), (37, 24)])
+def test_round_trip_of_a_stack_is_the_codecs_bit_for_bit(fmt, block, shape):
+    """Each matrix's own scale groups (padded as quantize pads them; NVFP4: its own tensor
+    scale), whether the groups divide the matrix or not."""
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(5, *shape, generator=g) * torch.logspace(-3, 2, 5)[:, None, None]
+    X[2] = 0                                                    # an all-zero matrix: scale 1
+    got = batched.round_trip_stack(X, fmt, block)
+    expected = torch.stack([compress.dequantize(compress.quantize(x, fmt, block)) for x in X])
+    assert torch.equal(got, expected)
+
+
+def refreshed_layers(shape, count, opts, seed=1):
+    layer_list = [layers.ProductionSubspaceLayer.create(f"l{i}", shape, opts) for i in range(count)]
+    for layer, mean in zip(layer_list, planted(*shape, count, seed)):
+        layer.refresh(mean)
+    return layer_list
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_stacked_refresh_is_each_layers_own(shape):
+    """refresh_stack = ProductionSubspaceLayer.refresh of each matrix, cold (the seeded start)
+    and warm (from the bases in use), with the EMA of the covariances on."""
+    opts = Options(geometry="subspace", geo_rank=8, min_numel=16, decay=0.5)
+    cold = [layers.ProductionSubspaceLayer.create(f"l{i}", shape, opts) for i in range(4)]
+    for means in (planted(*shape, 4, 1), planted(*shape, 4, 2)):
+        expected = [copy.copy(layer) for layer in cold]
+        for layer, mean in zip(expected, means):
+            layer.refresh(mean)
+        got = [copy.copy(layer) for layer in cold]
+        batched.refresh_stack(got, means)
+        for a, b in zip(got, expected):
+            for x, y in zip(a.tensors() + [a.energy], b.tensors() + [b.energy]):
+                assert close(x, y)
+            assert a.transform[0].Y is a.left_basis.Y and a.swaps[0].device == means[0].device
+        cold = expected                                     # the next round starts warm
+
+
+@pytest.mark.parametrize("sides", ["both", "right"])
+def test_stacked_rotation_is_each_layers_own(sides):
+    """rotate_stack = layer.encode / layer.decode of each matrix (core scattering included)."""
+    opts = Options(geometry="subspace", geo_rank=8, min_numel=16)
+    group = refreshed_layers((48, 64), 5, opts)
+    for layer in group:
+        layer.rotate_sides(sides)
+    X = torch.stack(planted(48, 64, 5, 3))
+    bases = batched.stack_bases([layer.transform for layer in group])
+    H = batched.rotate_stack(group[0], X, bases)
+    assert close(H, torch.stack([layer.encode(x) for layer, x in zip(group, X)]))
+    back = batched.rotate_stack(group[0], H, bases, inverse=True)
+    assert close(back, torch.stack([layer.decode(h) for layer, h in zip(group, H)]))
+    assert close(back, X, rel=1e-5)                         # orthogonal: the inverse
+
+
+def adamw_views(names, shapes, seed=0):
+    """Fake AdamW states (one param group) for the gain check: {name: OptimizerView}."""
+    g = torch.Generator().manual_seed(seed)
+    hyper = {"betas": (0.9, 0.95), "eps": 1e-8}
+    views = {}
+    for name, shape in zip(names, shapes):
+        state = {"step": torch.tensor(7.0), "exp_avg": 0.1 * torch.randn(shape, generator=g),
+                 "exp_avg_sq": 0.01 * torch.rand(shape, generator=g)}
+        views[name] = OptimizerView("adamw", lambda: hyper, lambda state=state: state)
+    return views
+
+
+def run_communicator(stacked, monkeypatch, judge, workers=2, steps=12):
+    """Decisions, gains and means of a ProductionCommunicator over planted steps, the matrices
+    of one shape together (stacked) or one by one (compress.py's forms)."""
+    if not stacked:
+        monkeypatch.setattr(batched, "stackable", lambda layer: False)
+    shapes = [(48, 64), (48, 64), (96, 32), (48, 64), (96, 32), (64,)]
+    names = [f"w{i}" for i in range(len(shapes))]
+    comm = ProductionCommunicator(list(zip(names, shapes)), Options(
+        geometry="subspace", geo_rank=8, min_numel=16, geo_refresh=3, geo_judge=judge))
+    if judge == "optimizer":
+        comm.watch(adamw_views(names, shapes))
+    record = []
+    for step in range(steps):
+        grads = [[*planted(48, 64, 2, 100 * step + w)[:2], *planted(96, 32, 1, 100 * step + w),
+                  *planted(48, 64, 1, 100 * step + w + 50), *planted(96, 32, 1, 100 * step + w + 50),
+                  torch.randn(64, generator=torch.Generator().manual_seed(step))]
+                 for w in range(workers)]
+        means, _ = comm.reduce_workers(grads)
+        record.append((means, {n: (l.use_geo, l.sides, l.gain) for n, l in comm.layers.items()}))
+    monkeypatch.undo()
+    return record
+
+
+@pytest.mark.parametrize("judge", ["optimizer", "l2"])
+def test_the_gain_check_decides_alike_stacked_or_one_by_one(monkeypatch, judge):
+    """A ProductionCommunicator with the stacked forms (refresh, gain check, encode and decode)
+    takes every decision of the one-by-one forms at every step (use, sides) with the same gains
+    (fp32 rounding) and delivers the same means (fp32 rounding)."""
+    stacked = run_communicator(True, monkeypatch, judge)
+    one_by_one = run_communicator(False, monkeypatch, judge)
+    assert any(use for _, d in stacked for use, _, _ in d.values())     # the rotation is used
+    for (means_a, decided_a), (means_b, decided_b) in zip(stacked, one_by_one):
+        for n in decided_b:
+            (use_a, sides_a, gain_a), (use_b, sides_b, gain_b) = decided_a[n], decided_b[n]
+            assert (use_a, sides_a) == (use_b, sides_b)
+            assert gain_a == pytest.approx(gain_b, rel=1e-5, nan_ok=True)
+        for a, b in zip(means_a, means_b):
+            assert close(a, b)
+
+
+def test_stacked_step_launches_do_not_grow_with_the_matrices():
+    """Encode, decode and refresh of a shape group launch a fixed number of kernels, whatever
+    the number of matrices in it; a refresh makes one SVD per group."""
+    opts = Options(geometry="subspace", geo_rank=8, min_numel=16)
+    counts = []
+    for count in (2, 8):
+        group = refreshed_layers((48, 64), count, opts)
+        X = torch.stack(planted(48, 64, count, 3))
+        with OpCounter() as ops:
+            bases = batched.stack_bases([layer.transform for layer in group])
+            batched.rotate_stack(group[0], batched.rotate_stack(group[0], X, bases), bases, True)
+            batched.refresh_stack(group, list(X))
+        counts.append((ops.total, ops.counts.get("_linalg_svd", 0)))
+    assert counts[0] == counts[1] and counts[0][1] == 1, counts
+
+
+def moments_of(d, count, seed):
+    """`count` anisotropic second moments (d, d) of one width."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        a = torch.randn(256, d, generator=g) * torch.logspace(0, -2, d)
+        out.append(a.T @ a / 256)
+    return out
+
+
+@pytest.mark.parametrize("solver", ["eigh", "subspace"])
+def test_stacked_whitening_refresh_is_each_layers_own(solver):
+    """refresh_group of low-rank whitened layers = ProductionWhitenedLayer.refresh of each
+    (the EMA of the moments, then the factors: compress.py's eigh, or the subspace iteration
+    warm-started from the factor in use), with one eigendecomposition and one SVD per side for
+    the group, not per layer."""
+    opts = Options(geometry="geofp8", whiten_rank=8, min_numel=16, whiten_solver=solver,
+                   whiten_sides="both")
+    shape, count = (48, 64), 4
+    layer_list = [layers.ProductionWhitenedLayer.create(f"l{i}", shape, opts)
+                  for i in range(count)]
+    for seed in (1, 2):                                     # cold, then from the factors in use
+        stats = [{"input": a, "output": b} for a, b in
+                 zip(moments_of(64, count, seed), moments_of(48, count, seed + 10))]
+        assert len({batched.refresh_key(layer, s) for layer, s in zip(layer_list, stats)}) == 1
+        expected = [copy.copy(layer) for layer in layer_list]
+        for layer, s in zip(expected, stats):
+            layer.refresh(s)
+        got = [copy.copy(layer) for layer in layer_list]
+        with OpCounter() as ops:
+            batched.refresh_group(got, stats)
+        for a, b in zip(got, expected):
+            for x, y in zip(a.tensors(), b.tensors()):
+                assert close(x, y)
+        assert ops.syncing == 4, ops.counts           # per side: one eigh, one svd
+        layer_list = expected
+
+
+def test_refresh_bench_counts_the_stacked_refresh():
+    """nanogeo.lab.refresh_bench states the refresh in kernel launches and syncing calls too:
+    one by one two syncing calls per layer (eigh or the Rayleigh-Ritz eigh, and the SVD), its
+    layers of one width stacked two per width."""
+    from nanogeo.lab import refresh_bench
+    result = refresh_bench.run("char-study", 1, 16, 1, 8)
+    widths, ops = len(result["rows"]), result["ops"]
+    for kind in ("eigh", "cold", "warm"):
+        assert ops[kind][1] == 2 * result["layers"], ops
+        assert ops[f"stacked {kind}"][1] == 2 * widths < ops[kind][1], ops
+        assert ops[f"stacked {kind}"][0] < ops[kind][0]
+    assert "stacked" in refresh_bench.report(result)
+
+
+def test_small_tensors_are_built_on_the_device():
+    """Issue 50, item 2: the agreement check's readiness and checksum and the K-FAC moments'
+    token counts hold host numbers without torch.tensor(list, device=...) (a copy from
+    pageable memory, which makes a CUDA host wait: aten's lift_fresh)."""
+    from nanogeo.geometry import agreement
+    from nanogeo.parallel import hooks
+    opts = Options(geometry="subspace", geo_rank=8, min_numel=16)
+    group = refreshed_layers((48, 64), 3, opts) + [
+        layers.ProductionSubspaceLayer.create("cold", (48, 64), opts)]
+    moments = {"input": {"a": torch.eye(4), "b": 2 * torch.eye(4)},
+               "tokens": {"input": {"a": 3, "b": 5}}}
+    with OpCounter() as ops:
+        ready = agreement.readiness(group, torch.device("cpu"))
+        agreement.geometry_checksum(group, ready)
+        averaged = hooks.average_moments(moments, {"a": (4, 4), "b": (4, 4)}, ("input",),
+                                         lambda flat: flat, torch.device("cpu"))
+    assert ops.syncing == 0, ops.counts
+    assert ready.tolist() == [1.0, 1.0, 1.0, 0.0]
+    assert torch.equal(averaged["input"]["b"], 2 * torch.eye(4))
+
+
+@pytest.mark.parametrize("kind", ["full", "block", "lowrank-dense"])
+def test_dense_factors_check_their_cholesky_on_the_device(kind):
+    """Issue 50, item 2: the dense whitening factors (ablations) use cholesky_ex, the variant
+    that does not wait on the host (the factor of torch.linalg.cholesky, bit for bit); one that
+    failed is NaN."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(64, 20, generator=g, dtype=torch.float64)
+    A = a.T @ a / 64
+    with OpCounter() as ops:
+        factor = layers.factor_of_kind(A, kind, r=4, block=8)
+    assert "linalg_cholesky" not in ops.counts and ops.counts["linalg_cholesky_ex"] == 1
+    assert ops.syncing == (1 if kind == "lowrank-dense" else 0)      # (its eigh: no _ex exists)
+    assert torch.isfinite(factor.dense()).all()
+    if kind == "full":
+        damped = (A + A.T) / 2 + 1e-3 * torch.eye(20, dtype=torch.float64)
+        assert torch.equal(factor.L, torch.linalg.cholesky(damped))
+    assert torch.isnan(layers.cholesky(-torch.eye(3, dtype=torch.float64))).all()
