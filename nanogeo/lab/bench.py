@@ -56,10 +56,25 @@ from nanogeo.parallel import hooks
 import model as model_lib
 from nanogeo.wire import collective, kernels
 from nanogeo.lab import perfmodel
-from nanogeo import smoke
 from nanogeo.run.steps import batch_rng, get_batch
 from prepare_data import load_splits
 from nanogeo.parallel.communicator import Options, ProductionCommunicator
+
+
+def timed(fn, iters):
+    """Median seconds of fn() over iters runs, after one warm-up run (compiles happen there),
+    the device synchronized around each (the smoke test times with it too)."""
+    fn()
+    seconds = []
+    for _ in range(iters):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - t0)
+    return sorted(seconds)[len(seconds) // 2]
 
 
 def synchronize(device):
@@ -418,7 +433,7 @@ def codec_launches(preset, world, iters, fmt="e4m3", block=128):
     # time against the memory-copy roofline
     numel = sum(t.numel() for t in tensors)
     src, dst = torch.cat([t.reshape(-1) for t in tensors]), torch.empty(numel)
-    copy_s = smoke.timed(lambda: dst.copy_(src), iters)
+    copy_s = timed(lambda: dst.copy_(src), iters)
     rows["copy_gb_per_s"] = 8 * numel / copy_s / 1e9
     for compiled in (False, True):
         kernels.compile_hot_path(compiled)
@@ -426,7 +441,7 @@ def codec_launches(preset, world, iters, fmt="e4m3", block=128):
             if compiled and not packed:         # compiling touches only the packed kernels
                 continue
             name = "packed" if packed else "per_piece"
-            seconds = smoke.timed(lambda: one_rank_collective(tensors, layout), iters)
+            seconds = timed(lambda: one_rank_collective(tensors, layout), iters)
             rows[name]["compiled_ms" if compiled else "eager_ms"] = seconds * 1000
             rows[name]["compiled_vs_roofline" if compiled else "eager_vs_roofline"] = (
                 (11 + 1 / world) / 8 * copy_s / seconds)

@@ -3,7 +3,7 @@ The one-process checks (`python -m nanogeo.smoke --out smoke.json`, no --nproc):
 of the backend train.py would pick, so no network is measured. Each check returns a dict of
 figures, printed as one JSON line and kept in --out.
 
-    timed            median seconds of a function, device synchronized (bench.py times with it)
+    timed            median seconds of a function, device synchronized (nanogeo.lab.bench's)
     check_env        device, torch, CUDA and NCCL versions
     check_nccl       the collective's calls on a 1-rank group, and NCCL's float8 sum
     check_codec      the packed codec's round trip in GB/s (e4m3, e5m2 eager and compiled; nvfp4)
@@ -16,7 +16,6 @@ figures, printed as one JSON line and kept in --out.
 import json
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -27,21 +26,7 @@ import model as model_lib
 from nanogeo.wire import kernels, packing
 from nanogeo.parallel.communicator import Options
 from nanogeo.run import runtime
-
-
-def timed(fn, iters):
-    """Median seconds of fn() over iters runs, after one warm-up run (compiles happen there)."""
-    fn()
-    seconds = []
-    for _ in range(iters):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - t0)
-    return sorted(seconds)[len(seconds) // 2]
+from nanogeo.lab.bench import timed     # (here for its old name, smoke.timed, too)
 
 
 def check_env(device):
