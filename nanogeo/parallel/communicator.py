@@ -407,6 +407,7 @@ class ProductionCommunicator(compress.Communicator):
                                            None if local is None else [rt[j] for rt in local])
                     if s.end == s.numel:    # its last bucket: back to original coordinates
                         self.arrive(s.tensor, flights.pop(s.tensor), step)
+                del coords, mean_pieces, local      # freed before the next bucket's exchange
             if self.keeps_stage1() and finite:
                 self.keep_residuals(step.lost, torch.stack(finite).all())
             if self.decompose:      # the mean an exact second stage would deliver (this rank's)
