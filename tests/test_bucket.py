@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+import compress
 import train
 from conftest import run_ranks
 from nanogeo.parallel.communicator import Options, ProductionCommunicator
@@ -147,6 +148,32 @@ def test_in_place_reduce_equals_reduce_workers_and_judges_alike(options):
     assert measured                     # on measurements taken as the means were decoded
 
 
+def test_proposals_repaired_after_in_place_measurements_are_measured_on_the_next_step(
+        monkeypatch):
+    """(Rare) the agreement check finds the ranks' proposals differed and repairs them with
+    rank 0's, after an in-place step measured them - on gradients now overwritten by their
+    means. They are neither judged on those measurements nor lost: they stay proposals,
+    measured on the next step's gradients."""
+    from nanogeo.geometry import agreement
+    named = [(f"t{i}", s) for i, s in enumerate(SHAPES)]
+    comm = ProductionCommunicator(named, Options(geometry="subspace", geo_refresh=2, geo_warmup=1,
+                                                 min_numel=1000, geo_judge="l2",
+                                                 bucket_mb=SMALL_MB))
+    steps = iter(workers_of(SHAPES, 1, 8))
+    while not comm.proposals:
+        comm.reduce(next(steps)[0])
+    proposed = dict(comm.proposals)
+    comm.pending = (torch.ones(len(comm.layers) + 1), list(proposed.values()), comm.step)
+    monkeypatch.setattr(agreement, "repair_geometry", lambda *args: True)   # "repaired"
+    comm.reduce(next(steps)[0])
+    assert set(comm.proposals) == set(proposed) and comm.skipped == 0
+    assert all(comm.proposals[n] is layer for n, layer in proposed.items())
+    assert all(math.isnan(layer.gain) for layer in comm.proposals.values())
+    monkeypatch.undo()
+    comm.reduce(next(steps)[0])
+    assert not comm.proposals and all(not math.isnan(comm.layers[n].gain) for n in proposed)
+
+
 # ---------------------------------------------------------------------------- 2 ranks
 
 CHAR_STUDY_MB = 0.02        # 5,242 elements a bucket: char-study's 21 tensors in 28, 8 cut in 22
@@ -239,3 +266,38 @@ def test_peak_memory_inside_the_reduce_stays_below_the_gradients(bpe_corpus, tmp
     peaks = [peak / grads for peak, grads in json.load(open(f"{out}.0.json"))]
     print(flags, [round(p, 3) for p in peaks])
     assert max(peaks) <= 1.0, peaks
+
+
+def test_the_loopback_group_answers_as_a_second_rank_holding_the_same_gradients():
+    """nanogeo.lab.reduce_memory measures rank 0 of 2 in one process: its Loopback group answers
+    every collective at once, with buffers of the sizes a second rank would fill. Its
+    all_to_all brings W copies of this rank's own shard (what identical ranks send it), its
+    all_gather W copies of this rank's input (other ranks would send their own shards: same
+    sizes, other values), a SUM W times the value. Through it rank 0's reduce sends the bytes
+    the simulator counts, and one bucket's peak is the 3.0x of 2 gloo ranks (BENCHMARKS.md
+    section 18)."""
+    import torch.distributed as dist
+    from nanogeo.lab import reduce_memory
+    named = [(f"t{i}", s) for i, s in enumerate(SHAPES)]
+    [[grads]] = workers_of(SHAPES, 1, 1)
+    options = Options(geometry="euclidean", bucket_mb=SMALL_MB)
+    reduce_memory.join_loopback(2)
+    try:
+        x, out = torch.arange(4.0), torch.empty(4)
+        dist.all_to_all_single(out, x, [2, 2], [2, 2])
+        assert out.tolist() == [0, 1, 0, 1]
+        compress.all_gather_flat(out, x[2:])
+        assert out.tolist() == [2, 3, 2, 3]
+        dist.all_reduce(x)
+        assert x.tolist() == [0, 2, 4, 6]
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        assert x.tolist() == [0, 2, 4, 6]
+        sent = ProductionCommunicator(named, options).reduce([g.clone() for g in grads])
+        [(one_bucket, grad_bytes, _)] = reduce_memory.reduce_peaks(
+            "char-study", dict(geometry="euclidean", bucket_mb=0), steps=1)
+    finally:
+        dist.destroy_process_group()
+    plan = ProductionCommunicator(named, options).buckets()
+    layouts = [compress.ShardLayout([s.shape for s in b], "e4m3", 128, 2) for b in plan]
+    assert sent == sum(compress.collective_bytes(layout, 0) for layout in layouts)
+    assert 2.9 < one_bucket / grad_bytes < 3.1
