@@ -860,8 +860,9 @@ class Communicator:
         return self.communicate(dict(enumerate(worker_grads)), moments, across_ranks=False)
 
     def communicate(self, worker_grads, moments, across_ranks):
-        """One step for the workers this process holds ({index: gradients}): into coordinates,
-        through the collective, the mean back, then the geometry. Returns (means, bytes)."""
+        """Seam (production: a bucket at a time, the means written in place): one step for the
+        workers this process holds ({index: gradients}): into coordinates, through the
+        collective, the mean back, then the geometry. Returns (means, bytes)."""
         sent = {w: self.outgoing(w, grads) for w, grads in worker_grads.items()}
         coords = {w: self.all_to_coords(self.names, gs) for w, gs in sent.items()}
         mean_coords, nbytes = self.collective(coords, across_ranks)
@@ -898,24 +899,29 @@ class Communicator:
         if self.step % self.opts.geo_refresh:   # the whitening refreshes on its own steps only
             moments = None
         self.step += 1                          # from here on: steps taken, this one included
-        if self.layers and self.geometry_due(moments is not None):
+        if self.layers and self.geometry_due(moments is not None, self.step):
             self.update_geometry(means, sent, moments, across_ranks)
 
-    def geometry_due(self, fresh_moments):
-        """Proposals to measure, a geometry in use but unmeasured, a refresh, or (the whitening)
-        a re-measurement."""
+    def geometry_due(self, fresh_moments, step):
+        """Does the geometry move after `step` steps: proposals to measure, a geometry in use but
+        unmeasured, a refresh, or (the whitening) a re-measurement?"""
         if self.proposals or any(l.ready and math.isnan(l.gain) for l in self.layers.values()):
             return True
         if self.uses_moments:
-            return fresh_moments or self.step % self.opts.judge_every == 0
-        return (self.step % self.opts.geo_refresh == 0
+            return fresh_moments or step % self.opts.judge_every == 0
+        return (step % self.opts.geo_refresh == 0
                 or not all(layer.ready for layer in self.layers.values()))
 
+    def to_judge(self):
+        """The layers a geometry step measures: every proposal; the geometry in use where
+        unmeasured, and for the whitening at every check."""
+        return [n for n, layer in self.layers.items() if n in self.proposals
+                or (layer.ready and (self.uses_moments or math.isnan(layer.gain)))]
+
     def update_geometry(self, means, sent, moments, across_ranks):
-        """Seam: measure what is due (every proposal; the geometry in use where unmeasured, and
-        for the whitening at every check), then propose new geometry from the step's statistics."""
-        judged = [n for n, layer in self.layers.items() if n in self.proposals
-                  or (layer.ready and (self.uses_moments or math.isnan(layer.gain)))]
+        """Seam: measure what is due (to_judge), then propose new geometry from the step's
+        statistics."""
+        judged = self.to_judge()
         if judged:
             self.judge(judged, means, sent, across_ranks)
         self.propose_all(self.statistics(means, moments))
@@ -990,15 +996,23 @@ class Communicator:
         world = dist.get_world_size(self.group) if across_ranks else 1
         errors = []
         for name, layer in layers.items():
-            seen = self.error_seen(name, means[name], world * len(sent))
-            for grads in sent:
-                g = grads[self.names.index(name)].float()
-                errors.append(seen(self.round_trip(g) - g))
-                errors += [seen(back - g) for back in self.through_codec(layer, g)]
+            grads = [worker[self.names.index(name)] for worker in sent]
+            errors += self.layer_errors(name, layer, means[name], grads, world * len(sent))
         errors = torch.stack(errors).double().view(len(layers), len(sent), -1).sum(1)
         if across_ranks:
             dist.all_reduce(errors, group=self.group)
         return errors                           # on the device: judge's .tolist() reads it
+
+    def layer_errors(self, name, layer, mean, grads, workers):
+        """Seam (production measures as each mean is decoded): one layer's squared codec errors,
+        Euclidean and in the layer's coordinates, for each worker's gradient as sent (`grads`),
+        as its optimizer sees them around `mean`: a list of device scalars."""
+        seen, errors = self.error_seen(name, mean, workers), []
+        for g in grads:
+            g = g.float()
+            errors.append(seen(self.round_trip(g) - g))
+            errors += [seen(back - g) for back in self.through_codec(layer, g)]
+        return errors
 
     def error_seen(self, name, mean, workers):
         """Seam: delta -> a gradient error's squared size as the layer's optimizer sees it (its

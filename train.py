@@ -10,7 +10,9 @@ How data parallelism works here (no DistributedDataParallel wrapper, on purpose)
   2. Every rank runs forward/backward on its own micro-batches. With --grad_accum > 1 the
      gradients just accumulate in .grad: nothing is communicated on non-final micro-steps.
   3. After the last micro-step, `reduce_gradients` averages the gradients across ranks with
-     explicit torch.distributed collectives. This is THE place where GeoFP8 plugs in:
+     explicit torch.distributed collectives, a bucket of --bucket_mb MiB at a time (as DDP
+     does: nanogeo/wire/buckets.py), each mean written back into .grad before the next bucket.
+     This is THE place where GeoFP8 plugs in:
        --comm=fp32    all-reduce in fp32 (the reference)
        --comm=bf16    cast to bf16, all-reduce, cast back (what most clusters send today)
        --comm=fp8     Euclidean FP8: quantize, all_to_all, reduce, re-quantize, all_gather
@@ -42,7 +44,7 @@ import torch.distributed as dist
 import model as model_lib
 from nanogeo.run import checkpoint, config, runlog, runtime, summary
 from nanogeo.parallel import hooks, simulated
-from nanogeo.wire import collective, kernels
+from nanogeo.wire import buckets, collective, kernels
 from nanogeo.run.config import ConfigError
 from nanogeo.run.runtime import RankMismatch
 # the pieces of a step the tools share (nanogeo/run/steps.py): batches, optimizers, the schedule
@@ -127,6 +129,8 @@ class TrainConfig:
     feedback_geo_only: bool = False   # ... stage 1 on the geometry-aware matrices only (published)
     stochastic_round: bool = False    # unbiased stochastic rounding instead of nearest
     stochastic_stages: str = "both"   # ... in both stages, or only 1 (each rank's send) or 2
+    bucket_mb: float = 25.0           # average the gradients a bucket of at most this many MiB
+                                      # at a time, as DDP does (0: the whole model as one)
     # system
     simulate_workers: int = 0         # play W data-parallel ranks in this one process (0: off)
     device: str = "auto"              # auto | cpu | cuda
@@ -191,14 +195,15 @@ def reduce_gradients(params, cfg, communicator, world_size, stats=None, workers=
                     g.copy_(g.bfloat16())
             return 0
         dtype = torch.float32 if cfg.comm == "fp32" else torch.bfloat16
-        flat = torch.cat([g.reshape(-1) for g in grads]).to(dtype)  # one bucket, one collective
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        flat = flat.float().div_(world_size)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset: offset + g.numel()].view_as(g))
-            offset += g.numel()
-        return ring_allreduce_bytes(flat.numel(), dtype.itemsize, world_size)
+        for bucket in buckets.plan([g.shape for g in grads], cfg.bucket_mb, lambda shape: 1):
+            pieces = [grads[s.tensor].view(-1)[s.start: s.end] for s in bucket]
+            flat = torch.cat(pieces).to(dtype)          # one bucket, one collective
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            for piece, mean in zip(pieces, flat.float().div_(world_size).split(
+                    [p.numel() for p in pieces])):
+                piece.copy_(mean)                       # into the gradient, in place
+        numel = sum(g.numel() for g in grads)
+        return ring_allreduce_bytes(numel, dtype.itemsize, world_size)
     # the published GeoFP8 refreshes its factors from its layers' input statistics ...
     nbytes = communicator.reduce(grads, stats)
     if stats is not None:       # ... averaged over the ranks by one more all-reduce

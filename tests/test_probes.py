@@ -30,3 +30,18 @@ def test_memory_peak_follows_storages_until_freed():
         del b
     assert mem.peak == 2 * n and mem.alive == n
     assert v.numel() == 1000 * 1000
+
+
+def test_memory_peak_counts_no_view_of_a_tensor_made_before():
+    """A gradient exists before the block: its views and in-place writes are no new memory
+    (they were counted as a new storage of the gradient's size before the probe looked at the
+    op's inputs)."""
+    grad = torch.randn(1000, 1000)
+    with MemoryPeak() as mem:
+        flat = grad.view(-1)                # views of it, at any depth
+        part = flat[:500_000].view(500, 1000)
+        part.mul_(2)                        # in place
+        same = grad.float()                 # already fp32: the tensor itself
+        copy = part + 1                     # new: 500 x 1000 fp32
+    assert mem.peak == 2 * 1000 * 1000 and mem.alive == 2 * 1000 * 1000
+    assert same is grad and copy.numel() == flat.numel() // 2

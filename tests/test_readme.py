@@ -76,6 +76,8 @@ TOY = {
     "torchrun --standalone --nproc_per_node=2 -m nanogeo.lab.bench fsdp --checkpoint "
     "out/ablate/fp32/adamw/ranks2/seed1337/ckpt.pt --steps 12":
         "--steps 2 --last 1 --batch_size 1 --block_size 16",
+    "python -m nanogeo.lab.reduce_memory --preset llama-600m --geometry euclidean --fmt nvfp4":
+        "--preset char-study --steps 1",
     "python -m nanogeo.smoke --out smoke.json":
         Skip("its main(), toy size: test_tools.py::test_smoke_test_runs_on_cpu"),
     "torchrun --nnodes=N --nproc_per_node=4 --rdzv-backend=c10d --rdzv-endpoint=HOST0:29500 "

@@ -84,8 +84,13 @@ class MemoryPeak(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # an output on an input's storage is a view or an in-place result, not new memory (an
+        # input made before the block, a gradient, is in no record to say so)
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor) and t.device.type != "meta"}
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            if isinstance(t, torch.Tensor) and t.device.type != "meta" \
+                    and t.untyped_storage().data_ptr() not in inputs:
                 self.track(t.untyped_storage())
         return out
 

@@ -2,12 +2,15 @@
 The communicator as training runs it: compress.Communicator (the method: coordinates, the
 two-stage collective, refresh, the gain check, the decision) with what production adds around
 it - a subclass that overrides compress.py's seams, the methods whose docstrings begin "Seam"
-(average_moments, whitened_sides, statistics, outgoing, collective, error_seen, advance,
-update_geometry, consider; measure and through_codec for sides="auto"; to_coords and from_coords for a
-benchmark's timer; reduce_workers for each simulated rank's K-FAC statistics; all_to_coords,
-all_from_coords, propose_all and measure for the matrices of one shape together), so that
-compress.py stays the one statement of the method:
+(average_moments, whitened_sides, statistics, outgoing, communicate, error_seen, layer_errors,
+advance, update_geometry, consider; measure and through_codec for sides="auto"; to_coords
+and from_coords for a benchmark's timer; reduce_workers for each simulated rank's K-FAC
+statistics; all_to_coords, all_from_coords, propose_all and measure for the matrices of one
+shape together), so that compress.py stays the one statement of the method:
 
+  * memory: the tensors averaged a bucket at a time (bucket_mb, nanogeo.wire.buckets; each
+    bucket is compress.py's collective, exchange() in collective()'s place), each mean written
+    into its gradient as it is decoded, the gain check measured then;
   * the wire: the packed stages, NVFP4, stochastic rounding's streams, a stage 2 in a format of
     its own (--stage2_fmt) and each rank's kept round trip (nanogeo.wire.collective),
     and the paper's collective, one FP8 all_reduce SUM with per-tensor scales
@@ -41,7 +44,7 @@ import compress
 from nanogeo.geometry import agreement, batched, hadamard, layers, update_error
 from nanogeo.parallel import hooks
 from nanogeo.parallel.precision import ieee
-from nanogeo.wire import collective, fp8sum, nvfp4, packing
+from nanogeo.wire import buckets, collective, fp8sum, nvfp4, packing
 
 # options renamed to train.py's flag names (one vocabulary), and the whitening's old name
 RENAMED = {"refresh": "geo_refresh", "warmup": "geo_warmup", "judge": "geo_judge",
@@ -96,6 +99,9 @@ class Options(compress.GeoOptions):
     decay: float = 0.0              # subspace: EMA of the covariances (0: the latest mean only)
     basis: str = "householder"      # "householder" or "random" (dense random rotation)
     stale_residual: bool = False    # keep the residual in the old coordinates (defect c)
+    # memory (nanogeo/wire/buckets.py)
+    bucket_mb: float = buckets.DEFAULT_BUCKET_MB    # average a bucket of at most this many MiB
+                                    # of fp32 gradients at a time (0: the whole list as one)
 
     def choices(self):
         return {**super().choices(), "geometry": GEOMETRIES,
@@ -114,6 +120,7 @@ class Options(compress.GeoOptions):
         if self.hadamard_block < 2 or self.hadamard_block & (self.hadamard_block - 1):
             raise ValueError(f"hadamard_block must be a power of two >= 2 (e.g. 128), got "
                              f"{self.hadamard_block}")
+        buckets.capacity(self.bucket_mb)        # (its check: bucket_mb >= 0)
         if self.scale_sync_every < 1:
             raise ValueError("scale_sync_every must be >= 1")
         if self.collective == "fp8-sum" and (self.fmt == "nvfp4" or self.stochastic_round):
@@ -206,6 +213,62 @@ class NonFiniteStep(Exception):
     """A geometry step's means or statistics are not finite on some rank (host_read)."""
 
 
+class RepairedUnmeasured(Exception):
+    """The agreement check repaired proposals that a step writing its means in place measured
+    before the repair: they stay proposals, measured on the next step's gradients."""
+
+
+class InFlight:
+    """One tensor between its first bucket and its last (ProductionCommunicator.communicate):
+    its coordinates on each worker ({worker: tensor}) and what the exchange returned of it.
+    Whole in one bucket, the bucket's mean and round trips themselves; cut into segments,
+    gathered segment by segment into `target` (its mean, in coordinates), `lost` (each worker's
+    loss to the codec: error feedback) and `local` (each worker's round trip: --log_stages)."""
+
+    def __init__(self, coords, target=None, lost=None, local=None):
+        self.coords, self.lost, self.local = coords, lost, local
+        self.whole, self.mean = target is None, target
+
+    def piece(self, worker, segment):
+        """What `worker` sends of it in the segment's bucket."""
+        c = self.coords[worker]
+        return c if self.whole else c.view(-1)[segment.start: segment.end].view(segment.shape)
+
+    def land(self, segment, mean, local):
+        """The segment's mean (in coordinates) and each worker's round trip of it (None: not
+        kept), back from the exchange."""
+        if self.whole:
+            self.mean, self.local = mean, None if local is None else dict(zip(self.coords, local))
+            return
+        span = slice(segment.start, segment.end)
+        for w, back in zip(self.coords, local or []):
+            if self.lost is not None:
+                self.lost[w].view(-1)[span] = self.coords[w].view(-1)[span] - back.reshape(-1)
+            if self.local is not None:
+                self.local[w].view(-1)[span] = back.reshape(-1)
+        self.mean.view(-1)[span] = mean.reshape(-1)     # last: it may be the coordinates
+
+    def lost_to_codec(self):
+        """{worker: what the codec lost of it, in coordinates} (error feedback)."""
+        if not self.whole:
+            return self.lost
+        return {w: c - back for (w, c), back in zip(self.coords.items(), self.local.values())}
+
+
+class BucketedStep:
+    """What one step of ProductionCommunicator.communicate carries from bucket to bucket."""
+
+    def __init__(self, sent, across_ranks, grads, judged, count):
+        self.sent = sent                    # {worker: its tensors as sent (outgoing)}
+        self.across_ranks = across_ranks
+        self.grads = grads                  # in place: the gradients the means go into (else None)
+        self.judged = judged                # {name: layer} the gain check measures as they arrive
+        self.means = [None] * count         # each tensor's mean, once decoded
+        self.nbytes = 0                     # bytes sent
+        self.lost = {w: {} for w in sent}   # error feedback: {worker: {name: loss to the codec}}
+        self.stage1 = [None] * count        # --log_stages: the mean of the round trips
+
+
 class ProductionCommunicator(compress.Communicator):
     """compress.Communicator with the production forms (module docstring). train.py, the DDP
     hook, FSDP2 and the tools use this one."""
@@ -230,6 +293,8 @@ class ProductionCommunicator(compress.Communicator):
         self.decompose = False  # keep this step's stage-1 mean (nanogeo.run.summary.stage_errors)
         self.stage1 = None      # ... each worker's own round trip, averaged, original coordinates
         self.stacks = batched.StackedBases()    # the rotations in use, stacked by shape
+        self.plan = None        # the buckets (buckets()), made at the first step
+        self.taken = None       # an in-place step's gain-check measurements: {name: (layer, errors)}
 
     def coords(self, name):
         """"geo" or "euclidean": the coordinates `name` is sent in now (logs and tables)."""
@@ -306,12 +371,23 @@ class ProductionCommunicator(compress.Communicator):
         dist.all_reduce(t, group=self.group)
         return t
 
-    # -- the wire, and error feedback ------------------------------------------------------------
+    # -- the wire, a bucket at a time, and error feedback -------------------------------------------
 
-    def rounding_seed(self):
+    def buckets(self):
+        """The bucket plan (nanogeo/wire/buckets.py): the tensors in buckets of at most bucket_mb
+        MiB, a tensor larger than a bucket cut at whole scale groups; made once."""
+        if self.plan is None:
+            o = self.opts
+            self.plan = buckets.codec_plan([self.shapes[n] for n in self.names], o.bucket_mb,
+                                           o.fmt, o.block, o.stage2_fmt)
+        return self.plan
+
+    def rounding_seed(self, bucket=0):
         """This step's stochastic-rounding seed, different for every tensor list (every DDP
-        bucket, every FSDP module): buckets of the same layout must not round alike."""
-        return (self.opts.seed * 7919 + self.step) * 2_147_483_659 + self.rounding_stream
+        bucket, every FSDP module) and every bucket of one: buckets of the same layout must not
+        round alike."""
+        seed = (self.opts.seed * 7919 + self.step) * 2_147_483_659 + self.rounding_stream
+        return seed + bucket * 0x9E3779B97F4A7C15       # (bucket 0: the seed of one bucket)
 
     def has_feedback(self, name):
         """Does stage 1's error feedback keep a residual for `name`?"""
@@ -319,10 +395,14 @@ class ProductionCommunicator(compress.Communicator):
         return (o.error_feedback and o.feedback_stages != "2"
                 and (not o.feedback_geo_only or self.is_geo(name)))
 
-    def stage2_feedback(self):
-        """Stage 2's error feedback (packing.ShardFeedback), or None."""
+    def keeps_stage1(self):
+        """Does error feedback keep stage 1's residuals (feedback_stages "1" or "both")?"""
+        return self.opts.error_feedback and self.opts.feedback_stages != "2"
+
+    def stage2_feedback(self, bucket=0):
+        """Stage 2's error feedback for one bucket (packing.ShardFeedback), or None."""
         on = self.opts.error_feedback and self.opts.feedback_stages != "1"
-        return packing.ShardFeedback(self.residuals) if on else None
+        return packing.ShardFeedback(self.residuals, bucket) if on else None
 
     def coordinates_in_use(self):
         """What the coordinates every matrix is sent in now are made of (the tensors and the
@@ -333,79 +413,212 @@ class ProductionCommunicator(compress.Communicator):
 
     def outgoing(self, worker, grads):
         """Error feedback: each gradient plus the rank's residual of the last step, in original
-        coordinates (the stale-residual ablation adds it in coordinates: collective())."""
+        coordinates (the stale-residual ablation adds it in coordinates: take_off())."""
         sent = super().outgoing(worker, grads)
         residual = {} if self.opts.stale_residual else self.residuals.get(worker, {})
         return [g + residual[n] if self.has_feedback(n) and n in residual else g
                 for n, g in zip(self.names, sent)]
 
-    def collective(self, coords, across_ranks):
-        """The wire as training runs it - the paper's FP8-sum collective, or compress.py's
-        two-stage one on nanogeo.wire's layout (packed, NVFP4, stochastic rounding, stage 2's
-        error feedback, a benchmark's timer), over the group or simulated - and error feedback's
-        residuals from each rank's own round trip of what it sent."""
+    def reduce(self, grads, moments=None):
+        """compress.Communicator.reduce, each tensor's mean written into its gradient as soon as
+        its last bucket is decoded (communicate, in_place)."""
+        across = dist.is_initialized()
+        rank = dist.get_rank(self.group) if across else 0
+        if moments is not None and across:
+            moments = self.average_moments(moments)
+        return self.communicate({rank: grads}, moments, across, in_place=True)[1]
+
+    def communicate(self, worker_grads, moments, across_ranks, in_place=False):
+        """compress.Communicator.communicate a bucket at a time (buckets()): each bucket's part
+        of the tensors into coordinates, through the collective (exchange) and back before the
+        next bucket's, then the geometry. A step holds one bucket's temporaries, not the model's.
+
+        in_place (reduce(): one worker, the caller's gradients): each tensor's mean is written
+        into its gradient as soon as it is decoded, and where the coming geometry step judges a
+        layer (judged_next) its codec errors are measured then (layer_errors), while the
+        gradient as sent is still there: the gain check needs no copy of the gradients."""
+        sent = {w: self.outgoing(w, grads) for w, grads in worker_grads.items()}
+        step = BucketedStep(sent, across_ranks, [*worker_grads.values()][0] if in_place else None,
+                            self.judged_next(moments) if in_place else {}, len(self.names))
+        self.taken = {} if in_place else None
+        flights, finite, saturated = {}, [], []
+        try:
+            for k, bucket in enumerate(self.buckets()):
+                flights.update(self.take_off([s for s in bucket if s.start == 0], step))
+                coords = {w: [flights[s.tensor].piece(w, s) for s in bucket] for w in sent}
+                mean_pieces, nbytes, local, fractions = self.exchange(coords, across_ranks, k)
+                step.nbytes += nbytes
+                saturated.append(fractions)
+                if self.keeps_stage1():
+                    finite.append(agreement.all_finite(mean_pieces))
+                for j, s in enumerate(bucket):
+                    flights[s.tensor].land(s, mean_pieces[j],
+                                           None if local is None else [rt[j] for rt in local])
+                self.arrive({s.tensor: flights.pop(s.tensor) for s in bucket if s.end == s.numel},
+                            step)
+                del coords, mean_pieces, local      # freed before the next bucket's exchange
+            if self.keeps_stage1() and finite:
+                self.keep_residuals(step.lost, torch.stack(finite).all())
+            if self.decompose:      # the mean an exact second stage would deliver (this rank's)
+                self.stage1 = step.stage1
+            fractions = [f for f in saturated if f is not None]     # (fp8-sum's profile)
+            if fractions:
+                self.count_saturation(torch.cat(fractions))
+            self.advance(dict(zip(self.names, step.means)), list(sent.values()), moments,
+                         across_ranks)
+        finally:
+            self.taken = None
+        return step.means, step.nbytes
+
+    def take_off(self, segments, step):
+        """The tensors whose first bucket this is ({index: InFlight}): into coordinates on every
+        worker, the matrices of one shape rotated together (all_to_coords)."""
+        names = [self.names[s.tensor] for s in segments]
+        coords = {w: self.all_to_coords(names, [grads[s.tensor] for s in segments])
+                  for w, grads in step.sent.items()}
+        return {s.tensor: self.in_flight(s, {w: cs[j] for w, cs in coords.items()}, step)
+                for j, s in enumerate(segments)}
+
+    def in_flight(self, segment, coords, step):
+        """A tensor at its first bucket, in coordinates on every worker ({worker: tensor}; the
+        stale-residual ablation, defect c, adds the residual there) - contiguous when it is
+        cut, with the buffers its mean (and error feedback's loss, --log_stages' round trips)
+        gather in. Its mean gathers in its coordinates themselves unless they are the gradient
+        as sent and that is read after the exchange (by the simulator's gain check, or this
+        step's)."""
+        i, n = segment.tensor, self.names[segment.tensor]
+        if self.opts.stale_residual and self.has_feedback(n):
+            coords = {w: c + self.residuals[w][n] if n in self.residuals.get(w, {}) else c
+                      for w, c in coords.items()}
+        if buckets.is_whole(segment):
+            return InFlight(coords)
+        coords = {w: c.contiguous() for w, c in coords.items()}
+        w, first = next(iter(coords.items()))
+        read_later = step.grads is None or n in step.judged
+        target = torch.empty_like(first) if read_later and first is step.sent[w][i] else first
+        lost = ({w: torch.empty_like(c) for w, c in coords.items()}
+                if self.keeps_stage1() and self.has_feedback(n) else None)
+        local = {w: torch.empty_like(c) for w, c in coords.items()} if self.decompose else None
+        return InFlight(coords, target, lost, local)
+
+    def arrive(self, flights, step):
+        """The tensors after their last bucket ({index: InFlight}), the matrices of one shape
+        rotated back together (all_from_coords): error feedback's loss and --log_stages' stage-1
+        mean in original coordinates, and each mean decoded (step.means) - in place, measured
+        for the gain check where it is judged, then written into the gradient."""
+        names = {i: self.names[i] for i in flights}
+        fed = [i for i in flights if self.keeps_stage1() and self.has_feedback(names[i])]
+        lost = {i: flights[i].lost_to_codec() for i in fed}
+        for w in step.sent:
+            back = [lost[i][w] for i in fed]
+            if not self.opts.stale_residual:
+                back = self.all_from_coords([names[i] for i in fed], back)
+            step.lost[w].update((names[i], d) for i, d in zip(fed, back))
+        if self.decompose:
+            local = [torch.stack(list(flights[i].local.values())).mean(0) for i in flights]
+            for i, mean in zip(flights, self.all_from_coords(list(names.values()), local)):
+                step.stage1[i] = mean
+        means = dict(zip(flights, self.all_from_coords(list(names.values()),
+                                                      [f.mean for f in flights.values()])))
+        if step.grads is None:
+            for i, mean in means.items():
+                step.means[i] = mean
+            return
+        [sent] = step.sent.values()
+        judged = {names[i]: step.judged[names[i]] for i in flights if names[i] in step.judged}
+        if judged:
+            world = dist.get_world_size(self.group) if step.across_ranks else 1
+            index = {n: i for i, n in names.items()}
+            self.taken.update(self.measure_now(
+                judged, {n: means[index[n]] for n in judged},
+                {n: [sent[index[n]]] for n in judged}, world))
+        for i, mean in means.items():
+            if mean is not step.grads[i]:
+                step.grads[i].copy_(mean)
+            sent[i] = None          # (read no more: the gain check's measurement is taken)
+            step.means[i] = step.grads[i]
+
+    def exchange(self, coords, across_ranks, bucket):
+        """One bucket through the wire as training runs it - the paper's FP8-sum collective, or
+        compress.py's two-stage one on nanogeo.wire's layout (packed, NVFP4, stochastic rounding,
+        stage 2's error feedback, a benchmark's timer), over the group or simulated ({worker:
+        its tensors of the bucket in coordinates}). Returns (means, bytes, [each worker's own
+        round trip] for error feedback and --log_stages or None, the fp8-sum collective's
+        saturated fractions or None)."""
         opts = self.opts
-        if opts.stale_residual:        # defect (c): the residual added in coordinates
-            coords = {w: [c + self.residuals.get(w, {})[n] if self.has_feedback(n)
-                          and n in self.residuals.get(w, {}) else c
-                          for n, c in zip(self.names, cs)] for w, cs in coords.items()}
-        keep_stage1 = opts.error_feedback and opts.feedback_stages != "2"
-        workers, keep_local = list(coords.values()), keep_stage1 or self.decompose
+        workers, keep_local = list(coords.values()), self.keeps_stage1() or self.decompose
         if opts.collective == "fp8-sum":
-            means, nbytes, local = self.fp8_sum(workers, across_ranks)
+            return self.fp8_sum(workers, across_ranks)
+        world = dist.get_world_size(self.group) if across_ranks else len(workers)
+        layout = collective.bucket_layout(
+            workers[0], opts.fmt, opts.block, world, opts.stochastic_round,
+            self.rounding_seed(bucket), opts.stochastic_stages, self.stage2_feedback(bucket),
+            self.timer, opts.stage2_fmt, opts.nvfp4_scale)
+        if keep_local:
+            layout = collective.KeptSends(layout, workers[0][0].device)
+        if across_ranks:
+            means, nbytes = compress.all_reduce_mean(workers[0], group=self.group, layout=layout)
         else:
-            world = dist.get_world_size(self.group) if across_ranks else len(workers)
-            bucket = collective.bucket_layout(
-                workers[0], opts.fmt, opts.block, world, opts.stochastic_round,
-                self.rounding_seed(), opts.stochastic_stages, self.stage2_feedback(), self.timer,
-                opts.stage2_fmt, opts.nvfp4_scale)
-            if keep_local:
-                bucket = collective.KeptSends(bucket, workers[0][0].device)
-            if across_ranks:
-                means, nbytes = compress.all_reduce_mean(workers[0], group=self.group,
-                                                         layout=bucket)
-            else:
-                means, nbytes = compress.simulate_mean(workers, layout=bucket)
-            local = bucket.local() if keep_local else None
-        if keep_stage1:
-            self.keep_residuals(coords, local, means)
-        if self.decompose:      # the mean an exact second stage would deliver (this rank's share)
-            self.stage1 = [self.from_coords(n, torch.stack([rt[i] for rt in local]).mean(0))
-                           for i, n in enumerate(self.names)]
-        return means, nbytes
+            means, nbytes = compress.simulate_mean(workers, layout=layout)
+        return means, nbytes, layout.local() if keep_local else None, None
 
     def fp8_sum(self, workers, across_ranks):
-        """The paper's collective: (means, bytes, [each worker's own round trip])."""
+        """The paper's collective: (means, bytes, [each worker's own round trip], saturated)."""
         opts = self.opts
         if across_ranks:
             means, nbytes, local, saturated = fp8sum.all_reduce_fp8_sum(
                 workers[0], opts.fmt, self.group, opts.sum_order, self.local_scales(),
                 self.profiling())
-            local = [local]
-        else:
-            means, nbytes, local, saturated = fp8sum.simulate_fp8_sum(
-                workers, opts.fmt, opts.sum_order, self.local_scales(), self.profiling())
-        self.count_saturation(saturated)
-        return means, nbytes, local
+            return means, nbytes, [local], saturated
+        return fp8sum.simulate_fp8_sum(workers, opts.fmt, opts.sum_order, self.local_scales(),
+                                       self.profiling())
 
-    def keep_residuals(self, coords, local, mean_coords):
-        """Each worker's loss to the codec (coords: {worker: its tensors in coordinates}, local:
-        their own round trips), kept in original coordinates, so a refresh of the geometry
-        re-expresses it at the next encode (the published method keeps it in the old
-        coordinates: defect c, stale_residual). A step whose mean is not finite (an fp16
-        GradScaler overflow; the optimizer skips it) keeps the old residual: chosen on the
-        device, no host sync."""
-        finite = agreement.all_finite(mean_coords)
-        for (worker, in_coords), returned in zip(coords.items(), local):
+    def keep_residuals(self, lost, finite):
+        """Each worker's loss to the codec ({worker: {name: loss}}, in original coordinates -
+        so a refresh of the geometry re-expresses it at the next encode; the published method
+        keeps it in the old coordinates: defect c, stale_residual) as its residual. A step
+        whose mean is not finite (`finite`: a bool on the device; an fp16 GradScaler overflow,
+        the optimizer skips it) keeps the old residual: chosen on the device, no host sync."""
+        for worker, new in lost.items():
             old = self.residuals.get(worker, {})
-            lost = {n: c - back for n, c, back in zip(self.names, in_coords, returned)
-                    if self.has_feedback(n)}
-            new = lost if self.opts.stale_residual else dict(
-                zip(lost, self.all_from_coords(list(lost), list(lost.values()))))
             self.residuals[worker] = {n: torch.where(finite, r, old.get(n, torch.zeros_like(r)))
                                       for n, r in new.items()}
-            if packing.ShardFeedback.KEY in old:    # stage 2's, kept beside
-                self.residuals[worker][packing.ShardFeedback.KEY] = old[packing.ShardFeedback.KEY]
+            self.residuals[worker].update((key, r) for key, r in old.items()   # stage 2's, kept
+                                          if packing.ShardFeedback.owns(key))  # beside
+
+    # -- the gain check, measured as the means arrive (communicate's in_place) -------------------
+
+    def judged_next(self, moments):
+        """{name: layer} the coming advance() measures (compress.Communicator.to_judge, on a step
+        whose geometry moves), the proposal where there is one."""
+        fresh = moments is not None and self.step % self.opts.geo_refresh == 0
+        if not (self.layers and self.geometry_due(fresh, self.step + 1)):
+            return {}
+        return {n: self.proposals.get(n, self.layers[n]) for n in self.to_judge()}
+
+    @ieee       # a measurement of the gain check: IEEE fp32 (precision.py)
+    def measure_now(self, layers, means, grads, world):
+        """{name: (layer, its errors as layer_errors returns them)} of the judged layers whose
+        means arrived ({name: layer}, {name: mean}, {name: [the gradient as sent]}), the
+        matrices of one shape measured together where they can be (errors_by_group)."""
+        if self.batchable(layers):
+            rows = self.errors_by_group(layers, means, grads, world)
+            return {n: (layer, list(rows[n].reshape(-1).unbind())) for n, layer in layers.items()}
+        return {n: (layer, compress.Communicator.layer_errors(self, n, layer, means[n], grads[n],
+                                                              world * len(grads[n])))
+                for n, layer in layers.items()}
+
+    def layer_errors(self, name, layer, mean, grads, workers):
+        """compress.Communicator.layer_errors; on a step that wrote its means in place, the
+        errors communicate measured as the layer's mean was decoded (the gradient as sent is
+        gone by now)."""
+        if self.taken is None:
+            return super().layer_errors(name, layer, mean, grads, workers)
+        measured, errors = self.taken.pop(name, (None, None))
+        if measured is not layer:
+            raise RuntimeError(f"the gain check measures {name!r}, which communicate did not "
+                               "measure before writing its mean in place (judged_next)")
+        return errors
 
     def local_scales(self):
         return self.opts.scale_sync_every > 1 and self.step % self.opts.scale_sync_every != 0
@@ -455,7 +668,8 @@ class ProductionCommunicator(compress.Communicator):
         super().advance(means, sent, moments, across_ranks)
         if stage2 and not same_coordinates(before, self.coordinates_in_use()):
             for residual in self.residuals.values():   # stage 2's: made in the old coordinates
-                residual.pop(packing.ShardFeedback.KEY, None)
+                for key in [k for k in residual if packing.ShardFeedback.owns(k)]:
+                    del residual[key]
         if self.layers and self.opts.select == "fragile" and self.step == self.opts.geo_warmup:
             self.select_fragile()
 
@@ -481,6 +695,10 @@ class ProductionCommunicator(compress.Communicator):
             self.proposals.clear()
             self.proposals.update(proposals)
             self.skipped += 1   # a non-finite mean (or statistic) must not reach the geometry
+            return
+        except RepairedUnmeasured:  # measured again on the next step's gradients
+            self.proposals.clear()
+            self.proposals.update(proposals)
             return
         if across_ranks and self.proposed:
             device = next(iter(means.values())).device
@@ -521,6 +739,8 @@ class ProductionCommunicator(compress.Communicator):
         else:
             read = self.host_read(errors)
             if self.repaired:   # (rare) measured on proposals that differed across the ranks
+                if self.taken is not None:      # the gradients as sent are overwritten by now
+                    raise RepairedUnmeasured
                 read = self.codec_errors(layers, means, sent, across_ranks).cpu().numpy()
         if not self.auto_sides():
             return read
@@ -532,28 +752,46 @@ class ProductionCommunicator(compress.Communicator):
 
     def codec_errors(self, layers, means, sent, across_ranks):
         """compress.Communicator.measure, the matrices of one shape, sides and optimizer view
-        measured together (nanogeo.geometry.batched.codec_errors) where every layer can be -
-        and its optimizer is watched, or judge="l2" (else compress.py warns, matrix by matrix)."""
-        watched = self.opts.geo_judge == "l2" or self.views
-        if not watched or not all(batched.stackable(layer) for layer in layers.values()):
+        measured together (errors_by_group) where every layer can be - on a step that wrote its
+        means in place, what communicate measured as they arrived (layer_errors)."""
+        if self.taken is not None or not self.batchable(layers):
             return super().measure(layers, means, sent, across_ranks)
         world = dist.get_world_size(self.group) if across_ranks else 1
-        auto, index = self.auto_sides(), {n: i for i, n in enumerate(self.names)}
+        index = {n: i for i, n in enumerate(self.names)}
+        grads = {n: [worker[index[n]] for worker in sent] for n in layers}
+        rows = self.errors_by_group(layers, means, grads, world * len(sent))
+        errors = torch.stack([rows[n] for n in layers]).double().sum(1)   # (layers, K)
+        if across_ranks:
+            dist.all_reduce(errors, group=self.group)
+        return errors
+
+    def batchable(self, layers):
+        """Can the gain check measure these layers together (nanogeo.geometry.batched): each a
+        stackable rotation, the optimizer watched or judge="l2" (else compress.py warns, matrix
+        by matrix), and the codec one call can run on a stack (not Four Over Six's choice)?"""
+        watched = self.opts.geo_judge == "l2" or self.views
+        four_over_six = self.opts.fmt == "nvfp4" and self.opts.nvfp4_scale == "4over6"
+        return bool(watched) and not four_over_six and all(
+            batched.stackable(layer) for layer in layers.values())
+
+    def errors_by_group(self, layers, means, grads, workers):
+        """{name: (W, K) errors} (batched.codec_errors: per worker, the Euclidean round trip's
+        then each rotation's error as the optimizer sees it) of layers ({name: layer}) grouped
+        by shape, sides and optimizer view; grads: {name: [each worker's gradient as sent]}."""
+        auto = self.auto_sides()
         views = {n: self.views.get(n) if self.opts.geo_judge == "optimizer" else None
                  for n in layers}
         keys = {n: (layer.shape, None if auto else batched.sides_of(layer.transform),
                     batched.view_key(views[n])) for n, layer in layers.items()}
         rows = {}
         for names in batched.groups(keys).values():
-            grads = [torch.stack([g[index[n]].float() for n in names]) for g in sent]
+            stacked = [torch.stack([grads[n][w].float() for n in names])
+                       for w in range(len(grads[names[0]]))]
             errors = batched.codec_errors(
-                [layers[n] for n in names], torch.stack([means[n] for n in names]), grads,
-                [views[n] for n in names], auto, self.round_trip_stack, world * len(sent))
+                [layers[n] for n in names], torch.stack([means[n] for n in names]), stacked,
+                [views[n] for n in names], auto, self.round_trip_stack, workers)
             rows.update(zip(names, errors.unbind()))
-        errors = torch.stack([rows[n] for n in layers]).double().sum(1)   # (layers, K)
-        if across_ranks:
-            dist.all_reduce(errors, group=self.group)
-        return errors
+        return rows
 
     def round_trip_stack(self, X):
         """round_trip() of each matrix of X (L, m, n), bit-equal, in one codec call."""

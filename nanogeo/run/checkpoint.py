@@ -54,7 +54,7 @@ def kept_checkpoints(out_dir):
 # mismatched geometry, optimizer state or residuals
 RESUME_MUST_MATCH = ("preset", "optimizer", "comm", "fmt", "block", "collective", "geo_rank",
                      "whiten_factor", "whiten_rank", "whiten_sides", "hadamard_block", "hadamard_sides",
-                     "error_feedback", "feedback_stages", "stage2_fmt")
+                     "error_feedback", "feedback_stages", "stage2_fmt", "bucket_mb")
 
 
 def open_checkpoint(cfg, world_size, device, master, restarted=False):

@@ -134,6 +134,9 @@ def parse_config(argv, config_class, presets, choices, doc):
             raise ConfigError(f"--{key} must be >= 1, got {getattr(config, key)}")
     if getattr(config, "tail_evals", 0) < 0:
         raise ConfigError(f"--tail_evals must be >= 0 (0: off), got {config.tail_evals}")
+    if getattr(config, "bucket_mb", 0) < 0:
+        raise ConfigError(f"--bucket_mb must be >= 0 (MiB per bucket; 0: the whole model as "
+                          f"one bucket), got {config.bucket_mb}")
     if getattr(config, "learning_rate", 1) <= 0:  # every group's lr is a multiple of it
         raise ConfigError(f"--learning_rate must be > 0, got {config.learning_rate}")
     stray = [k for k in given if k.startswith("muon_")]

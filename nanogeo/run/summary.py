@@ -74,7 +74,7 @@ def euclidean_twin(communicator, **codec):
     same = dict(fmt=o.fmt, block=o.block, collective=o.collective, sum_order=o.sum_order,
                 scale_sync_every=o.scale_sync_every, stochastic_round=o.stochastic_round,
                 stochastic_stages=o.stochastic_stages, stage2_fmt=o.stage2_fmt,
-                nvfp4_scale=o.nvfp4_scale)
+                nvfp4_scale=o.nvfp4_scale, bucket_mb=o.bucket_mb)
     options = Options(geometry="euclidean", seed=o.seed + 1, vocab_size=o.vocab_size,
                       **{**same, **codec})
     twin = ProductionCommunicator([(n, communicator.shapes[n]) for n in communicator.names],

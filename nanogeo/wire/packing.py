@@ -113,15 +113,22 @@ class ShardFeedback:
     shard lost and adds it to that shard's mean at the next step, so over steps the delivered
     means add up to the exact stage-1 means (the error does not accumulate). Kept in the
     layout's own form of the shard (a tensor, or a list with one per piece) as
-    residuals[shard][KEY], beside the owner's stage-1 residuals (so checkpoints keep it with
-    them): a rank holds only its own shard's, 1/W of the bucket. A non-finite loss is kept as 0."""
+    residuals[shard][KEY] (a communicator's bucket k > 0: KEY + " k"), beside the owner's
+    stage-1 residuals (so checkpoints keep it with them): a rank holds only its own shard's, 1/W
+    of the bucket. A non-finite loss is kept as 0."""
     KEY = "stage 2"         # not a parameter name (those are dotted identifiers)
 
-    def __init__(self, residuals):
+    def __init__(self, residuals, bucket=0):
         self.residuals = residuals          # {rank: {name: residual}}
+        self.key = self.KEY if bucket == 0 else f"{self.KEY} {bucket}"     # one per bucket
+
+    @classmethod
+    def owns(cls, key):
+        """Is `key` of a residuals dict one of stage 2's (of any bucket)?"""
+        return key == cls.KEY or key.startswith(cls.KEY + " ")
 
     def add(self, shard, means):
-        residual = self.residuals.get(shard, {}).get(self.KEY)
+        residual = self.residuals.get(shard, {}).get(self.key)
         if residual is None:
             return means
         if isinstance(means, list):
@@ -138,10 +145,10 @@ class ShardFeedback:
         if not ends:
             return
         finite = torch.isfinite(torch.cat(ends)).all()
-        old = self.residuals.get(shard, {}).get(self.KEY)
+        old = self.residuals.get(shard, {}).get(self.key)
         old = [torch.zeros_like(m) for m in means] if old is None else old if as_list else [old]
         lost = [torch.where(finite, m - d, o) for m, d, o in zip(means, decoded, old)]
-        self.residuals.setdefault(shard, {})[self.KEY] = lost if as_list else lost[0]
+        self.residuals.setdefault(shard, {})[self.key] = lost if as_list else lost[0]
 
 
 class PieceLayout(compress.ShardLayout):
