@@ -173,6 +173,14 @@ def nvfp4_decode(block_scale, nibbles, scale):
     return values * (block_scale.view(torch.float8_e4m3fn).float() * scale)[:, None]
 
 
+def count_divisor(count, like):
+    """`count` (W ranks, a whole number) as a 0-dim fp32 tensor on `like`'s device, to divide a
+    sum of W copies by. CUDA divides by a Python number as a multiplication by its reciprocal,
+    which for W not a power of two differs from the CPU's division in the last bit: a GPU
+    rank's mean would then not be the simulator's, nor the CPU's, bit for bit."""
+    return torch.full((), count, dtype=torch.float32, device=like.device)
+
+
 def quantize(x, fmt="e4m3", block=128) -> Quantized:
     """x -> its wire bytes. FP8: each group gets the scale s = fmax / amax and is sent as [fp32
     scale | its codes], values cast as torch casts x * s, saturated at +-fmax (a finite input
@@ -311,7 +319,8 @@ class ShardLayout:
     def average_shard(self, received, shard):
         """Seam: between the stages, on the owner of `shard`: the mean of its W copies, quantized
         again (the bytes stage 2 gathers)."""
-        parts = [self.quantize_piece(v / self.world_size, p)
+        W = count_divisor(self.world_size, received)
+        parts = [self.quantize_piece(v / W, p)
                  for v, p in zip(self.sum_copies(received, shard), self.pieces[shard])]
         return torch.cat(parts) if parts else received.new_empty(0)
 

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+import compress
 import model as model_lib
 from nanogeo.run import checkpoint, config, runlog, runtime, summary
 from nanogeo.parallel import hooks, simulated
@@ -199,7 +200,7 @@ def reduce_gradients(params, cfg, communicator, world_size, stats=None, workers=
             pieces = [grads[s.tensor].view(-1)[s.start: s.end] for s in bucket]
             flat = torch.cat(pieces).to(dtype)          # one bucket, one collective
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            for piece, mean in zip(pieces, flat.float().div_(world_size).split(
+            for piece, mean in zip(pieces, flat.float().div_(compress.count_divisor(world_size, flat)).split(
                     [p.numel() for p in pieces])):
                 piece.copy_(mean)                       # into the gradient, in place
         numel = sum(g.numel() for g in grads)

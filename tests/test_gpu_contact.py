@@ -514,10 +514,11 @@ def test_the_codec_never_divides_by_a_python_number():
     """CUDA divides a tensor by a Python number as a multiplication by the number's reciprocal
     (PyTorch's div_true_kernel_cuda: "may lose one bit of precision"); the CPU divides. A codec
     that did would write other bytes on a GPU than on the CPU and the simulator: NVFP4's tensor
-    scale, amax / 2688, did for about a quarter of all amax. A dispatch mode sees every division
-    of the codecs (FP8 and NVFP4, compress.py's and the packed forms, at 2 ranks): none is by a
-    Python number, unless a power of two (then both are exact: the stage-1 mean's / W at W = 2;
-    at other W that division is the collective's, not the codec's)."""
+    scale, amax / 2688, did for about a quarter of all amax; so did the stage-1 mean, sum / W,
+    at any W not a power of two. A dispatch mode sees every division of the codecs and of the
+    means (FP8 and NVFP4, compress.py's and the packed forms, an e4m3 stage 2 after NVFP4, the
+    fp32 average, FSDP's, at 3 ranks): none is by a Python number, unless a power of two (then
+    both are exact)."""
     import math
     from torch.utils._python_dispatch import TorchDispatchMode
     from nanogeo.wire import collective
@@ -532,14 +533,18 @@ def test_the_codec_never_divides_by_a_python_number():
                     isinstance(args[1], (int, float)):
                 self.by_number.append(args[1])
             return func(*args, **(kwargs or {}))
+    from nanogeo.parallel import fsdp, simulated
     g = torch.Generator().manual_seed(0)
     workers = [[torch.randn(40, 48, generator=g), torch.randn(1000, generator=g) * 1e-3]
-               for _ in range(2)]
+               for _ in range(3)]
     with Divisions() as seen:
         for fmt in ("e4m3", "e5m2", "nvfp4"):
             for x in workers[0]:
                 compress.dequantize(compress.quantize(x, fmt, 128))
             compress.simulate_mean(workers, fmt)
             collective.mean_over_workers(workers, fmt)             # the packed forms
+        collective.mean_over_workers(workers, "nvfp4", stage2_fmt="e4m3")
+        simulated.average(workers, "fp32", None)
+        fsdp.average(workers[0][0], "avg", 3)
     odd = [d for d in seen.by_number if not math.log2(abs(d)).is_integer()]
     assert not odd, f"divisions by Python numbers that are not powers of two: {odd}"

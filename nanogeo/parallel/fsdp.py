@@ -152,7 +152,7 @@ def exchange_and_sum(send, layout, group):
 def average(total, op, world):
     """Apply FSDP's reduce op to a sum over ranks (AVG unless a divide factor was set)."""
     if op in (dist.ReduceOp.AVG, "avg"):
-        return total / world
+        return total / compress.count_divisor(world, total)
     if op in (dist.ReduceOp.SUM, "sum"):
         return total
     raise ValueError(f"nanogeo.parallel.fsdp: unsupported reduce op {op}; "

@@ -29,6 +29,7 @@ import functools
 import torch
 import torch.nn as nn
 
+import compress
 import model as model_lib
 from nanogeo.parallel import hooks
 from nanogeo.wire import collective
@@ -225,7 +226,7 @@ def average(worker_grads, method, communicator, worker_stats=None):
             total = grads[0].to(dtype)
             for g in grads[1:]:
                 total = total + g.to(dtype)         # the all_reduce SUM, in the wire's dtype
-            means.append(total.float() / world)
+            means.append(total.float() / compress.count_divisor(world, total))
         numel = sum(g.numel() for g in worker_grads[0])
         nbytes = collective.ring_allreduce_bytes(numel, dtype.itemsize, world) if world > 1 else 0
         return means, nbytes

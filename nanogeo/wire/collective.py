@@ -142,7 +142,8 @@ class TwoFormatLayout:
         """The owner's step: the W copies decoded and added in rank order by stage 1's codec,
         divided by W, quantized again by stage 2's (packed FP8: in one call; the wire is
         compress.quantize's of each piece either way)."""
-        means = [v / self.world_size for v in self.stage1_layout.sum_copies(received, shard)]
+        W = compress.count_divisor(self.world_size, received)
+        means = [v / W for v in self.stage1_layout.sum_copies(received, shard)]
         second = self.stage2_layout
         if not means:
             return received.new_empty(0)

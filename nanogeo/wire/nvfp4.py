@@ -244,7 +244,7 @@ class Nvfp4PackedLayout(Nvfp4Layout, packing.PackedLayout):
 
     def average_shard(self, received, shard, feedback=None):
         run = self.shards[shard]
-        means = self.sum_groups(received, shard) / self.world_size
+        means = self.sum_groups(received, shard) / compress.count_divisor(self.world_size, received)
         if feedback is not None:                # (as packing.PieceLayout.reduce)
             means = feedback.add(shard, means)
         out = run.encode(means, *self.rounding((shard, 2)))

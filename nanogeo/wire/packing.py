@@ -205,7 +205,8 @@ class PieceLayout(compress.ShardLayout):
         residual is added to the mean before it is quantized, and what this quantization loses
         is kept for the next step."""
         rounding = self.rounding((shard, 2))
-        means = [v / self.world_size for v in self.sum_copies(received, shard)]
+        W = compress.count_divisor(self.world_size, received)
+        means = [v / W for v in self.sum_copies(received, shard)]
         if feedback is not None:
             means = feedback.add(shard, means)
         parts = [self.quantize_piece(v, p, rounding) for v, p in zip(means, self.pieces[shard])]
@@ -279,7 +280,7 @@ class PackedLayout(PieceLayout):
     def average_shard(self, received, shard, feedback=None):
         """The owner's step: the summed shard divided by W, back to wire bytes (with `feedback`, as
         PieceLayout.reduce)."""
-        means = self.sum_groups(received, shard) / self.world_size
+        means = self.sum_groups(received, shard) / compress.count_divisor(self.world_size, received)
         if feedback is not None:
             means = feedback.add(shard, means)
         out = pack_groups(means, self.fmt, *self.rounding((shard, 2)))
