@@ -257,7 +257,7 @@ def test_peak_memory_inside_the_reduce_stays_below_the_gradients(bpe_corpus, tmp
     buckets), rank 0 of 2 gloo ranks, --bucket_mb=4: at most 1.0x the gradients' bytes of new
     storage alive at once inside reduce_gradients, on every step, the rotation's judged and
     refresh steps included (one bucket, before: 3.0x for FP8 and the rotation, 5.0x for NVFP4,
-    2.5x for bf16's cast copies; BENCHMARKS.md section 18)."""
+    2.5x for bf16's cast copies; BENCHMARKS.md section 21)."""
     argv = tiny_args(bpe_corpus, tmp_path / "out", "--preset=cpu-tiny", "--max_iters=8",
                      "--batch_size=1", "--block_size=16", "--eval_interval=8", "--eval_iters=1",
                      "--bucket_mb=4", *flags)
@@ -275,7 +275,7 @@ def test_the_loopback_group_answers_as_a_second_rank_holding_the_same_gradients(
     all_gather W copies of this rank's input (other ranks would send their own shards: same
     sizes, other values), a SUM W times the value. Through it rank 0's reduce sends the bytes
     the simulator counts, and one bucket's peak is the 3.0x of 2 gloo ranks (BENCHMARKS.md
-    section 18)."""
+    section 21)."""
     import torch.distributed as dist
     from nanogeo.lab import reduce_memory
     named = [(f"t{i}", s) for i, s in enumerate(SHAPES)]

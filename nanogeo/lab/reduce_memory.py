@@ -14,7 +14,7 @@ gradients would fill. An all_to_all brings W copies of this rank's own shard (wh
 ranks send it), a SUM is W times the value, a MAX the value; an all_gather brings W copies of
 this rank's input, where the other rank would send its own shard: the same sizes, other values.
 So every buffer rank 0 of a real 2-rank run allocates is allocated here, with the same sizes
-(2 gloo ranks' peaks are the same: tests/test_bucket.py, BENCHMARKS.md section 18), while the
+(2 gloo ranks' peaks are the same: tests/test_bucket.py, BENCHMARKS.md section 21), while the
 means outside this rank's shard are stand-ins (with FP8, this shard's [scale | codes] rows,
 read in the others' places: finite, so the geometry's refresh and gain check run on them as
 they would, deciding nothing about real gradients).

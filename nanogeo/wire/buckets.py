@@ -3,7 +3,7 @@ Buckets: the explicit path averages the gradients a bucket at a time, not the mo
 
 Averaged as one bucket, a step holds several fp32 copies of every gradient at once - the
 tensors in wire order, each rank's decoded copies of its shard, their sum, the decoded mean
-(3x the gradients' bytes for FP8, 5x for NVFP4: BENCHMARKS.md section 18), 7-12 GB at
+(3x the gradients' bytes for FP8, 5x for NVFP4: BENCHMARKS.md section 21), 7-12 GB at
 llama-600m. Cut into buckets of at most `bucket_mb` MiB, those temporaries exist for one bucket
 at a time, and each bucket's mean is written back into the gradients before the next one
 starts (ProductionCommunicator.communicate; train.reduce_gradients for fp32 and bf16).
