@@ -690,6 +690,11 @@ def test_study_findings_say_whether_a_wire_under_the_goal_reaches_bf16():
             r["final_val_loss"] -= 0.0027
     assert "Muon, W = 32: reached by `nvfp4-e4m3s2-ef1`" in flat(
         "\n".join(goal_findings(records, (32,))))
+    # the budget is the wire's bytes at W = 32: at W = 64 the same wire sends 0.422x and stays in
+    records += [dict(r, workers=64, mean_wire_vs_bf16=0.422 if "e4m3s2" in r["comm"] else
+                     r["mean_wire_vs_bf16"]) for r in records]
+    text = flat("\n".join(goal_findings(records, (32, 64))))
+    assert "Muon, W = 64: reached by `nvfp4-e4m3s2-ef1`" in text and "(0.422×)" in text
 
 
 def test_study_summary_the_readmes_table():

@@ -18,7 +18,7 @@ import os
 from nanogeo.lab.study.answer import candidates, wire_of
 from nanogeo.lab.study.arms import BUDGETS, cost, wire_format
 from nanogeo.lab.study.compare import twin
-from nanogeo.lab.study.findings import GOAL_BYTES, name
+from nanogeo.lab.study.findings import goal_methods, name
 from nanogeo.lab.study.report import settings
 from nanogeo.lab.study.stats import MARGIN, mean_ci, paired
 
@@ -26,18 +26,17 @@ from nanogeo.lab.study.stats import MARGIN, mean_ci, paired
 COLOURS = {"fp32": "tab:blue", "bf16": "tab:green"}    # else a lever against its twin: orange
 
 
-def panel_rows(by_comm):
+def panel_rows(by_comm, goal=()):
     """[(a, b)] of one panel: bf16 and every candidate (wire formats in BUDGETS order, each
     cheapest first) against fp32; each lever (a geometry, error feedback, ...) against its
-    Euclidean twin; and each candidate of a wire at most GOAL_BYTES x bf16's against bf16 (the
-    goal: bf16's quality at those bytes)."""
+    Euclidean twin; and each mixed-wire candidate among `goal` (findings.goal_methods: a wire
+    of at most GOAL_BYTES x bf16's) against bf16 (the goal: bf16's quality at those bytes)."""
     fits = [c for fmt, _ in BUDGETS for c in candidates(by_comm, fmt)]
     rows = [(c, "fp32") for c in (["bf16"] if "bf16" in by_comm else []) + fits]
     rows += [(c, twin(c, list(by_comm))) for c in fits
              if cost(c) > 0 and twin(c, list(by_comm))]
     if "bf16" in by_comm:
-        rows += [(c, "bf16") for c in fits if wire_format(c) == "4-bit + FP8"
-                 and (wire_of(by_comm[c]) or 1) <= GOAL_BYTES]
+        rows += [(c, "bf16") for c in fits if wire_format(c) == "4-bit + FP8" and c in goal]
     return rows
 
 
@@ -48,7 +47,7 @@ def forest(results, workers=(32,), margin=MARGIN):
     panels = []
     for optimizer, w, by_comm in settings(results, workers):
         rows = []
-        for a, b in panel_rows(by_comm):
+        for a, b in panel_rows(by_comm, goal_methods(results, optimizer)):
             diffs = paired(by_comm[a], by_comm[b])[1]
             if len(diffs) < 2:
                 continue

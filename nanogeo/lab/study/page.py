@@ -17,7 +17,7 @@ import os
 from nanogeo.lab.study.answer import answers, choices, lower, wire_of
 from nanogeo.lab.study.arms import BUDGETS
 from nanogeo.lab.study.compare import comparisons
-from nanogeo.lab.study.findings import against_baselines, findings, name, p_text
+from nanogeo.lab.study.findings import against_baselines, findings, goal_note, name, p_text
 from nanogeo.lab.study.report import gap_cell, load_results, machine_labels, seed_list, settings
 from nanogeo.lab.study.stats import MARGIN, estimate, paired, wrap
 
@@ -73,8 +73,8 @@ def summary(results, workers=(32,), margin=MARGIN):
              "- Run this: the cheapest method, unless a costlier one is lower at 95 % on the seeds "
              "both ran.",
              f"- Within {margin:g}: a TOST, the 90 % interval inside a margin of {margin:g} "
-             "(about 0.12 % of the loss)."]
-    return "\n".join(lines + [""] + [wrap(n) for n in notes]) + "\n"
+             "(about 0.12 % of the loss).", goal_note(results, workers, margin)]
+    return "\n".join(lines + [""] + [wrap(n) for n in notes if n]) + "\n"
 
 
 def machines(paths):
