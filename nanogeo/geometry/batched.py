@@ -54,6 +54,14 @@ def groups(keys):
     return out
 
 
+def runs(items, numel, limit):
+    """items (of one shape, numel elements each) cut into runs of at most `limit` elements
+    together (None: one run): a stack is a copy, so a large model's shape group is stacked a
+    bucket's worth at a time - the memory of one bucket, not of every matrix of the shape."""
+    per = len(items) if limit is None else max(1, limit // numel)
+    return [items[i:i + per] for i in range(0, len(items), per)]
+
+
 # -- the rotation: encode and decode ------------------------------------------------------------
 
 def sides_of(transform):
@@ -89,7 +97,7 @@ class StackedBases:
     """The stacked bases of each group of matrices rotated together, kept while the group and
     its bases stay the same tensors, unchanged (a refresh makes new ones; rank agreement's repair
     writes into them, which bumps their version): stacking them at every step would copy them at
-    every step. One entry per rotation_key (shape, sides): bounded."""
+    every step. One entry per run of matrices stacked (of one rotation_key, in one bucket)."""
 
     def __init__(self):
         self.kept = {}          # key -> ([(basis tensor, its version)] in order, the stacks)

@@ -33,6 +33,7 @@ shape together), so that compress.py stays the one statement of the method:
 Options are compress.GeoOptions plus the fields of this module's Options.
 """
 import copy
+import math
 import zlib
 from dataclasses import dataclass
 
@@ -339,14 +340,21 @@ class ProductionCommunicator(compress.Communicator):
                 for i in where:
                     out[i] = one(names[i], tensors[i])
                 continue
-            group = [self.layers[names[i]] for i in where]
-            with self.timer.stage("rotate"):
-                bases = self.stacks.of(key, [layer.transform for layer in group])
-                X = torch.stack([tensors[i] for i in where])
-                rotated = batched.rotate_stack(group[0], X, bases, inverse).unbind()
-            for i, x in zip(where, rotated):
-                out[i] = x
+            for run in batched.runs(where, tensors[where[0]].numel(), self.stack_limit()):
+                group = [self.layers[names[i]] for i in run]
+                with self.timer.stage("rotate"):
+                    bases = self.stacks.of((key, tuple(names[i] for i in run)),
+                                           [layer.transform for layer in group])
+                    X = torch.stack([tensors[i] for i in run])
+                    rotated = batched.rotate_stack(group[0], X, bases, inverse).unbind()
+                for i, x in zip(run, rotated):
+                    out[i] = x
         return out
+
+    def stack_limit(self):
+        """The most elements the matrices stacked together may hold (a bucket's: a stack is a
+        copy; None with one bucket, bucket_mb=0)."""
+        return buckets.capacity(self.opts.bucket_mb)
 
     # -- the K-FAC statistics, averaged over the ranks ----------------------------------------------
 
@@ -784,13 +792,14 @@ class ProductionCommunicator(compress.Communicator):
         keys = {n: (layer.shape, None if auto else batched.sides_of(layer.transform),
                     batched.view_key(views[n])) for n, layer in layers.items()}
         rows = {}
-        for names in batched.groups(keys).values():
-            stacked = [torch.stack([grads[n][w].float() for n in names])
-                       for w in range(len(grads[names[0]]))]
-            errors = batched.codec_errors(
-                [layers[n] for n in names], torch.stack([means[n] for n in names]), stacked,
-                [views[n] for n in names], auto, self.round_trip_stack, workers)
-            rows.update(zip(names, errors.unbind()))
+        for group in batched.groups(keys).values():
+            for names in batched.runs(group, means[group[0]].numel(), self.stack_limit()):
+                stacked = [torch.stack([grads[n][w].float() for n in names])
+                           for w in range(len(grads[names[0]]))]
+                errors = batched.codec_errors(
+                    [layers[n] for n in names], torch.stack([means[n] for n in names]), stacked,
+                    [views[n] for n in names], auto, self.round_trip_stack, workers)
+                rows.update(zip(names, errors.unbind()))
         return rows
 
     def round_trip_stack(self, X):
@@ -823,8 +832,11 @@ class ProductionCommunicator(compress.Communicator):
         low-rank whitening's factors)."""
         keys = {n: batched.refresh_key(self.layers[n], found) for n, found in statistics.items()}
         refreshed = {}
-        for key, names in batched.groups(keys).items():
-            if key is not None:
+        for key, group in batched.groups(keys).items():
+            if key is None:
+                continue
+            numel = math.prod(self.shapes[group[0]])
+            for names in batched.runs(group, numel, self.stack_limit()):
                 proposals = [copy.copy(self.layers[n]) for n in names]     # as propose() makes
                 for proposal in proposals:
                     proposal.gain = float("nan")
