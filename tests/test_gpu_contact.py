@@ -381,12 +381,14 @@ def test_compiled_codec_divides_as_eager_does_whenever_it_is_compiled(monkeypatc
         return real(gm, *args, **kwargs)
     monkeypatch.setattr(compile_fx, "fx_codegen_and_compile", spy)
     monkeypatch.setattr(kernels, "COMPILED", {})
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     dynamo.reset()
     x = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 1e-3
     groups = compress.scale_groups(x, 128)
     try:
-        with inductor_config.patch(fx_graph_cache=False):
+        # (the config modules' own patch: monkeypatch's undo would delete the entry, and every
+        # later torch.compile in this process would fail on the missing key)
+        with inductor_config.patch(fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
             wires = []
             for compiled in (False, True):
                 kernels.compile_hot_path(compiled)

@@ -445,7 +445,7 @@ def test_the_flags_that_are_options_fields():
         "geo_warmup", "geo_judge", "geo_enter_gain", "geo_exit_gain", "whiten_factor",
         "whiten_rank", "whiten_solver", "whiten_sides", "factor_decay", "geo_rank", "hadamard_block",
         "hadamard_sides", "error_feedback", "feedback_stages", "feedback_geo_only",
-        "stochastic_round", "stochastic_stages", "seed", "stage2_fmt"}
+        "stochastic_round", "stochastic_stages", "seed", "stage2_fmt", "nvfp4_scale", "bucket_mb"}
     cfg = parse_config(["--comm=geofp8", "--geo_refresh=7", "--whiten_factor=diag"])
     opts = config.geo_options(cfg, vocab_size=100)
     assert (opts.geometry, opts.geo_refresh, opts.whiten_factor, opts.vocab_size) == (
