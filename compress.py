@@ -726,7 +726,8 @@ JUDGES = ("optimizer", "l2")
 @dataclass
 class GeoOptions:
     """The method's settings (nanogeo's Options adds production's)."""
-    geometry: str = "geofp8"        # geofp8 (section 3) | subspace (section 4) | euclidean
+    geometry: str = "subspace"      # subspace (section 4) | geofp8 (section 3, the published
+                                    # method: ask for it by name) | euclidean
     fmt: str = "e4m3"
     block: object = 128             # values per scale group, "row" or "tensor" (see groups_of)
     geo_refresh: int = 0            # new geometry every N steps (0: 50 for geofp8, else 4)

@@ -125,13 +125,13 @@ def test_ddp_hook_nvfp4_euclidean(tmp_path):
 
 
 def test_ddp_hook_published_whitening(tmp_path):
-    """The default hook is the published GeoFP8: forward pre-hooks collect each linear layer's
+    """The published GeoFP8 (asked for by name): forward pre-hooks collect each linear layer's
     input second moment on refresh steps, every bucket averages its layers' moments over the
     ranks, and the whitened layers decode to the same bytes on every rank - here with small
-    buckets, so one forward's statistics serve several buckets, and across DDP's rebuild."""
+    buckets, so one forward's moments serve several buckets, and across DDP's rebuild."""
     out = str(tmp_path / "ddp")
-    run_ranks(ddp_rank, 2, out, {"geo_warmup": 1, "geo_refresh": 2, "select": "all", "bucket_cap_mb": 0.05,
-                                 "optimizer": "adamw"})
+    run_ranks(ddp_rank, 2, out, {"geometry": "geofp8", "geo_warmup": 1, "geo_refresh": 2,
+                                 "select": "all", "bucket_cap_mb": 0.05, "optimizer": "adamw"})
     r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
     assert r0["buckets"] > 2
     assert torch.equal(r0["params"], r1["params"])
@@ -194,11 +194,12 @@ def resume_rank(rank, world_size, out, hook_options):
 
 @pytest.mark.parametrize("options", [
     {"geometry": "subspace", "geo_rank": 8, "geo_warmup": 1, "error_feedback": True},
-    {"geo_warmup": 1, "geo_refresh": 2, "error_feedback": True, "select": "all"},
+    {"geometry": "geofp8", "geo_warmup": 1, "geo_refresh": 2, "error_feedback": True,
+     "select": "all"},
     {"geometry": "hadamard", "geo_warmup": 1, "error_feedback": True, "select": "all"},
     # saved with new geometry awaiting its measurement (proposed at the third step)
     {"geometry": "subspace", "geo_rank": 8, "geo_warmup": 1, "geo_refresh": 3},
-    {"geo_warmup": 1, "geo_refresh": 2, "error_feedback": True}])
+    {"geometry": "geofp8", "geo_warmup": 1, "geo_refresh": 2, "error_feedback": True}])
 def test_ddp_hook_state_resumes_bit_identically(tmp_path, options):
     """The hook's state_dict is keyed by parameter name with one step counter: every bucket's
     communicator counts the same steps, the table shows each parameter once (DDP's first-

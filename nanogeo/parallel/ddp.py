@@ -5,8 +5,8 @@ GeoFP8 for any DistributedDataParallel model, as a DDP communication hook.
     from nanogeo.parallel.ddp import GeoFP8HookState, geofp8_hook
 
     model = DDP(model)
-    state = GeoFP8HookState(model)                                  # published GeoFP8, or
-    state = GeoFP8HookState(model, geometry="subspace", geo_rank=16)    # the subspace rotation
+    state = GeoFP8HookState(model, geo_rank=16)             # the subspace rotation (default)
+    state = GeoFP8HookState(model, geometry="geofp8")       # the published GeoFP8, or
     state = GeoFP8HookState(model, geometry="hadamard")     # the geometry-agnostic control
     model.register_comm_hook(state, geofp8_hook)
     state.watch(optimizers)     # judge each layer by the error its optimizer sees
