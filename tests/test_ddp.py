@@ -172,7 +172,7 @@ def resume_rank(rank, world_size, out, hook_options):
     net, state, opt = fresh()
     train(net, opt, range(6))
     straight = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
-    steps = {c.step for c in state.communicators.values()}
+    steps = {c.steps_taken for c in state.communicators.values()}
     names = [line.split()[0] for line in state.table().splitlines() if not line.startswith("tensor")]
     net, state, opt = fresh()
     train(net, opt, range(3))
@@ -185,7 +185,7 @@ def resume_rank(rank, world_size, out, hook_options):
     state.load_state_dict(saved["hook"])
     train(net, opt, range(3, 6))
     resumed = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
-    geo = sum(c.is_geo(n) for c in state.communicators.values() for n in c.names)
+    geo = sum(c.sent_in_geometry(n) for c in state.communicators.values() for n in c.names)
     torch.save({"equal": torch.equal(straight, resumed), "steps": steps, "names": names,
                 "iteration": state.iteration, "geo": geo,
                 "pending": len(saved["hook"]["proposals"])}, f"{out}.{rank}")

@@ -108,7 +108,7 @@ def geo_rank(rank, world_size, out, options):
                                           min_numel=1024, vocab_size=VOCAB, **options)
     fsdp.load_state_dict(fresh, fsdp.state_dict(comms))     # the geometry survives a restart
     restored = all(torch.equal(a, b) for c, f in zip(comms, fresh)
-                   for n in c.comm.layers if c.comm.layers[n].ready
+                   for n in c.comm.layers if c.comm.layers[n].built
                    for a, b in zip(c.comm.layers[n].tensors(), f.comm.layers[n].tensors()))
     restored &= all(f.comm.coords(n) == coords[n] for f in fresh for n in f.names)
     full = torch.cat([p.full_tensor().reshape(-1) for p in model.parameters()])
@@ -249,7 +249,7 @@ def resume_rank(rank, world_size, out):
     opt.load_state_dict(saved["opt"])
     fsdp.load_state_dict(comms, saved["comms"])
     train(model, opt, range(3, 6))
-    geo = {n for c in comms for n in c.names if c.comm.is_geo(n)}
+    geo = {n for c in comms for n in c.names if c.comm.sent_in_geometry(n)}
     torch.save({"equal": torch.equal(straight, weights(model)), "geo": geo,
                 "conv1d": conv1d_weights(model)}, f"{out}.{rank}")
     dist.destroy_process_group()

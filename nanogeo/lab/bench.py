@@ -323,7 +323,7 @@ def fsdp_fidelity(checkpoint, steps, last, geo_rank, sides="auto", data_dir="dat
     # bytes, whatever W
     rotated = [(layer.r, layer.shape) for c in comms["subspace"]
                for n, layer in c.comm.layers.items()
-               if c.comm.is_geo(n) and layer.transform[0] is not None]
+               if c.comm.sent_in_geometry(n) and layer.transform[0] is not None]
     out["geometry_bytes_predicted"] = sum(8 * r / m for r, (m, n) in rotated) / max(1, len(rotated))
     out["geometry_bytes_vs_rotated_matrices"] = (
         out["subspace"]["geometry_bytes_per_step"]

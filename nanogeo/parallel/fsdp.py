@@ -246,7 +246,7 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
         means = {name: average(total, op, world)[: max(0, min(c, shape[0] - me * c))]
                  for name, shape, c, total in zip(self.names, self.shapes, per_rank, totals)}
         blocks = self.blocks[group]
-        means.update(self._decode([n for n in self.comm.layers if self.comm.is_geo(n)],
+        means.update(self._decode([n for n in self.comm.layers if self.comm.sent_in_geometry(n)],
                                   means, blocks, world))
         out = [torch.cat([means[n].reshape(-1),
                           means[n].new_zeros(c * math.prod(s[1:]) - means[n].numel())])
