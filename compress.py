@@ -475,15 +475,15 @@ class WhitenedLayer:
         return cls(shape, opts)
 
     @property
-    def ready(self):
+    def built(self):
         return bool(self.factors)
 
     def encode(self, g):
-        """Seam (production: the output side too): G~ = G F_A^-T."""
+        """Seam. G~ = G F_A^-T."""
         return self.factors["input"].whiten(g)
 
     def decode(self, h):
-        """Seam (alike): G = G~ F_A^T."""
+        """Seam. G = G~ F_A^T."""
         return self.factors["input"].unwhiten(h)
 
     def refresh(self, moments):
@@ -504,7 +504,7 @@ class WhitenedLayer:
                                   self.opts.moment_decay * old + (1 - self.opts.moment_decay) * moment)
 
     def factor_of(self, side, moment):
-        """Seam: the factor of a smoothed moment (production adds dense kinds, for ablations)."""
+        """Seam. The factor of a smoothed moment."""
         return whitening_factor(moment, self.opts.whiten_rank, self.opts.damping)
 
 
@@ -642,34 +642,34 @@ class SubspaceLayer:
 
     @classmethod
     def create(cls, name, shape, opts):
-        """Seam (production: the sides, dense bases): r = geo_rank, at most half the smaller
-        side; the seed from the name, alike on every rank; the core's swaps for the scale groups."""
+        """Seam. r = geo_rank, at most half the smaller side; the seed from the name, alike on
+        every rank; the core's swaps for the scale groups."""
         r = min(opts.geo_rank, min(shape) // 2)
         return cls(shape, r, seed=zlib.crc32(name.encode()), opts=opts,
                    swaps=core_swaps(shape, r, opts.scale_block) if opts.scatter_core else None)
 
     @property
-    def ready(self):
+    def built(self):
         return self.left_basis is not None
 
     def encode(self, g):
-        """Seam (production: one side only, dense bases): H = P^T G Q, core scattered."""
+        """Seam. H = P^T G Q, core scattered."""
         return swap_entries(encode_geo(g, self.left_basis, self.right_basis), self.swaps)
 
     def decode(self, h):
-        """Seam (alike): G = P H Q^T."""
+        """Seam. G = P H Q^T."""
         return decode_geo(swap_entries(h, self.swaps), self.left_basis, self.right_basis)
 
     def dominant_subspaces(self, mean):
-        """Seam (production: FSDP's row form, a covariance EMA): (U, V), the top-r singular
-        subspaces of the decoded mean, warm-started from the bases in use."""
+        """Seam. (U, V), the top-r singular subspaces of the decoded mean, warm-started from
+        the bases in use."""
         if self.left_basis is None:
             return initial_subspaces(mean, self.r, self.seed)
         return update_subspaces(mean, self.left_basis.columns(), self.right_basis.columns(),
                                 self.opts.iters)
 
     def refresh(self, mean):
-        """Seam (dense-basis ablations): new bases from the decoded mean (alike on every rank)."""
+        """Seam. New bases from the decoded mean (alike on every rank)."""
         U, V = self.dominant_subspaces(mean)
         self.left_basis, self.right_basis = HouseholderBasis.complete(U), HouseholderBasis.complete(V)
 
@@ -713,10 +713,43 @@ def adamw_error(state, betas, eps, mean, workers=1):
 # ==== 6. The communicator: which matrices go geometry-aware, one call per step ====================
 #
 # A matrix that may use a geometry has a layer (sections 3, 4) with encode, decode, refresh and
-# the decision's state: ready, use_geo, gain; any other tensor travels as it is. A step: every
-# worker's gradients into coordinates, through the collective, the mean back; then, where due,
-# the geometry: proposals measured and decided, new ones made. nanogeo/parallel/communicator.py
-# overrides the methods marked "seam".
+# the decision's state: built (its geometry made), use_geo (decided to send in it), gain; any other
+# tensor travels as it is. A step: every worker's gradients into coordinates, through the
+# collective, the mean back; then, where due, the geometry: proposals measured and decided, new
+# ones made.
+#
+# Seams: the methods marked "Seam." are the ones the production path overrides (nanogeo/parallel/
+# communicator.py's ProductionCommunicator and Options, nanogeo/geometry/layers.py's layers), so
+# that this file stays the one statement of the method. What production does in each:
+#   WhitenedLayer.encode, decode      the output side too (an ablation)
+#   WhitenedLayer.factor_of           a warm-started eigensolver; dense factors, their EMA (ablations)
+#   SubspaceLayer.create              the rotated sides (sides="auto"), dense bases (ablations)
+#   SubspaceLayer.encode, decode      one side only (the column side), dense bases
+#   SubspaceLayer.dominant_subspaces  FSDP's row form, a covariance EMA
+#   SubspaceLayer.refresh             dense bases (ablations)
+#   GeoOptions.choices                production's own settings (Options)
+#   to_coords, from_coords            a benchmark's stage timer; IEEE fp32 whatever TF32 says
+#   all_to_coords, all_from_coords    the rotated matrices of one shape encoded together
+#   whitened_sides                    the output side too (an ablation)
+#   reduce                            each mean written into its gradient as it is decoded
+#   average_moments                   weighted by tokens, in one all-reduce
+#   reduce_workers                    each simulated rank's own moments, averaged as over ranks
+#   communicate                       a bucket at a time (exchange() in collective()'s place:
+#                                     packed stages, NVFP4, stochastic rounding, fp8-sum)
+#   outgoing                          error feedback's residual added
+#   collective                        (replaced by exchange(), above)
+#   advance                           FSDP's row blocks; the paper's fragile selection after
+#                                     the warmup; stage 2's residuals dropped when the
+#                                     coordinates change
+#   update_geometry                   one finiteness decision across ranks; rank agreement
+#   refresh_inputs                    read after the step's finiteness flag
+#   propose_all                       the matrices of one shape refreshed together
+#   consider                          notes a proposal (for the rank agreement check)
+#   measure                           the matrices of one shape measured together; sides="auto"
+#   layer_errors                      measured as each mean is decoded (in place)
+#   error_seen                        FSDP: this rank's rows only
+#   round_trip                        Four Over Six's NVFP4 block scales
+#   through_codec                     sides="auto": both rotations
 
 GEOMETRIES = ("geofp8", "subspace", "euclidean")
 SELECTIONS = ("gain", "all", "list")
@@ -726,7 +759,8 @@ JUDGES = ("optimizer", "l2")
 @dataclass
 class GeoOptions:
     """The method's settings (nanogeo's Options adds production's)."""
-    geometry: str = "geofp8"        # geofp8 (section 3) | subspace (section 4) | euclidean
+    geometry: str = "subspace"      # subspace (section 4) | geofp8 (section 3, the published
+                                    # method: ask for it by name) | euclidean
     fmt: str = "e4m3"
     block: object = 128             # values per scale group, "row" or "tensor" (see groups_of)
     geo_refresh: int = 0            # new geometry every N steps (0: 50 for geofp8, else 4)
@@ -747,7 +781,7 @@ class GeoOptions:
     scatter_core: bool = True       # subspace: each core entry in a scale group of its own
 
     def choices(self):
-        """Seam (nanogeo's Options adds its own): {field: allowed values} of the string fields."""
+        """Seam. {field: allowed values} of the string fields."""
         return {"geometry": GEOMETRIES, "fmt": FORMATS, "select": SELECTIONS, "geo_judge": JUDGES}
 
     def __post_init__(self):
@@ -767,7 +801,7 @@ class GeoOptions:
         return NVFP4_BLOCK if self.fmt == "nvfp4" else self.block
 
 
-def exemption(name, shape, opts, linear=None):
+def why_euclidean(name, shape, opts, linear=None):
     """Why a tensor stays Euclidean (a short reason), or None if it may use the geometry.
     `linear`: the names of the model's nn.Linear weights, found by module type, never by name or
     shape (nanogeo.parallel.hooks.linear_layers); None: every matrix may."""
@@ -789,25 +823,28 @@ def exemption(name, shape, opts, linear=None):
 class Communicator:
     """Averages a fixed list of named tensors through the two-stage collective, each matrix in
     Euclidean or geometry-aware coordinates: reduce() over the process group, reduce_workers()
-    for W simulated workers (K-FAC `moments`, {"input": {name: A}}, when wants_moments())."""
+    for W simulated workers (K-FAC `moments`, {"input": {name: A}}, when moments_due())."""
     LAYERS = {"geofp8": WhitenedLayer, "subspace": SubspaceLayer}
 
     def __init__(self, named_shapes, options=None, group=None, linear=None):
         self.opts, self.group = options or GeoOptions(), group
         self.names = [n for n, _ in named_shapes]
         self.shapes = {n: tuple(s) for n, s in named_shapes}
-        self.kind = self.LAYERS.get(self.opts.geometry)     # the layer class (None: Euclidean)
-        may = [n for n in self.names if exemption(n, self.shapes[n], self.opts, linear) is None]
-        self.layers = {n: self.kind.create(n, self.shapes[n], self.opts) for n in may}  # in use
+        self.layer_class = self.LAYERS.get(self.opts.geometry)     # None: Euclidean
+        may = [n for n in self.names if why_euclidean(n, self.shapes[n], self.opts, linear) is None]
+        self.layers = {n: self.layer_class.create(n, self.shapes[n], self.opts)
+                       for n in may}    # name -> the geometry in use (or being built)
         self.proposals = {}     # name -> new geometry, not yet measured, not yet used
-        self.chosen = set(self.opts.geo_layers) if self.opts.select == "list" else set()
-        if self.chosen - set(self.names):
+        # select="list": the names listed (production's "fragile": the profile's top_k)
+        self.listed = set(self.opts.geo_layers) if self.opts.select == "list" else set()
+        if self.listed - set(self.names):
             raise ValueError(f"geo_layers names tensors this model does not have, e.g. "
-                             f"{sorted(self.chosen - set(self.names))[0]!r}: list this model's")
-        self.uses_moments = bool(self.layers) and self.kind.from_moments
+                             f"{sorted(self.listed - set(self.names))[0]!r}: list this model's")
+        # its geometry is built from K-FAC moments (the whitening), as its layer class's is
+        self.from_moments = bool(self.layers) and self.layer_class.from_moments
         self.views = {}         # name -> its optimizer's view (watch()); none: plain L2
         self.warned = False
-        self.step = 0           # steps taken
+        self.steps_taken = 0    # steps taken: counted at the end of each (advance)
 
     def watch(self, views):
         """Judge each layer by the error its optimizer sees (section 5): {name: a view with
@@ -817,33 +854,35 @@ class Communicator:
 
     # -- coordinates -----------------------------------------------------------------------
 
-    def is_geo(self, name):
+    def sent_in_geometry(self, name):
         """Is `name` sent in its geometry-aware coordinates now?"""
         layer = self.layers.get(name)
-        return (layer is not None and layer.use_geo and layer.ready
-                and self.step > self.opts.geo_warmup)
+        return (layer is not None and layer.use_geo and layer.built
+                and self.steps_taken > self.opts.geo_warmup)
 
     def to_coords(self, name, g):
-        """Seam (a benchmark times it): g in the coordinates `name` is sent in."""
-        return self.layers[name].encode(g) if self.is_geo(name) else g
+        """Seam. g in the coordinates `name` is sent in."""
+        return self.layers[name].encode(g) if self.sent_in_geometry(name) else g
 
     def from_coords(self, name, c):
-        """Seam (timed alike): back to the original coordinates."""
-        return self.layers[name].decode(c) if self.is_geo(name) else c
+        """Seam. Back to the original coordinates."""
+        return self.layers[name].decode(c) if self.sent_in_geometry(name) else c
 
     def whitened_sides(self):
-        """Seam: the sides it whitens (published: the input; production's ablation: the output)."""
+        """Seam. The sides it whitens (published: the input)."""
         return ("input",)
 
-    def wants_moments(self):
-        """Does the next step's reduce() refresh the whitening from K-FAC statistics?"""
-        return self.uses_moments and self.step % self.opts.geo_refresh == 0
+    def moments_due(self):
+        """Does the next step's reduce() need K-FAC moments (the whitening refreshes after it:
+        a multiple of geo_refresh steps taken before it)?"""
+        return self.from_moments and self.steps_taken % self.opts.geo_refresh == 0
 
     # -- one step ----------------------------------------------------------------------------
 
     def reduce(self, grads, moments=None):
-        """Average grads (matching self.names) over the process group, in place; `moments`:
-        this rank's K-FAC statistics, averaged here first. Returns the bytes this rank sent."""
+        """Seam. Average grads (matching self.names) over the process group, in place;
+        `moments`: this rank's K-FAC moments, averaged here first. Returns the bytes this rank
+        sent."""
         across = dist.is_initialized()
         rank = dist.get_rank(self.group) if across else 0
         if moments is not None and across:
@@ -854,8 +893,8 @@ class Communicator:
         return nbytes
 
     def average_moments(self, moments):
-        """Seam: the mean of every rank's K-FAC statistics, so that every rank builds the same
-        factors (equal weights: every rank ran as many tokens; production weights by tokens)."""
+        """Seam. The mean of every rank's K-FAC moments, so that every rank builds the same
+        factors (equal weights: every rank ran as many tokens)."""
         out = {side: {n: m.clone() for n, m in moments.get(side, {}).items()}
                for side in self.whitened_sides()}
         for moment in (m for by_name in out.values() for m in by_name.values()):
@@ -864,35 +903,35 @@ class Communicator:
         return out
 
     def reduce_workers(self, worker_grads, moments=None):
-        """Seam: reduce()'s numerics for W simulated workers (`moments`: already averaged over all
+        """Seam. reduce()'s numerics for W simulated workers (`moments`: already averaged over all
         of them): (means, bytes a rank sends)."""
         return self.communicate(dict(enumerate(worker_grads)), moments, across_ranks=False)
 
     def communicate(self, worker_grads, moments, across_ranks):
-        """Seam (production: a bucket at a time, the means written in place): one step for the
-        workers this process holds ({index: gradients}): into coordinates, through the
-        collective, the mean back, then the geometry. Returns (means, bytes)."""
-        sent = {w: self.outgoing(w, grads) for w, grads in worker_grads.items()}
-        coords = {w: self.all_to_coords(self.names, gs) for w, gs in sent.items()}
+        """Seam. One step for the workers this process holds ({index: gradients}): into
+        coordinates, through the collective, the mean back, then the geometry. Returns (means,
+        bytes)."""
+        as_sent = {w: self.outgoing(w, grads) for w, grads in worker_grads.items()}   # fp32
+        coords = {w: self.all_to_coords(self.names, gs) for w, gs in as_sent.items()}
         mean_coords, nbytes = self.collective(coords, across_ranks)
         means = self.all_from_coords(self.names, mean_coords)
-        self.advance(dict(zip(self.names, means)), list(sent.values()), moments, across_ranks)
+        self.advance(dict(zip(self.names, means)), list(as_sent.values()), moments, across_ranks)
         return means, nbytes
 
     def all_to_coords(self, names, tensors):
-        """Seam (production rotates the matrices of one shape together): to_coords of each."""
+        """Seam. to_coords of each."""
         return [self.to_coords(n, t) for n, t in zip(names, tensors)]
 
     def all_from_coords(self, names, tensors):
-        """Seam (alike): from_coords of each."""
+        """Seam. from_coords of each."""
         return [self.from_coords(n, c) for n, c in zip(names, tensors)]
 
     def outgoing(self, worker, grads):
-        """Seam: what a worker sends, in original coordinates (production adds error feedback)."""
+        """Seam. A worker's gradients as sent: fp32, in original coordinates."""
         return [g.float() for g in grads]
 
     def collective(self, coords, across_ranks):
-        """Seam: the collective on the tensors in coordinates ({worker: [tensors]}): over the
+        """Seam. The collective on the tensors in coordinates ({worker: [tensors]}): over the
         process group, or its simulator. Returns (means in coordinates, bytes a rank sends)."""
         if across_ranks:                        # (this rank's tensors only)
             [tensors] = coords.values()
@@ -901,66 +940,66 @@ class Communicator:
 
     # -- the geometry --------------------------------------------------------------------------
 
-    def advance(self, means, sent, moments=None, across_ranks=False):
-        """Seam: count a finished step and update the geometry where it is due. means: {name:
-        decoded mean}; sent: each worker's gradients as sent; moments: K-FAC statistics collected
-        during the step; across_ranks: measurements are summed over the process group."""
-        if self.step % self.opts.geo_refresh:   # the whitening refreshes on its own steps only
-            moments = None
-        self.step += 1                          # from here on: steps taken, this one included
-        if self.layers and self.geometry_due(moments is not None, self.step):
-            self.update_geometry(means, sent, moments, across_ranks)
+    def advance(self, means, as_sent, moments=None, across_ranks=False):
+        """Seam. Count the step just finished and update the geometry where it is due. means:
+        {name: decoded mean}; as_sent: each worker's gradients as sent; moments: K-FAC moments
+        collected during the step; across_ranks: measurements are summed over the process group."""
+        if self.steps_taken % self.opts.geo_refresh:    # not a step moments_due() announced:
+            moments = None                              # the whitening refreshes on its own
+        self.steps_taken += 1                           # this step taken
+        if self.layers and self.geometry_due(moments is not None, self.steps_taken):
+            self.update_geometry(means, as_sent, moments, across_ranks)
 
-    def geometry_due(self, fresh_moments, step):
-        """Does the geometry move after `step` steps: proposals to measure, a geometry in use but
-        unmeasured, a refresh, or (the whitening) a re-measurement?"""
-        if self.proposals or any(l.ready and math.isnan(l.gain) for l in self.layers.values()):
+    def geometry_due(self, fresh_moments, steps_taken):
+        """Does the geometry move once `steps_taken` steps are taken: proposals to measure, a
+        geometry in use but unmeasured, a refresh, or (the whitening) a re-measurement?"""
+        if self.proposals or any(l.built and math.isnan(l.gain) for l in self.layers.values()):
             return True
-        if self.uses_moments:
-            return fresh_moments or step % self.opts.judge_every == 0
-        return (step % self.opts.geo_refresh == 0
-                or not all(layer.ready for layer in self.layers.values()))
+        if self.from_moments:
+            return fresh_moments or steps_taken % self.opts.judge_every == 0
+        return (steps_taken % self.opts.geo_refresh == 0
+                or not all(layer.built for layer in self.layers.values()))
 
     def to_judge(self):
         """The layers a geometry step measures: every proposal; the geometry in use where
         unmeasured, and for the whitening at every check."""
         return [n for n, layer in self.layers.items() if n in self.proposals
-                or (layer.ready and (self.uses_moments or math.isnan(layer.gain)))]
+                or (layer.built and (self.from_moments or math.isnan(layer.gain)))]
 
-    def update_geometry(self, means, sent, moments, across_ranks):
-        """Seam: measure what is due (to_judge), then propose new geometry from the step's
-        statistics."""
+    def update_geometry(self, means, as_sent, moments, across_ranks):
+        """Seam. Measure what is due (to_judge), then propose new geometry from the step's
+        refresh inputs."""
         judged = self.to_judge()
         if judged:
-            self.judge(judged, means, sent, across_ranks)
-        self.propose_all(self.statistics(means, moments))
+            self.judge(judged, means, as_sent, across_ranks)
+        self.propose_all(self.refresh_inputs(means, moments))
 
-    def statistics(self, means, moments):
-        """Seam: {name: what its new geometry is built from}: the whitening's averaged K-FAC
-        moments, when given; the others' decoded mean every geo_refresh steps, or until ready."""
-        if self.uses_moments:
+    def refresh_inputs(self, means, moments):
+        """Seam. {name: what its new geometry is built from}: the whitening's averaged K-FAC
+        moments ({side: moment}), when given; the others' decoded mean every geo_refresh steps,
+        or until built."""
+        if self.from_moments:
             found = {n: {side: moments[side][n] for side in self.whitened_sides()
                          if n in moments.get(side, {})} for n in self.layers} if moments else {}
-            return {n: stats for n, stats in found.items() if stats}
+            return {n: sides for n, sides in found.items() if sides}
         return {n: means[n] for n, layer in self.layers.items()
-                if self.step % self.opts.geo_refresh == 0 or not layer.ready}
+                if self.steps_taken % self.opts.geo_refresh == 0 or not layer.built}
 
-    def propose_all(self, statistics):
-        """Seam (production refreshes the matrices of one shape together): propose() for each
-        {name: statistics}."""
-        for name, found in statistics.items():
+    def propose_all(self, inputs):
+        """Seam. propose() for each {name: its refresh input}."""
+        for name, found in inputs.items():
             self.propose(name, found)
 
-    def propose(self, name, statistics):
-        """New geometry for `name` from its statistics. A copy: refresh() assigns new tensors, the
-        layer in use stays."""
+    def propose(self, name, found):
+        """New geometry for `name` from its refresh input. A copy: refresh() assigns new tensors,
+        the layer in use stays."""
         proposal = copy.copy(self.layers[name])
         proposal.gain = float("nan")                    # not measured yet
-        proposal.refresh(statistics)
+        proposal.refresh(found)
         self.consider(name, proposal)
 
     def consider(self, name, proposal):
-        """Seam: new geometry for `name` is a proposal until later gradients measure it (measured
+        """Seam. New geometry for `name` is a proposal until later gradients measure it (measured
         on the gradients it was built from, it would look better than it is) - unless decide()
         takes it unmeasured."""
         if self.decide(name, proposal):
@@ -972,48 +1011,49 @@ class Communicator:
     def decide(self, name, layer):
         """THE decision: does `name` send in `layer`'s coordinates from now on?
           select="all": always - forced, unmeasured (a control that must act);
-          select="list" (production: "fragile", whose profile makes the list, `chosen`): only the
-            listed, and with both gains 0 always (the paper's fixed choice, unmeasured);
+          select="list" (production: "fragile", whose profile makes the list): only the names
+            in `listed`, and with both gains 0 always (the paper's fixed choice, unmeasured);
           otherwise by the measured gain (Euclidean error / geometry-aware error, as the layer's
             optimizer sees them) with hysteresis: enter at geo_enter_gain, stay while >=
             geo_exit_gain; unmeasured (nan): not yet.
-        Outside stay two gates that are not per-layer choices: exemption() (which tensors have
-        coordinates at all; no unlisted matrix computes geometry) and is_geo()'s warm-up (a step
-        count: decided here, forced layers would wait as proposals and be measured)."""
+        Outside stay two gates that are not per-layer choices: why_euclidean() (which tensors
+        have coordinates at all; no unlisted matrix computes geometry) and sent_in_geometry()'s
+        warm-up (a step count: decided here, forced layers would wait as proposals and be
+        measured)."""
         opts = self.opts
         if opts.select == "all":
             return True
-        listed = name in self.chosen
+        listed = name in self.listed
         if opts.select != "gain" and (not listed or max(opts.geo_enter_gain, opts.geo_exit_gain) <= 0):
             return listed
         return layer.gain >= (opts.geo_exit_gain if layer.use_geo else opts.geo_enter_gain)
 
-    def judge(self, names, means, sent, across_ranks):
+    def judge(self, names, means, as_sent, across_ranks):
         """Measure each layer's proposal (or, without one, its geometry in use) against
         Euclidean on this step's gradients, decide, and put what was measured in use."""
         layers = {n: self.proposals.pop(n, self.layers[n]) for n in names}
-        errors = self.measure(layers, means, sent, across_ranks)
+        errors = self.measure(layers, means, as_sent, across_ranks)
         for (name, layer), (euclid, geo) in zip(layers.items(), errors.tolist()):
             layer.gain = math.sqrt(euclid / geo) if geo > 0 else (math.inf if euclid > 0 else 1.0)
             layer.use_geo = self.decide(name, layer)
             self.layers[name] = layer
 
-    def measure(self, layers, means, sent, across_ranks):
-        """Seam: (layers, 2) float64 on the device: the squared codec error of Euclidean FP8 and
+    def measure(self, layers, means, as_sent, across_ranks):
+        """Seam. (layers, 2) float64 on the device: the squared codec error of Euclidean FP8 and
         of the geometry-aware codec, as each layer's optimizer sees it, summed over the workers -
         and over the ranks, so every rank decides alike."""
         world = dist.get_world_size(self.group) if across_ranks else 1
         errors = []
         for name, layer in layers.items():
-            grads = [worker[self.names.index(name)] for worker in sent]
-            errors += self.layer_errors(name, layer, means[name], grads, world * len(sent))
-        errors = torch.stack(errors).double().view(len(layers), len(sent), -1).sum(1)
+            grads = [worker[self.names.index(name)] for worker in as_sent]
+            errors += self.layer_errors(name, layer, means[name], grads, world * len(as_sent))
+        errors = torch.stack(errors).double().view(len(layers), len(as_sent), -1).sum(1)
         if across_ranks:
             dist.all_reduce(errors, group=self.group)
         return errors                           # on the device: judge's .tolist() reads it
 
     def layer_errors(self, name, layer, mean, grads, workers):
-        """Seam (production measures as each mean is decoded): one layer's squared codec errors,
+        """Seam. One layer's squared codec errors,
         Euclidean and in the layer's coordinates, for each worker's gradient as sent (`grads`),
         as its optimizer sees them around `mean`: a list of device scalars."""
         seen, errors = self.error_seen(name, mean, workers), []
@@ -1024,7 +1064,7 @@ class Communicator:
         return errors
 
     def error_seen(self, name, mean, workers):
-        """Seam: delta -> a gradient error's squared size as the layer's optimizer sees it (its
+        """Seam. delta -> a gradient error's squared size as the layer's optimizer sees it (its
         view, section 5), or in plain L2 - warning once if asked for but no optimizer is watched."""
         view = self.views.get(name) if self.opts.geo_judge == "optimizer" else None
         if view is not None:
@@ -1037,11 +1077,11 @@ class Communicator:
         return lambda delta: delta.pow(2).sum()
 
     def round_trip(self, x):
-        """x through the codec and back."""
+        """Seam. x through the codec and back."""
         return dequantize(quantize(x, self.opts.fmt, self.opts.block))
 
     def through_codec(self, layer, g):
-        """Seam: [g through the codec in the layer's coordinates]."""
+        """Seam. [g through the codec in the layer's coordinates]."""
         return [layer.decode(self.round_trip(layer.encode(g)))]
 
 
@@ -1091,10 +1131,10 @@ def demo(ranks=8, steps=12):
     for geometry, fmt, select, reading in DEMO_ROWS:
         comm = Communicator([("w", (96, 128))], GeoOptions(
             geometry=geometry, fmt=fmt, select=select, geo_judge="l2", min_numel=0))
-        done = [comm.reduce_workers(grads, {"input": {"w": A}} if comm.wants_moments() else None)
+        done = [comm.reduce_workers(grads, {"input": {"w": A}} if comm.moments_due() else None)
                 for grads, A in data]                                   # [(means, bytes)]
         how = "forced" if select == "all" else "" if geometry == "euclidean" else (
-            "used" if comm.is_geo("w") else "not used")
+            "used" if comm.sent_in_geometry("w") else "not used")
         rows.append((geometry, fmt, how, error([m[0] for m, _ in done]), done[-1][1], reading))
     print(f"{ranks} simulated ranks, a 96 x 128 linear layer, groups of 128 values: the relative L2 "
           f"error of the\naveraged gradient (steps {steps - 5}-{steps}) against Euclidean e4m3's, "

@@ -156,7 +156,7 @@ GEO_COMMS = ("geofp8", "subspace", "hadamard")          # --comm values with per
 
 def make_communicator(cfg, model, optimizers):
     """State that survives between steps for the compressed collectives (geometry, residuals),
-    and for the published GeoFP8 the hooks that collect its layers' input statistics.
+    and for the published GeoFP8 the hooks that collect its layers' input moments.
     (None, None) for fp32 and bf16, which are stateless. The candidates for GeoFP8 are the
     nn.Linear weights (by module type), each judged by the error its optimizer sees."""
     if cfg.comm in ("fp32", "bf16"):
@@ -179,9 +179,9 @@ def reduce_gradients(params, cfg, communicator, world_size, stats=None, workers=
     """Average the .grad of params across all ranks, in place. Returns the bytes this rank sent.
 
     Called once per optimizer step, after the last micro-step's backward. `stats`: the published
-    GeoFP8's K-FAC statistics of this step's forwards, on its refresh steps. With
+    GeoFP8's K-FAC moments of this step's forwards, on its refresh steps. With
     --simulate_workers, `workers` holds every simulated rank's gradients (and `stats` each rank's
-    statistics): this process plays them all, and simulated.average takes the collective's place
+    moments): this process plays them all, and simulated.average takes the collective's place
     with the same numerics."""
     if workers is not None:
         means, nbytes = simulated.average(workers, cfg.comm, communicator, stats)
@@ -205,10 +205,10 @@ def reduce_gradients(params, cfg, communicator, world_size, stats=None, workers=
                 piece.copy_(mean)                       # into the gradient, in place
         numel = sum(g.numel() for g in grads)
         return ring_allreduce_bytes(numel, dtype.itemsize, world_size)
-    # the published GeoFP8 refreshes its factors from its layers' input statistics ...
+    # the published GeoFP8 refreshes its factors from its layers' input moments ...
     nbytes = communicator.reduce(grads, stats)
     if stats is not None:       # ... averaged over the ranks by one more all-reduce
-        nbytes += hooks.statistics_bytes(communicator, world_size)
+        nbytes += hooks.moments_bytes(communicator, world_size)
     return nbytes
 
 
@@ -452,8 +452,8 @@ def train(cfg):
         set_learning_rates(optimizers, peaks, lr, cfg.learning_rate)
 
         # forward and backward on every micro-batch. On the published GeoFP8's refresh steps,
-        # hooks collect the whitened layers' input statistics (eagerly: raw_model).
-        collect = moments is not None and communicator.wants_moments()
+        # hooks collect the whitened layers' input moments (eagerly: raw_model).
+        collect = moments is not None and communicator.moments_due()
         with moments.attached() if collect else contextlib.nullcontext():
             if ranks is None:   # .grad holds this rank's gradient
                 step_losses = forward_backward(raw_model if collect else model,

@@ -135,7 +135,7 @@ def test_in_place_reduce_equals_reduce_workers_and_judges_alike(options):
     in_place.measure_now = lambda name, *args: measured.append(name) or measure_now(name, *args)
     moments = {"input": {n: torch.eye(s[1]) + 0.1 for n, s in named if len(s) == 2}}
     for step, [grads] in enumerate(workers_of(SHAPES, 1, 8)):
-        stats = moments if in_place.wants_moments() else None
+        stats = moments if in_place.moments_due() else None
         expected, _ = apart.reduce_workers([[g.clone() for g in grads]], stats)
         in_place.reduce(grads, stats)
         assert all(torch.equal(g, m) for g, m in zip(grads, expected)), step
@@ -163,7 +163,7 @@ def test_proposals_repaired_after_in_place_measurements_are_measured_on_the_next
     while not comm.proposals:
         comm.reduce(next(steps)[0])
     proposed = dict(comm.proposals)
-    comm.pending = (torch.ones(len(comm.layers) + 1), list(proposed.values()), comm.step)
+    comm.pending = (torch.ones(len(comm.layers) + 1), list(proposed.values()), comm.steps_taken)
     monkeypatch.setattr(agreement, "repair_geometry", lambda *args: True)   # "repaired"
     comm.reduce(next(steps)[0])
     assert set(comm.proposals) == set(proposed) and comm.skipped == 0

@@ -645,7 +645,71 @@ def test_geofp8_not_worse_on_isotropic_input():
     assert comm.coords("layers.0.mlp.w1.weight") == "euclidean"  # measured: no gain, not used
 
 
-def test_exemptions():
+def test_the_default_geometry_is_the_subspace_rotation():
+    """The studies recommend the subspace rotation; the published GeoFP8 (the whitening) is asked
+    for by name, in the teaching options, production's and the DDP hook's alike."""
+    from nanogeo.parallel.ddp import GeoFP8HookState
+    assert compress.GeoOptions().geometry == Options().geometry == "subspace"
+    assert Options().geo_refresh == 4                       # the rotation's refresh period
+    hook = GeoFP8HookState(torch.nn.Linear(64, 64))
+    assert hook.options.geometry == "subspace" and hook.moments is None   # no K-FAC hooks
+    assert Options(geometry="geofp8").geo_refresh == 50
+
+
+def test_one_name_per_thing_in_the_communicator():
+    """compress.py section 6 gives each word one meaning (issue 51): the layer class, the names a
+    list selects, the steps taken, the K-FAC moments family, what a refresh is built from, a
+    layer's built geometry and what is sent in it now - and the old, overloaded names are gone."""
+    comm = compress.Communicator([("w", (64, 96))], compress.GeoOptions(min_numel=16))
+    assert comm.layer_class is compress.SubspaceLayer and comm.listed == set()
+    assert comm.steps_taken == 0 and comm.from_moments is False and comm.moments_due() is False
+    assert comm.layers["w"].built is False and comm.sent_in_geometry("w") is False
+    assert callable(comm.refresh_inputs) and compress.why_euclidean("b", (3,), comm.opts)
+    for old in ("kind", "chosen", "step", "uses_moments", "wants_moments", "statistics", "is_geo"):
+        assert not hasattr(comm, old), old
+    assert not hasattr(comm.layers["w"], "ready") and not hasattr(compress, "exemption")
+
+
+def seam_list():
+    """The names in the list of seams that opens compress.py's section 6 ("Class.a, b" is
+    Class.a and Class.b)."""
+    import inspect
+    import re
+    source = inspect.getsource(compress)
+    header = source[source.index("# ==== 6."):source.index("\nGEOMETRIES")]
+    names = set()
+    for line in header.splitlines():
+        found = re.match(r"#   (\S+(?:, \S+)*)  ", line)
+        if found:
+            first, *rest = found.group(1).split(", ")
+            owner = first.rpartition(".")[0]
+            names |= {first, *(f"{owner}.{n}" if owner else n for n in rest)}
+    return names
+
+
+def test_the_seam_list_names_every_override_and_every_marker():
+    """Every method production overrides in compress.py's classes is marked "Seam." there, and
+    the one list at the top of section 6 names exactly the marked methods."""
+    import inspect
+    from nanogeo.geometry import layers as production_layers
+    pairs = [("", compress.Communicator, ProductionCommunicator),
+             ("GeoOptions.", compress.GeoOptions, Options),
+             ("WhitenedLayer.", compress.WhitenedLayer, production_layers.LAYERS["geofp8"]),
+             ("SubspaceLayer.", compress.SubspaceLayer, production_layers.LAYERS["subspace"])]
+    overridden, marked = set(), set()
+    for prefix, base, sub in pairs:
+        for name, value in vars(base).items():
+            doc = inspect.getdoc(getattr(base, name)) if not name.startswith("_") else None
+            if doc and doc.startswith("Seam."):
+                marked.add(prefix + name)
+        overridden |= {prefix + name for name, value in vars(sub).items()
+                       if not name.startswith("_") and name in vars(base)
+                       and (inspect.isfunction(value) or isinstance(value, (classmethod, property)))}
+    assert overridden <= marked, sorted(overridden - marked)
+    assert seam_list() == marked, (sorted(seam_list() - marked), sorted(marked - seam_list()))
+
+
+def test_why_euclidean():
     opts = Options(geometry="subspace", vocab_size=1000, min_numel=4096)
     shapes = [("tok_embeddings.weight", (1000, 64)), ("lm_head.weight", (1000, 64)),
               ("proj", (64, 1000)), ("norm.weight", (64,)), ("tiny.weight", (16, 16)),

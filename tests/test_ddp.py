@@ -125,13 +125,13 @@ def test_ddp_hook_nvfp4_euclidean(tmp_path):
 
 
 def test_ddp_hook_published_whitening(tmp_path):
-    """The default hook is the published GeoFP8: forward pre-hooks collect each linear layer's
+    """The published GeoFP8 (asked for by name): forward pre-hooks collect each linear layer's
     input second moment on refresh steps, every bucket averages its layers' moments over the
     ranks, and the whitened layers decode to the same bytes on every rank - here with small
-    buckets, so one forward's statistics serve several buckets, and across DDP's rebuild."""
+    buckets, so one forward's moments serve several buckets, and across DDP's rebuild."""
     out = str(tmp_path / "ddp")
-    run_ranks(ddp_rank, 2, out, {"geo_warmup": 1, "geo_refresh": 2, "select": "all", "bucket_cap_mb": 0.05,
-                                 "optimizer": "adamw"})
+    run_ranks(ddp_rank, 2, out, {"geometry": "geofp8", "geo_warmup": 1, "geo_refresh": 2,
+                                 "select": "all", "bucket_cap_mb": 0.05, "optimizer": "adamw"})
     r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
     assert r0["buckets"] > 2
     assert torch.equal(r0["params"], r1["params"])
@@ -172,7 +172,7 @@ def resume_rank(rank, world_size, out, hook_options):
     net, state, opt = fresh()
     train(net, opt, range(6))
     straight = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
-    steps = {c.step for c in state.communicators.values()}
+    steps = {c.steps_taken for c in state.communicators.values()}
     names = [line.split()[0] for line in state.table().splitlines() if not line.startswith("tensor")]
     net, state, opt = fresh()
     train(net, opt, range(3))
@@ -185,7 +185,7 @@ def resume_rank(rank, world_size, out, hook_options):
     state.load_state_dict(saved["hook"])
     train(net, opt, range(3, 6))
     resumed = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
-    geo = sum(c.is_geo(n) for c in state.communicators.values() for n in c.names)
+    geo = sum(c.sent_in_geometry(n) for c in state.communicators.values() for n in c.names)
     torch.save({"equal": torch.equal(straight, resumed), "steps": steps, "names": names,
                 "iteration": state.iteration, "geo": geo,
                 "pending": len(saved["hook"]["proposals"])}, f"{out}.{rank}")
@@ -194,11 +194,12 @@ def resume_rank(rank, world_size, out, hook_options):
 
 @pytest.mark.parametrize("options", [
     {"geometry": "subspace", "geo_rank": 8, "geo_warmup": 1, "error_feedback": True},
-    {"geo_warmup": 1, "geo_refresh": 2, "error_feedback": True, "select": "all"},
+    {"geometry": "geofp8", "geo_warmup": 1, "geo_refresh": 2, "error_feedback": True,
+     "select": "all"},
     {"geometry": "hadamard", "geo_warmup": 1, "error_feedback": True, "select": "all"},
     # saved with new geometry awaiting its measurement (proposed at the third step)
     {"geometry": "subspace", "geo_rank": 8, "geo_warmup": 1, "geo_refresh": 3},
-    {"geo_warmup": 1, "geo_refresh": 2, "error_feedback": True}])
+    {"geometry": "geofp8", "geo_warmup": 1, "geo_refresh": 2, "error_feedback": True}])
 def test_ddp_hook_state_resumes_bit_identically(tmp_path, options):
     """The hook's state_dict is keyed by parameter name with one step counter: every bucket's
     communicator counts the same steps, the table shows each parameter once (DDP's first-

@@ -84,9 +84,9 @@ def test_fsdp2_nvfp4_reduce_scatter(tmp_path):
 def geo_rank(rank, world_size, out, options):
     """GeoFP8ReduceScatter on an embedding + encoder + head, trained a few steps with SGD; the
     fp32 reference model is re-synced to it every step and both see the same batch."""
-    from nanogeo.parallel.fsdp import use_geofp8
+    from nanogeo.parallel.fsdp import use_compressed_reduce_scatter
     ref, model = twins(language_model, world_size)
-    comms = use_geofp8(model, min_numel=1024, vocab_size=VOCAB, **options)
+    comms = use_compressed_reduce_scatter(model, min_numel=1024, vocab_size=VOCAB, **options)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loss_fn = nn.CrossEntropyLoss()
     errors = []
@@ -104,11 +104,11 @@ def geo_rank(rank, world_size, out, options):
                 a.copy_(b)
     coords = {n: c.comm.coords(n) for c in comms for n in c.names}
     from nanogeo.parallel import fsdp
-    fresh = use_geofp8(twins(language_model, world_size, init=False)[1], min_numel=1024,
-                       vocab_size=VOCAB, **options)
+    fresh = use_compressed_reduce_scatter(twins(language_model, world_size, init=False)[1],
+                                          min_numel=1024, vocab_size=VOCAB, **options)
     fsdp.load_state_dict(fresh, fsdp.state_dict(comms))     # the geometry survives a restart
     restored = all(torch.equal(a, b) for c, f in zip(comms, fresh)
-                   for n in c.comm.layers if c.comm.layers[n].ready
+                   for n in c.comm.layers if c.comm.layers[n].built
                    for a, b in zip(c.comm.layers[n].tensors(), f.comm.layers[n].tensors()))
     restored &= all(f.comm.coords(n) == coords[n] for f in fresh for n in f.names)
     full = torch.cat([p.full_tensor().reshape(-1) for p in model.parameters()])
@@ -119,12 +119,12 @@ def geo_rank(rank, world_size, out, options):
     dist.destroy_process_group()
 
 
-def test_fsdp2_geofp8_reduce_scatter_close_to_fp32(tmp_path):
+def test_fsdp2_subspace_reduce_scatter_close_to_fp32(tmp_path):
     out = str(tmp_path / "geo")
     run_ranks(geo_rank, 2, out, {"geometry": "subspace", "geo_rank": 8, "geo_warmup": 1, "geo_refresh": 2,
                                      "sides": "both"})
     r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
-    print("GeoFP8 FSDP2 relative gradient error per step:", [f"{e:.4f}" for e in r0["errors"]])
+    print("subspace FSDP2 relative gradient error per step:", [f"{e:.4f}" for e in r0["errors"]])
     assert max(r0["errors"]) < 0.05 and max(r1["errors"]) < 0.05
     assert torch.equal(r0["params"], r1["params"])
     assert r0["coords"]["0.weight"] == "euclidean"         # the vocabulary dimension
@@ -135,18 +135,35 @@ def test_fsdp2_geofp8_reduce_scatter_close_to_fp32(tmp_path):
     assert r0["geometry_bytes"] < 0.5 * r0["bytes"]
 
 
-def test_fsdp2_geofp8_rejects_error_feedback(tmp_path):
+def test_fsdp2_rejects_error_feedback(tmp_path):
     run_ranks(reject_rank, 1, str(tmp_path))
+
+
+def test_the_fsdp_entry_point_is_named_for_what_it_runs():
+    """use_compressed_reduce_scatter runs the rotation, the Hadamard control or Euclidean FP8;
+    asked for the published GeoFP8 it says which geometries FSDP supports and why not this one.
+    Its old name, use_geofp8, still works for a release, with a DeprecationWarning."""
+    import pytest
+    from nanogeo.parallel import fsdp
+    for refused in (dict(geometry="geofp8"), dict(geometry="euclidean", collective="fp8-sum")):
+        with pytest.raises(ValueError, match="supports geometry='subspace' .*'hadamard' or "
+                                             "'euclidean'.*inputs' second moments.*DDP"):
+            fsdp.GeoFP8ReduceScatter(None, **refused)
+    with pytest.warns(DeprecationWarning, match="use_compressed_reduce_scatter"), \
+            pytest.raises(ValueError, match="call fully_shard first"):
+        fsdp.use_geofp8(nn.Linear(8, 8))            # the alias reaches the new function
+    with pytest.raises(ValueError, match="call fully_shard first"):
+        fsdp.use_compressed_reduce_scatter(nn.Linear(8, 8))
 
 
 def reject_rank(rank, world_size, out):
     import pytest
     from torch.distributed.device_mesh import init_device_mesh
-    from nanogeo.parallel.fsdp import use_geofp8
+    from nanogeo.parallel.fsdp import use_compressed_reduce_scatter
     dist.init_process_group("gloo")
     model = shard(language_model(), init_device_mesh("cpu", (world_size,)))
     with pytest.raises(ValueError, match="error_feedback"):
-        use_geofp8(model, error_feedback=True)
+        use_compressed_reduce_scatter(model, error_feedback=True)
     dist.destroy_process_group()
 
 
@@ -154,13 +171,14 @@ def unaligned_rank(rank, world_size, out):
     """A matrix whose rank chunks (45 rows x 64) are not whole 128-element blocks: core
     scattering is turned off for it (with a notice), everything else as usual."""
     import warnings
-    from nanogeo.parallel.fsdp import use_geofp8
+    from nanogeo.parallel.fsdp import use_compressed_reduce_scatter
 
     def build():
         return nn.Sequential(nn.Linear(64, 90), nn.ReLU(), nn.Linear(90, 128), nn.ReLU(),
                              nn.Linear(128, 64))
     ref, model = twins(build, world_size)
-    comms = use_geofp8(model, min_numel=1024, select="all", sides="both", geo_warmup=0, geo_refresh=1)
+    comms = use_compressed_reduce_scatter(model, min_numel=1024, select="all", sides="both",
+                                          geo_warmup=0, geo_refresh=1)
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -198,8 +216,9 @@ def resume_rank(rank, world_size, out):
     def fresh():
         torch.manual_seed(0)
         model = shard(GPT2Shaped(VOCAB, D), mesh)
-        comms = fsdp.use_geofp8(model, linear=conv1d_weights(model), min_numel=1024, geo_rank=8,
-                                geo_warmup=1, geo_refresh=2)
+        comms = fsdp.use_compressed_reduce_scatter(model, linear=conv1d_weights(model),
+                                                   min_numel=1024, geo_rank=8, geo_warmup=1,
+                                                   geo_refresh=2)
         return model, comms, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def train(model, opt, steps):
@@ -230,7 +249,7 @@ def resume_rank(rank, world_size, out):
     opt.load_state_dict(saved["opt"])
     fsdp.load_state_dict(comms, saved["comms"])
     train(model, opt, range(3, 6))
-    geo = {n for c in comms for n in c.names if c.comm.is_geo(n)}
+    geo = {n for c in comms for n in c.names if c.comm.sent_in_geometry(n)}
     torch.save({"equal": torch.equal(straight, weights(model)), "geo": geo,
                 "conv1d": conv1d_weights(model)}, f"{out}.{rank}")
     dist.destroy_process_group()

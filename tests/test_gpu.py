@@ -56,8 +56,8 @@ def test_compiled_codec_on_the_device_equals_eager():
 def test_rank_checks_pass_on_every_gpu(tmp_path):
     """Collectives (e4m3 / e5m2 / nvfp4 within the codec's bound, the same bytes on every rank),
     NCCL's float8 sum against its emulation (or SKIP with the reason), the DDP hook against plain
-    DDP, FSDP2 with use_geofp8 against fp32: on NCCL over every visible GPU (two or more: at
-    world size 1 nothing is exchanged, and the smoke test says SKIP)."""
+    DDP, FSDP2 with use_compressed_reduce_scatter against fp32: on NCCL over every visible GPU
+    (two or more: at world size 1 nothing is exchanged, and the smoke test says SKIP)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("one GPU: the rank checks need two or more (world size 1 exchanges nothing)")
     out = tmp_path / "smoke.json"

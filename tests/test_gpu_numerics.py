@@ -98,19 +98,19 @@ def test_the_communicator_computes_in_ieee_fp32_under_global_tf32(monkeypatch, g
         for step in range(6):
             workers, stats = [], []
             for w in range(2):
-                with moments.attached() if comm.wants_moments() else contextlib.nullcontext():
+                with moments.attached() if comm.moments_due() else contextlib.nullcontext():
                     model(torch.randn(4, 8, 48, generator=g) * (1 + w)).pow(2).mean().backward()
                 workers.append([p.grad.clone() for p in model.parameters()])
                 stats.append(moments.take())
                 model.zero_grad()
-            comm.reduce_workers(workers, stats if comm.wants_moments() else None)
+            comm.reduce_workers(workers, stats if comm.moments_due() else None)
             for o in optimizers:                    # the optimizers' state moves (Muon's buffer)
                 for p, m in zip(model.parameters(), workers[0]):
                     p.grad = m
                 o.step()
             model.zero_grad()
         assert precision.matmul_precisions() == ("tf32", "tf32")   # the model's, outside
-    assert any(layer.ready for layer in comm.layers.values())       # geometry was built
+    assert any(layer.built for layer in comm.layers.values())       # geometry was built
     assert len(seen) > 20 and set(seen) == {("ieee", "ieee")}, set(seen)
     assert precision.matmul_precisions() == ("none", "none")        # restored
     torch.backends.fp32_precision = "tf32"                          # inheritance restored too
@@ -236,9 +236,9 @@ def test_the_gain_check_decides_the_same_layers_with_the_fast_refresh():
         for step in range(steps):
             grads = [[data[n][step][0][w][0] for n in data] for w in range(ranks)]
             moments = ({"input": {n: data[n][step][1] for n in data}}
-                       if comm.wants_moments() else None)
+                       if comm.moments_due() else None)
             comm.reduce_workers(grads, moments)
-            history.append({n: (comm.is_geo(n), comm.layers[n].gain) for n in data})
+            history.append({n: (comm.sent_in_geometry(n), comm.layers[n].gain) for n in data})
         runs[solver] = history
     for fast, exact in zip(runs["subspace"], runs["eigh"]):
         assert {n: used for n, (used, _) in fast.items()} == \

@@ -188,7 +188,7 @@ def two_ranks(rank, world_size, out_path):
     Hadamard coordinates (forced) in FSDP2's reduce-scatter of a small language model, three
     steps against an fp32 twin (test_fsdp's models and helpers). One process group for both:
     each start of two processes costs seconds."""
-    from nanogeo.parallel.fsdp import use_geofp8
+    from nanogeo.parallel.fsdp import use_compressed_reduce_scatter
     from test_fsdp import VOCAB, language_model, relative_error, twins
     dist.init_process_group("gloo")
     steps = flush_prone(world_size, 4)
@@ -207,8 +207,8 @@ def two_ranks(rank, world_size, out_path):
         layer = comm.layers["a.weight"]
         saved[select] = {"signs": layer.tensors(), "encoded": layer.encode(G), "means": means}
     ref, model = twins(language_model, world_size, init=False)
-    comms = use_geofp8(model, geometry="hadamard", select="all", geo_warmup=0, min_numel=1024,
-                       vocab_size=VOCAB)
+    comms = use_compressed_reduce_scatter(model, geometry="hadamard", select="all", geo_warmup=0,
+                                          min_numel=1024, vocab_size=VOCAB)
     errors = []
     for step in range(3):
         g = torch.Generator().manual_seed(10 * step + rank)

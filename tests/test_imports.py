@@ -70,9 +70,9 @@ for geometry in ("subspace", "geofp8", "euclidean"):
     opts = compress.GeoOptions(geometry=geometry, min_numel=16, select="all", geo_judge="l2")
     comm = compress.Communicator([("w", (64, 96))], opts)
     for _ in range(6):
-        means, sent = comm.reduce_workers(workers, moments if comm.wants_moments() else None)
+        means, sent = comm.reduce_workers(workers, moments if comm.moments_due() else None)
     assert torch.isfinite(means[0]).all() and sent > 0
-    assert comm.is_geo("w") == (geometry != "euclidean"), geometry
+    assert comm.sent_in_geometry("w") == (geometry != "euclidean"), geometry
 runpy.run_path("compress.py", run_name="__main__")
 assert not [m for m in sys.modules if m.startswith("nanogeo")], "compress.py loaded nanogeo"
 print("ok")

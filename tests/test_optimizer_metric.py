@@ -244,9 +244,9 @@ def test_auto_sides_keep_quiet_rows_quiet_under_adamw(judge):
     comm = ProductionCommunicator([("w", (64, 96))], opts).watch({"w": view})
     used, chosen = [], set()
     for workers in steps:
-        used.append(comm.layers["w"].sides if comm.is_geo("w") else None)
+        used.append(comm.layers["w"].sides if comm.sent_in_geometry("w") else None)
         comm.reduce_workers(workers)
-        if comm.step >= 2:      # bases from step 0, measured on step 1's gradients, and so on
+        if comm.steps_taken >= 2:   # bases from step 0, measured on step 1's gradients, ...
             chosen.add(comm.layers["w"].sides)
     if judge == "optimizer":
         assert chosen == {"right"} and "both" not in used

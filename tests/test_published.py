@@ -296,8 +296,8 @@ def test_fragility_selection_finds_the_planted_fragile_layer():
         comm.reduce_workers(workers)
     scores = comm.fragility()
     assert scores["fragile.weight"] > 5 * scores["calm.weight"]     # noise saturates too: ~10 %
-    assert comm.chosen == {"fragile.weight"}
-    # chosen layers still need a measured gain to go geometry-aware (none was measured: no
+    assert comm.listed == {"fragile.weight"}
+    # listed layers still need a measured gain to go geometry-aware (none was measured: no
     # moments came); with the guard off (the paper's rule) the choice is final
     assert not any(l.use_geo for l in comm.layers.values())
     comm.opts.geo_enter_gain = comm.opts.geo_exit_gain = 0.0
@@ -369,7 +369,7 @@ def moments_rank(rank, world_size, out, teaching=False):
     comm = kind(named, options(geometry="geofp8", min_numel=16, whiten_rank=4))
     layers = hooks.linear_layers(model, [n for n in comm.layers])
     assert set(layers) == {"0.weight", "2.weight"}          # found by module type
-    stats = hooks.KroneckerMoments(layers, comm.wants_moments).attach()
+    stats = hooks.KroneckerMoments(layers, comm.moments_due).attach()
     g = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(8, 5, 24, generator=g) * (1 + rank)
     model(x).pow(2).mean().backward()
@@ -418,7 +418,7 @@ def test_renamed_options_name_their_new_names():
         {**state, "geometry": "whiten"})
 
 
-def test_statistics_bytes_count_the_buffer_average_moments_all_reduces():
+def test_moments_bytes_count_the_buffer_average_moments_all_reduces():
     """Both sides whitened, one layer's statistics missing on this rank: the buffer still holds
     every slot (d x d and a count), 4 bytes each, and a ring all-reduce over W = 4 sends
     2 (W-1)/W of it."""
@@ -432,8 +432,8 @@ def test_statistics_bytes_count_the_buffer_average_moments_all_reduces():
     hooks.average_moments(moments, shapes, comm.whitened_sides(), buffers.append, "cpu")
     [flat] = buffers
     assert flat.numel() == (24 * 24 + 64 * 64) * 2 + 4 and flat.element_size() == 4
-    assert hooks.statistics_bytes(comm, 4) == 2 * 3 * flat.numel() * 4 // 4
-    assert hooks.statistics_bytes(comm, 1) == 0
+    assert hooks.moments_bytes(comm, 4) == 2 * 3 * flat.numel() * 4 // 4
+    assert hooks.moments_bytes(comm, 1) == 0
 
 
 def test_linear_layers_skips_tied_embedding():

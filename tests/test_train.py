@@ -349,7 +349,7 @@ def test_summary_averages_the_final_evaluations_and_every_steps_bytes(tiny_corpu
     params = list(model.parameters())
     base = sum(p.numel() for p in params) + 4 * len(params)        # W = 2: (W-1)/W * 2 = 1
     communicator, _ = train.make_communicator(cfg, model, train.make_optimizers(cfg, model))
-    stats = hooks.statistics_bytes(communicator, 2)
+    stats = hooks.moments_bytes(communicator, 2)
     assert stats > 0
     assert [l["wire_bytes"] - base for l in logs] == [
         stats if l["step"] in (1, 4, 7, 10) else 0 for l in logs]

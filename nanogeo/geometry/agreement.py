@@ -53,7 +53,7 @@ def geometry_checksum(layers, ready):
     `ready`: readiness() of layers."""
     tensors, decisions = [], 0.0
     for i, layer in enumerate(layers):
-        if layer.ready:
+        if layer.built:
             tensors += [t.reshape(-1) for t in layer.tensors()]
             use_geo, right_only, _ = layer.flags()
             decisions += (i + 1) * (0.5 * use_geo + 0.25 * right_only)
@@ -76,7 +76,7 @@ def device_vector(values, device):
 
 def readiness(layers, device):
     """(L,) float64 on the device: 1 for each layer that has a geometry, 0 for the others."""
-    return device_vector([float(layer.ready) for layer in layers], device)
+    return device_vector([float(layer.built) for layer in layers], device)
 
 
 def verify_geometry(layers, group, step, device):
@@ -115,7 +115,7 @@ def broadcast_from_first(layers, group, device):
     """Overwrite every ready layer's tensors and decisions with those of the group's rank 0: one
     broadcast of one contiguous float64 buffer (exact for fp32 values; NCCL refuses
     non-contiguous tensors, and an SVD's factors are often strided), copied back in place."""
-    ready = [layer for layer in layers if layer.ready]
+    ready = [layer for layer in layers if layer.built]
     tensors = [t for layer in ready for t in layer.tensors()]
     flags = device_vector([f for layer in ready for f in layer.flags()], device)
     buffer = torch.cat([t.double().reshape(-1) for t in tensors] + [flags.reshape(-1)])

@@ -112,7 +112,7 @@ class HadamardLayer:
         return cls(shape, zlib.crc32(name.encode()) + opts.seed, opts)
 
     @property
-    def ready(self):
+    def built(self):
         return self.column_signs is not None
 
     @property
@@ -145,7 +145,7 @@ class HadamardLayer:
     def refresh(self, mean):
         """Draw the signs the first time, from a CPU generator seeded with the layer's seed
         (every rank draws the same); `mean` gives only the device."""
-        if self.ready:
+        if self.built:
             return
         generator = torch.Generator(device="cpu").manual_seed(self.seed)
         self.column_signs = random_signs(self.shape[1], generator).to(mean.device)

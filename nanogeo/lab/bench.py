@@ -256,7 +256,7 @@ def fsdp_fidelity(checkpoint, steps, last, geo_rank, sides="auto", data_dir="dat
     Sequences of block_size tokens, or of the checkpoint's context length if shorter."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from nanogeo.parallel.fsdp import use_geofp8
+    from nanogeo.parallel.fsdp import use_compressed_reduce_scatter
     me, world = dist.get_rank(), dist.get_world_size()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mesh = init_device_mesh(device, (world,))
@@ -272,8 +272,9 @@ def fsdp_fidelity(checkpoint, steps, last, geo_rank, sides="auto", data_dir="dat
             fully_shard(block, mesh=mesh)
         fully_shard(net, mesh=mesh)
         if method != "fp32":
-            comms[method] = use_geofp8(net, geometry="subspace" if method == "subspace" else "euclidean",
-                                       geo_rank=geo_rank, sides=sides, vocab_size=mcfg.vocab_size)
+            geometry = "subspace" if method == "subspace" else "euclidean"
+            comms[method] = use_compressed_reduce_scatter(net, geometry=geometry, geo_rank=geo_rank,
+                                                          sides=sides, vocab_size=mcfg.vocab_size)
         nets[method] = net
     candidates = {n for c in comms["subspace"] for n in c.comm.layers}
     sq = {m: torch.zeros(4, dtype=torch.float64) for m in comms}   # err, ref; matrices' err, ref
@@ -322,7 +323,7 @@ def fsdp_fidelity(checkpoint, steps, last, geo_rank, sides="auto", data_dir="dat
     # bytes, whatever W
     rotated = [(layer.r, layer.shape) for c in comms["subspace"]
                for n, layer in c.comm.layers.items()
-               if c.comm.is_geo(n) and layer.transform[0] is not None]
+               if c.comm.sent_in_geometry(n) and layer.transform[0] is not None]
     out["geometry_bytes_predicted"] = sum(8 * r / m for r, (m, n) in rotated) / max(1, len(rotated))
     out["geometry_bytes_vs_rotated_matrices"] = (
         out["subspace"]["geometry_bytes_per_step"]

@@ -51,10 +51,10 @@ def counting(out, first, last):
         with OpCounter() as ops:
             nbytes = reduce(self, grads, moments)
         first_rank = not dist.is_initialized() or dist.get_rank() == 0
-        if first_rank and first <= self.step <= last:
-            refresh = bool(self.layers) and self.step % self.opts.geo_refresh == 0
+        if first_rank and first <= self.steps_taken <= last:
+            refresh = bool(self.layers) and self.steps_taken % self.opts.geo_refresh == 0
             with open(out, "a") as f:
-                f.write(json.dumps({"step": self.step, "total": ops.total,
+                f.write(json.dumps({"step": self.steps_taken, "total": ops.total,
                                     "dispatched": ops.dispatched, "syncing": ops.syncing,
                                     "refresh": refresh, "counts": ops.counts}) + "\n")
         return nbytes

@@ -70,7 +70,7 @@ def profile(cfg: ProfileConfig):
             comm = ProductionCommunicator(named, options, linear=linear)
             comm.watch(hooks.optimizer_views(optimizers, model))  # gains as they see them
             candidates = [n for n, s in named
-                          if compress.exemption(n, s, Options(
+                          if compress.why_euclidean(n, s, Options(
                               geometry="geofp8", vocab_size=model.config.vocab_size),
                               linear) is None]
         comm.reduce_workers([[w[n] for n in comm.names] for w in workers], moments)

@@ -1,12 +1,9 @@
 """
 The communicator as training runs it: compress.Communicator (the method: coordinates, the
 two-stage collective, refresh, the gain check, the decision) with what production adds around
-it - a subclass that overrides compress.py's seams, the methods whose docstrings begin "Seam"
-(average_moments, whitened_sides, statistics, outgoing, communicate, error_seen, layer_errors,
-advance, update_geometry, consider; measure and through_codec for sides="auto"; to_coords
-and from_coords for a benchmark's timer; reduce_workers for each simulated rank's K-FAC
-statistics; all_to_coords, all_from_coords, propose_all and measure for the matrices of one
-shape together), so that compress.py stays the one statement of the method:
+it - a subclass that overrides compress.py's seams (the methods marked "Seam."; the list, with
+what this file does in each, opens compress.py's section 6), so that compress.py stays the one
+statement of the method:
 
   * memory: the tensors averaged a bucket at a time (bucket_mb, nanogeo.wire.buckets; each
     bucket is compress.py's collective, exchange() in collective()'s place), each mean written
@@ -17,7 +14,7 @@ shape together), so that compress.py stays the one statement of the method:
     (nanogeo.wire.fp8sum), with its fragility profile and the published top-k selection;
   * error feedback: each rank's own stage-1 rounding error, kept in original coordinates and
     added back at the next step (the paper's missing ablation is Euclidean + error feedback);
-  * across ranks: the K-FAC statistics averaged over the ranks (nanogeo.parallel.hooks), one
+  * across ranks: the K-FAC moments averaged over the ranks (nanogeo.parallel.hooks), one
     finiteness decision for all of them before the geometry moves, the check that every rank
     holds the same geometry after a refresh (nanogeo.geometry.agreement), FSDP's row blocks;
   * the layers' state for the rank checks and checkpoints, the Hadamard control and the dense
@@ -211,7 +208,7 @@ def same_coordinates(before, after):
 
 
 class NonFiniteStep(Exception):
-    """A geometry step's means or statistics are not finite on some rank (host_read)."""
+    """A geometry step's means or moments are not finite on some rank (host_read)."""
 
 
 class RepairedUnmeasured(Exception):
@@ -259,14 +256,14 @@ class InFlight:
 class BucketedStep:
     """What one step of ProductionCommunicator.communicate carries from bucket to bucket."""
 
-    def __init__(self, sent, across_ranks, grads, judged, count):
-        self.sent = sent                    # {worker: its tensors as sent (outgoing)}
+    def __init__(self, as_sent, across_ranks, grads, judged, count):
+        self.as_sent = as_sent              # {worker: its fp32 tensors as sent (outgoing)}
         self.across_ranks = across_ranks
         self.grads = grads                  # in place: the gradients the means go into (else None)
         self.judged = judged                # {name: layer} the gain check measures as they arrive
         self.means = [None] * count         # each tensor's mean, once decoded
         self.nbytes = 0                     # bytes sent
-        self.lost = {w: {} for w in sent}   # error feedback: {worker: {name: loss to the codec}}
+        self.lost = {w: {} for w in as_sent}    # error feedback: {worker: {name: codec's loss}}
         self.stage1 = [None] * count        # --log_stages: the mean of the round trips
 
 
@@ -279,7 +276,7 @@ class ProductionCommunicator(compress.Communicator):
                  timer=collective.NO_TIMER):
         super().__init__(named_shapes, options or Options(), group, linear)
         self.timer = timer          # a benchmark's stage timer: where the time goes
-        self.reasons = {n: compress.exemption(n, self.shapes[n], self.opts, linear)
+        self.reasons = {n: compress.why_euclidean(n, self.shapes[n], self.opts, linear)
                         for n in self.names if n not in self.layers}    # why it stays Euclidean
         self.residuals = {}     # worker index -> {name: fp32 residual}, with error feedback
         self.rows = {}          # FSDP: name -> this rank's RowBlocks of its gradient
@@ -299,15 +296,15 @@ class ProductionCommunicator(compress.Communicator):
 
     def coords(self, name):
         """"geo" or "euclidean": the coordinates `name` is sent in now (logs and tables)."""
-        return "geo" if self.is_geo(name) else "euclidean"
+        return "geo" if self.sent_in_geometry(name) else "euclidean"
 
     def whitened_sides(self):
         o = self.opts
         return ("input", "output") if o.whiten_sides == "both" else (o.whiten_sides,)
 
     def moment_layers(self):
-        """Names of the weights whose layers' K-FAC statistics the whitening needs."""
-        return list(self.layers) if self.uses_moments else []
+        """Names of the weights whose layers' K-FAC moments the whitening needs."""
+        return list(self.layers) if self.from_moments else []
 
     @ieee       # the coordinates in IEEE fp32 even where the model's matmuls use TF32 (precision.py)
     def to_coords(self, name, g):
@@ -331,11 +328,11 @@ class ProductionCommunicator(compress.Communicator):
 
     @ieee
     def rotate_all(self, names, tensors, inverse):
-        keys = {i: batched.rotation_key(self.layers[n]) if self.is_geo(n)
+        keys = {i: batched.rotation_key(self.layers[n]) if self.sent_in_geometry(n)
                 and batched.stackable(self.layers[n]) else None for i, n in enumerate(names)}
         out = list(tensors)
         for key, where in batched.groups(keys).items():
-            if key is None:                     # Euclidean, or a layer of another kind
+            if key is None:                     # Euclidean, or a layer that is not stacked
                 one = self.from_coords if inverse else self.to_coords
                 for i in where:
                     out[i] = one(names[i], tensors[i])
@@ -356,7 +353,7 @@ class ProductionCommunicator(compress.Communicator):
         copy; None with one bucket, bucket_mb=0)."""
         return buckets.capacity(self.opts.bucket_mb)
 
-    # -- the K-FAC statistics, averaged over the ranks ----------------------------------------------
+    # -- the K-FAC moments, averaged over the ranks ---------------------------------------------
 
     def average_moments(self, moments):
         """Token-weighted, over a fixed list of (side, layer) slots, in one all-reduce (a rank
@@ -366,7 +363,7 @@ class ProductionCommunicator(compress.Communicator):
 
     def reduce_workers(self, worker_grads, moments=None):
         """compress.Communicator.reduce_workers; `moments` may also be a list, each simulated
-        rank's statistics, averaged with the same arithmetic as over real ranks."""
+        rank's moments, averaged with the same arithmetic as over real ranks."""
         if isinstance(moments, list):
             moments = hooks.average_worker_moments(moments, self.moment_shapes(),
                                                    self.whitened_sides(), worker_grads[0][0].device)
@@ -394,14 +391,14 @@ class ProductionCommunicator(compress.Communicator):
         """This step's stochastic-rounding seed, different for every tensor list (every DDP
         bucket, every FSDP module) and every bucket of one: buckets of the same layout must not
         round alike."""
-        seed = (self.opts.seed * 7919 + self.step) * 2_147_483_659 + self.rounding_stream
+        seed = (self.opts.seed * 7919 + self.steps_taken) * 2_147_483_659 + self.rounding_stream
         return seed + bucket * 0x9E3779B97F4A7C15       # (bucket 0: the seed of one bucket)
 
     def has_feedback(self, name):
         """Does stage 1's error feedback keep a residual for `name`?"""
         o = self.opts
         return (o.error_feedback and o.feedback_stages != "2"
-                and (not o.feedback_geo_only or self.is_geo(name)))
+                and (not o.feedback_geo_only or self.sent_in_geometry(name)))
 
     def keeps_stage1(self):
         """Does error feedback keep stage 1's residuals (feedback_stages "1" or "both")?"""
@@ -416,16 +413,16 @@ class ProductionCommunicator(compress.Communicator):
         """What the coordinates every matrix is sent in now are made of (the tensors and the
         rotated sides of each geometry in use; the objects, not their ids): stage 2's residual,
         made in them, is dropped when they change (same_coordinates)."""
-        return [(self.layers[n].tensors(), self.layers[n].sides) if self.is_geo(n) else None
-                for n in self.layers]
+        return [(self.layers[n].tensors(), self.layers[n].sides)
+                if self.sent_in_geometry(n) else None for n in self.layers]
 
     def outgoing(self, worker, grads):
         """Error feedback: each gradient plus the rank's residual of the last step, in original
         coordinates (the stale-residual ablation adds it in coordinates: take_off())."""
-        sent = super().outgoing(worker, grads)
+        fp32 = super().outgoing(worker, grads)
         residual = {} if self.opts.stale_residual else self.residuals.get(worker, {})
         return [g + residual[n] if self.has_feedback(n) and n in residual else g
-                for n, g in zip(self.names, sent)]
+                for n, g in zip(self.names, fp32)]
 
     def reduce(self, grads, moments=None):
         """compress.Communicator.reduce, each tensor's mean written into its gradient as soon as
@@ -445,15 +442,16 @@ class ProductionCommunicator(compress.Communicator):
         into its gradient as soon as it is decoded, and where the coming geometry step judges a
         layer (judged_next) its codec errors are measured then (layer_errors), while the
         gradient as sent is still there: the gain check needs no copy of the gradients."""
-        sent = {w: self.outgoing(w, grads) for w, grads in worker_grads.items()}
-        step = BucketedStep(sent, across_ranks, [*worker_grads.values()][0] if in_place else None,
+        as_sent = {w: self.outgoing(w, grads) for w, grads in worker_grads.items()}
+        step = BucketedStep(as_sent, across_ranks,
+                            [*worker_grads.values()][0] if in_place else None,
                             self.judged_next(moments) if in_place else {}, len(self.names))
         self.taken = {} if in_place else None
         flights, finite, saturated = {}, [], []
         try:
             for k, bucket in enumerate(self.buckets()):
                 flights.update(self.take_off([s for s in bucket if s.start == 0], step))
-                coords = {w: [flights[s.tensor].piece(w, s) for s in bucket] for w in sent}
+                coords = {w: [flights[s.tensor].piece(w, s) for s in bucket] for w in as_sent}
                 mean_pieces, nbytes, local, fractions = self.exchange(coords, across_ranks, k)
                 step.nbytes += nbytes
                 saturated.append(fractions)
@@ -472,7 +470,7 @@ class ProductionCommunicator(compress.Communicator):
             fractions = [f for f in saturated if f is not None]     # (fp8-sum's profile)
             if fractions:
                 self.count_saturation(torch.cat(fractions))
-            self.advance(dict(zip(self.names, step.means)), list(sent.values()), moments,
+            self.advance(dict(zip(self.names, step.means)), list(as_sent.values()), moments,
                          across_ranks)
         finally:
             self.taken = None
@@ -483,7 +481,7 @@ class ProductionCommunicator(compress.Communicator):
         worker, the matrices of one shape rotated together (all_to_coords)."""
         names = [self.names[s.tensor] for s in segments]
         coords = {w: self.all_to_coords(names, [grads[s.tensor] for s in segments])
-                  for w, grads in step.sent.items()}
+                  for w, grads in step.as_sent.items()}
         return {s.tensor: self.in_flight(s, {w: cs[j] for w, cs in coords.items()}, step)
                 for j, s in enumerate(segments)}
 
@@ -503,7 +501,7 @@ class ProductionCommunicator(compress.Communicator):
         coords = {w: c.contiguous() for w, c in coords.items()}
         w, first = next(iter(coords.items()))
         read_later = step.grads is None or n in step.judged
-        target = torch.empty_like(first) if read_later and first is step.sent[w][i] else first
+        target = torch.empty_like(first) if read_later and first is step.as_sent[w][i] else first
         lost = ({w: torch.empty_like(c) for w, c in coords.items()}
                 if self.keeps_stage1() and self.has_feedback(n) else None)
         local = {w: torch.empty_like(c) for w, c in coords.items()} if self.decompose else None
@@ -517,7 +515,7 @@ class ProductionCommunicator(compress.Communicator):
         names = {i: self.names[i] for i in flights}
         fed = [i for i in flights if self.keeps_stage1() and self.has_feedback(names[i])]
         lost = {i: flights[i].lost_to_codec() for i in fed}
-        for w in step.sent:
+        for w in step.as_sent:
             back = [lost[i][w] for i in fed]
             if not self.opts.stale_residual:
                 back = self.all_from_coords([names[i] for i in fed], back)
@@ -532,18 +530,18 @@ class ProductionCommunicator(compress.Communicator):
             for i, mean in means.items():
                 step.means[i] = mean
             return
-        [sent] = step.sent.values()
+        [as_sent] = step.as_sent.values()
         judged = {names[i]: step.judged[names[i]] for i in flights if names[i] in step.judged}
         if judged:
             world = dist.get_world_size(self.group) if step.across_ranks else 1
             index = {n: i for i, n in names.items()}
             self.taken.update(self.measure_now(
                 judged, {n: means[index[n]] for n in judged},
-                {n: [sent[index[n]]] for n in judged}, world))
+                {n: [as_sent[index[n]]] for n in judged}, world))
         for i, mean in means.items():
             if mean is not step.grads[i]:
                 step.grads[i].copy_(mean)
-            sent[i] = None          # (read no more: the gain check's measurement is taken)
+            as_sent[i] = None       # (read no more: the gain check's measurement is taken)
             step.means[i] = step.grads[i]
 
     def exchange(self, coords, across_ranks, bucket):
@@ -586,7 +584,7 @@ class ProductionCommunicator(compress.Communicator):
         so a refresh of the geometry re-expresses it at the next encode; the published method
         keeps it in the old coordinates: defect c, stale_residual) as its residual. A step
         whose mean is not finite (`finite`: a bool on the device; an fp16 GradScaler overflow,
-        the optimizer skips it) keeps the old residual: chosen on the device, no host sync."""
+        the optimizer skips it) keeps the old residual: picked on the device, no host sync."""
         for worker, new in lost.items():
             old = self.residuals.get(worker, {})
             self.residuals[worker] = {n: torch.where(finite, r, old.get(n, torch.zeros_like(r)))
@@ -599,8 +597,8 @@ class ProductionCommunicator(compress.Communicator):
     def judged_next(self, moments):
         """{name: layer} the coming advance() measures (compress.Communicator.to_judge, on a step
         whose geometry moves), the proposal where there is one."""
-        fresh = moments is not None and self.step % self.opts.geo_refresh == 0
-        if not (self.layers and self.geometry_due(fresh, self.step + 1)):
+        fresh = moments is not None and self.steps_taken % self.opts.geo_refresh == 0
+        if not (self.layers and self.geometry_due(fresh, self.steps_taken + 1)):
             return {}
         return {n: self.proposals.get(n, self.layers[n]) for n in self.to_judge()}
 
@@ -629,14 +627,15 @@ class ProductionCommunicator(compress.Communicator):
         return errors
 
     def local_scales(self):
-        return self.opts.scale_sync_every > 1 and self.step % self.opts.scale_sync_every != 0
+        return (self.opts.scale_sync_every > 1
+                and self.steps_taken % self.opts.scale_sync_every != 0)
 
     # -- the paper's profiled selection ----------------------------------------------------------
 
     def profiling(self):
         """Is the fragility profile taken this step? During the warmup for select="fragile",
         always in Euclidean mode (nanogeo.lab.profile)."""
-        warmup = self.opts.select == "fragile" and self.step < self.opts.geo_warmup
+        warmup = self.opts.select == "fragile" and self.steps_taken < self.opts.geo_warmup
         return warmup or self.opts.geometry == "euclidean"
 
     def count_saturation(self, saturated):
@@ -657,14 +656,14 @@ class ProductionCommunicator(compress.Communicator):
         over the profiled (warmup) steps are the list decide() lets use the geometry."""
         scores = self.fragility()
         ranked = sorted(self.layers, key=lambda n: -scores.get(n, 0.0))
-        self.chosen = set(ranked[:self.opts.top_k])
+        self.listed = set(ranked[:self.opts.top_k])
         for n in ranked:
             self.layers[n].use_geo = self.decide(n, self.layers[n])
 
     # -- the geometry: FSDP's rows, finiteness, rank agreement ---------------------------------------
 
     @ieee       # the gain check's measurements and the new geometry: IEEE fp32 (precision.py)
-    def advance(self, means, sent, moments=None, across_ranks=False, rows=None):
+    def advance(self, means, as_sent, moments=None, across_ranks=False, rows=None):
         """compress.Communicator.advance; `rows` (FSDP): {name: this rank's RowBlocks}, when
         `means` holds only this rank's rows; then, after the warmup, the fragile selection."""
         if rows:
@@ -673,21 +672,22 @@ class ProductionCommunicator(compress.Communicator):
                 layer.rows = rows.get(n)
         stage2 = self.opts.error_feedback and self.opts.feedback_stages != "1"
         before = self.coordinates_in_use() if stage2 else None
-        super().advance(means, sent, moments, across_ranks)
+        super().advance(means, as_sent, moments, across_ranks)
         if stage2 and not same_coordinates(before, self.coordinates_in_use()):
             for residual in self.residuals.values():   # stage 2's: made in the old coordinates
                 for key in [k for k in residual if packing.ShardFeedback.owns(k)]:
                     del residual[key]
-        if self.layers and self.opts.select == "fragile" and self.step == self.opts.geo_warmup:
+        if (self.layers and self.opts.select == "fragile"
+                and self.steps_taken == self.opts.geo_warmup):
             self.select_fragile()
 
-    def update_geometry(self, means, sent, moments, across_ranks):
-        """Only from finite means and statistics (else counted in `skipped`); after new geometry
+    def update_geometry(self, means, as_sent, moments, across_ranks):
+        """Only from finite means and moments (else counted in `skipped`); after new geometry
         across ranks, check that every rank holds the same.
 
         One host read per geometry step (host_read): the finiteness flag is read with the
-        judge's measurements when there are any (measure), else before the statistics are
-        used (statistics), else at the end; a non-finite step then undoes nothing but the
+        judge's measurements when there are any (measure), else before the refresh inputs
+        are used (refresh_inputs), else at the end; a non-finite step then undoes nothing but the
         proposals taken out for judging. The agreement check of new geometry is launched here
         and read with the next geometry step's flags: the proposals are first used when they
         are judged, on that step, after it (repaired, they are measured again)."""
@@ -696,13 +696,13 @@ class ProductionCommunicator(compress.Communicator):
         self.proposed = False
         try:
             with self.timer.stage("geometry"):
-                super().update_geometry(means, sent, moments, across_ranks)
+                super().update_geometry(means, as_sent, moments, across_ranks)
                 if self.bad is not None:        # neither judged nor proposed: read it now
                     self.host_read()
         except NonFiniteStep:
             self.proposals.clear()
             self.proposals.update(proposals)
-            self.skipped += 1   # a non-finite mean (or statistic) must not reach the geometry
+            self.skipped += 1   # a non-finite mean (or moment) must not reach the geometry
             return
         except RepairedUnmeasured:  # measured again on the next step's gradients
             self.proposals.clear()
@@ -712,12 +712,12 @@ class ProductionCommunicator(compress.Communicator):
             device = next(iter(means.values())).device
             newest = [self.proposals.get(n, layer) for n, layer in self.layers.items()]
             self.pending = (agreement.geometry_agreement(newest, self.group, device), newest,
-                            self.step)
+                            self.steps_taken)
 
     def host_read(self, values=None):
         """The geometry step's one host read: its finiteness flag, the last refresh's agreement
         flags (repaired here on a mismatch) and `values` (a device tensor). Returns values as a
-        float64 numpy array; raises NonFiniteStep if the step's means or statistics are not
+        float64 numpy array; raises NonFiniteStep if the step's means or moments are not
         finite on some rank."""
         parts = [self.bad.reshape(1)]
         pending, self.bad, self.pending = self.pending, None, None
@@ -736,12 +736,12 @@ class ProductionCommunicator(compress.Communicator):
             raise NonFiniteStep
         return read if values is None else read.reshape(values.shape)
 
-    def measure(self, layers, means, sent, across_ranks):
+    def measure(self, layers, means, as_sent, across_ranks):
         """compress.Communicator.measure, read with the step's flags (host_read): a numpy array
         (its .tolist() is judge's). Measured again where the agreement check repaired the
         proposals. With sides="auto", each layer is rotated to the better of its two rotations
         (through_codec), and that one's error is returned."""
-        errors = self.codec_errors(layers, means, sent, across_ranks)
+        errors = self.codec_errors(layers, means, as_sent, across_ranks)
         if self.bad is None:
             read = errors.cpu().numpy()
         else:
@@ -749,7 +749,7 @@ class ProductionCommunicator(compress.Communicator):
             if self.repaired:   # (rare) measured on proposals that differed across the ranks
                 if self.taken is not None:      # the gradients as sent are overwritten by now
                     raise RepairedUnmeasured
-                read = self.codec_errors(layers, means, sent, across_ranks).cpu().numpy()
+                read = self.codec_errors(layers, means, as_sent, across_ranks).cpu().numpy()
         if not self.auto_sides():
             return read
         right = read[:, 2] < read[:, 1]         # the first of equals, as min() picks: both
@@ -758,16 +758,16 @@ class ProductionCommunicator(compress.Communicator):
                 layer.rotate_sides("right" if alone else "both")
         return numpy.stack([read[:, 0], numpy.where(right, read[:, 2], read[:, 1])], axis=1)
 
-    def codec_errors(self, layers, means, sent, across_ranks):
+    def codec_errors(self, layers, means, as_sent, across_ranks):
         """compress.Communicator.measure, the matrices of one shape, sides and optimizer view
         measured together (errors_by_group) where every layer can be - on a step that wrote its
         means in place, what communicate measured as they arrived (layer_errors)."""
         if self.taken is not None or not self.batchable(layers):
-            return super().measure(layers, means, sent, across_ranks)
+            return super().measure(layers, means, as_sent, across_ranks)
         world = dist.get_world_size(self.group) if across_ranks else 1
         index = {n: i for i, n in enumerate(self.names)}
-        grads = {n: [worker[index[n]] for worker in sent] for n in layers}
-        rows = self.errors_by_group(layers, means, grads, world * len(sent))
+        grads = {n: [worker[index[n]] for worker in as_sent] for n in layers}
+        rows = self.errors_by_group(layers, means, grads, world * len(as_sent))
         errors = torch.stack([rows[n] for n in layers]).double().sum(1)   # (layers, K)
         if across_ranks:
             dist.all_reduce(errors, group=self.group)
@@ -806,15 +806,15 @@ class ProductionCommunicator(compress.Communicator):
         """round_trip() of each matrix of X (L, m, n), bit-equal, in one codec call."""
         return batched.round_trip_stack(X, self.opts.fmt, self.opts.block)
 
-    def statistics(self, means, moments):
-        """compress.Communicator.statistics, after the step's flags are read (host_read)."""
-        found = super().statistics(means, moments)
+    def refresh_inputs(self, means, moments):
+        """compress.Communicator.refresh_inputs, after the step's flags are read (host_read)."""
+        found = super().refresh_inputs(means, moments)
         if found and self.bad is not None:
             self.host_read()
         return found
 
     def nonfinite(self, means, moments, across_ranks):
-        """(1,) float64 on the device: 1 where this step's means (or statistics) are not finite,
+        """(1,) float64 on the device: 1 where this step's means (or moments) are not finite,
         on this rank - or, across_ranks, on any: the ranks decide together through one small
         all-reduce (under FSDP each holds its own rows, and under DDP a rank whose copy went bad
         alone must not skip the geometry steps, and their collectives, that the others run)."""
@@ -826,11 +826,11 @@ class ProductionCommunicator(compress.Communicator):
             self.sum_over_ranks(bad)
         return bad
 
-    def propose_all(self, statistics):
+    def propose_all(self, inputs):
         """compress.Communicator.propose_all, the new geometry of the matrices of one shape
         built together (nanogeo.geometry.batched.refresh_group: the rotation's bases, the
         low-rank whitening's factors)."""
-        keys = {n: batched.refresh_key(self.layers[n], found) for n, found in statistics.items()}
+        keys = {n: batched.refresh_key(self.layers[n], found) for n, found in inputs.items()}
         refreshed = {}
         for key, group in batched.groups(keys).items():
             if key is None:
@@ -840,9 +840,9 @@ class ProductionCommunicator(compress.Communicator):
                 proposals = [copy.copy(self.layers[n]) for n in names]     # as propose() makes
                 for proposal in proposals:
                     proposal.gain = float("nan")
-                batched.refresh_group(proposals, [statistics[n] for n in names])
+                batched.refresh_group(proposals, [inputs[n] for n in names])
                 refreshed.update(zip(names, proposals))
-        for name, found in statistics.items():
+        for name, found in inputs.items():
             if name in refreshed:
                 self.consider(name, refreshed[name])
             else:
@@ -856,8 +856,8 @@ class ProductionCommunicator(compress.Communicator):
         """Does the gain check compare two rotations (sides="auto"): both sides, and the column
         side alone, which keeps every row's scale (an error spread over rows lands on rows AdamW
         may divide by a tiny root)?"""
-        return (self.opts.sides == "auto" and self.kind is not None
-                and issubclass(self.kind, compress.SubspaceLayer))
+        return (self.opts.sides == "auto" and self.layer_class is not None
+                and issubclass(self.layer_class, compress.SubspaceLayer))
 
     def round_trip(self, x):
         """x through stage 1's codec and back, as the collective encodes it (Four Over Six's
@@ -886,11 +886,11 @@ class ProductionCommunicator(compress.Communicator):
     # -- checkpoints -------------------------------------------------------------------------------
 
     def state_dict(self):
-        layer_states = {n: layer.state_dict() for n, layer in self.layers.items() if layer.ready}
+        layer_states = {n: layer.state_dict() for n, layer in self.layers.items() if layer.built}
         proposals = {n: layer.state_dict() for n, layer in self.proposals.items()}
         residuals = {w: dict(r) for w, r in self.residuals.items()}
-        return {"geometry": self.opts.geometry, "step": self.step, "layers": layer_states,
-                "proposals": proposals, "residuals": residuals, "chosen": sorted(self.chosen),
+        return {"geometry": self.opts.geometry, "step": self.steps_taken, "layers": layer_states,
+                "proposals": proposals, "residuals": residuals, "listed": sorted(self.listed),
                 "saturation": self.saturation, "saturation_steps": self.saturation_steps}
 
     def load_state_dict(self, state):
@@ -900,11 +900,11 @@ class ProductionCommunicator(compress.Communicator):
         if (state["layers"] or proposals) and saved != self.opts.geometry:
             raise ValueError(f"the communicator state is for geometry={saved!r}, not "
                              f"{self.opts.geometry!r}: resume with the same method")
-        self.step = state["step"]
+        self.steps_taken = state["step"]
         self.residuals = {w: dict(r) for w, r in state.get("residuals", {}).items()}
         self.saturation = state.get("saturation")
         self.saturation_steps = state.get("saturation_steps", 0)
-        self.chosen = set(state.get("chosen", self.chosen))
+        self.listed = set(state.get("listed", state.get("chosen", self.listed)))  # (old name)
         for n, layer_state in state["layers"].items():
             self.layers[n].load_state_dict(layer_state)
         self.proposals = {}                 # (none in checkpoints from before they existed)

@@ -5,8 +5,8 @@ GeoFP8 for any DistributedDataParallel model, as a DDP communication hook.
     from nanogeo.parallel.ddp import GeoFP8HookState, geofp8_hook
 
     model = DDP(model)
-    state = GeoFP8HookState(model)                                  # published GeoFP8, or
-    state = GeoFP8HookState(model, geometry="subspace", geo_rank=16)    # the subspace rotation
+    state = GeoFP8HookState(model, geo_rank=16)             # the subspace rotation (default)
+    state = GeoFP8HookState(model, geometry="geofp8")       # the published GeoFP8, or
     state = GeoFP8HookState(model, geometry="hadamard")     # the geometry-agnostic control
     model.register_comm_hook(state, geofp8_hook)
     state.watch(optimizers)     # judge each layer by the error its optimizer sees
@@ -71,7 +71,7 @@ class GeoFP8HookState:
     and the bytes sent (for logging). `linear`: the weight names that are candidates (default:
     every nn.Linear weight, found by module type); name weights of other matrix modules here -
     a GPT-2 Conv1D's (in, out) weight - to give them the subspace rotation or the Hadamard
-    control, which need no input statistics (the whitening needs nn.Linear layers)."""
+    control, which need no input moments (the whitening needs nn.Linear layers)."""
 
     def __init__(self, model, process_group=None, linear=None, **options):
         module = model.module if hasattr(model, "module") else model
@@ -89,7 +89,7 @@ class GeoFP8HookState:
         self.saved = None           # a loaded state_dict, handed out as buckets appear
         self.bytes_sent = 0         # since the last reset_bytes()
         self.streams = {}           # CUDA device -> the hook's side stream
-        self.moments = None         # the whitened layers' K-FAC statistics (geometry="geofp8")
+        self.moments = None         # the whitened layers' K-FAC moments (geometry="geofp8")
         if self.options.feedback_stages != "1":
             raise ValueError("nanogeo.parallel.ddp: the DDP hook keeps error feedback's stage-1 "
                              "residuals only; use feedback_stages='1' (train.py runs stage 2's)")
@@ -98,7 +98,7 @@ class GeoFP8HookState:
                 raise ValueError("nanogeo.parallel.ddp: the DDP hook whitens the input side only; "
                                  "use whiten_sides='input'")
             candidates = [n for n, p in module.named_parameters()
-                          if compress.exemption(n, tuple(p.shape), self.options, self.linear)
+                          if compress.why_euclidean(n, tuple(p.shape), self.options, self.linear)
                           is None]
             if self.options.select == "fragile":
                 raise ValueError("nanogeo.parallel.ddp: select='fragile' would pick top_k per bucket; "
@@ -114,13 +114,13 @@ class GeoFP8HookState:
             self.pending = {"input": {}, "tokens": {}}
 
     def collecting(self):
-        """Collect statistics in this forward pass? On refresh steps: every bucket's communicator
+        """Collect moments in this forward pass? On refresh steps: every bucket's communicator
         counts the hook's one step counter, so they refresh together."""
         return self.iteration % self.options.geo_refresh == 0
 
     def moments_for(self, comm):
-        """The statistics of this bucket's whitened layers, if this step collected them."""
-        if self.moments is None or not comm.wants_moments():
+        """The moments of this bucket's whitened layers, if this step collected them."""
+        if self.moments is None or not comm.moments_due():
             return None
         taken = self.moments.take()                  # what the forward just collected
         self.pending["input"].update(taken["input"])
@@ -158,16 +158,17 @@ class GeoFP8HookState:
                 "layers": {n: s for n, s in state["layers"].items() if n in names},
                 "proposals": {n: s for n, s in state["proposals"].items() if n in names},
                 "residuals": {rank: {n: r for n, r in state["residuals"].items() if n in names}},
-                "chosen": state["chosen"]}
+                "listed": state["listed"]}
 
     def state_dict(self):
         """Keyed by parameter name, with one step counter, whatever the bucket layout - like
         PowerSGD's state. Residuals are this rank's own (save one file per rank)."""
-        saved = self.saved or {"layers": {}, "residuals": {}, "chosen": ()}
+        saved = self.saved or {"layers": {}, "residuals": {}, "listed": ()}
         layers, residuals = dict(saved["layers"]), dict(saved["residuals"])   # then what ran since
         # new geometry awaiting its measurement (checkpoints before the rename: "candidates")
         proposals = dict(saved.get("proposals", saved.get("candidates", {})))
-        chosen = set(self.options.geo_layers) | set(saved["chosen"])
+        # select="list"/"fragile": the names listed ("chosen" in checkpoints before the rename)
+        listed = set(self.options.geo_layers) | set(saved.get("listed", saved.get("chosen", ())))
         for comm, names in self._owned():
             state = comm.state_dict()
             layers.update((n, s) for n, s in state["layers"].items() if n in names)
@@ -176,9 +177,9 @@ class GeoFP8HookState:
             proposals.update((n, s) for n, s in state["proposals"].items() if n in names)
             for residual in state["residuals"].values():
                 residuals.update((n, r) for n, r in residual.items() if n in names)
-            chosen |= set(state["chosen"])
+            listed |= set(state["listed"])
         return {"geometry": self.options.geometry, "iteration": self.iteration, "layers": layers,
-                "proposals": proposals, "residuals": residuals, "chosen": sorted(chosen)}
+                "proposals": proposals, "residuals": residuals, "listed": sorted(listed)}
 
     def load_state_dict(self, state):
         if OLD_GEOMETRY.get(state["geometry"], state["geometry"]) != self.options.geometry:

@@ -1,13 +1,16 @@
 """
-GeoFP8 gradient reduce-scatter for FSDP2 (`fully_shard`), through its custom reduce-scatter API.
+Geometry-aware FP8 gradient reduce-scatter for FSDP2 (`fully_shard`), through its custom
+reduce-scatter API: the subspace rotation (the default), the Hadamard control or Euclidean FP8 /
+NVFP4. (The published GeoFP8, the whitening, runs under DDP and train.py: see
+use_compressed_reduce_scatter.)
 
     from torch.distributed.fsdp import fully_shard
-    from nanogeo.parallel.fsdp import use_geofp8, watch_optimizers
+    from nanogeo.parallel.fsdp import use_compressed_reduce_scatter, watch_optimizers
 
     for block in model.layers:
         fully_shard(block)
     fully_shard(model)
-    comms = use_geofp8(model, geo_rank=16, geo_warmup=10)  # after fully_shard, before training
+    comms = use_compressed_reduce_scatter(model, geo_rank=16, geo_warmup=10)  # after fully_shard
     watch_optimizers(comms, optimizers, model)       # judge each matrix as its optimizer sees it
 
 What FSDP hands the reduce-scatter
@@ -17,7 +20,7 @@ dim-0 shard of every parameter's *local, unreduced* gradient (parameter k's shar
 [j c_k, (j + 1) c_k), c_k = ceil(m_k / W), zero-padded). Rank j must end with the average of
 row j over ranks.
 
-Why GeoFP8 fits FSDP's dim-0 sharding
+Why the rotation fits FSDP's dim-0 sharding
 -------------------------------------
 Sharding by rows looks as if it forbids a rotation of the rows (the left side, P), and the
 column side alone gives less (BENCHMARKS.md section 12, under FSDP2: the right side alone
@@ -74,6 +77,14 @@ from nanogeo.parallel.ddp import check_candidates
 from nanogeo.wire import collective
 from nanogeo.parallel.communicator import Options, ProductionCommunicator
 
+# why FSDP2 refuses the published GeoFP8 (geometry="geofp8") and its fp8-sum collective
+FSDP_GEOMETRIES = (
+    "nanogeo.parallel.fsdp: FSDP2 supports geometry='subspace' (the default), 'hadamard' or "
+    "'euclidean', on the two-stage collective. The published GeoFP8 (geometry='geofp8') whitens "
+    "each layer by its inputs' second moments, which FSDP's hooks do not collect yet, and its "
+    "fp8-sum collective is an all-reduce, not a reduce-scatter: run it under DDP "
+    "(nanogeo.parallel.ddp) or train.py")
+
 CHECKED_TORCH = (2, 9)      # FSDP2's custom reduce-scatter and the internals below: 2.9 .. 2.13
 
 
@@ -89,7 +100,7 @@ def fsdp_params(module):
         groups = module._get_fsdp_state()._fsdp_param_groups
         if len(groups) > 1:
             raise ValueError("nanogeo.parallel.fsdp: a module needs exactly one FSDP parameter group; "
-                             "call fully_shard(module) before use_geofp8")
+                             "call fully_shard(module) before use_compressed_reduce_scatter")
         return [(p.sharded_param, tuple(p._orig_size), p.fsdp_placement.dim)
                 for group in groups for p in group.fsdp_params]
     except AttributeError as e:
@@ -160,7 +171,7 @@ def average(total, op, world):
 
 
 class GeoFP8ReduceScatter(FP8ReduceScatter):
-    """GeoFP8 reduce-scatter for one FSDP module (its one parameter group). `options` are
+    """The geometry-aware reduce-scatter of one FSDP module (its one parameter group). `options` are
     Options fields (train.py's flag names): geometry ("subspace", "hadamard" or "euclidean"),
     fmt, block, geo_rank, geo_refresh, geo_warmup, stochastic_round..."""
 
@@ -170,10 +181,8 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
                 options.get("basis", "householder") != "householder":
             raise ValueError("nanogeo.parallel.fsdp: error_feedback, full and random bases are not "
                              "supported with FSDP; drop those options")
-        if options.get("geometry", "subspace") == "geofp8" or options.get("collective") == "fp8-sum":
-            raise ValueError("nanogeo.parallel.fsdp: FSDP2 supports geometry='subspace', 'hadamard' or "
-                             "'euclidean' with the two-stage collective; the published whitening "
-                             "runs under DDP (nanogeo.parallel.ddp) or train.py")
+        if options["geometry"] == "geofp8" or options.get("collective") == "fp8-sum":
+            raise ValueError(FSDP_GEOMETRIES)
         if options.get("stage2_fmt", "") not in ("", options.get("fmt", "e4m3")):
             raise ValueError("nanogeo.parallel.fsdp: FSDP's reduce-scatter has no second stage to "
                              "send in stage2_fmt; drop stage2_fmt")
@@ -186,7 +195,7 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
         params = fsdp_params(module)
         if not params:
             raise ValueError("nanogeo.parallel.fsdp: the module has no FSDP parameters; call "
-                             "fully_shard(module) before use_geofp8")
+                             "fully_shard(module) before use_compressed_reduce_scatter")
         if any(dim != 0 for _, _, dim in params):
             raise ValueError("nanogeo.parallel.fsdp: only FSDP's default Shard(0) placement is supported; "
                              "drop shard_placement_fn")
@@ -237,7 +246,7 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
         means = {name: average(total, op, world)[: max(0, min(c, shape[0] - me * c))]
                  for name, shape, c, total in zip(self.names, self.shapes, per_rank, totals)}
         blocks = self.blocks[group]
-        means.update(self._decode([n for n in self.comm.layers if self.comm.is_geo(n)],
+        means.update(self._decode([n for n in self.comm.layers if self.comm.sent_in_geometry(n)],
                                   means, blocks, world))
         out = [torch.cat([means[n].reshape(-1),
                           means[n].new_zeros(c * math.prod(s[1:]) - means[n].numel())])
@@ -286,7 +295,7 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
         return summary.layer_table(self.comm)
 
 
-def use_geofp8(model, linear=None, **options):
+def use_compressed_reduce_scatter(model, linear=None, **options):
     """Give every FSDP module of `model` (after fully_shard) a GeoFP8ReduceScatter. Options as
     Options. Candidates: the weight names in `linear`, by default every nn.Linear
     weight (found by module type; name a GPT-2 Conv1D's weights here to rotate them too); pass
@@ -303,6 +312,15 @@ def use_geofp8(model, linear=None, **options):
     if not comms:
         raise ValueError("nanogeo.parallel.fsdp: no FSDP module with parameters; call fully_shard first")
     return comms
+
+
+def use_geofp8(model, linear=None, **options):
+    """Deprecated: the old name of use_compressed_reduce_scatter, which does not run the published
+    GeoFP8 (see FSDP_GEOMETRIES). Kept for one release."""
+    warnings.warn("nanogeo.parallel.fsdp.use_geofp8 is now use_compressed_reduce_scatter (it runs "
+                  "the subspace rotation, the Hadamard control or Euclidean FP8, not the published "
+                  "GeoFP8); use_geofp8 will be removed", DeprecationWarning, stacklevel=2)
+    return use_compressed_reduce_scatter(model, linear, **options)
 
 
 def watch_optimizers(comms, optimizers, model):
@@ -322,7 +340,8 @@ def state_dict(comms):
 
 
 def load_state_dict(comms, state):
-    """Give each reduce-scatter (from use_geofp8 on the same model) its saved geometry."""
+    """Give each reduce-scatter (from use_compressed_reduce_scatter on the same model) its saved
+    geometry."""
     saved = state["modules"]
     missing = [",".join(c.names) for c in comms if ",".join(c.names) not in saved]
     if missing:

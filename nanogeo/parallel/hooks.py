@@ -3,12 +3,12 @@ What GeoFP8 reads from the model and its optimizers, as torch hooks and adapters
 
   * linear_layers: the model's nn.Linear weights, found by module type (never by name or
     shape): the matrices that may use a geometry, and the layers whose inputs K-FAC reads;
-  * KroneckerMoments: the K-FAC statistics of linear layers (A = E[a a^T] of the inputs, G =
+  * KroneckerMoments: the K-FAC moments of linear layers (A = E[a a^T] of the inputs, G =
     E[delta delta^T] of the output gradients) that the published method whitens with, collected
     by forward hooks (compress.py section 3);
-  * average_moments: those statistics averaged over the ranks (token-weighted, one
+  * average_moments: those moments averaged over the ranks (token-weighted, one
     all-reduce), so that every rank computes the same factors (ProductionCommunicator
-    calls it; average_worker_moments does the same for simulated ranks; statistics_bytes
+    calls it; average_worker_moments does the same for simulated ranks; moments_bytes
     counts what that all-reduce sends);
   * optimizer_views: each parameter's optimizer (AdamW or Muon) as an OptimizerView, so
     that the per-layer choice is judged by the error that optimizer sees (compress.py
@@ -43,7 +43,7 @@ def linear_layers(model, names=None):
 
 
 class KroneckerMoments:
-    """Collects the K-FAC statistics of some linear layers: input[name] = sum of a a^T over
+    """Collects the K-FAC moments of some linear layers: input[name] = sum of a a^T over
     tokens (a forward pre-hook on the layer's input) and output[name] = sum of delta delta^T (a
     hook on the gradient of the layer's output), in fp32, with token counts. Only training
     forwards with autograd on count (an evaluation in between adds nothing), and only while
@@ -76,7 +76,7 @@ class KroneckerMoments:
 
     @contextlib.contextmanager
     def attached(self):
-        """with moments.attached(): forwards here record their statistics."""
+        """with moments.attached(): forwards here record their moments."""
         self.attach()
         try:
             yield self
@@ -153,15 +153,15 @@ def average_worker_moments(worker_moments, shapes, sides, device):
 
 def moment_slots(shapes, sides):
     """The fixed list of (side, layer name, d) slots that average_moments all-reduces: a d x d
-    statistic per slot (d: the layer's input width, or output width for the output side)."""
+    moment per slot (d: the layer's input width, or output width for the output side)."""
     return [(side, n, shape[1] if side == "input" else shape[0])
             for side in sides for n, shape in shapes.items()]
 
 
-def statistics_bytes(communicator, world_size):
+def moments_bytes(communicator, world_size):
     """Bytes one rank sends in average_moments' all-reduce for a ProductionCommunicator's
     whitened layers (ring estimate): every slot's d x d fp32 sum and its fp32 token count. The
-    collective's own bytes leave it out; train.py adds it on the steps that average statistics."""
+    collective's own bytes leave it out; train.py adds it on the steps that average moments."""
     shapes = {n: communicator.shapes[n] for n in communicator.moment_layers()}
     slots = moment_slots(shapes, communicator.whitened_sides())
     numel = sum(d * d for _, _, d in slots) + len(slots)
@@ -169,7 +169,7 @@ def statistics_bytes(communicator, world_size):
 
 
 def moments_device(moments):
-    """The device the statistics are on (the current GPU, or the CPU, where a rank has none)."""
+    """The device the moments are on (the current GPU, or the CPU, where a rank has none)."""
     for side in ("input", "output"):
         for moment in moments.get(side, {}).values():
             return moment.device
@@ -178,7 +178,7 @@ def moments_device(moments):
 
 
 def average_moments(moments, shapes, sides, all_reduce, device):
-    """The token-weighted mean over ranks of every rank's K-FAC statistics, in one all-reduce
+    """The token-weighted mean over ranks of every rank's K-FAC moments, in one all-reduce
     over a fixed list of (side, layer) slots - the same list on every rank, whatever each rank
     collected (a layer a rank did not run contributes zero tokens). Afterwards every rank holds
     the same A and G, so every rank computes the same factors. One host sync (the counts)."""

@@ -48,7 +48,7 @@ class SimulatedRanks:
 
     Ranks go through the model together (BatchedRanks, bit-equal to one by one) on the CPU, where
     a sequence's numbers do not depend on its batch, and eagerly; one by one on a GPU, with
-    --compile, and on the steps whose forwards collect K-FAC statistics (the hooks' sums are per
+    --compile, and on the steps whose forwards collect K-FAC moments (the hooks' sums are per
     rank, and a compiled graph never holds the hooks: those steps run raw_model)."""
 
     def __init__(self, raw_model, model, own_pass, moments=None, batched=True):
@@ -60,7 +60,7 @@ class SimulatedRanks:
 
     def forward_backward(self, batches, grad_accum, autocast, collect=False):
         """batches[r][micro] = (x, y) of simulated rank r. Returns (rank 0's losses per
-        micro-step, [rank r's gradients in parameter order], [rank r's K-FAC statistics] if
+        micro-step, [rank r's gradients in parameter order], [rank r's K-FAC moments] if
         `collect` else None)."""
         if self.batched is not None and not collect:
             losses, grads = self.batched.forward_backward(batches, grad_accum)
@@ -215,8 +215,8 @@ def average(worker_grads, method, communicator, worker_stats=None):
     through exactly the numerics of the collective a W-rank run uses (method: --comm): the same
     sum in the wire's dtype for fp32 / bf16 (equal, bit for bit, to a 2-rank gloo run), the
     collective's simulator for the compressed methods. worker_stats: each rank's whitening
-    statistics, on the steps that collect them. Returns (the means, the bytes each rank would
-    send, with the statistics' all-reduce on the steps that average them, as a real rank counts
+    moments, on the steps that collect them. Returns (the means, the bytes each rank would
+    send, with the moments' all-reduce on the steps that average them, as a real rank counts
     them). train.reduce_gradients, for a process that plays every rank."""
     world = len(worker_grads)
     if method in ("fp32", "bf16"):
@@ -232,5 +232,5 @@ def average(worker_grads, method, communicator, worker_stats=None):
         return means, nbytes
     means, nbytes = communicator.reduce_workers(worker_grads, worker_stats or None)
     if worker_stats:            # ... averaged over the ranks by one more all-reduce
-        nbytes += hooks.statistics_bytes(communicator, world)
+        nbytes += hooks.moments_bytes(communicator, world)
     return means, nbytes

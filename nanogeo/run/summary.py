@@ -56,7 +56,7 @@ def geometry_state_bytes(communicator):
     ablations) - in use and candidates awaiting their measurement - in bytes."""
     held = {}                                   # id -> tensor: each counted once
     for layer in [*communicator.layers.values(), *communicator.proposals.values()]:
-        tensors = layer.tensors() if layer.ready else []
+        tensors = layer.tensors() if layer.built else []
         tensors += [basis.M for basis in layer.transform if hasattr(basis, "M")]  # DenseBasis
         held.update((id(t), t) for t in tensors if t is not None)
     return sum(t.numel() * t.element_size() for t in held.values())
@@ -79,7 +79,7 @@ def euclidean_twin(communicator, **codec):
                       **{**same, **codec})
     twin = ProductionCommunicator([(n, communicator.shapes[n]) for n in communicator.names],
                                   options, communicator.group)
-    twin.step = communicator.step - 1       # the step the last reduce ran at (scale syncing)
+    twin.steps_taken = communicator.steps_taken - 1   # as the last reduce ran (scale syncing)
     return twin
 
 

@@ -46,7 +46,7 @@ has a deadline (--deadline: 600 s on GPUs), and the ranks' process group a timeo
                compute capability >= 9.0); else SKIP, saying why
   ddp          the DDP hook against plain DDP at world size N (ranks see different data; on a
                GPU width 256, 64 tokens, some matrices rotated)
-  fsdp         FSDP2 with use_geofp8 against FP32 reduce-scatters
+  fsdp         FSDP2 with use_compressed_reduce_scatter against FP32 reduce-scatters
   train        cpu-tiny on the bundled corpus (toy: 4 x 32 tokens), --comm=geofp8 (--compile on
                a GPU), 30 steps resumed to 40, and a Muon run: train.py's all-rank parameter
                checksum every 10 steps, a falling loss, ms per step, the slowest step against

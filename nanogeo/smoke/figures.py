@@ -127,7 +127,8 @@ def time_steps(device, preset=STEP_PRESET, batch_size=STEP_BATCH, block_size=STE
                                          if cuda else None),
                      # the matrices sent in rotated coordinates by the end (the gain check
                      # chooses them, as in train.py; 0 would mean the rotation was not timed)
-                     "geo_matrices": (sum(communicator.is_geo(n) for n in communicator.layers)
+                     "geo_matrices": (sum(communicator.sent_in_geometry(n)
+                                          for n in communicator.layers)
                                       if communicator else 0)})
         del optimizer, communicator
     return rows

@@ -17,7 +17,7 @@ largest of several errors is worst()'s, not max()'s (which skips a NaN that is n
     smoke_fp8_sum      the paper's NCCL float8 SUM against its emulation (SKIP where NCCL cannot
                        sum float8; check_fp8_sum runs anywhere, on gloo against the emulation)
     smoke_ddp          single.check_ddp at world size N, the same gradients on every rank
-    smoke_fsdp         FSDP2 with use_geofp8 against fp32 reduce-scatters
+    smoke_fsdp         FSDP2 with use_compressed_reduce_scatter against fp32 reduce-scatters
     worker             one rank: the checks in order, then on CUDA the figures (figures.py);
                        rank 0 writes the results after every check, and a crash ends every rank
                        (no mismatched collectives); a collective that waits longer than
@@ -253,11 +253,12 @@ def smoke_ddp(device, toy):
 
 
 def smoke_fsdp(device, toy):
-    """A small Llama under FSDP2, fp32 reduce-scatters against use_geofp8's (Euclidean FP8 and
-    the subspace rotation): full gradients within FP8 error after a few steps."""
+    """A small Llama under FSDP2, fp32 reduce-scatters against use_compressed_reduce_scatter's
+    (Euclidean FP8 and the subspace rotation): full gradients within FP8 error after a few
+    steps."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from nanogeo.parallel.fsdp import use_geofp8
+    from nanogeo.parallel.fsdp import use_compressed_reduce_scatter
     cfg = model_lib.model_config("char-study" if toy else "cpu-tiny", block_size=32)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     nets = {}
@@ -268,7 +269,8 @@ def smoke_fsdp(device, toy):
             fully_shard(block, mesh=mesh)
         fully_shard(net, mesh=mesh)
         if method != "fp32":
-            use_geofp8(net, geometry=method, geo_rank=4, geo_warmup=1, vocab_size=cfg.vocab_size)
+            use_compressed_reduce_scatter(net, geometry=method, geo_rank=4, geo_warmup=1,
+                                          vocab_size=cfg.vocab_size)
         nets[method] = net
     data = torch.Generator().manual_seed(300 + dist.get_rank())
     errors = {m: [] for m in nets if m != "fp32"}

@@ -81,8 +81,9 @@ def check_codec(device, numel, iters, with_compiled=True):
 
 def rotated_shapes(net):
     opts = Options(geometry="subspace", vocab_size=net.config.vocab_size)
+    linear = set(hooks.linear_layers(net))
     return [tuple(p.shape) for n, p in net.named_parameters()
-            if compress.exemption(n, tuple(p.shape), opts, set(hooks.linear_layers(net))) is None]
+            if compress.why_euclidean(n, tuple(p.shape), opts, linear) is None]
 
 
 def check_transform(device, net, iters, geo_rank=16):

@@ -96,10 +96,10 @@ def workload(model="llama-600m", tokens_per_gpu=8192, whitened_layers=13, **sett
     cfg = model_lib.model_config(model) if isinstance(model, str) else model
     with torch.device("meta"):
         net = model_lib.Llama(cfg)
-    opts = Options(vocab_size=cfg.vocab_size)
+    opts = Options(geometry="geofp8", vocab_size=cfg.vocab_size)
     linear = set(hooks.linear_layers(net))
     rotated = [tuple(p.shape) for name, p in net.named_parameters()
-               if compress.exemption(name, tuple(p.shape), opts, linear) is None]
+               if compress.why_euclidean(name, tuple(p.shape), opts, linear) is None]
     name = model if isinstance(model, str) else f"{net.num_params() / 1e6:.0f}M"
     return Workload(name=name, numel=net.num_params(), tensors=len(list(net.parameters())),
                     train_flops=net.flops_per_token(cfg.block_size) * tokens_per_gpu,
