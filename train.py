@@ -515,11 +515,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # The run is finished: its log is closed and its checkpoint synced to disk. gloo's
-        # threads now and then abort the interpreter's teardown ("terminate called without an
-        # active exception", pytorch/gloo#514), which torchrun would report as a failed rank, and
-        # with --max-restarts restart. So a rank of a finished run leaves at once, exit code 0.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    runtime.leave_if_distributed()  # a finished rank leaves at once: gloo's teardown may abort

@@ -56,6 +56,7 @@ from nanogeo.parallel import hooks
 import model as model_lib
 from nanogeo.wire import collective, kernels
 from nanogeo.lab import perfmodel
+from nanogeo.run import runtime
 from nanogeo.run.steps import batch_rng, get_batch
 from prepare_data import load_splits
 from nanogeo.parallel.communicator import Options, ProductionCommunicator
@@ -591,10 +592,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # as train.py: a finished distributed run leaves at once, since gloo's threads now and
-        # then abort the interpreter's teardown (pytorch/gloo#514), which torchrun reports as a
-        # failed rank
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    runtime.leave_if_distributed()  # as train.py: gloo's teardown may abort a finished rank

@@ -164,6 +164,17 @@ def install_advice():
     return f"{where}, for driver {driver}: {install_command(index)}"
 
 
+def leave_if_distributed():
+    """End a finished torchrun rank at once, exit code 0. Its log is closed and its checkpoint
+    synced to disk by now; gloo's threads now and then abort the interpreter's teardown
+    ("terminate called without an active exception", pytorch/gloo#514), which torchrun would
+    report as a failed rank (and with --max-restarts, restart)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
 def setup_distributed(cfg, timeout=None):
     """(rank, world_size, local_rank, device). torchrun sets RANK/WORLD_SIZE/LOCAL_RANK. On a
     GPU, fp32 matmuls may use TF32 (the model runs in bf16 autocast anyway). --device=auto
