@@ -542,9 +542,9 @@ class HouseholderBasis:
         # a GPU, not ~3 per column; no host sync), right also where a reflector is the identity
         # (tau_i = 0: T's column i is 0)
         S = torch.triu(Y.T @ Y, 1)
-        eye = torch.eye(r, device=U.device, dtype=U.dtype)
+        eye = torch.eye(r, device=U.device, dtype=U.dtype)   # (for the reader: unitriangular=True
         T = torch.linalg.solve_triangular(eye + S * tau, torch.diag(tau), upper=True, left=False,
-                                          unitriangular=True)
+                                          unitriangular=True)  # reads the diagonal as 1s anyway)
         return cls(Y, T)
 
     def apply_t(self, X):

@@ -198,11 +198,11 @@ def reduce_gradients(params, cfg, communicator, world_size, stats=None, workers=
         dtype = torch.float32 if cfg.comm == "fp32" else torch.bfloat16
         for bucket in buckets.plan([g.shape for g in grads], cfg.bucket_mb, lambda shape: 1):
             pieces = [grads[s.tensor].view(-1)[s.start: s.end] for s in bucket]
-            flat = torch.cat(pieces).to(dtype)          # one bucket, one collective
+            flat = torch.cat(pieces).to(dtype)          # (bucket numel,): one collective
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            for piece, mean in zip(pieces, flat.float().div_(compress.count_divisor(world_size, flat)).split(
-                    [p.numel() for p in pieces])):
-                piece.copy_(mean)                       # into the gradient, in place
+            mean = flat.float() / compress.count_divisor(world_size, flat)
+            for piece, m in zip(pieces, mean.split([p.numel() for p in pieces])):
+                piece.copy_(m)                          # into the gradient, in place
         numel = sum(g.numel() for g in grads)
         return ring_allreduce_bytes(numel, dtype.itemsize, world_size)
     # the published GeoFP8 refreshes its factors from its layers' input moments ...

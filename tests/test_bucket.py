@@ -301,3 +301,37 @@ def test_the_loopback_group_answers_as_a_second_rank_holding_the_same_gradients(
     layouts = [compress.ShardLayout([s.shape for s in b], "e4m3", 128, 2) for b in plan]
     assert sent == sum(compress.collective_bytes(layout, 0) for layout in layouts)
     assert 2.9 < one_bucket / grad_bytes < 3.1
+
+
+def test_bf16_gradients_average_in_place_and_refresh_from_the_fp32_mean():
+    """A bf16 model's gradients (a DDP hook's bucket) are averaged in place like fp32 ones: each
+    gradient gets its mean rounded to bf16, while the geometry (the refresh's QR, the
+    finiteness check) reads the fp32 mean - bf16 has no QR on the CPU, and the refresh would
+    otherwise see the rounded one. The rotation is built and its means are those of fp32 copies
+    of the same gradients, rounded to bf16."""
+    named = [(f"t{i}", s) for i, s in enumerate(SHAPES)]
+    options = dict(geometry="subspace", geo_warmup=0, geo_refresh=1, geo_judge="l2",
+                   bucket_mb=SMALL_MB)
+    low, high = (ProductionCommunicator(named, Options(**options)) for _ in range(2))
+    for [grads] in workers_of(SHAPES, 1, 3):
+        bf16 = [g.bfloat16() for g in grads]
+        fp32 = [g.float() for g in bf16]
+        low.reduce(bf16)
+        high.reduce(fp32)
+        assert all(b.dtype == torch.bfloat16 for b in bf16)
+        assert all(torch.equal(b, f.bfloat16()) for b, f in zip(bf16, fp32))
+    assert low.layers and all(layer.built for layer in low.layers.values())
+
+
+def test_a_checkpoint_from_before_the_buckets_resumes_only_as_one_bucket():
+    """A checkpoint written before --bucket_mb averaged the model as one bucket (its stage-2
+    residual is one shard of the whole model): resuming it with buckets is refused, naming
+    --bucket_mb=0."""
+    import types
+    from nanogeo.run import checkpoint
+    from nanogeo.run.config import ConfigError
+    old = {"config": {"optimizer": "adamw", "fmt": "e4m3", "stage2_fmt": ""}}
+    run = dict(optimizer="adamw", fmt="e4m3", stage2_fmt="", error_feedback=False)
+    with pytest.raises(ConfigError, match="--bucket_mb=0.0 run"):
+        checkpoint.check_resumable(old, "ckpt.pt", types.SimpleNamespace(**run, bucket_mb=25.0), 1)
+    checkpoint.check_resumable(old, "ckpt.pt", types.SimpleNamespace(**run, bucket_mb=0.0), 1)

@@ -26,7 +26,9 @@ from torch.utils._pytree import tree_flatten
 # aten ops that make the host wait for the device on CUDA: linalg calls that check their result
 # (torch's docs: svd, eigh, cholesky, inv, solve synchronize; their `_ex` variants do not), a
 # read of a value (.item(), bool(t)), data-dependent sizes (nonzero, boolean masks), and a tensor
-# made from host data (torch.tensor(list, device=...): a copy from pageable memory)
+# made from host data (torch.tensor(list, device=...): a copy from pageable memory). Not seen on
+# the CPU: .tolist() and .numpy() of a CPU tensor dispatch no aten op (on CUDA they copy to the
+# host and wait), so a new one of those in the hot path needs its own spy
 SYNCING = {"linalg_svd", "_linalg_svd", "linalg_eigh", "_linalg_eigh", "linalg_cholesky",
            "linalg_inv", "linalg_solve", "cholesky", "_local_scalar_dense", "is_nonzero",
            "nonzero", "masked_select", "unique", "_unique2", "lift_fresh"}

@@ -213,7 +213,8 @@ class NonFiniteStep(Exception):
 
 class RepairedUnmeasured(Exception):
     """The agreement check repaired proposals that a step writing its means in place measured
-    before the repair: they stay proposals, measured on the next step's gradients."""
+    before the repair: they stay proposals, measured on the next step's gradients (a refresh due
+    on that step waits for the next refresh step; every rank takes this path together)."""
 
 
 class InFlight:
@@ -239,6 +240,9 @@ class InFlight:
             self.mean, self.local = mean, None if local is None else dict(zip(self.coords, local))
             return
         span = slice(segment.start, segment.end)
+        if local is None and self.lost is not None:
+            raise RuntimeError("error feedback needs each worker's round trip of a cut tensor; "
+                               "the exchange returned none (keep_local)")
         for w, back in zip(self.coords, local or []):
             if self.lost is not None:
                 self.lost[w].view(-1)[span] = self.coords[w].view(-1)[span] - back.reshape(-1)
@@ -501,7 +505,9 @@ class ProductionCommunicator(compress.Communicator):
         coords = {w: c.contiguous() for w, c in coords.items()}
         w, first = next(iter(coords.items()))
         read_later = step.grads is None or n in step.judged
-        target = torch.empty_like(first) if read_later and first is step.as_sent[w][i] else first
+        aliased = first.untyped_storage().data_ptr() == \
+            step.as_sent[w][i].untyped_storage().data_ptr()     # (a view of it counts too)
+        target = torch.empty_like(first) if read_later and aliased else first
         lost = ({w: torch.empty_like(c) for w, c in coords.items()}
                 if self.keeps_stage1() and self.has_feedback(n) else None)
         local = {w: torch.empty_like(c) for w, c in coords.items()} if self.decompose else None
@@ -542,7 +548,9 @@ class ProductionCommunicator(compress.Communicator):
             if mean is not step.grads[i]:
                 step.grads[i].copy_(mean)
             as_sent[i] = None       # (read no more: the gain check's measurement is taken)
-            step.means[i] = step.grads[i]
+            # the geometry reads the fp32 mean: the gradient itself where it is fp32 (bf16 or
+            # fp16 gradients of a DDP model hold it rounded, and a refresh's QR takes no bf16)
+            step.means[i] = step.grads[i] if step.grads[i].dtype == mean.dtype else mean
 
     def exchange(self, coords, across_ranks, bucket):
         """One bucket through the wire as training runs it - the paper's FP8-sum collective, or
@@ -671,12 +679,13 @@ class ProductionCommunicator(compress.Communicator):
             for n, layer in [*self.layers.items(), *self.proposals.items()]:
                 layer.rows = rows.get(n)
         stage2 = self.opts.error_feedback and self.opts.feedback_stages != "1"
-        before = self.coordinates_in_use() if stage2 else None
+        before = self.coordinates_in_use()
         super().advance(means, as_sent, moments, across_ranks)
-        if stage2 and not same_coordinates(before, self.coordinates_in_use()):
-            for residual in self.residuals.values():   # stage 2's: made in the old coordinates
+        if not same_coordinates(before, self.coordinates_in_use()):
+            self.stacks = batched.StackedBases()        # the old bases' stacks: freed
+            for residual in self.residuals.values() if stage2 else ():
                 for key in [k for k in residual if packing.ShardFeedback.owns(k)]:
-                    del residual[key]
+                    del residual[key]               # stage 2's: made in the old coordinates
         if (self.layers and self.opts.select == "fragile"
                 and self.steps_taken == self.opts.geo_warmup):
             self.select_fragile()

@@ -204,7 +204,8 @@ def stage2_format(config):
 
 def check_resumable(ckpt, path, cfg, world_size):
     """Refuse, naming the fix, a checkpoint whose numerics differ from this run's."""
-    saved = {"optimizer": "adamw", "stage2_fmt": "", **ckpt["config"]}   # (older checkpoints)
+    # (older checkpoints: AdamW, stage 2 in --fmt, the model as one bucket)
+    saved = {"optimizer": "adamw", "stage2_fmt": "", "bucket_mb": 0.0, **ckpt["config"]}
     for flag in (f for f in RESUME_MUST_MATCH if f in saved):
         ours, theirs = (stage2_format(c) if flag == "stage2_fmt" else c[flag]
                         for c in (vars(cfg), saved))

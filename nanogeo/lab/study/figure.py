@@ -106,11 +106,11 @@ def write_figure(results, workers, path, margin=MARGIN):
     if not data["panels"]:
         raise ValueError(f"no study run at W = {', '.join(map(str, workers))} to plot: pass "
                          "the W the study ran at (--answer_workers)")
-    if not draw(data, path):
-        return (f"matplotlib not installed: {path} not drawn (pip install -e \".[plot]\"); "
-                "the tables are written")
-    values = os.path.splitext(path)[0] + ".json"
+    values = os.path.splitext(path)[0] + ".json"        # (the values need no matplotlib)
     with open(values, "w") as f:
         json.dump(data, f, indent=1)
         f.write("\n")
+    if not draw(data, path):
+        return (f"matplotlib not installed: {path} not drawn (pip install -e \".[plot]\"); "
+                f"the tables and {values} are written")
     return f"{path} and {values}: the forest plot and its values"

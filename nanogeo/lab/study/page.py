@@ -84,7 +84,8 @@ def machines(paths):
     labels = machine_labels([r for r in load_results(paths) if not r.get("sweep")])
     lines = ["| results | machine | runs | commits | W | seeds |", "| --- " * 6 + "|"]
     for path in paths:
-        records = [r for r in json.load(open(path)) if not r.get("sweep")]
+        with open(path) as f:
+            records = [r for r in json.load(f) if not r.get("sweep")]
         for m in sorted({r.get("machine") or "" for r in records}):
             rows = [r for r in records if (r.get("machine") or "") == m]
             commits = sorted({(r.get("commit") or "not recorded")[:7] for r in rows})
