@@ -648,10 +648,10 @@ def test_geofp8_not_worse_on_isotropic_input():
 def test_the_default_geometry_is_the_subspace_rotation():
     """The studies recommend the subspace rotation; the published GeoFP8 (the whitening) is asked
     for by name, in the teaching options, production's and the DDP hook's alike."""
-    from nanogeo.parallel.ddp import GeoFP8HookState
+    from nanogeo.parallel.ddp import CompressHookState
     assert compress.GeoOptions().geometry == Options().geometry == "subspace"
     assert Options().geo_refresh == 4                       # the rotation's refresh period
-    hook = GeoFP8HookState(torch.nn.Linear(64, 64))
+    hook = CompressHookState(torch.nn.Linear(64, 64))
     assert hook.options.geometry == "subspace" and hook.moments is None   # no K-FAC hooks
     assert Options(geometry="geofp8").geo_refresh == 50
 

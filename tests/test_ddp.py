@@ -9,7 +9,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from conftest import GPT2Shaped, conv1d_weights, run_ranks
 from nanogeo.parallel import hooks
-from nanogeo.parallel.ddp import GeoFP8HookState, geofp8_hook
+from nanogeo.parallel.ddp import CompressHookState, compress_hook
 
 VOCAB, D = 300, 64
 
@@ -51,8 +51,8 @@ def ddp_rank(rank, world_size, out, hook_options):
     plain, hooked = DDP(build(model)), DDP(build(model), bucket_cap_mb=bucket_mb)
     if hook_options.pop("name_conv1d", False):
         hook_options["linear"] = conv1d_weights(hooked.module)
-    state = GeoFP8HookState(hooked, min_numel=1024, vocab_size=VOCAB, **hook_options)
-    hooked.register_comm_hook(state, geofp8_hook)
+    state = CompressHookState(hooked, min_numel=1024, vocab_size=VOCAB, **hook_options)
+    hooked.register_comm_hook(state, compress_hook)
     loss_fn = nn.CrossEntropyLoss()
     errors, tables = [], []
     if optimizer == "adamw":
@@ -83,7 +83,7 @@ def test_the_hook_refuses_stage_two_feedback():
     """The hook's state keeps stage-1 residuals by parameter name; stage 2's (per shard) would
     be lost in its state_dict: refused, naming the fix."""
     with pytest.raises(ValueError, match="feedback_stages='1'"):
-        GeoFP8HookState(nn.Linear(8, 8), error_feedback=True, feedback_stages="2")
+        CompressHookState(nn.Linear(8, 8), error_feedback=True, feedback_stages="2")
 
 
 def test_ddp_hook_matches_fp32_ddp_within_fp8_error(tmp_path):
@@ -157,8 +157,8 @@ def resume_rank(rank, world_size, out, hook_options):
 
     def fresh():
         net = DDP(build(), bucket_cap_mb=0.05)
-        state = GeoFP8HookState(net, min_numel=1024, vocab_size=VOCAB, **hook_options)
-        net.register_comm_hook(state, geofp8_hook)
+        state = CompressHookState(net, min_numel=1024, vocab_size=VOCAB, **hook_options)
+        net.register_comm_hook(state, compress_hook)
         opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
         return net, state.watch([opt]), opt
 
@@ -216,3 +216,14 @@ def test_ddp_hook_state_resumes_bit_identically(tmp_path, options):
             assert r["geo"] > 0             # geometry-aware layers in use across the resume
         if "geo_refresh" in options and "select" not in options:
             assert r["pending"] > 0         # saved with candidates awaiting their measurement
+
+
+def test_the_old_hook_names_warn_and_still_work():
+    """The DDP hook runs any geometry (the subspace rotation by default), so it is no longer
+    named for GeoFP8: CompressHookState and compress_hook; the old names stay one release, with
+    a DeprecationWarning."""
+    from nanogeo.parallel import ddp
+    with pytest.warns(DeprecationWarning, match="CompressHookState"):
+        state = ddp.GeoFP8HookState(nn.Linear(4, 4))
+    assert isinstance(state, ddp.CompressHookState) and state.options.geometry == "subspace"
+    assert ddp.geofp8_hook.__doc__.startswith("Deprecated")

@@ -282,10 +282,10 @@ import nanogeo
 assert not os.path.exists(os.path.join(os.path.dirname(nanogeo.__file__), "dist"))
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    from nanogeo.dist.ddp import GeoFP8HookState
+    from nanogeo.dist.ddp import CompressHookState
     import nanogeo.dist.fsdp as old_fsdp
 import nanogeo.parallel.ddp, nanogeo.parallel.fsdp
-assert GeoFP8HookState is nanogeo.parallel.ddp.GeoFP8HookState
+assert CompressHookState is nanogeo.parallel.ddp.CompressHookState
 assert old_fsdp is nanogeo.parallel.fsdp
 messages = [str(w.message) for w in caught if w.category is DeprecationWarning]
 assert any("nanogeo.dist.ddp" in m and "nanogeo.parallel.ddp" in m for m in messages), messages

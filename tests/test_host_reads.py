@@ -69,12 +69,12 @@ def ddp_reads_rank(rank, world_size, options, out):
     import torch.distributed as dist
     import torch.nn as nn
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from nanogeo.parallel.ddp import GeoFP8HookState, geofp8_hook
+    from nanogeo.parallel.ddp import CompressHookState, compress_hook
     from test_ddp import VOCAB, batch, build
     dist.init_process_group("gloo")
     model = DDP(build())
-    state = GeoFP8HookState(model, min_numel=1024, vocab_size=VOCAB, **options)
-    model.register_comm_hook(state, geofp8_hook)
+    state = CompressHookState(model, min_numel=1024, vocab_size=VOCAB, **options)
+    model.register_comm_hook(state, compress_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     per_step = []
     for step in range(8):

@@ -81,13 +81,15 @@ TOY = {
     "python -m nanogeo.smoke --out smoke.json":
         Skip("its main(), toy size: test_tools.py::test_smoke_test_runs_on_cpu"),
     "torchrun --nnodes=N --nproc_per_node=4 --rdzv-backend=c10d --rdzv-endpoint=HOST0:29500 "
-    "--rdzv-id=myrun train.py --preset=llama-600m --comm=geofp8 --out_dir=/shared/runs/geo":
+    "--rdzv-id=myrun train.py --preset=llama-600m --optimizer=muon --comm=subspace "
+    "--out_dir=/shared/runs/geo":
         TRAIN_CHARS + " --out_dir=runs/geo",     # on one node: N=1, HOST0=127.0.0.1 (NODES)
     "torchrun --standalone --nproc_per_node=4 -m nanogeo.lab.bench collective --sizes 16,64 --compile":
         Skip("the compiled codec on 4 ranks takes minutes on 2 CPU cores; the same mode runs "
              "uncompiled above and the compiled codec in test_smoke_test_runs_on_cpu"),
     "torchrun --standalone --nproc_per_node=4 train.py --preset=llama-300m --max_iters=50 "
-    "--comm=geofp8 --geo_warmup=10 --eval_interval=25 --compile": TRAIN_CHARS + " --out_dir=runs/smoke",
+    "--optimizer=muon --comm=subspace --geo_warmup=10 --eval_interval=25 --compile":
+        TRAIN_CHARS + " --out_dir=runs/smoke",
     "python -m nanogeo.run.eval out/demo/ckpt.pt --limit 200": EVAL,
     "python -m nanogeo.run.eval --compare runs/fp32/ckpt.pt runs/geofp8/ckpt.pt --limit 1000 "
     "--json cmp.json": EVAL,

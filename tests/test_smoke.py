@@ -75,7 +75,7 @@ def fp8_sum_fault(fault, rank):
 def ddp_fault(fault, rank):
     """The DDP check's faults: the hook's mean 0.1 % off on one rank, or a NaN in it."""
     from nanogeo.parallel import ddp
-    real = ddp.geofp8_hook
+    real = ddp.compress_hook
 
     def faulty(state, bucket):
         future = real(state, bucket)
@@ -84,7 +84,7 @@ def ddp_fault(fault, rank):
         if fault == "nan":
             perturb([future.value()], value=math.nan)
         return future
-    with mock.patch.object(ddp, "geofp8_hook", faulty):
+    with mock.patch.object(ddp, "compress_hook", faulty):
         yield
 
 

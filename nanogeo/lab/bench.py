@@ -471,7 +471,7 @@ def accumulation_runs(seeds, steps, methods=("fp32", "fp8", "subspace")):
     from contextlib import nullcontext
     from torch.nn.parallel import DistributedDataParallel as DDP
     from nanogeo.lab.bytegpt import ByteGPT, ByteGPTConfig
-    from nanogeo.parallel.ddp import GeoFP8HookState, geofp8_hook
+    from nanogeo.parallel.ddp import CompressHookState, compress_hook
     rank = dist.get_rank()
     rows = []
     for seed in seeds:
@@ -480,9 +480,9 @@ def accumulation_runs(seeds, steps, methods=("fp32", "fp8", "subspace")):
                 torch.manual_seed(seed)
                 net = DDP(ByteGPT(ByteGPTConfig(block_size=32, n_layer=2, n_embd=128)))
                 if method != "fp32":
-                    state = GeoFP8HookState(net, geometry="euclidean" if method == "fp8"
+                    state = CompressHookState(net, geometry="euclidean" if method == "fp8"
                                             else "subspace", geo_warmup=2, geo_judge="l2")
-                    net.register_comm_hook(state, geofp8_hook)
+                    net.register_comm_hook(state, compress_hook)
                 opt = torch.optim.AdamW(net.parameters(), lr=2e-3)
                 data = torch.Generator().manual_seed(1000 * seed + rank)
                 losses = []

@@ -2,13 +2,13 @@
 GeoFP8 for any DistributedDataParallel model, as a DDP communication hook.
 
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from nanogeo.parallel.ddp import GeoFP8HookState, geofp8_hook
+    from nanogeo.parallel.ddp import CompressHookState, compress_hook
 
     model = DDP(model)
-    state = GeoFP8HookState(model, geo_rank=16)             # the subspace rotation (default)
-    state = GeoFP8HookState(model, geometry="geofp8")       # the published GeoFP8, or
-    state = GeoFP8HookState(model, geometry="hadamard")     # the geometry-agnostic control
-    model.register_comm_hook(state, geofp8_hook)
+    state = CompressHookState(model, geo_rank=16)             # the subspace rotation (default)
+    state = CompressHookState(model, geometry="geofp8")       # the published GeoFP8, or
+    state = CompressHookState(model, geometry="hadamard")     # the geometry-agnostic control
+    model.register_comm_hook(state, compress_hook)
     state.watch(optimizers)     # judge each layer by the error its optimizer sees
 
 DDP hands the hook one bucket at a time: a flat buffer holding several parameters' gradients.
@@ -47,6 +47,8 @@ continues; the returned future carries the side stream's completion, and DDP's w
 the end of backward makes the compute stream wait before the optimizer reads the gradients.
 """
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
@@ -66,7 +68,7 @@ def check_candidates(names, module):
                          "of the model; pass names from model.named_parameters()")
 
 
-class GeoFP8HookState:
+class CompressHookState:
     """What the hook keeps between calls: parameter names, one communicator per bucket layout,
     and the bytes sent (for logging). `linear`: the weight names that are candidates (default:
     every nn.Linear weight, found by module type); name weights of other matrix modules here -
@@ -226,9 +228,11 @@ class GeoFP8HookState:
         return "\n".join([header] + [table.split("\n", 1)[1] for table in tables])
 
 
-def geofp8_hook(state: GeoFP8HookState,
-                bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Average one DDP bucket with the FP8 / GeoFP8 collective. Returns a completed future."""
+def compress_hook(state: CompressHookState,
+                  bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average one DDP bucket through the communicator's compressed collective (Euclidean FP8 or
+    NVFP4, the subspace rotation, the published GeoFP8, ...: state's Options). Returns a
+    completed future."""
     params = bucket.parameters()
     names = [state.names[p] for p in params]
     comm = state.communicator(names, [tuple(p.shape) for p in params])
@@ -252,3 +256,19 @@ def geofp8_hook(state: GeoFP8HookState,
         future.set_result(buffer)
     buffer.record_stream(stream)
     return future
+
+
+class GeoFP8HookState(CompressHookState):
+    """Deprecated: the old name of CompressHookState, which runs any geometry (the subspace
+    rotation by default), not only the published GeoFP8. Kept for one release."""
+
+    def __init__(self, *args, **kwargs):
+        warnings.warn("nanogeo.parallel.ddp.GeoFP8HookState is now CompressHookState (and "
+                      "geofp8_hook compress_hook); the old names will be removed",
+                      DeprecationWarning, stacklevel=2)
+        super().__init__(*args, **kwargs)
+
+
+def geofp8_hook(state, bucket):
+    """Deprecated: the old name of compress_hook (see GeoFP8HookState)."""
+    return compress_hook(state, bucket)

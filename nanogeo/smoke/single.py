@@ -111,7 +111,7 @@ def check_ddp(device, width=256, tokens=64):
     """The hook on the GPU side stream against plain DDP, on every rank of the default group (each
     rank its own inputs): equal within FP8 error."""
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from nanogeo.parallel.ddp import GeoFP8HookState, geofp8_hook
+    from nanogeo.parallel.ddp import CompressHookState, compress_hook
     torch.manual_seed(0)
     layer = torch.nn.TransformerEncoderLayer(width, 4, 4 * width, dropout=0.0, batch_first=True)
     nets = []
@@ -122,9 +122,9 @@ def check_ddp(device, width=256, tokens=64):
         net = DDP(net, device_ids=ids)
         if hooked:
             # (no optimizer in this check: the layers are judged in plain L2, said so)
-            state = GeoFP8HookState(net, geometry="subspace", geo_warmup=1, geo_rank=8,
+            state = CompressHookState(net, geometry="subspace", geo_warmup=1, geo_rank=8,
                                     geo_judge="l2")
-            net.register_comm_hook(state, geofp8_hook)
+            net.register_comm_hook(state, compress_hook)
         nets.append(net)
     errors = []
     inputs = torch.Generator().manual_seed(1000 + dist.get_rank())
