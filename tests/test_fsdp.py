@@ -82,7 +82,7 @@ def test_fsdp2_nvfp4_reduce_scatter(tmp_path):
 
 
 def geo_rank(rank, world_size, out, options):
-    """GeoFP8ReduceScatter on an embedding + encoder + head, trained a few steps with SGD; the
+    """CompressedReduceScatter on an embedding + encoder + head, trained a few steps with SGD; the
     fp32 reference model is re-synced to it every step and both see the same batch."""
     from nanogeo.parallel.fsdp import use_compressed_reduce_scatter
     ref, model = twins(language_model, world_size)
@@ -148,7 +148,7 @@ def test_the_fsdp_entry_point_is_named_for_what_it_runs():
     for refused in (dict(geometry="geofp8"), dict(geometry="euclidean", collective="fp8-sum")):
         with pytest.raises(ValueError, match="supports geometry='subspace' .*'hadamard' or "
                                              "'euclidean'.*inputs' second moments.*DDP"):
-            fsdp.GeoFP8ReduceScatter(None, **refused)
+            fsdp.CompressedReduceScatter(None, **refused)
     with pytest.warns(DeprecationWarning, match="use_compressed_reduce_scatter"), \
             pytest.raises(ValueError, match="call fully_shard first"):
         fsdp.use_geofp8(nn.Linear(8, 8))            # the alias reaches the new function

@@ -256,9 +256,9 @@ def test_two_ranks_agree_and_fsdp2_decodes_rows_locally(tmp_path):
 
 def test_fsdp2_refuses_the_rows_option():
     """hadamard_sides="both" mixes rows that FSDP keeps on different ranks."""
-    from nanogeo.parallel.fsdp import GeoFP8ReduceScatter
+    from nanogeo.parallel.fsdp import CompressedReduceScatter
     with pytest.raises(ValueError, match="hadamard_sides='right'"):
-        GeoFP8ReduceScatter(torch.nn.Linear(4, 4), geometry="hadamard", hadamard_sides="both")
+        CompressedReduceScatter(torch.nn.Linear(4, 4), geometry="hadamard", hadamard_sides="both")
 
 
 def test_fidelity_cli_runs_the_hadamard_methods(tmp_path):

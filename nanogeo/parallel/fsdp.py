@@ -170,7 +170,7 @@ def average(total, op, world):
                      "leave FSDP's gradient divide factor at its default")
 
 
-class GeoFP8ReduceScatter(FP8ReduceScatter):
+class CompressedReduceScatter(FP8ReduceScatter):
     """The geometry-aware reduce-scatter of one FSDP module (its one parameter group). `options` are
     Options fields (train.py's flag names): geometry ("subspace", "hadamard" or "euclidean"),
     fmt, block, geo_rank, geo_refresh, geo_warmup, stochastic_round..."""
@@ -296,7 +296,7 @@ class GeoFP8ReduceScatter(FP8ReduceScatter):
 
 
 def use_compressed_reduce_scatter(model, linear=None, **options):
-    """Give every FSDP module of `model` (after fully_shard) a GeoFP8ReduceScatter. Options as
+    """Give every FSDP module of `model` (after fully_shard) a CompressedReduceScatter. Options as
     Options. Candidates: the weight names in `linear`, by default every nn.Linear
     weight (found by module type; name a GPT-2 Conv1D's weights here to rotate them too); pass
     vocab_size to keep an untied output head Euclidean as well. Returns the reduce-scatters
@@ -306,7 +306,7 @@ def use_compressed_reduce_scatter(model, linear=None, **options):
     comms = []
     for prefix, module in model.named_modules():
         if isinstance(module, FSDPModule) and fsdp_params(module):
-            comm = GeoFP8ReduceScatter(module, prefix, linear, **options)
+            comm = CompressedReduceScatter(module, prefix, linear, **options)
             module.set_custom_reduce_scatter(comm)
             comms.append(comm)
     if not comms:
