@@ -733,7 +733,7 @@ def test_study_figure_values_are_the_comparisons(tmp_path, monkeypatch, capsys):
     """forest(): per optimizer and W a panel - bf16 and each candidate against fp32, each
     geometry against its Euclidean twin - whose means and 95 % half-widths are the comparisons
     table's; --figure writes the PNG and its values beside it, and without matplotlib draws
-    nothing and says so in one line (the tables are still written)."""
+    nothing and says so in one line (the tables and the values are still written)."""
     gains = {"subspace": [-0.001, -0.004, -0.0005, -0.003, -0.002, -0.0015],
              "geofp8": [0.001, -0.002, 0.0, -0.001, 0.002, -0.001]}
     records = namesake_records(gains)
@@ -754,7 +754,8 @@ def test_study_figure_values_are_the_comparisons(tmp_path, monkeypatch, capsys):
     study.main(["--answer", str(tmp_path / "r.json"), "--figure", str(tmp_path / "f.png")])
     out = capsys.readouterr().out.splitlines()
     assert out[-1].startswith(f"matplotlib not installed: {tmp_path / 'f.png'} not drawn")
-    assert not list(tmp_path.glob("f.*"))
+    assert [p.name for p in tmp_path.glob("f.*")] == ["f.json"]
+    assert json.loads((tmp_path / "f.json").read_text()) == json.loads(json.dumps(data))
     with pytest.raises(SystemExit):
         study.main(["--figure", str(tmp_path / "f.png")])
     assert "--figure goes with --answer" in capsys.readouterr().err

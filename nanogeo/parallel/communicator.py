@@ -261,7 +261,8 @@ class BucketedStep:
     """What one step of ProductionCommunicator.communicate carries from bucket to bucket."""
 
     def __init__(self, as_sent, across_ranks, grads, judged, count):
-        self.as_sent = as_sent              # {worker: its fp32 tensors as sent (outgoing)}
+        self.as_sent = as_sent              # {worker: its tensors as sent (outgoing), each the raw
+                                            # gradient until its first bucket (take_off)}
         self.across_ranks = across_ranks
         self.grads = grads                  # in place: the gradients the means go into (else None)
         self.judged = judged                # {name: layer} the gain check measures as they arrive
@@ -423,10 +424,15 @@ class ProductionCommunicator(compress.Communicator):
     def outgoing(self, worker, grads):
         """Error feedback: each gradient plus the rank's residual of the last step, in original
         coordinates (the stale-residual ablation adds it in coordinates: take_off())."""
-        fp32 = super().outgoing(worker, grads)
+        return self.outgoing_of(worker, range(len(self.names)), grads)
+
+    def outgoing_of(self, worker, indices, grads):
+        """outgoing() of the tensors at `indices` of the list `grads` only."""
+        fp32 = super().outgoing(worker, [grads[i] for i in indices])
         residual = {} if self.opts.stale_residual else self.residuals.get(worker, {})
+        names = [self.names[i] for i in indices]
         return [g + residual[n] if self.has_feedback(n) and n in residual else g
-                for n, g in zip(self.names, fp32)]
+                for n, g in zip(names, fp32)]
 
     def reduce(self, grads, moments=None):
         """compress.Communicator.reduce, each tensor's mean written into its gradient as soon as
@@ -446,7 +452,9 @@ class ProductionCommunicator(compress.Communicator):
         into its gradient as soon as it is decoded, and where the coming geometry step judges a
         layer (judged_next) its codec errors are measured then (layer_errors), while the
         gradient as sent is still there: the gain check needs no copy of the gradients."""
-        as_sent = {w: self.outgoing(w, grads) for w, grads in worker_grads.items()}
+        # each tensor as sent (outgoing: fp32, plus error feedback's residual) is made at its
+        # first bucket (take_off), so a step holds a bucket's worth of them, not the model's
+        as_sent = {w: list(grads) for w, grads in worker_grads.items()}
         step = BucketedStep(as_sent, across_ranks,
                             [*worker_grads.values()][0] if in_place else None,
                             self.judged_next(moments) if in_place else {}, len(self.names))
@@ -483,8 +491,12 @@ class ProductionCommunicator(compress.Communicator):
     def take_off(self, segments, step):
         """The tensors whose first bucket this is ({index: InFlight}): into coordinates on every
         worker, the matrices of one shape rotated together (all_to_coords)."""
-        names = [self.names[s.tensor] for s in segments]
-        coords = {w: self.all_to_coords(names, [grads[s.tensor] for s in segments])
+        indices = [s.tensor for s in segments]
+        for w, tensors in step.as_sent.items():     # each one as sent, made now
+            for i, g in zip(indices, self.outgoing_of(w, indices, tensors)):
+                tensors[i] = g
+        names = [self.names[i] for i in indices]
+        coords = {w: self.all_to_coords(names, [grads[i] for i in indices])
                   for w, grads in step.as_sent.items()}
         return {s.tensor: self.in_flight(s, {w: cs[j] for w, cs in coords.items()}, step)
                 for j, s in enumerate(segments)}
@@ -595,8 +607,9 @@ class ProductionCommunicator(compress.Communicator):
         the optimizer skips it) keeps the old residual: picked on the device, no host sync."""
         for worker, new in lost.items():
             old = self.residuals.get(worker, {})
-            self.residuals[worker] = {n: torch.where(finite, r, old.get(n, torch.zeros_like(r)))
-                                      for n, r in new.items()}
+            for n, r in new.items():    # into the new loss itself: no third copy at the peak
+                torch.where(finite, r, old[n] if n in old else r.new_zeros(()), out=r)
+            self.residuals[worker] = dict(new)
             self.residuals[worker].update((key, r) for key, r in old.items()   # stage 2's, kept
                                           if packing.ShardFeedback.owns(key))  # beside
 
