@@ -262,14 +262,18 @@ def goal_rows(results, workers, margin=MARGIN):
     return out
 
 
-def goal_verdict(rows, margin):
-    """"reached by `m`" or how far the closest candidate's upper 90 % bound ends past the margin."""
-    reached = [c for c, _, t in rows if t[2]]
+def goal_verdict(rows, margin, short=False):
+    """"reached by `m`", or how far the closest candidate's upper 90 % bound ends past the margin
+    (short: the README's wording)."""
+    reached = [f"`{c}`" for c, _, t in rows if t[2]]
     if reached:
-        return f"reached by {', '.join(f'`{c}`' for c in reached)}"
+        return f"reached by {', '.join(reached)}"
     closest, _, t = rows[0]
-    return f"not reached: the closest, `{closest}`, ends {t[1] - margin:+.4f} past the margin at " \
-           "its upper 90 % bound"
+    past = f"{t[1] - margin:+.4f}"
+    if short:
+        return f"not reached (closest `{closest}`: 90 % bound {past} past)"
+    return (f"not reached: the closest, `{closest}`, ends {past} past the margin at its upper "
+            "90 % bound")
 
 
 def goal_findings(results, workers, margin=MARGIN):
@@ -289,12 +293,8 @@ def goal_findings(results, workers, margin=MARGIN):
 
 def goal_note(results, workers, margin=MARGIN):
     """The README's line on the goal: per optimizer and W, reached or how far the closest is."""
-    said = []
-    for optimizer, w, _, rows in goal_rows(results, workers, margin):
-        reached = [f"`{c}`" for c, _, t in rows if t[2]]
-        closest, _, t = rows[0]
-        said.append(f"{name(optimizer)}, W = {w}: " + (f"reached by {', '.join(reached)}" if reached
-                    else f"not reached (closest `{closest}`: 90 % bound {t[1] - margin:+.4f} past)"))
+    said = [f"{name(optimizer)}, W = {w}: {goal_verdict(rows, margin, short=True)}"
+            for optimizer, w, _, rows in goal_rows(results, workers, margin)]
     return (f"- bf16's quality at <= {GOAL_BYTES:g}× its bytes (TOST at {margin:g}): "
             + "; ".join(said) + ".") if said else ""
 
