@@ -66,14 +66,12 @@ def timed(fn, iters):
     """Median seconds of fn() over iters runs, after one warm-up run (compiles happen there),
     the device synchronized around each (the smoke test times with it too)."""
     fn()
-    seconds = []
+    device, seconds = bench_device(), []
     for _ in range(iters):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        synchronize(device)
         t0 = time.perf_counter()
         fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        synchronize(device)
         seconds.append(time.perf_counter() - t0)
     return sorted(seconds)[len(seconds) // 2]
 
