@@ -51,3 +51,19 @@ run gain --comm=geofp8 --optimizer=muon --stochastic_round
 python train.py $COMMON --out_dir="$D/simulated" --comm=subspace --simulate_workers=8 > "$D/simulated.stdout"
 mv "$D/simulated.stdout" "$D/simulated/stdout"; untimed "$D/simulated"
 sed -i "/^config:/d; /^model:/d; s|$D|OUT|g" "$D"/*/stdout.untimed "$D"/*/log.untimed.jsonl  # out_dir
+# the README's what-to-run arms and the paper's collective, on the fast path with simulated
+# ranks (flags as nanogeo/lab/study/arms.py names them): each run's log must match byte for byte
+arm() {  # name, flags...
+    local name=$1; shift
+    python train.py $COMMON --out_dir="$D/arm-$name" --simulate_workers=4 --optimizer=muon "$@" \
+        > "$D/arm-$name.stdout"
+    mv "$D/arm-$name.stdout" "$D/arm-$name/stdout"; untimed "$D/arm-$name"
+}
+arm fp8 --comm=fp8
+arm subspace --comm=subspace
+arm geofp8 --comm=geofp8
+arm nvfp4 --comm=fp8 --fmt=nvfp4
+arm nvfp4-e4m3s2-ef1 --comm=fp8 --fmt=nvfp4 --stage2_fmt=e4m3 --error_feedback --feedback_stages=1
+arm nvfp4-ef12 --comm=fp8 --fmt=nvfp4 --error_feedback --feedback_stages=both
+arm fp8-paper --comm=fp8 --fmt=e5m2 --block=tensor --collective=fp8-sum
+sed -i "/^config:/d; /^model:/d; s|$D|OUT|g" "$D"/arm-*/stdout.untimed "$D"/arm-*/log.untimed.jsonl
