@@ -19,14 +19,14 @@ PIP_ARGS ?=
 NPROC  ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | wc -l); [ "$$n" -gt 0 ] && echo $$n || echo 2)
 ARGS   ?=
 SMOKE_ARGS ?=
-# The demo trains as the README recommends for the paper's optimizer: Muon, with the subspace
-# rotation on the two-stage FP8 collective. It ends with one table on fresh gradients of the
+# The demo trains as the README recommends for the paper's optimizer: Muon, and --comm=auto (the
+# default) picks the table's method for it, the subspace rotation on the two-stage FP8 collective. It ends with one table on fresh gradients of the
 # trained model (CAPTURE: 2 workers' gradients over 3 steps from the checkpoint, Muon's state
 # included): every wire a user chooses between - bf16, Euclidean FP8, the rotation, the
 # published GeoFP8 on its own FP8-sum collective, NVFP4 and the mixed 4-bit + FP8 wire - with
 # its bytes against bf16's and the update error Muon (and AdamW, on the embeddings and norms)
 # sees (nanogeo/lab/fidelity.py --brief).
-DEMO   ?= --optimizer=muon --comm=subspace
+DEMO   ?= --optimizer=muon
 OUT    ?= out/demo
 CAPTURE ?= --workers=2 --capture_steps=3
 TABLE  ?= bf16,fp8-block,subspace,geofp8-paper:select=all,nvfp4,nvfp4-e4m3s2

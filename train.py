@@ -13,6 +13,8 @@ How data parallelism works here (no DistributedDataParallel wrapper, on purpose)
      explicit torch.distributed collectives, a bucket of --bucket_mb MiB at a time (as DDP
      does: nanogeo/wire/buckets.py), each mean written back into .grad before the next bucket.
      This is THE place where GeoFP8 plugs in:
+       --comm=auto    (the default) what the study recommends for the optimizer in force:
+                      Muon -> subspace, AdamW -> fp8 (nanogeo/run/recommend.py); fp32 on one rank
        --comm=fp32    all-reduce in fp32 (the reference)
        --comm=bf16    cast to bf16, all-reduce, cast back (what most clusters send today)
        --comm=fp8     Euclidean FP8: quantize, all_to_all, reduce, re-quantize, all_gather
@@ -43,7 +45,7 @@ import torch.distributed as dist
 
 import compress
 import model as model_lib
-from nanogeo.run import checkpoint, config, runlog, runtime, summary
+from nanogeo.run import checkpoint, config, recommend, reference, runlog, runtime, summary
 from nanogeo.parallel import hooks, simulated
 from nanogeo.wire import buckets, collective, kernels
 from nanogeo.run.config import ConfigError
@@ -98,8 +100,9 @@ class TrainConfig:
     overwrite: bool = False           # allow replacing another run's checkpoint in out_dir
     keep_ckpts: int = 2               # ckpt.pt plus the K-1 previous ones (ckpt-STEP.pt)
     # gradient communication
-    comm: str = "fp32"                # fp32 | bf16 | fp8 | geofp8 (published) | subspace (ours)
-                                      # | hadamard (the control)
+    comm: str = "auto"                # auto (the study's pick for the optimizer: README, What to
+                                      # run) | fp32 | bf16 | fp8 | geofp8 (published) | subspace
+                                      # (ours) | hadamard (the control)
     fmt: str = "e4m3"                 # FP8 wire format: e4m3 | e5m2 | nvfp4
     block: str = "128"                # scale granularity: elements per block, row or tensor
     stage2_fmt: str = ""              # two-stage: the all-gather's format ("" = --fmt), e.g. e4m3
@@ -132,6 +135,8 @@ class TrainConfig:
     stochastic_stages: str = "both"   # ... in both stages, or only 1 (each rank's send) or 2
     bucket_mb: float = 25.0           # average the gradients a bucket of at most this many MiB
                                       # at a time, as DDP does (0: the whole model as one)
+    impl: str = "fast"                # fast (nanogeo/: buckets, packing, stacks) | reference
+                                      # (compress.py's Communicator: the spec, as it reads)
     # system
     simulate_workers: int = 0         # play W data-parallel ranks in this one process (0: off)
     device: str = "auto"              # auto | cpu | cuda
@@ -163,8 +168,11 @@ def make_communicator(cfg, model, optimizers):
         return None, None
     named = [(n, p.shape) for n, p in model.named_parameters() if p.requires_grad]
     options = config.geo_options(cfg, model.config.vocab_size)
-    communicator = ProductionCommunicator(named, options,
-                                          linear=set(hooks.linear_layers(model)))
+    linear = set(hooks.linear_layers(model))
+    if cfg.impl == "reference":     # compress.py's own Communicator (nanogeo/run/reference.py)
+        communicator = reference.Reference(named, options, linear)
+    else:
+        communicator = ProductionCommunicator(named, options, linear=linear)
     communicator.watch(hooks.optimizer_views(optimizers, model))
     moments = None
     if communicator.moment_layers():
@@ -329,7 +337,7 @@ class Diagnostics:
         self.cfg, self.communicator, self.world_size = cfg, communicator, world_size
         # the last step, kept to measure it against Euclidean FP8 at the end (compressed runs)
         self.last_step = (summary.LastStep(communicator, data_parallel, bool(cfg.simulate_workers))
-                          if communicator is not None else None)
+                          if communicator is not None and cfg.impl == "fast" else None)
         self.as_sent = self.stages = None
 
     @contextlib.contextmanager
@@ -374,6 +382,12 @@ def train(cfg):
     rank, world_size, _, device = runtime.setup_distributed(cfg)
     my_ranks = data_parallel_ranks(cfg, rank, world_size)
     data_parallel = len(my_ranks) * world_size
+    # --comm=auto: the study's pick for this optimizer; the run's first line says which and why
+    cfg, why = recommend.resolve(cfg, data_parallel, TrainConfig(**config.TRAIN_PRESETS[cfg.preset]))
+    if why and rank == 0:
+        print(why, flush=True)
+    if cfg.impl == "reference" and cfg.comm not in ("fp32", "bf16"):
+        reference.check(cfg)
     torch.manual_seed(cfg.seed)  # same seed on every rank (and rank 0's bits: below)
     # torchrun --max-restarts brought us back: resume if rank 0 sees a checkpoint (cfg.resume)
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

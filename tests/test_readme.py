@@ -81,14 +81,14 @@ TOY = {
     "python -m nanogeo.smoke --out smoke.json":
         Skip("its main(), toy size: test_tools.py::test_smoke_test_runs_on_cpu"),
     "torchrun --nnodes=N --nproc_per_node=4 --rdzv-backend=c10d --rdzv-endpoint=HOST0:29500 "
-    "--rdzv-id=myrun train.py --preset=llama-600m --optimizer=muon --comm=subspace "
+    "--rdzv-id=myrun train.py --preset=llama-600m --optimizer=muon "
     "--out_dir=/shared/runs/geo":
         TRAIN_CHARS + " --out_dir=runs/geo",     # on one node: N=1, HOST0=127.0.0.1 (NODES)
     "torchrun --standalone --nproc_per_node=4 -m nanogeo.lab.bench collective --sizes 16,64 --compile":
         Skip("the compiled codec on 4 ranks takes minutes on 2 CPU cores; the same mode runs "
              "uncompiled above and the compiled codec in test_smoke_test_runs_on_cpu"),
     "torchrun --standalone --nproc_per_node=4 train.py --preset=llama-300m --max_iters=50 "
-    "--optimizer=muon --comm=subspace --geo_warmup=10 --eval_interval=25 --compile":
+    "--optimizer=muon --geo_warmup=10 --eval_interval=25 --compile":
         TRAIN_CHARS + " --out_dir=runs/smoke",
     "python -m nanogeo.run.eval out/demo/ckpt.pt --limit 200": EVAL,
     "python -m nanogeo.run.eval --compare runs/fp32/ckpt.pt runs/geofp8/ckpt.pt --limit 1000 "
@@ -259,7 +259,7 @@ def test_make_train_runs_the_demo(scratch):
     train, capture, table = (next(l for l in lines if word in l)
                              for word in ("torchrun",
                                           "nanogeo.lab.capture", "nanogeo.lab.fidelity"))
-    assert "--optimizer=muon" in train and "--comm=subspace" in train
+    assert "--optimizer=muon" in train and "--comm" not in train    # --comm=auto: the pick
     if not (scratch / "data" / "shakespeare" / "train.bin").exists():
         assert shell(scratch, "python prepare_data.py").returncode == 0
     toy = "--batch_size=2 --block_size=16"
@@ -267,6 +267,8 @@ def test_make_train_runs_the_demo(scratch):
                         (capture.replace(" >", f" {toy} >"), ""), (table, "")):
         done = shell(scratch, f"{line} {extra}")
         assert done.returncode == 0, (line, done.stderr[-3000:])
+        if line is train:       # --comm=auto says first what it runs: the table's Muon pick
+            assert done.stdout.startswith("comm=auto: subspace"), done.stdout[:300]
     rows = done.stdout.rstrip().splitlines()
     assert rows[0].split()[:4] == ["method", "bytes", "vs", "bf16"], rows
     assert "update err muon" in rows[0] and "update err adamw" in rows[0]

@@ -43,7 +43,7 @@ def test_geo_layers_flag(tmp_path):
 
 def test_config_defaults_presets_and_overrides():
     cfg = parse_config([])
-    assert cfg.preset == "cpu-tiny" and cfg.comm == "fp32"
+    assert cfg.preset == "cpu-tiny" and cfg.comm == "auto"
     cfg = parse_config(["--preset=llama-300m", "--batch_size=2", "--compile"])
     assert cfg.block_size == 2048 and cfg.batch_size == 2 and cfg.compile is True
     assert parse_config(["--resume=false"]).resume is False
@@ -116,7 +116,7 @@ def train_rank(rank, world_size, argv, result_dir):
 
 
 def test_two_process_training_learns_and_stays_identical(tiny_corpus, tmp_path):
-    argv = tiny_args(tiny_corpus, tmp_path / "out", "--grad_accum=2")
+    argv = tiny_args(tiny_corpus, tmp_path / "out", "--grad_accum=2", "--comm=fp32")
     run_ranks(train_rank, 2, argv, str(tmp_path))
     r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))
     assert r0["final_val_loss"] < r0["initial_val_loss"] - 1.0

@@ -59,7 +59,7 @@ TRAIN_PRESETS = {
                        eval_interval=500, eval_iters=20, ckpt_interval=1000),
 }
 
-TRAIN_CHOICES = {"comm": ("fp32", "bf16", "fp8", "geofp8", "subspace", "hadamard"),
+TRAIN_CHOICES = {"comm": ("auto", "fp32", "bf16", "fp8", "geofp8", "subspace", "hadamard"),
                  "device": ("auto", "cpu", "cuda"), "fmt": collective.FORMATS,
                  "collective": COLLECTIVES, "sum_order": SUM_ORDERS,
                  "whiten_factor": layers.WHITEN_FACTORS, "whiten_sides": WHITEN_SIDES,
@@ -70,7 +70,7 @@ TRAIN_CHOICES = {"comm": ("fp32", "bf16", "fp8", "geofp8", "subspace", "hadamard
                  "muon_adjust_lr": ("original", "match_rms_adamw"),
                  "stage2_fmt": ("", *collective.FORMATS), "nvfp4_scale": nvfp4.NVFP4_SCALES,
                  "stochastic_stages": tuple(collective.ROUNDING_STAGES),
-                 "feedback_stages": FEEDBACK_STAGES}
+                 "feedback_stages": FEEDBACK_STAGES, "impl": ("fast", "reference")}
 
 
 def parse_value(field, text):

@@ -15,6 +15,7 @@ from nanogeo.lab.study.compare import comparisons
 from nanogeo.lab.study.diagnostics import (at_endpoint, gain_history, plot, sensitivity,
                                              stage_table)
 from nanogeo.lab.study.figure import write_figure
+from nanogeo.lab.study import recommended
 from nanogeo.lab.study.page import (COMPARISONS_BEGIN, COMPARISONS_END, write_block,
                                       write_blocks)
 from nanogeo.lab.study.report import load_results, table
@@ -184,6 +185,8 @@ def read_only(parser, args):
             for readme in args.readme:
                 names = write_blocks(paths, readme, workers, args.margin)
                 print(f"{readme}: {', '.join(names)}")
+            # the same picks for train.py --comm=auto
+            print(recommended.write(load_results(paths), workers, paths))
         elif args.answer:
             print(answers(load_results(paths), workers, args.margin), end="")
         if args.figure:
