@@ -36,10 +36,13 @@ def layer_table(communicator, names=None):
                          f"{'(' + communicator.reasons[n] + ')':>13s}")
             continue
         coords = communicator.coords(n)
-        if coords == "geo" and layer.sides != "both":
-            coords += "/" + layer.sides
-        lines.append(f"{n:40s} {shape:>12s} {layer.r:4d} {coords:>10s} "
-                     f"{cell(layer.gain, '.2f'):>6s} {cell(layer.energy, '.2f'):>6s}")
+        sides = getattr(layer, "sides", "both")     # compress.py's rotation: always both
+        if coords == "geo" and sides != "both":
+            coords += "/" + sides
+        rank = getattr(layer, "r", None) or layer.opts.whiten_rank     # the whitening: its r
+        energy = getattr(layer, "energy", math.nan)
+        lines.append(f"{n:40s} {shape:>12s} {rank:4d} {coords:>10s} "
+                     f"{cell(layer.gain, '.2f'):>6s} {cell(energy, '.2f'):>6s}")
     return "\n".join(lines)
 
 

@@ -1,0 +1,77 @@
+"""
+`train.py --impl=reference`: train with compress.py's `Communicator` - the specification - in
+place of the fast path (nanogeo/parallel/communicator.py's ProductionCommunicator). An edit of
+compress.py then changes what trains, on real ranks and with --simulate_workers alike.
+
+The specification is the method without the machinery: no buckets (the whole model is averaged
+at once), both sides of every rotation, the K-FAC moments averaged with equal weights (every rank
+ran as many tokens). The flags of what it does not state - error feedback, the paper's FP8-sum
+collective, a second stage format, Four Over Six, stochastic rounding, the Hadamard control, the
+whitening's ablations, --log_stages, resuming - stop the run with one line naming them.
+
+`Reference` is the thin adapter train.py needs around it: the names train.py's log and
+simulated ranks read (coords, moment_layers, each simulated rank's moments averaged); every
+other attribute is the specification's own.
+"""
+
+import dataclasses
+
+import compress
+from nanogeo.run.config import ConfigError
+
+# train.py flags (with the default that leaves them off) the specification has no statement of
+FAST_ONLY = {"error_feedback": False, "collective": "two-stage", "stage2_fmt": "",
+             "nvfp4_scale": "6", "stochastic_round": False, "whiten_factor": "lowrank",
+             "whiten_sides": "input", "factor_decay": 0.0, "log_stages": False, "resume": False}
+
+
+def check(cfg):
+    """A ConfigError naming the first flag --impl=reference cannot run."""
+    if cfg.comm == "hadamard":
+        raise ConfigError("--impl=reference: compress.py has no Hadamard control; use "
+                          "--impl=fast for --comm=hadamard")
+    if cfg.geo_layers.startswith("fragile:"):
+        raise ConfigError("--impl=reference: compress.py has no saturation profiler; use "
+                          "--geo_layers=gain, all or a file, or --impl=fast")
+    for flag, off in FAST_ONLY.items():
+        if getattr(cfg, flag) != off:
+            raise ConfigError(f"--impl=reference: compress.py has no --{flag}; drop it or use "
+                              "--impl=fast")
+
+
+def spec_options(options):
+    """compress.GeoOptions holding the fields of production's Options that the spec states."""
+    return compress.GeoOptions(**{f.name: getattr(options, f.name)
+                                  for f in dataclasses.fields(compress.GeoOptions)})
+
+
+class Reference:
+    """compress.Communicator as train.py drives it."""
+
+    def __init__(self, named_shapes, options, linear):
+        self.spec = compress.Communicator(named_shapes, spec_options(options), linear=linear)
+        # why each tensor without a layer stays Euclidean (train.py's layer table prints it)
+        self.reasons = {n: compress.why_euclidean(n, s, self.spec.opts, linear) or "-"
+                        for n, s in named_shapes}
+
+    def __getattr__(self, name):        # names, shapes, layers, opts, reduce, watch, ...
+        return getattr(self.spec, name)
+
+    def coords(self, name):
+        return "geo" if self.spec.sent_in_geometry(name) else "euclidean"
+
+    def moment_layers(self):
+        """The layers whose K-FAC moments the forward hooks collect (the whitening's)."""
+        return list(self.spec.layers) if self.spec.from_moments else []
+
+    def reduce_workers(self, worker_grads, moments=None):
+        """`moments`: each simulated rank's, averaged here with equal weights, as reduce()
+        averages them over real ranks."""
+        if moments:
+            moments = {side: {n: sum(m[side][n] for m in moments) / len(moments)
+                              for n in moments[0][side]}
+                       for side in self.spec.whitened_sides()}
+        return self.spec.reduce_workers(worker_grads, moments)
+
+    def state_dict(self):
+        return {}               # nothing to resume from: --resume is refused (check)

@@ -1,0 +1,77 @@
+"""train.py --impl=reference trains with compress.py's Communicator, the specification; the fast
+path (nanogeo/) must end on the same bits for every method the specification states."""
+
+import json
+
+import pytest
+
+import compress
+import train
+from conftest import run_ranks
+from nanogeo.run.config import ConfigError
+from test_train import tiny_args, train_rank
+
+# 24 steps: 4 in Euclidean coordinates, then a refresh every 4 steps and a judgement after each;
+# entering and leaving at one gain that sits inside the range this model measures, so that
+# some matrices go geometry-aware and some come back
+GEOMETRY = ["--optimizer=muon", "--muon_lr=3e-2", "--max_iters=24", "--log_interval=4",
+            "--geo_warmup=4", "--geo_refresh=4", "--geo_enter_gain=2.2", "--geo_exit_gain=2.2"]
+
+
+def simulated(corpus, out, comm, impl, *extra):
+    return train.train(train.parse_config(tiny_args(corpus, out, *GEOMETRY, f"--comm={comm}",
+                                                    f"--impl={impl}", "--simulate_workers=4",
+                                                    *extra)))
+
+
+def geometry_moves(out):
+    """(a matrix entered geometry-aware coordinates, one left them) over the logged steps."""
+    records = [json.loads(l) for l in open(out / "log.jsonl")]
+    coords = [{n: c for n, (c, _) in r["coords"].items()} for r in records if "geometry_at" in r]
+    pairs = [(a[n], b[n]) for a, b in zip(coords, coords[1:]) for n in a]
+    return ("euclidean", "geo") in pairs, ("geo", "euclidean") in pairs
+
+
+# The rotation is not held yet: the fast path's gain check also measures the column side alone
+# (Options.sides="auto": both sides or the right one, the better measured), which compress.py
+# does not state; the first judged step whose two rotations differ in error sets the runs apart.
+# strict: the day compress.py states it, this fails and the mark goes.
+SIDES_AUTO = pytest.mark.xfail(strict=True, reason="compress.py has no sides='auto' (issue 56)")
+METHODS = ["fp8", pytest.param("subspace", marks=SIDES_AUTO)]
+
+
+@pytest.mark.parametrize("comm", METHODS)
+def test_the_fast_path_ends_on_the_specifications_bits_simulated(tiny_corpus, tmp_path, comm):
+    fast = simulated(tiny_corpus, tmp_path / "fast", comm, "fast")
+    spec = simulated(tiny_corpus, tmp_path / "reference", comm, "reference")
+    if comm == "subspace":      # the steps cover a refresh, an entry and an exit
+        assert geometry_moves(tmp_path / "fast") == (True, True)
+    assert fast["param_sha256"] == spec["param_sha256"]
+
+
+@pytest.mark.parametrize("comm", METHODS)
+def test_the_fast_path_ends_on_the_specifications_bits_on_two_ranks(tiny_corpus, tmp_path, comm):
+    sums = {}
+    for impl in ("fast", "reference"):
+        argv = tiny_args(tiny_corpus, tmp_path / impl, *GEOMETRY, f"--comm={comm}",
+                         f"--impl={impl}")
+        run_ranks(train_rank, 2, argv, str(tmp_path))
+        sums[impl] = {json.load(open(tmp_path / f"rank{r}.json"))["param_sha256"] for r in (0, 1)}
+    assert len(sums["fast"]) == 1 and sums["fast"] == sums["reference"]
+
+
+def test_an_edit_of_compress_py_changes_what_the_reference_trains(tiny_corpus, tmp_path,
+                                                                  monkeypatch):
+    """A student's edit: FP8 scales that map each group's amax to half the format's maximum."""
+    before = simulated(tiny_corpus, tmp_path / "before", "fp8", "reference", "--max_iters=4")
+    scale = compress.scale_from_amax
+    monkeypatch.setattr(compress, "scale_from_amax", lambda amax, fmax: scale(amax, fmax / 2))
+    after = simulated(tiny_corpus, tmp_path / "after", "fp8", "reference", "--max_iters=4")
+    assert after["param_sha256"] != before["param_sha256"]
+
+
+@pytest.mark.parametrize("flag", ["--error_feedback", "--collective=fp8-sum", "--stage2_fmt=e4m3",
+                                  "--comm=hadamard", "--log_stages"])
+def test_what_the_specification_does_not_state_is_refused(tiny_corpus, tmp_path, flag):
+    with pytest.raises(ConfigError, match="--impl=reference"):
+        simulated(tiny_corpus, tmp_path, "fp8", "reference", flag, "--max_iters=1")
