@@ -22,8 +22,8 @@ from nanogeo.lab.study.stats import (MARGIN, edge, estimate, fieller, interval90
                                        mean_sd, p_value, paired, seeds_for_power, standing, tost,
                                        wrap)
 
-# the namesake study's family of tests, fixed before its runs (docs/study/namesake.sh, step 1):
-# each FP8 geometry against Euclidean FP8 under Muon at W = 32
+# the setting of the one family fixed before its runs (docs/study/plan.md, rows N1a and N1b: each
+# FP8 geometry against Euclidean FP8 under Muon at W = 32), whose Euclidean gap the power reads
 PLANNED = ("muon", 32, "FP8")
 
 
