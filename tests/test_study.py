@@ -8,6 +8,7 @@ import os
 import pytest
 
 from nanogeo.lab import study
+from nanogeo.lab.study.rule import Multiplicity
 
 
 def flat(text):
@@ -338,9 +339,10 @@ def test_study_answer_recommends_the_cheapest_unless_a_costlier_one_is_shown_low
     records += [study_record("hadamard-nvfp4", s, v, 0.28) for s, v in ((0, 2.10), (1, 2.15))]
     text = study.answer(records)
     fp8_budget, four_bit = text.splitlines()[2:4]
-    assert fp8_budget == ("| adamw | FP8 | fp8 | 3 | +0.0200 ± 0.0000 | +0.0100 ± 0.0000 | — | "
+    assert fp8_budget == ("| adamw | FP8 | fp8 | 3 (provisional) | +0.0200 ± 0.0000 | "
+                          "+0.0100 ± 0.0000 | — | "
                           "0.500 | 1.00× | subspace -0.0017 ± 0.0143 (3) |")
-    assert four_bit == ("| adamw | 4-bit | subspace-nvfp4 | 3 | +0.0500 ± 0.0000 | "
+    assert four_bit == ("| adamw | 4-bit | subspace-nvfp4 | 3 (provisional) | +0.0500 ± 0.0000 | "
                         "+0.0400 ± 0.0000 | 50 % (50 to 50 %, t) of nvfp4's | 0.280 | 1.30× | "
                         "nvfp4 +0.0500 ± 0.0000 (3) |")
     assert "hadamard" not in text.split("Run this:")[0]
@@ -382,16 +384,17 @@ def test_study_rule_compares_candidates_only_on_the_seeds_they_share():
         "subspace-nvfp4": [-0.004 + j for j in jitter] + [-0.012 + j for j in jitter],
         "nvfp4-ef2": [-0.006 - j for j in jitter]})
     by_comm = study.study_groups(records, 32)["adamw"]
-    assert study.recommend(by_comm, "4-bit") == ("nvfp4-ef2",
-                                                 ["nvfp4", "nvfp4-ef2", "subspace-nvfp4"])
+    choice = study.recommend(by_comm, "4-bit", Multiplicity(records, (32,), []), "adamw", 32)
+    assert (choice.comm, choice.fits) == ("nvfp4-ef2", ["nvfp4", "nvfp4-ef2", "subspace-nvfp4"])
     row = study.answer(records).splitlines()[3]
-    assert row.startswith("| adamw | 4-bit | nvfp4-ef2 | 4 | ")
+    assert row.startswith("| adamw | 4-bit | nvfp4-ef2 | 4 (provisional) | ")
     assert row.endswith("| nvfp4 +0.0060 ± 0.0005 (4); subspace-nvfp4 +0.0020 ± 0.0009 (4) |")
     # a forced control lower than everything is still no candidate
     control = [dict(r, comm="subspace-nvfp4-all", final_val_loss=r["final_val_loss"] - 0.01)
                for r in records if r["comm"] == "nvfp4-ef2"]
     by_comm = study.study_groups(records + control, 32)["adamw"]
-    assert study.recommend(by_comm, "4-bit")[0] == "nvfp4-ef2"
+    tests = Multiplicity(records + control, (32,), [])
+    assert study.recommend(by_comm, "4-bit", tests, "adamw", 32).comm == "nvfp4-ef2"
     assert study.is_control("subspace-nvfp4-all") and study.is_control("hadamard")
     assert not study.is_control("subspace-nvfp4") and not study.is_control("nvfp4-ef2")
 
@@ -421,33 +424,28 @@ def test_study_tost_welch_and_t_quantiles_by_hand():
     assert study.welch_differs([0.0], [1.0, 2.0]) is None
 
 
-def test_study_one_recommendation_across_w_unless_the_data_separate_them():
-    """W = 32: error feedback lower than nvfp4, the rotation no lower than it; W = 64: feedback
-    gains nothing, the rotation -0.006. Pooled over both W's seeds (each (W, machine, seed) a
-    block) the rotation is lower than feedback, so it is the one 4-bit recommendation; at W = 32
-    alone the rule would pick feedback, not lower than the rotation there: a note says so."""
+def test_study_rule_is_order_independent_and_per_w():
+    """Issue 59's rule: the cheapest candidate no other is lower than after Holm. Stage-2
+    feedback gains a noisy -0.003 on nvfp4 (not significant), the rotation a steady -0.006
+    (significant), and the rotation is not lower than feedback on their shared seeds. The old
+    sequential rule (start at nvfp4, replace the pick by each costlier candidate lower than it)
+    ended at the rotation; here nvfp4 is beaten, feedback is not, and feedback is cheaper - in
+    whatever order the records come. Each W on its own seeds: at W = 64 feedback gains nothing
+    and the rotation beats both, so W = 64 picks it while W = 32 keeps feedback."""
     j = (0.0003, -0.0003, 0.0002, -0.0002)
-    records = four_bit_arms(range(4), {"nvfp4-ef2": [-0.006 + x for x in j],
+    records = four_bit_arms(range(4), {"nvfp4-ef2": [0.001, -0.007, 0.002, -0.008],
                                        "subspace-nvfp4": [-0.006 - x for x in j]})
     records += four_bit_arms(range(4), {"nvfp4-ef2": [x for x in j],
                                         "subspace-nvfp4": [-0.006 - x for x in j]}, w=64)
-    assert study.recommend(study.study_groups(records, 32)["adamw"], "4-bit")[0] == "nvfp4-ef2"
+    picks = {w: c[("adamw", "4-bit")].comm for w, c in study.choices(records, (32, 64)).items()}
+    assert picks == {32: "nvfp4-ef2", 64: "subspace-nvfp4"}
+    for shuffled in (records[::-1], records[1::2] + records[::2]):
+        again = study.choices(shuffled, (32, 64))
+        assert {w: c[("adamw", "4-bit")].comm for w, c in again.items()} == picks
     text = study.answers(records, (32, 64))
-    w32, w64 = text.split("**W = 64 ranks**")
-    assert "| adamw | 4-bit | subspace-nvfp4 | 4 |" in w32
-    assert ("adamw, 4-bit: one recommendation across W = 32, 64: subspace-nvfp4, the rule on "
-            "every W's seeds pooled; at W = 32 alone the rule picks nvfp4-ef2, not lower than "
-            "subspace-nvfp4 at 95 % there.") in flat(w32)
-    assert "| adamw | 4-bit | subspace-nvfp4 | 4 |" in w64 and "one recommendation" not in w64
-    # the rotation far better at W = 64 only, feedback far better at W = 32 only: separated
-    records = four_bit_arms(range(4), {"nvfp4-ef2": [-0.008 + x for x in j],
-                                       "subspace-nvfp4": [-0.001 - x for x in j]})
-    records += four_bit_arms(range(4), {"nvfp4-ef2": [x for x in j],
-                                        "subspace-nvfp4": [-0.006 - x for x in j]}, w=64)
-    text = study.answers(records, (32, 64))
-    assert "the data separate the W's" in flat(text)
-    assert "| adamw | 4-bit | nvfp4-ef2 | 4 |" in text.split("**W = 64")[0]
-    assert "| adamw | 4-bit | subspace-nvfp4 | 4 |" in text.split("**W = 64")[1]
+    assert "| adamw | 4-bit | nvfp4-ef2 | 4 (provisional) |" in text.split("**W = 64")[0]
+    assert "| adamw | 4-bit | subspace-nvfp4 | 4 (provisional) |" in text.split("**W = 64")[1]
+    assert "pooled" not in text.split("Run this:")[0]
 
 
 def test_paired_t_p_value():
@@ -483,8 +481,8 @@ def test_study_comparisons_table():
                      "nvfp4 − fp32", "nvfp4 − bf16", "subspace-nvfp4 − fp32",
                      "subspace-nvfp4 − bf16", "nvfp4-ef2 − fp32", "nvfp4-ef2 − bf16"]
     [row] = [line for line in rows if "| subspace-nvfp4 − nvfp4-ef2 |" in line]
-    assert ("| 4 | +0.0000 ± 0.0009 | -0.0007 to +0.0007 | 1.000 | equivalent within ±0.002 "
-            "(TOST) | — |") in row
+    assert ("| 4 | +0.0000 ± 0.0009 | -0.0007 to +0.0007 | 1.000 | 1.000 (exploratory: AdamW, W "
+            "= 32, 4-bit) | 1.000 | exploratory | equivalent within ±0.002 (TOST) | — |") in row
     [row] = [line for line in rows if "| nvfp4 − fp32 |" in line]
     assert "| 4 | +0.0140 ± 0.0000 |" in row and "higher at 95 %" in row
     assert "Equivalent within ±0.002 (TOST): the 90 % paired t interval" in flat(text)
@@ -505,7 +503,7 @@ def test_study_answer_edge_cases(tmp_path, capsys):
     heavy = [study_record("geofp8", s, 2.0 + s / 10, 0.537) for s in range(3)]
     text = study.answer(fp32 + better + diverged + heavy)
     row = text.splitlines()[2]
-    assert row.startswith("| adamw | FP8 | fp8 | 3 | -0.0300 ± ")
+    assert row.startswith("| adamw | FP8 | fp8 | 3 (provisional) | -0.0300 ± ")
     assert "fp8: lower than fp32 at 95 % (fp8 − fp32 = -0.0300 ± 0.0025, 3 seeds)" in flat(text)
     assert "fp8 sends 0.543× bf16's bytes here, above the 0.52× the goal allows" in flat(text)
     assert "Not finite in some run, so in no row: subspace." in flat(text)
@@ -629,10 +627,11 @@ def namesake_records(gains, seeds=range(6)):
     out = []
     for k, s in enumerate(seeds):
         base = 2.0 + s / 10
-        loss = {"fp32": base, "bf16": base + 0.0005 * (k % 2), "fp8": base + 0.002 + jitter[k]}
+        loss = {"fp32": base, "bf16": base + 0.0005 * (k % 2), "fp8": base + 0.002 + jitter[k % 6]}
         loss.update({c: loss["fp8"] + g[k] for c, g in gains.items()})
         out += [dict(study_record(c, s, v, 0.525 if c not in ("fp32", "bf16") else 1.0),
-                     optimizer="muon", machine="CPU A") for c, v in loss.items()]
+                     optimizer="muon", machine="CPU A", preset="char-study")
+                for c, v in loss.items()]
     return out
 
 
@@ -656,8 +655,8 @@ def test_study_findings_in_words_from_the_numbers():
             "fraction uncertain.") in text
     assert "the margin is wider than `fp8`'s whole gap (+0.0020)" in text
     p = [stats.p_value(stats.paired(by_comm[c], by_comm["fp8"])[1]) for c in ("geofp8", "subspace")]
-    assert (f"Holm over the family fixed before the runs (`geofp8` − `fp8`, `subspace` − `fp8`, "
-            f"Muon, W = 32): the smallest adjusted p is {min(study.holm(p)):.3f}") in text
+    assert ('Holm over the family "FP8 geometry, Muon W = 32", fixed before the runs (`geofp8` − '
+            f"`fp8`, `subspace` − `fp8`): the smallest adjusted p is {min(study.holm(p)):.3f}") in text
     sd = stats.mean_sd(stats.paired(by_comm["subspace"], by_comm["fp8"])[1])[1]
     assert (f"`subspace` − `fp8` under Muon: sd {sd:.4f}, {study.seeds_for_power(sd, 0.002)} seeds "
             "(6 ran)") in text
@@ -709,24 +708,25 @@ def test_study_summary_the_readmes_table():
                for comm, values in losses.items() for seed in range(3)]
     records += [dict(r, optimizer="muon") for r in records if r["comm"] in ("fp32", "fp8")]
     rows = study.summary(records).splitlines()
-    assert rows[2] == ("| Muon, W = 32 | FP8 | `fp8` | 0.500× | +0.0200 ± 0.0000 | — | 3 | the "
-                       "only candidate; above fp32 at 95 % |")
+    assert rows[2] == ("| Muon, W = 32 | FP8 | `fp8` | 0.500× | +0.0200 ± 0.0000 | — | — | 3 | "
+                       "provisional (3 seeds); the only candidate; above fp32 at 95 % |")
     assert rows[3] == ("| AdamW, W = 32 | FP8 | `fp8` | 0.500× | +0.0200 ± 0.0000 | +0.0100 ± "
-                       "0.0000 | 3 | no other candidate lower; above fp32 and bf16 at 95 % |")
+                       "0.0000 | — | 3 | provisional (3 seeds); no other candidate lower; above "
+                       "fp32 and bf16 at 95 % |")
     assert rows[4] == ("| AdamW, W = 32 | 4-bit | `subspace-nvfp4` | 0.280× | +0.0500 ± 0.0000 "
-                       "| +0.0400 ± 0.0000 | 3 | lower than `nvfp4` (p < 0.001); above fp32 and "
-                       "bf16 at 95 % |")
+                       "| +0.0400 ± 0.0000 | — | 3 | provisional (3 seeds); lower than `nvfp4` "
+                       '(p < 0.001, Holm in "exploratory: AdamW, W = 32, 4-bit"; tail mean: not '
+                       "recorded); above fp32 and bf16 at 95 % |")
     assert all(len(line) <= 100 for line in rows[6:])
-    j = (0.0003, -0.0003, 0.0002, -0.0002)
-    records = four_bit_arms(range(4), {"nvfp4-ef2": [-0.006 + x for x in j],
-                                       "subspace-nvfp4": [-0.006 - x for x in j]})
-    records += four_bit_arms(range(4), {"nvfp4-ef2": [x for x in j],
-                                        "subspace-nvfp4": [-0.006 - x for x in j]}, w=64)
-    rows = study.summary(records, (32, 64)).splitlines()
-    assert rows[2].startswith("| AdamW, W = 32 | 4-bit | `subspace-nvfp4` |")
-    assert "| pooled with W = 64 (at W = 32 alone the rule picks `nvfp4-ef2`); above fp32" in rows[2]
-    assert rows[3].startswith("| AdamW, W = 64 | 4-bit | `subspace-nvfp4` |")
-    assert "lower than `nvfp4`" in rows[3]
+    # the tail mean: where it does not separate what the final val loss does, the words say so
+    gains = {"subspace": [-0.001, -0.004, -0.0005, -0.003, -0.002, -0.0015] * 2}
+    records = namesake_records(gains, range(12))
+    for k, r in enumerate(records):
+        r["tail_val_loss"] = r["final_val_loss"] + (0.004 * (k % 3 - 1) if r["comm"] == "subspace"
+                                                    else 0.0)
+    row = study.summary(records).splitlines()[2]
+    assert row.startswith("| Muon, W = 32 | FP8 | `subspace` | 0.525× |")
+    assert ", not significant there); on the tail mean the rule picks `fp8`;" in row
 
 
 def test_study_figure_values_are_the_comparisons(tmp_path, monkeypatch, capsys):
@@ -748,7 +748,8 @@ def test_study_figure_values_are_the_comparisons(tmp_path, monkeypatch, capsys):
         half = (row["high"] - row["low"]) / 2
         assert (f"| {row['a']} − {row['b']} | {row['seeds']} | {row['mean']:+.4f} ± {half:.4f} |"
                 in table)
-        assert row["label"] == f"{row['a']} − {row['b']}  ({row['wire']:.3f}×, 6 seeds)"
+        assert row["provisional"] and row["label"] == (
+            f"{row['a']} − {row['b']}  ({row['wire']:.3f}×, 6 seeds, provisional)")
     (tmp_path / "r.json").write_text(json.dumps(records))
     monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)   # import fails
     study.main(["--answer", str(tmp_path / "r.json"), "--figure", str(tmp_path / "f.png")])
@@ -796,3 +797,109 @@ def test_generated_lines_keep_numbers_with_their_units():
     assert wrap("x" * 96 + " 23 %").splitlines() == ["x" * 96, "23 %"]
     assert wrap("x" * 97 + " ± 0.0017").splitlines() == ["x" * 97, "± 0.0017"]
     assert wrap("- " + "word " * 30).splitlines()[1].startswith("  word")
+
+
+def test_benjamini_hochberg_holm_and_tost_p_by_hand():
+    """BH, by hand: p = 0.01, 0.04, 0.03, 0.20 (m = 4) sorted times m / rank: 0.04, 0.06, 0.0533,
+    0.20; made non-increasing from the top: 0.20, 0.0533, 0.0533, 0.04 - in the order given
+    [0.04, 0.0533, 0.0533, 0.20]; a nan p (no test) stays nan and does not count in m. Holm of
+    the namesake family's two p's 0.013 and 0.225: 0.026 (x 2) and 0.225. TOST p of [1, 2, 3] x
+    1e-3 at +-0.003 (df 2, P(T > t) = 1/2 - t / (2 sqrt(2 + t^2))): the upper test's t = -sqrt(3)
+    gives 1/2 - sqrt(3) / (2 sqrt(5)) = 0.112702, the lower one's t = 5 sqrt(3) gives 0.0065;
+    the TOST's p is the larger."""
+    from nanogeo.lab.study import stats
+    q = stats.benjamini_hochberg([0.01, 0.04, 0.03, 0.20])
+    assert q == pytest.approx([0.04, 0.16 / 3, 0.16 / 3, 0.20])
+    q = stats.benjamini_hochberg([float("nan"), 0.01, 0.02])
+    assert math.isnan(q[0]) and q[1:] == pytest.approx([0.02, 0.02])
+    assert study.holm([0.013, 0.225]) == pytest.approx([0.026, 0.225])
+    diffs = [0.001, 0.002, 0.003]
+    assert stats.tost_p(diffs, 0.003) == pytest.approx(0.5 - math.sqrt(3) / (2 * math.sqrt(5)),
+                                                       abs=1e-6)
+    assert stats.one_sided_p(diffs, -0.003) == pytest.approx(
+        0.5 - 5 * math.sqrt(3) / (2 * math.sqrt(2 + 75)), abs=1e-6)
+    assert (stats.tost_p(diffs, 0.01) < 0.05) == stats.tost(diffs, 0.01)[2]
+
+
+def test_standing_words_follow_the_90_and_95_percent_intervals():
+    """"No difference detected" only where the 90 % interval holds 0; where only the 90 %
+    interval excludes 0 the words give the direction and that interval (issue 59: the mixed
+    wire against bf16 at +0.0020 ± 0.0021 was "no difference detected")."""
+    from nanogeo.lab.study import stats
+    base = [-1.0, -0.4, 0.1, 0.5, 0.9, 1.3]
+    for shift in (0.0, 0.2, 0.45, 0.55, 0.8, 1.5):
+        diffs = [(shift + x) * 0.01 for x in base]
+        mean, half = stats.mean_ci(diffs)
+        low, high, _ = stats.tost(diffs, 0.0001)
+        said = stats.standing(diffs, 0.0001)
+        if abs(mean) > half:
+            assert said == "higher"
+        elif low > 0:
+            assert said == "likely higher" and "likely higher than b (90 % interval " in \
+                study.words("a", "b", diffs, 0.0001)
+        else:
+            assert said == "no difference detected" and low <= 0 <= high
+    assert {stats.standing([(s + x) * 0.01 for x in base], 0.0001) for s in (0.0, 0.55, 1.5)} \
+        == {"no difference detected", "likely higher", "higher"}
+
+
+PLAN_TEXT = """# plan
+
+## study A
+
+Written before the runs.
+
+| id | comparison | preset | optimizer | W | test | margin | seeds | endpoint | family |
+| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
+| A1 | subspace - fp8 | char-study | muon | 32 | less | - | 6 | final | geometry |
+| A2 | geofp8 - fp8 | char-study | muon | 32 | less | - | 6 | final | geometry |
+
+## study B: retrospective
+
+| id | comparison | preset | optimizer | W | test | margin | seeds | endpoint | family |
+| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
+| B1 | fp8 - fp32 | char-study | muon | 32 | equivalent | 0.002 | 6 | final | baselines |
+| B2 | bf16 - fp32 | char-study | muon | 32 | report | - | 6 | final | - |
+"""
+
+
+def test_plan_is_read_and_labels_every_comparison():
+    """plan.md's tables, read: a section's rows with their test, margin and family; a section
+    that says "retrospective" marks its rows so; every comparison the tool prints is labelled
+    planned (id), retrospective (id) or exploratory; Holm adjusts the plan's family together
+    (here the two geometry tests: the smaller p doubled). A row with a test and no family, or
+    one comparison named with two families, fails with the row's id."""
+    from nanogeo.lab.study import plan
+    rows = plan.parse(PLAN_TEXT)
+    assert [(r.id, r.a, r.b, r.test, r.family, r.retrospective) for r in rows] == [
+        ("A1", "subspace", "fp8", "less", "geometry", False),
+        ("A2", "geofp8", "fp8", "less", "geometry", False),
+        ("B1", "fp8", "fp32", "equivalent", "baselines", True),
+        ("B2", "bf16", "fp32", "report", None, True)]
+    assert rows[2].margin == 0.002 and rows[0].margin is None and rows[0].seeds == 6
+    assert plan.label(plan.lookup(rows, "char-study", "muon", 32, "fp8", "subspace")) == \
+        "planned (A1)"
+    assert plan.label(plan.lookup(rows, "char-study", "muon", 64, "subspace", "fp8")) == \
+        "exploratory"
+    with pytest.raises(ValueError, match="B1"):
+        plan.parse(PLAN_TEXT.replace("0.002 | 6 | final | baselines", "0.002 | 6 | final | -"))
+    with pytest.raises(ValueError, match="A1 and A3"):
+        plan.parse(PLAN_TEXT + "| A3 | subspace - fp8 | char-study | muon | 32 | less | - | 6 | "
+                               "final | other |\n")
+    gains = {"subspace": [-0.001, -0.004, -0.0005, -0.003, -0.002, -0.0015],
+             "geofp8": [0.001, -0.002, 0.0, -0.001, 0.002, -0.001]}
+    records = namesake_records(gains)
+    tests = Multiplicity(records, (32,), rows)
+    by_comm = study.study_groups(records, 32)["muon"]
+    p = {c: study.stats.p_value(study.stats.paired(by_comm[c], by_comm["fp8"])[1])
+         for c in ("subspace", "geofp8")}
+    assert tests.adjusted("muon", 32, "subspace", "fp8")[1:] == (
+        pytest.approx(min(1.0, 2 * min(p.values()))), "geometry")
+    table = study.comparisons(records, (32,), tests=tests)
+    label = lambda pair: next(l for l in table.splitlines() if f"| {pair} |" in l).split(" | ")[10]
+    assert label("subspace − fp8") == "planned (A1)" and label("fp8 − fp32") == \
+        "retrospective (B1)"
+    assert label("subspace − bf16") == "exploratory" and label("bf16 − fp32") == \
+        "retrospective (B2)"
+    holm_cell = next(l for l in table.splitlines() if "| fp8 − fp32 |" in l).split(" | ")[8]
+    assert holm_cell.endswith(" TOST (baselines)")

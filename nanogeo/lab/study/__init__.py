@@ -64,10 +64,12 @@ With matplotlib installed, out_dir/loss_OPTIMIZER_simW.png (or _ranksN): the stu
 curves, mean over seeds with a min-max band.
 
 --answer RESULTS[,RESULTS...] prints the which-method-to-run tables under the study's rule
-(answer.py: candidates compared on the seeds they share, controls never recommended, equivalence
-only by a TOST within --margin); --comparisons the table of every comparison they rest on. With
---readme FILE (repeatable) --answer rewrites every generated block FILE holds instead (page.py:
-the README's what-to-run table; docs/study/README.md's findings, answer tables, comparisons and
+(rule.py: every pair of candidates compared on the seeds they share, Holm-adjusted in the family
+docs/study/plan.md gives it, the cheapest candidate no other beats; controls never recommended,
+equivalence only by a TOST within --margin); --comparisons the table of every comparison they
+rest on, each labelled planned, retrospective or exploratory (plan.py). With --readme FILE
+(repeatable) --answer rewrites every generated block FILE holds instead (page.py: the README's
+what-to-run table; docs/study/README.md's answer tables, families, findings, comparisons and
 machines), and --figure PNG draws the forest plot of the paired differences with its values
 beside it (figure.py) - one command for all of it (docs/study/README.md names it).
 
@@ -75,10 +77,13 @@ The package, by what each part is for:
     arms.py         COMMS (method -> train.py flags) and what kind of method each is
     runs.py         each run's command, running it (resumable), its record and provenance
     stats.py        Student t, paired intervals, TOST, Welch, recovered fractions; Fieller's
-                    interval of a ratio, Holm's correction, the seeds a power needs
+                    interval of a ratio, Holm's and Benjamini-Hochberg's corrections, the seeds
+                    a power needs, the words an interval allows
     report.py       study.md's tables, pooling machines; reading several results files
     compare.py      pairwise comparisons in the study's words (--comparisons)
-    answer.py       the rule and the answer tables (--answer)
+    plan.py         docs/study/plan.md read: planned, retrospective and exploratory comparisons
+    rule.py         the rule, its tests and their families (Holm), both end points
+    answer.py       the answer tables (--answer)
     findings.py     what the data show, in words written from the numbers
     figure.py       the forest plot and its values (--figure)
     page.py         the generated blocks of the README and docs/study/README.md (--readme)

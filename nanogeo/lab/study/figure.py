@@ -15,7 +15,7 @@ without it nothing is drawn and one line says so; forest() needs only the record
 import json
 import os
 
-from nanogeo.lab.study.answer import candidates, wire_of
+from nanogeo.lab.study.rule import MIN_SEEDS, candidates, wire_of
 from nanogeo.lab.study.arms import BUDGETS, cost, wire_format
 from nanogeo.lab.study.compare import twin
 from nanogeo.lab.study.findings import goal_methods, name
@@ -42,8 +42,9 @@ def panel_rows(by_comm, goal=()):
 
 def forest(results, workers=(32,), margin=MARGIN):
     """The plotted values: {"margin", "panels": [{"optimizer", "workers", "title", "rows":
-    [{"a", "b", "label", "seeds", "mean", "low", "high", "wire"}]}]}; low and high bound the
-    95 % paired t interval of a - b over the seeds both share."""
+    [{"a", "b", "label", "seeds", "mean", "low", "high", "wire", "provisional"}]}]}; low and
+    high bound the 95 % paired t interval of a - b over the seeds both share; a row on fewer than
+    rule.MIN_SEEDS seeds is provisional (said in its label, drawn with an open marker)."""
     panels = []
     for optimizer, w, by_comm in settings(results, workers):
         rows = []
@@ -52,10 +53,12 @@ def forest(results, workers=(32,), margin=MARGIN):
             if len(diffs) < 2:
                 continue
             mean, half = mean_ci(diffs)
-            wire = wire_of(by_comm[a])
+            wire, provisional = wire_of(by_comm[a]), len(diffs) < MIN_SEEDS
             rows.append({"a": a, "b": b, "seeds": len(diffs), "mean": mean,
                          "low": mean - half, "high": mean + half, "wire": wire,
-                         "label": f"{a} − {b}  ({wire:.3f}×, {len(diffs)} seeds)"})
+                         "provisional": provisional,
+                         "label": f"{a} − {b}  ({wire:.3f}×, {len(diffs)} seeds"
+                                  + (", provisional)" if provisional else ")")})
         if rows:
             panels.append({"optimizer": optimizer, "workers": w, "rows": rows,
                            "title": f"{name(optimizer)}, W = {w}"})
@@ -84,7 +87,8 @@ def draw(data, path):
         for y, row in zip(ys, rows):
             colour = COLOURS.get(row["b"], "tab:orange")
             ax.plot([row["low"], row["high"]], [y, y], color=colour, lw=1.6)
-            ax.plot([row["mean"]], [y], "o", color=colour, ms=4)
+            ax.plot([row["mean"]], [y], "o", color=colour, ms=4,
+                    markerfacecolor="white" if row["provisional"] else colour)
         ax.set_yticks(list(ys), [r["label"] for r in rows], fontsize=7)
         ax.set_ylim(0.3, len(rows) + 0.7)
         ax.set_title(panel["title"], fontsize=9, loc="left")
@@ -92,7 +96,8 @@ def draw(data, path):
     axes[0, 0].legend(fontsize=7, loc="lower right")
     axes[-1, 0].set_xlabel("paired difference in final val loss, mean and 95 % t interval\n"
                            "blue: against fp32; orange: a lever against its Euclidean twin; "
-                           "green: a mixed wire against bf16", fontsize=7)
+                           "green: a mixed wire against bf16; open marker: provisional "
+                           f"(< {MIN_SEEDS} seeds)", fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=130, metadata={"Software": None})
     plt.close(fig)

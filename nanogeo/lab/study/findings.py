@@ -9,22 +9,21 @@ frame.
     Fieller's interval, said in words ("about the size of that gap, the fraction uncertain" when
     the interval holds 100 % and is wider than the gap itself), and whether the equivalence
     margin can tell full recovery from none;
-  * multiple tests: Holm over the family fixed before the runs (PLANNED) and over every FP8
-    geometry-against-Euclidean test the results hold;
-  * a recommendation shared across W's, where it rests on pooling;
+  * multiple tests: Holm over each family fixed before the runs (docs/study/plan.md);
   * power: the seeds a paired t test needs to detect the planned group's Euclidean FP8 gap at
     the paired sd each comparison showed.
 """
 
-from nanogeo.lab.study.answer import candidates, choices, lower, wire_of
 from nanogeo.lab.study.arms import BUDGETS, cost, wire_format
 from nanogeo.lab.study.compare import EXTRA_PAIRS, twin, words
 from nanogeo.lab.study.report import OPTIMIZER_NAMES, settings, study_groups
-from nanogeo.lab.study.stats import (MARGIN, edge, estimate, fieller, holm, mean_ci, mean_sd,
-                                       p_value, paired, seeds_for_power, tost, wrap)
+from nanogeo.lab.study.rule import ALPHA, Multiplicity, candidates, wire_of
+from nanogeo.lab.study.stats import (MARGIN, edge, estimate, fieller, interval90, mean_ci,
+                                       mean_sd, p_value, paired, seeds_for_power, standing, tost,
+                                       wrap)
 
-# the namesake study's family of tests, fixed before its runs (docs/study/namesake.sh, step 1):
-# each FP8 geometry against Euclidean FP8 under Muon at W = 32
+# the setting of the one family fixed before its runs (docs/study/plan.md, rows N1a and N1b: each
+# FP8 geometry against Euclidean FP8 under Muon at W = 32), whose Euclidean gap the power reads
 PLANNED = ("muon", 32, "FP8")
 
 
@@ -32,22 +31,26 @@ def name(optimizer):
     return OPTIMIZER_NAMES.get(optimizer, optimizer)
 
 
-def p_text(diffs):
+def p_text(diffs, adjusted=""):
+    """'p = 0.013' (the paired t test's, unadjusted), with the Holm-adjusted p of its family
+    beside it where it has one: 'p = 0.013 (adjusted: p = 0.025, Holm in "...")'."""
     p = p_value(diffs)
-    return "p < 0.001" if p < 0.001 else f"p = {p:.3f}"
+    raw = "p < 0.001" if p < 0.001 else f"p = {p:.3f}"
+    return f"{raw} (adjusted: {adjusted})" if adjusted else raw
 
 
 def state(diffs, margin):
     """Where a method stands against a baseline, as a phrase around "{}" (the baseline):
-    "within M of {}" (TOST, "at the edge" where it is), "above {}" / "below {}" (the 95 %
-    interval excludes 0) or "no difference detected from {}"."""
-    interval = tost(diffs, margin)
-    if interval and interval[2]:
+    "within M of {}" (TOST, "at the edge" where it is), "above {}" / "below {} at 95 %" (the
+    95 % interval excludes 0), "likely above {} (90 %: lo to hi)" (only the 90 % interval
+    excludes 0) or "no difference detected from {}" (the 90 % interval holds 0)."""
+    said = standing(diffs, margin)
+    if said == "equivalent":
         return f"within {margin:g} of {{}}" + (" (at the edge)" if edge(diffs, margin) else "")
-    mean, half = mean_ci(diffs)
-    if abs(mean) > half:
-        return ("above" if mean > 0 else "below") + " {} at 95 %"
-    return "no difference detected from {}"
+    where = "above" if said.endswith("higher") else "below"
+    if said.startswith("likely"):
+        return f"likely {where} {{}} (90 %: {interval90(diffs)})"
+    return "no difference detected from {}" if said.startswith("no") else where + " {} at 95 %"
 
 
 def against_baselines(by_comm, comm, margin=MARGIN):
@@ -96,16 +99,17 @@ def recovered_words(by_comm, comm, plain, margin):
     return text + "."
 
 
-def method_findings(by_comm, comm, fits, margin):
+def method_findings(by_comm, comm, fits, margin, held=lambda a, b: ""):
     """One bullet: a method against its Euclidean twin (if it has one among the candidates:
     the paired difference, p and, where it is lower at 95 %, the fraction of the twin's gap it
-    recovers), then against fp32 and bf16."""
+    recovers), then against fp32 and bf16. held(a, b): the Holm-adjusted p of a - b in words."""
     said = [f"- `{comm}` ({wire_format(comm)}, {wire_text(by_comm[comm])}):"]
     base = twin(comm, list(by_comm))
     diffs = paired(by_comm[comm], by_comm[base])[1] if base in fits and base != comm else []
     if len(diffs) > 1:
         mean, half = mean_ci(diffs)
-        said.append(f"{words(comm, base, diffs, margin).partition(': ')[2]}, {p_text(diffs)}.")
+        said.append(f"{words(comm, base, diffs, margin).partition(': ')[2]}, "
+                    f"{p_text(diffs, held(comm, base))}.")
         if mean + half < 0:
             said.append(recovered_words(by_comm, comm, base, margin))
     for a, b in EXTRA_PAIRS:            # the comparisons beside the twins': compare.EXTRA_PAIRS
@@ -114,7 +118,7 @@ def method_findings(by_comm, comm, fits, margin):
             sentence = words(a, b, extra, margin).partition(": ")[2]
             if len(said) > 1:           # a sentence of its own (else it follows the colon)
                 sentence = sentence[0].upper() + sentence[1:]
-            said.append(f"{sentence}, {p_text(extra)}.")
+            said.append(f"{sentence}, {p_text(extra, held(a, b))}.")
     against = [words(comm, b, d, margin).partition(": ")[2] for b in ("fp32", "bf16")
                if b in by_comm for d in [paired(by_comm[comm], by_comm[b])[1]] if len(d) > 1]
     if against:
@@ -128,7 +132,7 @@ def wire_text(runs):
     return "bytes not recorded" if wire is None else f"{wire:.3f}× bf16's bytes"
 
 
-def group_findings(optimizer, w, by_comm, margin):
+def group_findings(optimizer, w, by_comm, margin, tests):
     """Bullets for one optimizer and W: bf16 against fp32, then each wire format's candidates
     (a format with none says so; a mixed wire only where one ran)."""
     out = [f"**{name(optimizer)}, W = {w}.**", ""]
@@ -140,67 +144,33 @@ def group_findings(optimizer, w, by_comm, margin):
         if not fits and fmt != "4-bit + FP8":
             out.append(wrap(f"- {fmt}: not measured in these results (no method with >= 2 "
                             "seeds paired with fp32)."))
-        out += [wrap(method_findings(by_comm, c, fits, margin)) for c in fits]
+        held = lambda a, b: tests.p_text(optimizer, w, a, b)
+        out += [wrap(method_findings(by_comm, c, fits, margin, held)) for c in fits]
     return out
 
 
-def geometry_tests(results, workers):
-    """[(optimizer, W, geometry, its Euclidean twin, diffs)]: every FP8 geometry (cost 3, not a
-    control) against its twin, in the order of the tables."""
-    tests = []
-    for optimizer, w, by_comm in settings(results, workers):
-        for c in candidates(by_comm, "FP8"):
-            base = twin(c, list(by_comm))
-            diffs = paired(by_comm[c], by_comm[base])[1] if base else []
-            if cost(c) == 3 and len(diffs) > 1:
-                tests.append((optimizer, w, c, base, diffs))
-    return tests
-
-
 def holm_findings(results, workers):
-    """Holm over the planned family, and over every FP8 geometry test the results hold."""
-    tests = geometry_tests(results, workers)
-    planned = [t for t in tests if (t[0], t[1]) == PLANNED[:2]]
-    if not planned:
+    """Per family fixed before the runs (plan.md rows not marked retrospective): its tests and
+    the smallest Holm-adjusted p, significant or not - the one family of these studies whose
+    tests were chosen before the data were seen."""
+    tests = Multiplicity(results, workers)
+    families = {}
+    for k, t in tests.tests.items():
+        if t.row is not None and not t.row.retrospective and k in tests.final:
+            families.setdefault(t.family, []).append(k)
+    out = []
+    for family, keys in families.items():
+        best = min(keys, key=lambda k: tests.final[k][1])
+        t, q = tests.tests[best], tests.final[best][1]
+        listed = ", ".join(f"`{tests.tests[k].a}` − `{tests.tests[k].b}`" for k in keys)
+        out.append(f"Holm over the family \"{family}\", fixed before the runs ({listed}): the "
+                   f"smallest adjusted p is {q:.3f} (`{t.a}` − `{t.b}`, {name(t.optimizer)}, "
+                   f"W = {t.workers}), " + ("significant at 5 %." if q < ALPHA else
+                                            "not significant at 5 % in this family."))
+    if not out:
         return []
-    listed = lambda family: ", ".join(f"`{t[2]}` − `{t[3]}`" for t in family)
-    families = [(planned, f"the family fixed before the runs ({listed(planned)}, "
-                          f"{name(PLANNED[0])}, W = {PLANNED[1]})")]
-    if len(tests) > len(planned):
-        ws = {}
-        for t in tests:
-            ws.setdefault(name(t[0]), []).append(str(t[1]))
-        settings = "; ".join(f"{n} at W = {' and '.join(dict.fromkeys(w))}" for n, w in ws.items())
-        families.append((tests, f"all {len(tests)} FP8 geometry-against-Euclidean tests here "
-                                f"({settings})"))
-    out = []
-    for family, what in families:
-        adjusted = holm([p_value(t[4]) for t in family])
-        best = min(range(len(family)), key=lambda k: adjusted[k])
-        t = family[best]
-        out.append(f"Holm over {what}: the smallest adjusted p is {adjusted[best]:.3f} "
-                   f"(`{t[2]}` − `{t[3]}`, {name(t[0])}, W = {t[1]}), "
-                   + ("significant at 5 %." if adjusted[best] < 0.05 else
-                      "not significant at 5 % in this family."))
-    return ["**Multiple tests.** " + " ".join(out)]
-
-
-def pooling_findings(results, workers):
-    """Where a W's recommendation is the pick on every W's seeds pooled, not its own."""
-    out = []
-    for w, picks in choices(results, workers).items():
-        for (optimizer, fmt), choice in picks.items():
-            if not choice.pooled:
-                continue
-            by_comm = study_groups(results, w)[optimizer]
-            separated = any(lower(by_comm, a, b) for a in choice.fits for b in choice.fits
-                            if a != b)
-            others = ", ".join(str(x) for x in workers if x != w)
-            out.append(f"{name(optimizer)}, {fmt}, W = {w}: `{choice.comm}` rests on pooling with "
-                       f"W = {others}; at W = {w} alone "
-                       + (f"the rule picks `{choice.alone}`." if separated else
-                          "no candidate is lower than another at 95 % (each comparison null)."))
-    return ["**One recommendation across W.** " + " ".join(out)] if out else []
+    return ["**Multiple tests.** " + " ".join(out) + " Every family, planned, retrospective or "
+            "exploratory, with its adjusted p's at both endpoints: [Families](#families)."]
 
 
 def power_findings(results, workers):
@@ -301,9 +271,10 @@ def goal_note(results, workers, margin=MARGIN):
 
 def findings(results, workers=(32,), margin=MARGIN):
     """The findings block: markdown paragraphs in lines of at most 100 characters."""
-    paragraphs = ["\n".join(group_findings(optimizer, w, by_comm, margin))
+    tests = Multiplicity(results, workers)
+    paragraphs = ["\n".join(group_findings(optimizer, w, by_comm, margin, tests))
                   for optimizer, w, by_comm in settings(results, workers)]
     for part in (goal_findings(results, workers, margin), holm_findings(results, workers),
-                 pooling_findings(results, workers), power_findings(results, workers)):
+                 power_findings(results, workers)):
         paragraphs += [wrap(p) for p in part]
     return "\n\n".join(paragraphs) + "\n"

@@ -15,8 +15,14 @@ when its outer bound is within EDGE (5 %) of the margin. A paired interval that 
 says "no difference detected (+- its 95 % half-width)", never "the same".
 
 Beyond one test: the fraction of a gap a method recovers as a ratio of two paired means with
-Fieller's interval (fieller), Holm's step-down correction over a family of tests (holm), and the
-seeds a paired t test needs for a given power (seeds_for_power).
+Fieller's interval (fieller), Holm's step-down correction over a family of tests (holm), the
+Benjamini-Hochberg q of each of many tests (benjamini_hochberg), and the seeds a paired t test
+needs for a given power (seeds_for_power).
+
+Words (standing): what an interval says of A - B, in one of four phrases - within the margin
+(TOST), lower / higher at 95 % (the 95 % interval excludes 0), likely lower / higher (only the 90 %
+interval excludes 0: said with its bounds), or no difference detected (the 90 % interval holds
+0). "No difference detected" is never said of an interval that leans one way at 90 %.
 """
 
 import functools
@@ -105,6 +111,28 @@ def p_value(diffs):
     return incomplete_beta((n - 1) / (n - 1 + t * t), (n - 1) / 2, 0.5)
 
 
+def one_sided_p(diffs, shift=0.0, upper=True):
+    """The one-sided p of the paired t test that the mean of diffs is below `shift` (upper=True:
+    small when the mean is clearly above it) or above it (upper=False): P(T >= t) for
+    t = (mean - shift) / (sd / sqrt(n)), from the two-sided p of that t."""
+    n = len(diffs)
+    mean, sd = mean_sd(diffs)
+    t = (mean - shift) / (sd / math.sqrt(n)) if sd > 0 else math.copysign(math.inf, mean - shift)
+    t = t if upper else -t
+    tail = incomplete_beta((n - 1) / (n - 1 + t * t), (n - 1) / 2, 0.5) / 2 if math.isfinite(t) \
+        else 0.0
+    return tail if t > 0 else 1 - tail
+
+
+def tost_p(diffs, margin=MARGIN):
+    """The p of the two one-sided t tests of equivalence within +-margin: the larger of the p's
+    that the mean is above -margin and below +margin. Below 0.05 exactly where the 90 % paired t
+    interval lies inside the margin (tost()); nan with fewer than 2 blocks."""
+    if len(diffs) < 2 or not all(map(math.isfinite, diffs)):
+        return float("nan")
+    return max(one_sided_p(diffs, -margin, upper=True), one_sided_p(diffs, margin, upper=False))
+
+
 def tost(diffs, margin=MARGIN):
     """Two one-sided t tests at 5 % of |mean difference| < margin, from per-block differences
     A - B: (low, high) of the 90 % paired t interval, and whether it lies inside (-margin,
@@ -131,22 +159,46 @@ def edge_text(diffs, margin=MARGIN):
     return "" if outer is None else f" at the edge, 90 % bound {outer:+.5f}"
 
 
+def standing(diffs, margin=MARGIN):
+    """Where A - B stands, from its per-block differences: "equivalent" (the TOST passes),
+    "lower" / "higher" (the 95 % paired t interval excludes 0), "likely lower" / "likely higher"
+    (only the 90 % interval excludes 0) or "no difference detected" (the 90 % interval holds 0).
+    "equivalent" wins where the 95 % interval also excludes 0 (a real difference smaller than
+    the margin): verdict() and the words add the side."""
+    mean, half = mean_ci(diffs)
+    low, high, equivalent = tost(diffs, margin)
+    side = "lower" if mean < 0 else "higher"
+    if equivalent:
+        return "equivalent"
+    if abs(mean) > half:
+        return side
+    return f"likely {side}" if low > 0 or high < 0 else "no difference detected"
+
+
+def interval90(diffs):
+    """'+0.0003 to +0.0038': the 90 % paired t interval of the differences."""
+    low, high, _ = tost(diffs)
+    return f"{low:+.4f} to {high:+.4f}"
+
+
 def verdict(diffs, margin=MARGIN):
-    """What per-block differences A - B say, in the study's words: "equivalent within +-margin
-    (TOST)", "lower" / "higher" (the 95 % paired t interval excludes 0; both can hold when a
-    real difference is smaller than the margin), or "no difference detected (+- the 95 %
-    half-width)"."""
+    """What per-block differences A - B say, in the study's words (standing()): "equivalent
+    within +-margin (TOST)" (with "; lower / higher at 95 %" where that holds too), "lower" /
+    "higher at 95 %", "likely lower" / "likely higher (90 % interval excludes 0)", or "no
+    difference detected (+- the 95 % half-width)"."""
     if not diffs:
         return "no shared seeds"
     mean, half = mean_ci(diffs)
     if len(diffs) < 2 or not all(map(math.isfinite, diffs)):
         return f"one seed ({mean:+.4f})" if len(diffs) < 2 else "not finite"
-    significant = abs(mean) > half
+    said = standing(diffs, margin)
     side = "lower" if mean < 0 else "higher"
-    if tost(diffs, margin)[2]:
+    if said == "equivalent":
         return (f"equivalent within ±{margin:g} (TOST{edge_text(diffs, margin)})"
-                + (f"; {side} at 95 %" if significant else ""))
-    return f"{side} at 95 %" if significant else f"no difference detected (± {half:.4f})"
+                + (f"; {side} at 95 %" if abs(mean) > half else ""))
+    if said.startswith("likely"):
+        return f"{said} (90 % interval excludes 0)"
+    return f"{side} at 95 %" if said == side else f"no difference detected (± {half:.4f})"
 
 
 def welch_differs(a, b):
@@ -237,6 +289,23 @@ def holm(p_values):
     return adjusted
 
 
+def benjamini_hochberg(p_values):
+    """Benjamini-Hochberg q-values, in the order given: the k-th smallest p times m / k, made
+    non-increasing from the largest down, at most 1. Rejecting every test with q below 0.05
+    keeps the expected share of false discoveries among the rejected at most 5 % (independent
+    or positively dependent tests) - a weaker promise than Holm's (no false rejection at all
+    with probability 95 %), for a long list of comparisons rather than a decision. nan p's
+    (no test) stay nan and do not count in m."""
+    tested = [k for k, p in enumerate(p_values) if math.isfinite(p)]
+    m = len(tested)
+    order = sorted(tested, key=lambda k: p_values[k], reverse=True)
+    q, running = [float("nan")] * len(p_values), 1.0
+    for position, k in enumerate(order):
+        running = min(running, p_values[k] * m / (m - position))
+        q[k] = running
+    return q
+
+
 def seeds_for_power(sd, effect, power=0.8, level=0.95):
     """The fewest blocks with which a two-sided paired t test at 1 - level detects a true mean
     difference `effect` with probability `power`, at a paired sd `sd`: the smallest n with
@@ -259,11 +328,19 @@ def estimate(values, digits=4, sign=""):
     return f"{mean:{sign}.{digits}f} ± {half:.{digits}f}"
 
 
-def paired(runs, other):
+# the end points a record holds: train.py's final val loss (the mean of its last 3 evaluations,
+# the primary one) and its tail val loss (the mean of the last 12, --tail_evals: the second)
+ENDPOINTS = {"final": "final_val_loss", "tail": "tail_val_loss"}
+
+
+def paired(runs, other, endpoint="final"):
     """The blocks both dicts {block: record} hold (a block: (machine, seed)), and runs' val loss
-    minus other's on each."""
-    blocks = [b for b in sorted(runs) if b in other]
-    return blocks, [runs[b]["final_val_loss"] - other[b]["final_val_loss"] for b in blocks]
+    minus other's on each, at `endpoint` (ENDPOINTS; a block whose records lack it is left
+    out)."""
+    key = ENDPOINTS[endpoint]
+    blocks = [b for b in sorted(runs) if b in other
+              and runs[b].get(key) is not None and other[b].get(key) is not None]
+    return blocks, [runs[b][key] - other[b][key] for b in blocks]
 
 
 def includes_zero(values):
