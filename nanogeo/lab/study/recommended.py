@@ -9,7 +9,7 @@ table cannot disagree.
 import json
 import os
 
-from nanogeo.lab.study.answer import choices
+from nanogeo.lab.study.rule import choices
 from nanogeo.lab.study.arms import COMMS
 
 PATH = os.path.join(os.path.dirname(__file__), "..", "..", "run", "recommended.json")
