@@ -9,6 +9,7 @@ page's corpus is the tests' tiny one (conftest.tiny_corpus), in the copy's data/
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -42,15 +43,23 @@ def paste(root, path, anchor, code):
         f.writelines(lines)
 
 
-def run(root, language, text):
-    """One of the page's commands in the copy, as a user runs it; its stdout."""
+def run(root, language, text, timeout=600):
+    """One of the page's commands in the copy, as a user runs it; its stdout. In a session of
+    its own: past `timeout` it is killed with every run it started."""
     env = {**os.environ, "PATH": f"{root / 'bin'}{os.pathsep}{os.environ['PATH']}",
            "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     command = ["bash", "-c", text] if language == "bash" else ["python", "-c", text]
-    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True)
-    assert done.returncode == 0, (f"docs/ablate.md: {text!r} failed:\n{done.stdout[-3000:]}\n"
-                                  f"{done.stderr[-3000:]}\n{runs_log(root)}")
-    return done.stdout
+    with subprocess.Popen(command, cwd=root, env=env, text=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, start_new_session=True) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            stdout, stderr = process.communicate()
+            stderr += f"\n(killed after {timeout} s)"
+    assert process.returncode == 0, (f"docs/ablate.md: {text!r} failed:\n{stdout[-3000:]}\n"
+                                     f"{stderr[-3000:]}\n{runs_log(root)}")
+    return stdout
 
 
 def runs_log(root):
