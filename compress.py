@@ -46,7 +46,6 @@ FP8_FORMATS = {  # name -> (torch dtype, largest finite value)
     "e4m3": (torch.float8_e4m3fn, 448.0),
     "e5m2": (torch.float8_e5m2, 57344.0),
 }
-FORMATS = (*FP8_FORMATS, "nvfp4")
 FP32_MAX = torch.finfo(torch.float32).max
 
 
@@ -117,6 +116,16 @@ def fp8_pack(scale, codes):
     return torch.cat([scale.view(torch.uint8).view(-1, 4), codes], dim=1).view(-1)
 
 
+# The formats that send each scale group as [fp32 scale | a byte a value], by name: (encode,
+# decode), encode (G, L) fp32 -> scales (G,) fp32 and codes (G, L) uint8, decode its inverse.
+# quantize, dequantize and wire_nbytes serve each one alike; FORMATS (train.py's --fmt choices)
+# lists them. A new one-byte format is a pair of functions and one line here (docs/ablate.md).
+BYTE_CODECS = {fmt: (functools.partial(fp8_encode, fmax=fmax, dtype=dtype),
+                     functools.partial(fp8_decode, dtype=dtype))
+               for fmt, (dtype, fmax) in FP8_FORMATS.items()}
+FORMATS = (*BYTE_CODECS, "nvfp4")       # every format quantize knows
+
+
 # NVFP4 (the 4-bit format of NVIDIA's Blackwell GPUs): blocks of 16 values, each an e2m1 number
 # (magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6), each block scaled by an e4m3 number, and one fp32
 # scale per tensor that brings the largest block scale to the top of e4m3's range. Two values a
@@ -182,19 +191,20 @@ def count_divisor(count, like):
 
 
 def quantize(x, fmt="e4m3", block=128) -> Quantized:
-    """x -> its wire bytes. FP8: each group gets the scale s = fmax / amax and is sent as [fp32
-    scale | its codes], values cast as torch casts x * s, saturated at +-fmax (a finite input
-    never decodes to NaN or inf); the last group of an integer block is zero-padded and sent
-    whole, so a bucket's groups stack into one (groups, 4 + block) byte matrix. NVFP4 (`block`
-    ignored): [fp32 tensor scale | e4m3 block scales | codes, the last block's padding cut]."""
+    """x -> its wire bytes. A one-byte format (BYTE_CODECS): each group is sent as [fp32 scale |
+    its codes] - FP8's scale s = fmax / amax, values cast as torch casts x * s, saturated at
+    +-fmax (a finite input never decodes to NaN or inf); the last group of an integer block
+    is zero-padded and sent whole, so a bucket's groups stack into one (groups, 4 + block) byte
+    matrix. NVFP4 (`block` ignored): [fp32 tensor scale | e4m3 block scales | codes, the last
+    block's padding cut]."""
     check_codec(fmt, block)
     if x.numel() == 0:
         buffer = torch.empty(0, dtype=torch.uint8, device=x.device)
     elif fmt == "nvfp4":
         buffer = nvfp4_wire(x)
     else:
-        dtype, fmax = FP8_FORMATS[fmt]
-        buffer = fp8_pack(*fp8_encode(scale_groups(x, block), fmax, dtype))
+        encode, _ = BYTE_CODECS[fmt]
+        buffer = fp8_pack(*encode(scale_groups(x, block)))
     return Quantized(buffer, x.shape, fmt, block)
 
 
@@ -219,7 +229,8 @@ def dequantize(q: Quantized) -> torch.Tensor:
         rows = q.buffer.view(num_groups(q.shape, q.block), -1)
         # scales copied out: a float32 view needs 4-byte alignment, and a piece starts anywhere
         scale = rows[:, :4].reshape(-1).clone().view(torch.float32)
-        values = fp8_decode(rows[:, 4:], scale, FP8_FORMATS[q.fmt][0])
+        _, decode = BYTE_CODECS[q.fmt]
+        values = decode(rows[:, 4:], scale)
     else:       # [tensor scale | G block scales | codes], the last block's unsent codes 0
         G, tensor_scale = num_groups(q.shape, NVFP4_BLOCK), q.buffer[:4].clone().view(torch.float32)
         nibbles = torch.nn.functional.pad(q.buffer[4 + G:], (0, 8 * G - (numel + 1) // 2))

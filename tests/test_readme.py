@@ -39,6 +39,11 @@ class Skip(str):
     pass
 
 
+ABLATE = Skip("after the page's code is pasted in: test_ablate.py runs it as written")
+ABLATE_AT_SCALE = Skip("docs/ablate.md's commands at scale (hours): test_ablate.py runs them "
+                       "small; the sweep and --lr_from: test_study.py::"
+                       "test_study_sweep_then_study_with_its_best_value")
+
 TOY = {
     "make train": Skip("= pip install + prepare_data.py + the torchrun line; test_make_train_runs_the_demo"),
     "make test": Skip("the test suite itself"),
@@ -93,6 +98,17 @@ TOY = {
     "python -m nanogeo.run.eval out/demo/ckpt.pt --limit 200": EVAL,
     "python -m nanogeo.run.eval --compare runs/fp32/ckpt.pt runs/geofp8/ckpt.pt --limit 1000 "
     "--json cmp.json": EVAL,
+    # docs/ablate.md: its commands need the int8 codec and arm the page pastes in first
+    "python -m nanogeo.lab.study --comms fp32,fp8,int8-row --seeds 0,1 --workers 4 "
+    "--out_dir out/int8 -- --preset=char-study --max_iters=20": ABLATE,
+    "python -m nanogeo.lab.study --answer out/int8/results.json --answer_workers 4": ABLATE,
+    "python -m nanogeo.lab.study --sweep muon_lr=1e-2,3e-2,1e-1 --optimizers muon --workers 32 "
+    "--seeds 0,1 --out_dir out/sweep -- --preset=char-study --max_iters=300": ABLATE_AT_SCALE,
+    "python -m nanogeo.lab.study --comms fp32,bf16,fp8,int8-row --optimizers muon --workers 32 "
+    "--seeds 0,1,2,3,4,5,6,7,8,9,10,11 --lr_from out/sweep/sweep.json --out_dir out/int8-study "
+    "-- --preset=char-study --max_iters=300 --tail_evals=12": ABLATE_AT_SCALE,
+    "python -m nanogeo.lab.study --answer out/int8-study/results.json --answer_workers 32":
+        ABLATE_AT_SCALE,
 }
 
 # Files a command reads that earlier commands wrote under another name (what the user would

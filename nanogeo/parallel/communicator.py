@@ -121,9 +121,13 @@ class Options(compress.GeoOptions):
         buckets.capacity(self.bucket_mb)        # (its check: bucket_mb >= 0)
         if self.scale_sync_every < 1:
             raise ValueError("scale_sync_every must be >= 1")
-        if self.collective == "fp8-sum" and (self.fmt == "nvfp4" or self.stochastic_round):
+        fp8 = self.fmt in compress.FP8_FORMATS
+        if self.collective == "fp8-sum" and (not fp8 or self.stochastic_round):
             raise ValueError("the fp8-sum collective sums e4m3/e5m2 codes with nearest rounding; "
-                             "use collective='two-stage' for nvfp4 or stochastic rounding")
+                             f"use collective='two-stage' for {self.fmt} or stochastic rounding")
+        if self.stochastic_round and not (fp8 or self.fmt == "nvfp4"):
+            raise ValueError(f"stochastic_round rounds e4m3, e5m2 and nvfp4 codes, not "
+                             f"{self.fmt}: drop stochastic_round (--stochastic_round)")
         if self.feedback_stages != "1" and not (self.error_feedback
                                                 and self.collective == "two-stage"):
             raise ValueError("feedback_stages chooses the stages of the two-stage collective that "

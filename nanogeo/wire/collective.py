@@ -184,13 +184,15 @@ def stochastic_quantize(x, fmt="e4m3", block=128, generator=None):
 
 
 def layout(shapes, fmt, block, world_size, pieces=None, packed=True, nvfp4_scale="6"):
-    """The ShardLayout of a bucket: packed for integer blocks (packed=False: piece by piece,
-    the reference the packed form is tested against); NVFP4's block scales as nvfp4_scale
-    says (nanogeo.wire.nvfp4.NVFP4_SCALES; other formats ignore it)."""
+    """The ShardLayout of a bucket: packed for FP8 in integer blocks (packed=False: piece by
+    piece, the reference the packed form is tested against; a one-byte format of compress.py's
+    other than FP8 always goes piece by piece, through compress.quantize); NVFP4's block scales
+    as nvfp4_scale says (nanogeo.wire.nvfp4.NVFP4_SCALES; other formats ignore it)."""
     if fmt == "nvfp4":                                  # always blocks of 16
         kind = nvfp4.Nvfp4PackedLayout if packed else nvfp4.Nvfp4Layout
         return kind(shapes, fmt, block, world_size, pieces, nvfp4_scale)
-    kind = packing.PackedLayout if packed and isinstance(block, int) else packing.PieceLayout
+    packable = packed and isinstance(block, int) and fmt in compress.FP8_FORMATS
+    kind = packing.PackedLayout if packable else packing.PieceLayout
     return kind(shapes, fmt, block, world_size, pieces)
 
 

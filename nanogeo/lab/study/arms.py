@@ -2,6 +2,7 @@
 The study's arms: every method a study can run (COMMS: its name -> train.py's flags), and what
 kind of method each is - its wire format, what it costs beyond plain quantisation, whether it is
 a control (run to explain a result, never recommended) and its Euclidean twin's collective.
+A new arm is one COMMS entry: all the rest is read off its flags (docs/ablate.md).
 """
 
 PAPER_SUM = ["--fmt=e5m2", "--block=tensor", "--collective=fp8-sum"]   # the paper's collective
@@ -77,8 +78,9 @@ EUCLIDEAN = ("fp8", "fp8-paper", "e5m2-tensor", "nvfp4")      # candidates for -
 
 
 # the wire formats a user chooses between, and the bytes (vs a bf16 ring all-reduce) the study's
-# goals allow each: FP8 = e4m3/e5m2 codes, 4-bit = NVFP4; a mixed wire (stage 1 in one, stage 2
-# in the other: --stage2_fmt) is a row of its own, reported with no byte goal (None)
+# goals allow each: FP8 = a byte a value (e4m3/e5m2 codes, or another of compress.BYTE_CODECS),
+# 4-bit = NVFP4; a mixed wire (stage 1 in one, stage 2 in the other: --stage2_fmt) is a row of
+# its own, reported with no byte goal (None)
 BUDGETS = (("FP8", 0.52), ("4-bit", 0.30), ("4-bit + FP8", None))
 
 

@@ -28,21 +28,28 @@ DESCRIPTION = ("Convergence studies: the same training run with each gradient co
                "method, over a grid of methods x optimizers x seeds x data-parallel ranks, "
                "compared seed by seed with Student t intervals; and the short fp32 "
                "learning-rate sweep that tunes each optimizer before a study (the package's "
-               "docstring: python -c 'import nanogeo.lab.study as s; help(s)').")
+               "docstring: python -c 'import nanogeo.lab.study as s; help(s)'; adding a method "
+               "and running an ablation: docs/ablate.md).")
+EPILOG = ("Flags after `--` go to every train.py run, e.g. `-- --preset=char-study "
+          "--max_iters=300`. Each run lands in OUT_DIR/ARM/OPTIMIZER/simW/seedS; every run's "
+          "record in OUT_DIR/results.json, the table in OUT_DIR/study.md.")
 
 
 def parse_args(argv):
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(prog="python -m nanogeo.lab.study", description=DESCRIPTION,
-                                     allow_abbrev=False)
+                                     epilog=EPILOG, allow_abbrev=False)
     parser.add_argument("--comms", default=None, help="methods (default fp32,bf16,fp8,geofp8), "
                         f"from: {', '.join(COMMS)} (hadamard*: needs train.py --comm=hadamard)")
-    parser.add_argument("--optimizers", default="adamw", help="adamw, muon or both")
-    parser.add_argument("--seeds", default="1337", help="comma-separated seeds")
+    parser.add_argument("--optimizers", default="adamw", help="adamw, muon or both "
+                        "(adamw,muon) (default %(default)s)")
+    parser.add_argument("--seeds", default="1337", help="comma-separated seeds "
+                        "(default %(default)s)")
     parser.add_argument("--workers", default="0", help="simulated ranks per run, comma-separated "
-                        "(0: real ranks, --nproc of them, through torchrun)")
-    parser.add_argument("--nproc", type=int, default=2)
+                        "(0: real ranks, --nproc of them, through torchrun) (default %(default)s)")
+    parser.add_argument("--nproc", type=int, default=2, help="real ranks per run with "
+                        "--workers 0 (default %(default)s)")
     parser.add_argument("--reference", default=None, help="the Euclidean method whose gap the "
                         "others recover (default: the first of fp8, fp8-paper, e5m2-tensor, "
                         "nvfp4 in --comms)")
@@ -66,7 +73,7 @@ def parse_args(argv):
                         "the forest plot of the paired differences to PNG and write its values "
                         "beside it (.json); needs matplotlib (pip install -e \".[plot]\")")
     parser.add_argument("--margin", type=float, default=MARGIN, help="the equivalence margin "
-                        f"of --answer and --comparisons in final val loss (default {MARGIN:g}, "
+                        "of --answer and --comparisons in final val loss (default %(default)g, "
                         "about 0.12 %% of the study's loss): two methods are called equivalent "
                         "when the 90 %% paired t interval lies inside +-margin (TOST)")
     parser.add_argument("--table", default=None, metavar=results, help="print study.md's "
@@ -79,12 +86,13 @@ def parse_args(argv):
                         help="print how far the same runs in two results files ended apart "
                         "(two thread counts, compiled or not, two machines)")
     parser.add_argument("--endpoint", default="final", choices=("final", "tail"),
-                        help="--table compares the runs' final val loss (default) or their "
-                        "tail val loss (train.py --tail_evals)")
+                        help="--table compares the runs' final val loss or their tail val loss "
+                        "(train.py --tail_evals) (default %(default)s)")
     parser.add_argument("--answer_workers", default=None, help="W of --answer's and "
                         "--comparisons' tables (default 32); several (e.g. 32,64): one table "
                         "per W, in that order")
-    parser.add_argument("--out_dir", default="out/ablate")
+    parser.add_argument("--out_dir", default="out/ablate", help="where the runs, "
+                        "results.json and study.md land (default %(default)s)")
     args = parser.parse_args(argv)
     return parser, args, extra
 
