@@ -692,8 +692,9 @@ class SubspaceLayer:
 # a few large coordinates over every element); Muon orthogonalises, so what matters is how an
 # error moves the orthogonalised matrix. Each layer is judged by how much a codec error changes
 # its optimizer's next update, from the optimizer's own state. AdamW's, exactly, is below (an
-# error as large as a quiet element flips its sign: no derivative sees that); Muon's, to first
-# order, is nanogeo/geometry/update_error.py's.
+# error as large as a quiet element flips its sign: no derivative sees that); so is Muon's first
+# update (no momentum yet), which the demo judges by; training's Muon error, from the momentum
+# buffer and to first order, is nanogeo/geometry/update_error.py's.
 
 def adamw_direction(g, state, betas, eps):
     """AdamW's next update from the gradient g, in float64, without learning rate and weight
@@ -719,6 +720,32 @@ def adamw_error(state, betas, eps, mean, workers=1):
     base = adamw_direction(mean, state, betas, eps)
     return lambda delta: ((adamw_direction(mean + spread * delta.double(), state, betas, eps)
                            - base) / spread).pow(2).sum().float()
+
+
+MUON_NS = (3.4445, -4.7750, 2.0315)     # torch.optim.Muon's quintic Newton-Schulz coefficients
+
+
+def newton_schulz(X, steps=5):
+    """Muon's orthogonalisation of X (m, n): about U V^T of its SVD, by torch.optim.Muon's
+    quintic iteration, on the wide orientation."""
+    a, b, c = MUON_NS
+    wide = X.T if X.shape[0] > X.shape[1] else X
+    Y = wide / wide.norm().clamp(min=1e-7)
+    for _ in range(steps):
+        A = Y @ Y.T                                                     # (short, short)
+        Y = a * Y + (b * A + c * A @ A) @ Y
+    return Y.T if X.shape[0] > X.shape[1] else Y
+
+
+class MuonFirstStep:
+    """An optimizer view (section 6's watch()) of Muon's first update, NS(mean): an error's size
+    is how far it moves that update, the error at the mean's size (s = 1 / sqrt(W)) and scaled
+    back, as adamw_error does. Small singular directions of the mean weigh as much as large ones
+    after orthogonalisation, so an error there costs more than its L2 size says."""
+
+    def error(self, mean, workers=1):
+        spread, base = workers ** -0.5, newton_schulz(mean)
+        return lambda delta: ((newton_schulz(mean + spread * delta) - base) / spread).pow(2).sum()
 
 
 # ==== 6. The communicator: which matrices go geometry-aware, one call per step ====================
@@ -1129,32 +1156,51 @@ DEMO_ROWS = (  # geometry, codec, select, and a line that reads the row
 
 
 def demo(ranks=8, steps=12):
-    """Planted gradients through the two-stage collective in each coordinate system and codec:
-    the relative error of the mean (forced, or as the gain check chose) and the bytes sent."""
+    """Planted gradients through the two-stage collective in each coordinate system and codec,
+    each matrix judged as training judges it - by the error Muon's update sees (MuonFirstStep):
+    per row the decision and its last measured gain, then the error of the averaged gradient in
+    L2 and in Muon's update, and the bytes a rank sends."""
     data, late = planted_gradients(ranks, steps), slice(steps - 6, steps)
-    exact = [sum(w[0] for w in grads) / ranks for grads, _ in data][late]
-    error = lambda ms: sum(float((m - e).norm() / e.norm()) for m, e in zip(ms[late], exact)) / 6
+    exact = [(m, newton_schulz(m)) for m in [sum(w[0] for w in grads) / ranks
+                                              for grads, _ in data][late]]
     bf16_bytes = 2 * (ranks - 1) / ranks * 96 * 128 * 2     # a bf16 ring all-reduce, per rank
     bf16 = [(sum(w[0].bfloat16().float() for w in grads) / ranks).bfloat16().float()
             for grads, _ in data]
-    rows = [("bf16", "", "", error(bf16), bf16_bytes, "each rank's gradient and the mean rounded "
-             "to bf16: the wire most clusters send")]
+    rows = [("bf16", "", "-", *mean_errors(bf16[late], exact), bf16_bytes,
+             "each rank's gradient and the mean rounded to bf16: the wire most clusters send")]
     for geometry, fmt, select, reading in DEMO_ROWS:
-        comm = Communicator([("w", (96, 128))], GeoOptions(
-            geometry=geometry, fmt=fmt, select=select, geo_judge="l2", min_numel=0))
+        comm = Communicator([("w", (96, 128))], GeoOptions(geometry=geometry, fmt=fmt,
+                                                           select=select, min_numel=0))
+        comm.watch({"w": MuonFirstStep()})
         done = [comm.reduce_workers(grads, {"input": {"w": A}} if comm.moments_due() else None)
                 for grads, A in data]                                   # [(means, bytes)]
-        how = "forced" if select == "all" else "" if geometry == "euclidean" else (
-            "used" if comm.sent_in_geometry("w") else "not used")
-        rows.append((geometry, fmt, how, error([m[0] for m, _ in done]), done[-1][1], reading))
-    print(f"{ranks} simulated ranks, a 96 x 128 linear layer, groups of 128 values: the relative L2 "
-          f"error of the\naveraged gradient (steps {steps - 5}-{steps}) against Euclidean e4m3's, "
-          "and the bytes a rank sends per step against bf16's:")
-    for geometry, fmt, how, err, nbytes, reading in rows:
-        print(f"  {geometry:9s} {fmt:5s} {how:8s}  error {err:.4f} = {err / rows[1][3]:4.2f}x  "
-              f"{nbytes:5.0f} B = {nbytes / bf16_bytes:.2f}x\n    {reading}")
-    print("Relative L2 is not what training feels: in training the gain check judges each layer "
-          "by its\noptimizer's error (section 5), and a wire by the loss it leaves.")
+        rows.append((geometry, fmt, decision(comm, "w", select),
+                     *mean_errors([m[0] for m, _ in done][late], exact), done[-1][1], reading))
+    print(f"{ranks} simulated ranks, a 96 x 128 linear layer, groups of 128 values, each judged by "
+          f"the error\nMuon's update sees. Steps {steps - 5}-{steps}: the averaged gradient's "
+          "error in L2 and in Muon's update\n(both against Euclidean e4m3's), and the bytes a "
+          "rank sends per step against bf16's:")
+    for geometry, fmt, how, l2, muon, nbytes, reading in rows:
+        print(f"  {geometry:9s} {fmt:5s} {how:18s} L2 {l2 / rows[1][3]:4.2f}x  Muon "
+              f"{muon / rows[1][4]:4.2f}x  {nbytes / bf16_bytes:.2f}x bytes\n    {reading}")
+
+
+def mean_errors(means, exact):
+    """The mean over steps of the averaged gradient's relative error, in L2 and in Muon's first
+    update (NS(decoded) against NS(exact)); exact: [(mean, its NS)] per step."""
+    relative = lambda a, b: float((a - b).norm() / b.norm())
+    return (sum(relative(m, e) for m, (e, _) in zip(means, exact)) / len(exact),
+            sum(relative(newton_schulz(m), u) for m, (_, u) in zip(means, exact)) / len(exact))
+
+
+def decision(comm, name, select):
+    """What the gain check decided for `name`, and the gain it measured last."""
+    layer = comm.layers.get(name)
+    if layer is None:
+        return "-"
+    gain = "unmeasured" if math.isnan(layer.gain) else f"gain {layer.gain:.2f}"
+    used = "forced" if select == "all" else "used" if comm.sent_in_geometry(name) else "not used"
+    return f"{used}, {gain}"
 
 
 if __name__ == "__main__":

@@ -82,24 +82,28 @@ print("ok")
     assert out.returncode == 0 and out.stdout.splitlines()[-1] == "ok", out.stderr
     demo = out.stdout.splitlines()[:-1]
     assert demo[0].startswith("8 simulated ranks")
-    rows, row = {}, r"  (\w+) +(\w*) +(forced|used|not used|) *error ([0-9.]+) = [0-9.]+x +(\d+) B = ([0-9.]+)x$"
+    rows = {}
+    row = (r"  (\w+) +(\w*) +(forced|used|not used|-)(?:, gain ([0-9.]+)|, unmeasured)? +"
+           r"L2 ([0-9.]+)x  Muon ([0-9.]+)x  ([0-9.]+)x bytes$")
     for line, reading in zip(demo, demo[1:]):   # each row: a line, then the line that reads it
         match = re.match(row, line)
         if match:
-            geometry, fmt, how, error, nbytes, to_bf16 = match.groups()
-            rows[geometry, fmt, how] = (float(error), int(nbytes), float(to_bf16))
+            geometry, fmt, how, gain, l2, muon, to_bf16 = match.groups()
+            rows[geometry, fmt, how] = (gain and float(gain), float(l2), float(muon),
+                                        float(to_bf16))
             assert reading.startswith("    ") and len(reading.split()) > 3, line
-    assert set(rows) == {("bf16", "", ""), ("euclidean", "e4m3", ""), ("geofp8", "e4m3", "not used"),
+    assert set(rows) == {("bf16", "", "-"), ("euclidean", "e4m3", "-"), ("geofp8", "e4m3", "used"),
                          ("geofp8", "e4m3", "forced"), ("subspace", "e4m3", "used"),
-                         ("subspace", "e4m3", "forced"), ("euclidean", "nvfp4", ""),
+                         ("subspace", "e4m3", "forced"), ("euclidean", "nvfp4", "-"),
                          ("subspace", "nvfp4", "forced")}
-    # on the planted gradients the rotation is measured better and used; the whitening is not
-    euclid = rows["euclidean", "e4m3", ""]
-    assert rows["subspace", "e4m3", "used"][0] < euclid[0]
-    assert rows["geofp8", "e4m3", "not used"] == euclid
+    # judged by Muon's update error, the rotation and the whitening measure better and are used
+    # (the whitening is worse in L2: in plain L2 it would not be); each used gain clears 1.10
+    assert rows["euclidean", "e4m3", "-"][1:3] == (1.0, 1.0)
+    assert rows["subspace", "e4m3", "used"][2] < 1 and rows["subspace", "e4m3", "used"][0] > 1.1
+    assert rows["geofp8", "e4m3", "used"][2] < 1 < rows["geofp8", "e4m3", "used"][1]
     # the bytes: FP8 about half of a bf16 ring's, NVFP4 under 0.30x
-    assert rows["bf16", "", ""][2] == 1.0 and 0.5 < euclid[2] < 0.53
-    assert rows["euclidean", "nvfp4", ""][2] < 0.30 and rows["bf16", "", ""][0] < euclid[0]
+    assert rows["bf16", "", "-"][3] == 1.0 and 0.5 < rows["euclidean", "e4m3", "-"][3] < 0.53
+    assert rows["euclidean", "nvfp4", "-"][3] < 0.30 and rows["bf16", "", "-"][1] < 1
 
 
 def test_package_folders_and_old_paths():

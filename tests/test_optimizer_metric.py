@@ -257,3 +257,18 @@ def test_auto_sides_keep_quiet_rows_quiet_under_adamw(judge):
 def test_variants_names_the_fix_for_a_missing_file(tmp_path):
     with pytest.raises(SystemExit, match="write one with"):
         variants.main([str(tmp_path / "missing.pt")])
+
+
+def test_compress_states_muons_orthogonalisation():
+    """compress.py's newton_schulz (the demo's Muon view) is torch.optim.Muon's iteration with its
+    default coefficients, the same bits as the gain check's fp32 form."""
+    import inspect
+    from nanogeo.geometry.update_error import newton_schulz
+    defaults = inspect.signature(torch.optim.Muon.__init__).parameters
+    assert compress.MUON_NS == defaults["ns_coefficients"].default
+    g = torch.Generator().manual_seed(0)
+    for shape in ((24, 40), (40, 24)):
+        X = torch.randn(*shape, generator=g)
+        assert torch.equal(compress.newton_schulz(X), newton_schulz(X, compress.MUON_NS, 5))
+    view = compress.MuonFirstStep().error(X, workers=4)
+    assert view(torch.zeros_like(X)) == 0 and view(1e-2 * torch.randn(*X.shape, generator=g)) > 0
