@@ -204,20 +204,28 @@ def records(losses, resumed_to=40, first_step=0):
     return steps + [{"summary": {"param_sha256": "0" * 64}}] if resumed_to else steps
 
 
-@pytest.mark.parametrize("fault", [None, "nan loss", "loss rises", "resume stops short"])
+@pytest.mark.parametrize("fault", [None, "nan loss", "loss rises", "resume stops short",
+                                   "mixed wire diverges", "rotation never judged"])
 def test_training_check_fails_on_its_fault(monkeypatch, tmp_path, fault):
     """The train check on stand-in train.py logs: PASS when the loss falls and the resumed run
-    reaches step 40; FAIL on a NaN loss, a loss that rises, a resume that stops short."""
+    reaches step 40; FAIL on a NaN loss, a loss that rises, a resume that stops short, the mixed
+    wire's loss ending infinite, a rotation run whose gain check never measured."""
     falling = [3.0 - 0.05 * k for k in range(30)]
+    judged = [{"geometry_at": 10, "coords": {"w": ["geo", 1.3]}}]
     runs = {"first": records(falling), "resumed": records([1.4] * 10, first_step=30),
-            "muon": records(falling)}
+            "muon": records(falling), "subspace": records(falling) + judged,
+            "nvfp4-e4m3s2-ef1": records(falling)}
     if fault == "nan loss":
         runs["muon"] = records(falling[:-1] + [math.nan])
     if fault == "loss rises":
         runs["first"] = records(falling[::-1])
     if fault == "resume stops short":
         runs["resumed"] = records([1.4] * 5, first_step=30)
-    order = iter(["first", "resumed", "muon"])
+    if fault == "mixed wire diverges":
+        runs["nvfp4-e4m3s2-ef1"] = records(falling[:-1] + [math.inf])
+    if fault == "rotation never judged":
+        runs["subspace"] = records(falling)
+    order = iter(["first", "resumed", "muon", "subspace", "nvfp4-e4m3s2-ef1"])
     monkeypatch.setattr(launcher, "run_training", lambda *args: runs[next(order)])
     status, _ = launcher.smoke_training(2, str(tmp_path), True, lambda: 100)
     assert status == ("PASS" if fault is None else "FAIL")

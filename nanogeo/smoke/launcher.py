@@ -103,10 +103,11 @@ class DeadlineSpent(RuntimeError):
 
 
 def smoke_training(nproc, work, toy, time_left):
-    """30 steps of --comm=geofp8, resumed to 40, and 30 of Muon; train.py itself compares the
+    """30 steps of --comm=geofp8, resumed to 40, 30 of Muon, and 30 of each of RECOMMENDED;
+    train.py itself compares the
     ranks' parameters (a checksum all-reduce every 10 steps: RankMismatch stops it). Each run
     gets time_left() seconds (DeadlineSpent where none is left). PASS: the resumed run reached
-    step 40, and each run's loss fell (a NaN loss does not)."""
+    step 40, the rotation's gain check measured, and each run's loss fell (a NaN loss does not)."""
     geo = ["--comm=geofp8", "--geo_warmup=5", "--geo_refresh=10", "--learning_rate=3e-3"]
     out = {}
     run = os.path.join(work, "geofp8")
@@ -121,11 +122,32 @@ def smoke_training(nproc, work, toy, time_left):
                         ["--comm=fp8", "--optimizer=muon", "--max_iters=30", "--learning_rate=3e-3"],
                         time_left())
     out["muon"] = step_figures(muon)
+    for name, flags in RECOMMENDED.items():    # what the README's table says to run
+        records = run_training(nproc, os.path.join(work, name), toy,
+                               [*flags, "--max_iters=30", "--learning_rate=3e-3"], time_left())
+        out[name] = {**step_figures(records), "gain_measured": gain_measured(records)}
     out["host_syncs_per_step"] = ("not measured by the smoke test: tests/test_train.py counts "
                                   "them on the CPU")
-    ok = (out["geofp8"]["resumed_to"] == 40
-          and all(out[k]["last_loss"] < out[k]["first_loss"] for k in ("geofp8", "muon")))
+    ok = (out["geofp8"]["resumed_to"] == 40 and out["subspace"]["gain_measured"]
+          and all(out[k]["last_loss"] < out[k]["first_loss"]
+                  for k in ("geofp8", "muon", *RECOMMENDED)))
     return ("PASS" if ok else "FAIL"), out
+
+
+# the README's recommendation under Muon (the rotation on the two-stage FP8 collective, through
+# refreshes and judged steps from step 5) and its mixed 4-bit + FP8 wire (the study's arm
+# nvfp4-e4m3s2-ef1): both train in the smoke, on one GPU as on many
+RECOMMENDED = {"subspace": ["--optimizer=muon", "--comm=subspace", "--geo_warmup=5",
+                            "--geo_refresh=5"],
+               "nvfp4-e4m3s2-ef1": ["--optimizer=muon", "--comm=fp8", "--fmt=nvfp4",
+                                    "--stage2_fmt=e4m3", "--error_feedback",
+                                    "--feedback_stages=1"]}
+
+
+def gain_measured(records):
+    """Did the gain check measure a candidate matrix (a finite gain in a geometry record)?"""
+    return any(gain is not None for r in records if "geometry_at" in r
+               for _, gain in r["coords"].values())
 
 
 def describe(name, status, figures):
@@ -168,7 +190,10 @@ def describe(name, status, figures):
                 f"resumed to {g['resumed_to']} ({g['resumed_last_loss']:.3f}), "
                 f"{g['median_step_ms']:.0f} ms/step, slowest step {g['slowest_step']} "
                 f"{g['slowest_step_ms']:.0f} ms | muon {m['first_loss']:.3f} -> "
-                f"{m['last_loss']:.3f}, {m['median_step_ms']:.0f} ms/step")
+                f"{m['last_loss']:.3f}, {m['median_step_ms']:.0f} ms/step"
+                + "".join(f" | {k} {figures[k]['first_loss']:.3f} -> "
+                          f"{figures[k]['last_loss']:.3f}, {figures[k]['median_step_ms']:.0f} "
+                          "ms/step" for k in RECOMMENDED if k in figures))
     return f"{status} {name}"
 
 
