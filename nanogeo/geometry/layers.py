@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 import compress
+from nanogeo import RenamedAttribute
 from nanogeo.geometry import eigensolver, rows as row_blocks
 from nanogeo.geometry.hadamard import HadamardLayer
 
@@ -222,6 +223,7 @@ class ProductionSubspaceLayer(compress.SubspaceLayer):
     rows: object = field(default=None, repr=False)      # FSDP's RowBlocks of this matrix
     sides: str = "both"                 # the sides it rotates: both, left or right
     transform: tuple = field(default=(None, None), repr=False)  # (P or None, Q or None)
+    ready = RenamedAttribute("built")   # (the old name, for one release)
 
     @classmethod
     def create(cls, name, shape, opts):
@@ -325,6 +327,7 @@ class ProductionWhitenedLayer(JudgedLayer, compress.WhitenedLayer):
     energy = float("nan")               # (the rotation's core energy: none here)
     sides = "both"                      # (no side is chosen here)
     transform = ()                      # (no rotation)
+    ready = RenamedAttribute("built")   # (the old name, for one release)
 
     @property
     def r(self):

@@ -19,6 +19,7 @@ import functools
 
 import torch
 
+import nanogeo
 from nanogeo.geometry import agreement
 from nanogeo.parallel.precision import ieee
 from nanogeo.geometry.update_error import OptimizerView
@@ -166,6 +167,14 @@ def moments_bytes(communicator, world_size):
     slots = moment_slots(shapes, communicator.whitened_sides())
     numel = sum(d * d for _, _, d in slots) + len(slots)
     return ring_allreduce_bytes(numel, 4, world_size) if slots else 0
+
+
+def __getattr__(name):
+    """statistics_bytes, moments_bytes' old name, for one release."""
+    if name == "statistics_bytes":
+        nanogeo.warn_renamed(f"{__name__}.statistics_bytes", f"{__name__}.moments_bytes", "use")
+        return moments_bytes
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def moments_device(moments):
