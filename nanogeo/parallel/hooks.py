@@ -19,6 +19,7 @@ import functools
 
 import torch
 
+import compress
 import nanogeo
 from nanogeo.geometry import agreement
 from nanogeo.parallel.precision import ieee
@@ -204,6 +205,6 @@ def average_moments(moments, shapes, sides, all_reduce, device):
     totals = flat[: -len(slots)].split([d * d for _, _, d in slots])
     out = {side: {} for side in sides}
     for (side, n, d), total, count in zip(slots, totals, flat[-len(slots):].tolist()):
-        if count > 0:
-            out[side][n] = total.view(d, d) / count
+        if count > 0:   # by a tensor: CUDA divides by a number as a product with its reciprocal
+            out[side][n] = total.view(d, d) / compress.count_divisor(count, total)
     return out
