@@ -701,14 +701,27 @@ def adamw_direction(g, state, betas, eps):
     decay: m^ = (b1 m + (1 - b1) g) / c1, v^ = (b2 v + (1 - b2) g^2) / c2, u = m^ / (sqrt(v^) +
     eps); `state`: the optimizer's state of the parameter (empty before its first step)."""
     beta1, beta2 = betas
-    step = torch.as_tensor(state.get("step", 0), dtype=torch.float64, device=g.device) + 1
-    c1, c2 = 1 - beta1 ** step, 1 - beta2 ** step                       # no host sync
+    c1, c2 = bias_corrections(state.get("step", 0), betas, g.device)
     m, v = (state[k].double() if k in state else torch.zeros_like(g, dtype=torch.float64)
             for k in ("exp_avg", "exp_avg_sq"))
     g = g.double()
     m_hat = (beta1 * m + (1 - beta1) * g) / c1
     v_hat = (beta2 * v + (1 - beta2) * g * g) / c2
     return m_hat / (v_hat.sqrt() + eps)
+
+
+def bias_corrections(step, betas, device):
+    """1 - beta^t at t = step + 1 for both betas, as 0-dim float64 tensors on `device`, without
+    a host sync: a step on the device (a fused AdamW's) stays there; one on the host (a
+    non-fused AdamW's) is used there, and its results reach a GPU as fill values, not as a
+    copy from pageable memory, which would stop the host. On a tensor, not as a Python number:
+    CUDA divides by a number as a multiplication by its reciprocal (count_divisor)."""
+    on_host = not isinstance(step, torch.Tensor) or step.device.type == "cpu"
+    t = torch.as_tensor(step, dtype=torch.float64, device="cpu" if on_host else device) + 1
+    corrections = [1 - beta ** t for beta in betas]
+    if on_host and torch.device(device).type != "cpu":
+        corrections = [torch.full((), c, dtype=torch.float64, device=device) for c in corrections]
+    return corrections
 
 
 def adamw_error(state, betas, eps, mean, workers=1):

@@ -37,11 +37,17 @@ def renamed(fullname):
     return None if old is None else RENAMED[old] + fullname[len(old):]
 
 
+def warn_renamed(old, new, how="import", stacklevel=2):
+    """The DeprecationWarning an old name gives (a module path, or an attribute's name)."""
+    warnings.warn(f"{old} is deprecated: {how} {new} instead (the old name goes in the next "
+                  "release)", DeprecationWarning, stacklevel=stacklevel + 1)
+
+
 class _RenamedPackage(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Modules that moved keep importing under their old names (RENAMED), for one release, with
     a DeprecationWarning that names the new module: `import nanogeo.tools.study` hands back the
     module object of `nanogeo.lab.study` itself (one module, one set of classes), without an old
-    folder. (`python -m` needs the new names.)"""
+    folder. `python -m` of an old path runs the new module (get_code)."""
 
     def find_spec(self, fullname, path=None, target=None):
         if renamed(fullname) is not None:
@@ -54,8 +60,7 @@ class _RenamedPackage(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def exec_module(self, module):
         new = renamed(module.__name__)
         # stacklevel 2: the importing line (the import system's own frames are skipped)
-        warnings.warn(f"{module.__name__} is deprecated: import {new} instead (the old name "
-                      "goes in the next release)", DeprecationWarning, stacklevel=2)
+        warn_renamed(module.__name__, new)
         target = importlib.import_module(new)
         if any(o.startswith(module.__name__ + ".") for o in RENAMED):
             # a package whose modules went to several places (tools/ -> lab/ and smoke/): the
@@ -68,6 +73,38 @@ class _RenamedPackage(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             module.__path__, module.__getattr__ = [], attribute
             return
         sys.modules[module.__name__] = target   # what the import returns
+
+    def get_code(self, fullname):
+        """What `python -m OLD.PATH` runs as __main__ (runpy asks the loader for it): a stub that
+        warns, from __main__ so that the default filters show it, and runs the new module as
+        __main__ (its own file, argv[0] and spec, as `python -m NEW.PATH` would)."""
+        new = renamed(fullname)
+        stub = (f"import runpy, nanogeo\n"
+                f"nanogeo.warn_renamed({fullname!r}, {new!r}, 'run python -m', 1)\n"
+                f"runpy.run_module({new!r}, run_name='__main__', alter_sys=True)\n")
+        return compile(stub, f"<{fullname}, moved to {new}>", "exec")
+
+
+class RenamedAttribute:
+    """A public attribute or method's old name, kept for one release: `step = RenamedAttribute(
+    "steps_taken")` in a class body reads and writes `steps_taken` with a DeprecationWarning
+    (the class itself gets the descriptor, so that introspection stays quiet)."""
+
+    def __init__(self, new):
+        self.new = new
+
+    def __set_name__(self, owner, old):
+        self.old = f"{owner.__name__}.{old}"
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        warn_renamed(self.old, f"{type(obj).__name__}.{self.new}", how="use")
+        return getattr(obj, self.new)
+
+    def __set__(self, obj, value):
+        warn_renamed(self.old, f"{type(obj).__name__}.{self.new}", how="use")
+        setattr(obj, self.new, value)
 
 
 if not any(isinstance(f, _RenamedPackage) for f in sys.meta_path):

@@ -519,8 +519,9 @@ def test_the_codec_never_divides_by_a_python_number():
     scale, amax / 2688, did for about a quarter of all amax; so did the stage-1 mean, sum / W,
     at any W not a power of two. A dispatch mode sees every division of the codecs and of the
     means (FP8 and NVFP4, compress.py's and the packed forms, an e4m3 stage 2 after NVFP4, the
-    fp32 average, FSDP's, at 3 ranks): none is by a Python number, unless a power of two (then
-    both are exact)."""
+    fp32 average, FSDP's, at 3 ranks; the K-FAC moments' token-weighted mean, 15 tokens): none is
+    by a Python number, unless a power of two (then both are exact). The moments' mean keeps
+    the CPU's bits of the division by a number."""
     import math
     from torch.utils._python_dispatch import TorchDispatchMode
     from nanogeo.wire import collective
@@ -535,10 +536,12 @@ def test_the_codec_never_divides_by_a_python_number():
                     isinstance(args[1], (int, float)):
                 self.by_number.append(args[1])
             return func(*args, **(kwargs or {}))
-    from nanogeo.parallel import fsdp, simulated
+    from nanogeo.parallel import fsdp, hooks, simulated
     g = torch.Generator().manual_seed(0)
     workers = [[torch.randn(40, 48, generator=g), torch.randn(1000, generator=g) * 1e-3]
                for _ in range(3)]
+    moments = [{"input": {"w": torch.randn(48, 48, generator=g)}, "tokens": {"input": {"w": t}}}
+               for t in (3, 5, 7)]
     with Divisions() as seen:
         for fmt in ("e4m3", "e5m2", "nvfp4"):
             for x in workers[0]:
@@ -548,5 +551,9 @@ def test_the_codec_never_divides_by_a_python_number():
         collective.mean_over_workers(workers, "nvfp4", stage2_fmt="e4m3")
         simulated.average(workers, "fp32", None)
         fsdp.average(workers[0][0], "avg", 3)
+        mean = hooks.average_worker_moments(moments, {"w": (40, 48)}, ("input",), "cpu")
     odd = [d for d in seen.by_number if not math.log2(abs(d)).is_integer()]
     assert not odd, f"divisions by Python numbers that are not powers of two: {odd}"
+    total = sum((m["input"]["w"].reshape(-1) * m["tokens"]["input"]["w"] for m in moments[1:]),
+                moments[0]["input"]["w"].reshape(-1) * 3)
+    assert torch.equal(mean["input"]["w"], total.view(48, 48) / 15.0)

@@ -145,3 +145,69 @@ print("ok")
 """
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_python_m_of_an_old_path_runs_the_tool_with_the_warning():
+    """`python -m nanogeo.tools.fidelity` (issue 59 item 8) runs nanogeo.lab.fidelity as
+    __main__ - the same output - with the import's DeprecationWarning, shown by the default
+    filters; so does a moved package with a __main__ (tools.smoke -> smoke); and every tool with
+    a main has an old path that finds it."""
+    import importlib.util
+    import nanogeo
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def run(*argv):
+        return subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, capture_output=True,
+                              text=True, env=env)
+    old, new = run("nanogeo.tools.fidelity", "--help"), run("nanogeo.lab.fidelity", "--help")
+    assert old.returncode == 0 and old.stdout == new.stdout and "usage:" in old.stdout, old.stderr
+    assert ("DeprecationWarning: nanogeo.tools.fidelity is deprecated: run python -m "
+            "nanogeo.lab.fidelity instead") in old.stderr and "Deprecation" not in new.stderr
+    smoke = run("nanogeo.tools.smoke", "--help")
+    assert smoke.returncode == 0 and "usage: python -m nanogeo.smoke" in smoke.stdout, smoke.stderr
+    assert "nanogeo.tools.smoke is deprecated: run python -m nanogeo.smoke" in smoke.stderr
+    tools = [m for m, p in repo_modules().items() if m.startswith(("nanogeo.lab", "nanogeo.smoke"))
+             and "__main__" in open(p).read()]
+    for tool in tools:      # the old path of every tool with a main resolves to it
+        old_path = "nanogeo.tools" + tool.removeprefix("nanogeo.lab").removeprefix("nanogeo")
+        assert nanogeo.renamed(old_path) == tool and importlib.util.find_spec(tool), tool
+
+
+def test_renamed_public_attributes_keep_their_old_names_for_a_release():
+    """The names 906d8c0 changed on what a user holds (a DDP hook's communicators, their layers,
+    hooks' byte count) still read and write, each with a DeprecationWarning naming the new name
+    (issue 59 item 8: a DDP-hook user's `communicator.step`)."""
+    import warnings
+    import pytest
+    import torch
+    import nanogeo
+    from nanogeo.parallel import hooks
+    from nanogeo.parallel.communicator import Options, ProductionCommunicator
+    for geometry in ("subspace", "geofp8", "hadamard"):
+        comm = ProductionCommunicator([("w", (48, 64)), ("b", (64,))], Options(
+            geometry=geometry, geo_rank=8, min_numel=16, select="list", geo_layers=("w",)))
+        comm.reduce_workers([[torch.randn(48, 64), torch.randn(64)]],
+                            {"input": {"w": torch.eye(64)}} if comm.moments_due() else None)
+        layer = comm.layers["w"]
+        aliases = [(comm, "step", "steps_taken"), (comm, "chosen", "listed"),
+                   (comm, "kind", "layer_class"), (comm, "uses_moments", "from_moments"),
+                   (layer, "ready", "built")]
+        for obj, old, new in aliases:
+            with pytest.warns(DeprecationWarning, match=f"{old} is deprecated: use "
+                              f"{type(obj).__name__}.{new} instead"):
+                assert getattr(obj, old) == getattr(obj, new)
+        with pytest.warns(DeprecationWarning, match="is_geo is deprecated"):
+            assert comm.is_geo("w") == comm.sent_in_geometry("w")
+        with pytest.warns(DeprecationWarning, match="wants_moments is deprecated"):
+            assert comm.wants_moments() == comm.moments_due()
+        with pytest.warns(DeprecationWarning, match="step is deprecated"):
+            comm.step = 7               # a resumed hook setting its counter
+        assert comm.steps_taken == 7
+    with pytest.warns(DeprecationWarning, match="statistics_bytes is deprecated: use "
+                      "nanogeo.parallel.hooks.moments_bytes"):
+        assert hooks.statistics_bytes is hooks.moments_bytes
+    with warnings.catch_warnings():     # the new names, and the classes themselves, say nothing
+        warnings.simplefilter("error")
+        assert comm.steps_taken == 7 and isinstance(type(comm).step, nanogeo.RenamedAttribute)
+        with pytest.raises(AttributeError):
+            hooks.nothing

@@ -24,7 +24,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, free_port
+from conftest import ROOT
 
 TRAIN = ("--preset=cpu-tiny --max_iters=2 --batch_size=2 --block_size=16 --eval_iters=1 "
          "--eval_interval=2 --warmup_iters=1 --compile=false --geo_warmup=1")
@@ -196,9 +196,12 @@ def scratch(tmp_path_factory):
 def shell(scratch, command, timeout=600):
     """`command` through bash in the scratch checkout, its python and torchrun first on PATH. In
     a session of its own: a command that outlives `timeout` is killed with every process it
-    started (no rank is left behind to load the machine for the tests after it)."""
+    started (no rank is left behind to load the machine for the tests after it). No MASTER_PORT:
+    torchrun hands its ranks its own store's port, bound at port 0 (torch's dynamic_rendezvous
+    shares the agent's TCPStore), and no other command starts a process group; a port picked
+    free here would only be one more that can be taken before it is used."""
     env = {**os.environ, "PATH": f"{scratch / 'bin'}:{os.environ['PATH']}", "PYTHONPATH": ROOT,
-           "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+           "OMP_NUM_THREADS": "1"}
     with subprocess.Popen(["bash", "-c", command], cwd=scratch, env=env, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           start_new_session=True) as process:
@@ -247,15 +250,17 @@ def test_readme_commands_run_as_written(scratch):
             if dest in command and not (scratch / dest).exists():
                 (scratch / dest).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy(scratch / src, scratch / dest)
-        start = time.time()
+        start, tries = time.time(), 1
         done = shell(scratch, f"{command} {toy}")
         if done.returncode and command.startswith("torchrun") and RANK_SIGNAL.search(done.stderr):
             print(f"{where}: a rank died of a signal ({why(done)}); once more", file=sys.stderr)
             again = " --overwrite=true" if " train.py" in command else ""
-            done = shell(scratch, f"{command} {toy}{again}")
-        print(f"{time.time() - start:6.1f}s  {command}")     # pytest -s shows where the time goes
-        assert done.returncode == 0, (
+            done, tries = shell(scratch, f"{command} {toy}{again}"), 2
+        took = time.time() - start
+        print(f"{took:6.1f}s  {command}")     # pytest -s shows where the time goes
+        assert done.returncode == 0, (          # (time and load: a timeout or a crash?)
             f"{where}: `{written}` failed (exit code {done.returncode}): {why(done)}\n"
+            f"after {took:.0f} s, {tries} tries, load average {os.getloadavg()[0]:.1f}\n"
             f"run as: {command} {toy}\n--- stdout, last lines ---\n{done.stdout[-3000:]}\n"
             f"--- stderr, last lines ---\n{done.stderr[-3000:]}")
 

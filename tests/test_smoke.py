@@ -35,8 +35,9 @@ def perturb(tensors, value=None, scale=1.001):
 @contextlib.contextmanager
 def collective_fault(fault, rank):
     """The collective check's faults: one rank's means off by 0.1 % (well within the codec's
-    bound: only the agreement can see it), or a NaN in the second tensor's mean on every rank
-    (the ranks agree; max() over the tensors would skip it)."""
+    bound: only the agreement can see it), a NaN in the second tensor's mean on every rank
+    (the ranks agree; max() over the tensors would skip it), or one mean's first entry a bit
+    off on every rank (as CUDA's multiplication by 1 / W made it: only the simulator sees it)."""
     from nanogeo.wire import collective
     real = collective.mean_over_ranks
 
@@ -46,6 +47,9 @@ def collective_fault(fault, rank):
             perturb(means)
         if fault == "nan":
             perturb(means[1:2], value=math.nan)
+        if fault == "last bit":
+            first = means[0].view(-1)[:1]
+            first.copy_(torch.nextafter(first, first + 1))
         return means, sent
     with mock.patch.object(collective, "mean_over_ranks", faulty if fault else real):
         yield
@@ -107,7 +111,7 @@ def fsdp_fault(fault, rank):
 
 CHECKS = {   # check -> (run it on a gloo rank, inject a fault, the faults)
     "collective": (lambda: ranks.smoke_collectives(torch.device("cpu"), 1), collective_fault,
-                   ("one rank off", "nan")),
+                   ("one rank off", "nan", "last bit")),
     "fp8-sum": (lambda: ranks.check_fp8_sum(torch.device("cpu")), fp8_sum_fault,
                 ("nan", "one rank off", "saturation")),
     "ddp": (lambda: ranks.smoke_ddp(torch.device("cpu"), toy=True), ddp_fault,

@@ -39,6 +39,8 @@ from functools import lru_cache
 
 import torch
 
+from nanogeo import RenamedAttribute
+
 HADAMARD_SIDES = ("right", "both")
 
 
@@ -106,6 +108,7 @@ class HadamardLayer:
     transform = ()                      # (no Householder rotation)
     swaps = None                        # (no core scattering)
     from_moments = False
+    ready = RenamedAttribute("built")   # (the old name, for one release)
 
     @classmethod
     def create(cls, name, shape, opts):

@@ -26,8 +26,10 @@ from dataclasses import dataclass, field
 import torch
 
 import compress
+from nanogeo import RenamedAttribute
 from nanogeo.geometry import eigensolver, rows as row_blocks
 from nanogeo.geometry.hadamard import HadamardLayer
+from nanogeo.wire.packing import from_host
 
 
 @dataclass
@@ -210,6 +212,16 @@ class JudgedLayer:
 UNSHARDED = row_blocks.RowBlocks()      # every rank holds every row (DDP, train.py)
 
 
+def swaps_on(swaps, device):
+    """compress.core_swaps' index pair (made on the host) on `device`: on a GPU both in one
+    pinned, non_blocking copy (packing.from_host), as a stacked (2, s) tensor."""
+    if swaps is None:
+        return None
+    if swaps[0].is_cpu and torch.device(device).type == "cuda":
+        return tuple(from_host(torch.stack(swaps), device).unbind())
+    return tuple(t.to(device) for t in swaps)
+
+
 @dataclass
 class ProductionSubspaceLayer(compress.SubspaceLayer):
     """Also: its bases estimated on FSDP's row blocks (`rows`, set by the communicator) and from
@@ -222,6 +234,7 @@ class ProductionSubspaceLayer(compress.SubspaceLayer):
     rows: object = field(default=None, repr=False)      # FSDP's RowBlocks of this matrix
     sides: str = "both"                 # the sides it rotates: both, left or right
     transform: tuple = field(default=(None, None), repr=False)  # (P or None, Q or None)
+    ready = RenamedAttribute("built")   # (the old name, for one release)
 
     @classmethod
     def create(cls, name, shape, opts):
@@ -268,8 +281,7 @@ class ProductionSubspaceLayer(compress.SubspaceLayer):
     def settle(self, device):
         """After new bases: the core's swaps on the gradients' device (once: no copy at each
         step), and the rotation in use made of the new bases."""
-        if self.swaps is not None:
-            self.swaps = tuple(s.to(device) for s in self.swaps)
+        self.swaps = swaps_on(self.swaps, device)
         self.transform = self.rotation()
 
     def dominant_subspaces(self, mean):
@@ -312,8 +324,7 @@ class ProductionSubspaceLayer(compress.SubspaceLayer):
         self.right_basis = compress.HouseholderBasis(s["right_Y"], s["right_T"])
         self.left_energy, self.right_energy = s["left_energy"], s["right_energy"]
         self.energy = s["energy"]
-        if self.swaps is not None:      # on the bases' device, as refresh() leaves them
-            self.swaps = tuple(t.to(s["left_Y"].device) for t in self.swaps)
+        self.swaps = swaps_on(self.swaps, s["left_Y"].device)  # where refresh() leaves them
         self.rotate_sides(s.get("sides", self.sides))
 
 
@@ -325,6 +336,7 @@ class ProductionWhitenedLayer(JudgedLayer, compress.WhitenedLayer):
     energy = float("nan")               # (the rotation's core energy: none here)
     sides = "both"                      # (no side is chosen here)
     transform = ()                      # (no rotation)
+    ready = RenamedAttribute("built")   # (the old name, for one release)
 
     @property
     def r(self):

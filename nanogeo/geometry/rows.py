@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import compress
-from nanogeo.wire.packing import on_device
+from nanogeo.wire.packing import from_host, on_device
 
 
 class RowBlocks:
@@ -153,7 +153,7 @@ def initial_subspaces_rows(G, r, seed, rows, iters=4):
 def seeded_directions(n, r, seed, device, dtype=torch.float32):
     """compress.initial_subspaces' random start omega (n, r), seeded alike on every rank."""
     generator = torch.Generator(device="cpu").manual_seed(seed)
-    return torch.randn(n, r, generator=generator).to(device, dtype)
+    return from_host(torch.randn(n, r, generator=generator), device, dtype)   # drawn on the CPU
 
 
 def range_finder_rows(G, omega, rows, iters=4):

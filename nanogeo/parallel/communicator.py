@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 import compress
+from nanogeo import RenamedAttribute
 from nanogeo.geometry import agreement, batched, hadamard, layers, update_error
 from nanogeo.parallel import hooks
 from nanogeo.parallel.precision import ieee
@@ -280,6 +281,13 @@ class ProductionCommunicator(compress.Communicator):
     """compress.Communicator with the production forms (module docstring). train.py, the DDP
     hook, FSDP2 and the tools use this one."""
     LAYERS = layers.LAYERS      # compress.py's layers with their state, and the Hadamard control
+    # the names before compress.py's one-name-per-thing pass (906d8c0), for one release
+    step = RenamedAttribute("steps_taken")
+    chosen = RenamedAttribute("listed")
+    kind = RenamedAttribute("layer_class")
+    uses_moments = RenamedAttribute("from_moments")
+    is_geo = RenamedAttribute("sent_in_geometry")
+    wants_moments = RenamedAttribute("moments_due")
 
     def __init__(self, named_shapes, options=None, group=None, linear=None,
                  timer=collective.NO_TIMER):

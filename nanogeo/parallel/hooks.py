@@ -19,6 +19,8 @@ import functools
 
 import torch
 
+import compress
+import nanogeo
 from nanogeo.geometry import agreement
 from nanogeo.parallel.precision import ieee
 from nanogeo.geometry.update_error import OptimizerView
@@ -168,6 +170,14 @@ def moments_bytes(communicator, world_size):
     return ring_allreduce_bytes(numel, 4, world_size) if slots else 0
 
 
+def __getattr__(name):
+    """statistics_bytes, moments_bytes' old name, for one release."""
+    if name == "statistics_bytes":
+        nanogeo.warn_renamed(f"{__name__}.statistics_bytes", f"{__name__}.moments_bytes", "use")
+        return moments_bytes
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def moments_device(moments):
     """The device the moments are on (the current GPU, or the CPU, where a rank has none)."""
     for side in ("input", "output"):
@@ -195,6 +205,6 @@ def average_moments(moments, shapes, sides, all_reduce, device):
     totals = flat[: -len(slots)].split([d * d for _, _, d in slots])
     out = {side: {} for side in sides}
     for (side, n, d), total, count in zip(slots, totals, flat[-len(slots):].tolist()):
-        if count > 0:
-            out[side][n] = total.view(d, d) / count
+        if count > 0:   # by a tensor: CUDA divides by a number as a product with its reciprocal
+            out[side][n] = total.view(d, d) / compress.count_divisor(count, total)
     return out

@@ -59,6 +59,15 @@ def stochastic_encode(groups, fmax, dtype, generator=None):
     return compress.fp8_encode(groups, fmax, dtype, to_fp8)
 
 
+def from_host(t, device, dtype=None):
+    """A host tensor on `device` (as t.to(device, dtype)): on a GPU one copy from pinned memory,
+    non_blocking - from ordinary (pageable) memory the copy would make the host wait for the
+    device; torch's pinned-memory cache keeps the buffer until the copy is done."""
+    if t.is_cpu and torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, dtype, non_blocking=True)
+    return t.to(device, dtype)
+
+
 @functools.lru_cache(maxsize=None)
 def on_device(constant, device):
     """A constant tensor (or tuple of tensors, or tuple of numbers) on `device`, made once: built
