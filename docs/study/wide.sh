@@ -9,6 +9,7 @@
 #   git worktree add ../wide COMMIT && cd ../wide && ln -s ../main/data data
 #   STEP=sweep LANE=a bash docs/study/wide.sh & STEP=sweep LANE=b bash docs/study/wide.sh
 #   LANE=a bash docs/study/wide.sh & LANE=b bash docs/study/wide.sh       (the arms)
+#   STEP=publish bash docs/study/wide.sh      (any time: what has finished, into $RESULTS)
 # One process per core of a 2-core machine. Resumable: a finished run is skipped, so run it
 # again to continue. Every run lands in out/wide/MACHINE/ (MACHINE: a hash of the CPU, torch
 # and thread count, nanogeo.lab.study.runs.machine), so the arms of one seed run on one machine;
@@ -63,6 +64,10 @@ for r in json.load(open(results)):
 sys.exit(0 if any(arms <= done for done in by_machine.values()) else 1)
 EOF
 }
+
+# STEP=publish: merge what has finished so far into $RESULTS (the runs write their own
+# results.json after each run; the lanes publish after each seed)
+[ "$STEP" = publish ] && { publish; exit 0; }
 
 if [ "$STEP" = sweep ]; then
   # 1. fp32 at five rates, seeds 0 (lane a) and 1 (lane b)
