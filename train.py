@@ -14,7 +14,8 @@ How data parallelism works here (no DistributedDataParallel wrapper, on purpose)
      does: nanogeo/wire/buckets.py), each mean written back into .grad before the next bucket.
      This is THE place where GeoFP8 plugs in:
        --comm=auto    (the default) what the study recommends for the optimizer in force:
-                      Muon -> subspace, AdamW -> fp8 (nanogeo/run/recommend.py); fp32 on one rank
+                      Muon -> subspace (fp8 from 46 ranks: W = 64's row), AdamW -> fp8
+                      (nanogeo/run/recommend.py); fp32 on one rank
        --comm=fp32    all-reduce in fp32 (the reference)
        --comm=bf16    cast to bf16, all-reduce, cast back (what most clusters send today)
        --comm=fp8     Euclidean FP8: quantize, all_to_all, reduce, re-quantize, all_gather
