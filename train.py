@@ -14,7 +14,8 @@ How data parallelism works here (no DistributedDataParallel wrapper, on purpose)
      does: nanogeo/wire/buckets.py), each mean written back into .grad before the next bucket.
      This is THE place where GeoFP8 plugs in:
        --comm=auto    (the default) what the study recommends for the optimizer in force:
-                      Muon -> subspace, AdamW -> fp8 (nanogeo/run/recommend.py); fp32 on one rank
+                      Muon -> subspace (fp8 from 46 ranks: W = 64's row), AdamW -> fp8
+                      (nanogeo/run/recommend.py); fp32 on one rank
        --comm=fp32    all-reduce in fp32 (the reference)
        --comm=bf16    cast to bf16, all-reduce, cast back (what most clusters send today)
        --comm=fp8     Euclidean FP8: quantize, all_to_all, reduce, re-quantize, all_gather
@@ -386,14 +387,14 @@ def train(cfg):
     cfg, why = recommend.resolve(cfg, data_parallel, TrainConfig(**config.TRAIN_PRESETS[cfg.preset]))
     if why and rank == 0:
         print(why, flush=True)
-    if cfg.impl == "reference" and cfg.comm not in ("fp32", "bf16"):
-        reference.check(cfg)
     torch.manual_seed(cfg.seed)  # same seed on every rank (and rank 0's bits: below)
     # torchrun --max-restarts brought us back: resume if rank 0 sees a checkpoint (cfg.resume)
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     # checked before anything is built: fail in a second, not after a minute
     cfg, ckpt, resumed_from = checkpoint.open_checkpoint(cfg, data_parallel, device,
                                                          master=rank == 0, restarted=restarts > 0)
+    if cfg.impl == "reference" and cfg.comm not in ("fp32", "bf16"):
+        reference.check(cfg)    # after open_checkpoint: a torchrun restart sets cfg.resume
     log = runlog.RunLog(cfg, master=rank == 0)
 
     mcfg = model_lib.model_config(cfg.preset, block_size=cfg.block_size)

@@ -106,8 +106,9 @@ def test_adamw_error_copies_nothing_from_the_host_to_a_gpu():
 
 class FakeGpuCopies:
     """Tensor.pin_memory and Tensor.to as on a GPU, on a CPU-only torch: a CPU tensor sent to
-    "cuda" stays on the CPU (its dtype converted) and the call is recorded; one sent from memory
-    that was not pinned, or blocking, fails the test."""
+    "cuda" stays on the CPU and the call is recorded; one sent from memory that was not pinned,
+    or blocking, or cast to another dtype on the way (CUDA casts it on the host into pageable
+    memory first), fails the test."""
 
     def __init__(self, monkeypatch):
         self.calls, pinned, real_to = [], set(), torch.Tensor.to
@@ -124,9 +125,11 @@ class FakeGpuCopies:
                 return real_to(t, *args, **kwargs)
             blocking = not kwargs.get("non_blocking", False)
             assert t.data_ptr() in pinned and not blocking, "a host-to-device copy that waits"
-            self.calls.append(("to", str(device)))
+            # CUDA casts a host tensor on the host, into a pageable temporary it copies from
             dtype = next((a for a in args if isinstance(a, torch.dtype)), kwargs.get("dtype"))
-            return real_to(t, dtype) if dtype else t
+            assert dtype in (None, t.dtype), "a host-to-device copy that waits (a cast)"
+            self.calls.append(("to", str(device)))
+            return t
         monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
         monkeypatch.setattr(torch.Tensor, "to", to)
 

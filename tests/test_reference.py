@@ -75,3 +75,13 @@ def test_an_edit_of_compress_py_changes_what_the_reference_trains(tiny_corpus, t
 def test_what_the_specification_does_not_state_is_refused(tiny_corpus, tmp_path, flag):
     with pytest.raises(ConfigError, match="--impl=reference"):
         simulated(tiny_corpus, tmp_path, "fp8", "reference", flag, "--max_iters=1")
+
+
+def test_a_torchrun_restart_of_the_reference_is_refused(tiny_corpus, tmp_path, monkeypatch):
+    """--impl=reference saves no communicator state ({}): a torchrun --max-restarts restart,
+    which resumes from out_dir's checkpoint by itself (cfg.resume set by open_checkpoint), would
+    restart the specification's geometry from nothing. It is refused as --resume is."""
+    simulated(tiny_corpus, tmp_path, "fp8", "reference", "--max_iters=2")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    with pytest.raises(ConfigError, match="--impl=reference: compress.py has no --resume"):
+        simulated(tiny_corpus, tmp_path, "fp8", "reference", "--max_iters=2")

@@ -7,7 +7,8 @@ same rule and the same results as the README's what-to-run table
 (`python -m nanogeo.lab.study --answer RESULTS --readme README.md`, nanogeo/lab/study/
 recommended.py): one row per optimizer, W and wire format, each with the study arm it picks
 and that arm's train.py flags. Today that is Muon -> the subspace rotation on the two-stage
-FP8 collective, AdamW -> Euclidean FP8.
+FP8 collective at W = 32 but Euclidean FP8 at W = 64 (nothing detected there: from 46 ranks a
+run takes that row), AdamW -> Euclidean FP8.
 
 How a run resolves `auto`:
   * one data-parallel rank: nothing is communicated, so fp32 (no rounding at all);

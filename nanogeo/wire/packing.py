@@ -62,9 +62,11 @@ def stochastic_encode(groups, fmax, dtype, generator=None):
 def from_host(t, device, dtype=None):
     """A host tensor on `device` (as t.to(device, dtype)): on a GPU one copy from pinned memory,
     non_blocking - from ordinary (pageable) memory the copy would make the host wait for the
-    device; torch's pinned-memory cache keeps the buffer until the copy is done."""
+    device; torch's pinned-memory cache keeps the buffer until the copy is done. A new dtype is
+    cast on the host first: CUDA casts a host tensor on the host anyway (Copy.cu), into a fresh
+    pageable temporary it would then copy from, so the bits are the same."""
     if t.is_cpu and torch.device(device).type == "cuda":
-        return t.pin_memory().to(device, dtype, non_blocking=True)
+        return t.to(dtype or t.dtype).pin_memory().to(device, non_blocking=True)
     return t.to(device, dtype)
 
 
