@@ -20,7 +20,8 @@ NPROC  ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | wc -l); [ "$$n" -gt 0 ] && ec
 ARGS   ?=
 SMOKE_ARGS ?=
 # The demo trains as the README recommends for the paper's optimizer: Muon, and --comm=auto (the
-# default) picks the table's method for it, the subspace rotation on the two-stage FP8 collective. It ends with one table on fresh gradients of the
+# default) picks the table's method for it, the subspace rotation on the two-stage FP8 collective.
+# It ends with one table on fresh gradients of the
 # trained model (CAPTURE: 2 workers' gradients over 3 steps from the checkpoint, Muon's state
 # included): every wire a user chooses between - bf16, Euclidean FP8, the rotation, the
 # published GeoFP8 on its own FP8-sum collective, NVFP4 and the mixed 4-bit + FP8 wire - with

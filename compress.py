@@ -950,7 +950,7 @@ class Communicator:
                for side in self.whitened_sides()}
         for moment in (m for by_name in out.values() for m in by_name.values()):
             dist.all_reduce(moment, group=self.group)
-            moment /= dist.get_world_size(self.group)
+            moment /= count_divisor(dist.get_world_size(self.group), moment)
         return out
 
     def reduce_workers(self, worker_grads, moments=None):

@@ -68,7 +68,8 @@ class Reference:
         """`moments`: each simulated rank's, averaged here with equal weights, as reduce()
         averages them over real ranks."""
         if moments:
-            moments = {side: {n: sum(m[side][n] for m in moments) / len(moments)
+            moments = {side: {n: sum(m[side][n] for m in moments)
+                                 / compress.count_divisor(len(moments), moments[0][side][n])
                               for n in moments[0][side]}
                        for side in self.spec.whitened_sides()}
         return self.spec.reduce_workers(worker_grads, moments)
