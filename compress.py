@@ -34,7 +34,7 @@ import math
 import warnings
 import zlib
 from collections import namedtuple
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -480,6 +480,10 @@ class WhitenedLayer:
     use_geo: bool = False
     gain: float = float("nan")          # last measured Euclidean error / whitened error
     from_moments = True     # refreshed from K-FAC moments, and re-measured between refreshes
+    SIDES = ("input",)      # the coordinates the gain check compares: one
+
+    def with_sides(self, sides):
+        return self
 
     @classmethod
     def create(cls, name, shape, opts):
@@ -649,7 +653,17 @@ class SubspaceLayer:
     use_geo: bool = False
     gain: float = float("nan")          # last measured Euclidean error / rotated error
     swaps: tuple = field(default=None, repr=False)              # core_swaps, fixed by shape
+    sides: str = "both"                 # the rotation in use: both sides, or "right" (Q alone)
     from_moments = False                # refreshed from the decoded mean
+    # The gain check measures both rotations and keeps the better: both sides (the dominant
+    # energy on a few exact core entries), or the column side alone, which mixes along each row
+    # only and so keeps every row's scale (an error spread over rows lands on rows AdamW may
+    # divide by a tiny root). On equal errors, both.
+    SIDES = ("both", "right")
+
+    def with_sides(self, sides):
+        """This geometry rotating `sides` (a copy sharing the bases)."""
+        return replace(self, sides=sides)
 
     @classmethod
     def create(cls, name, shape, opts):
@@ -664,11 +678,15 @@ class SubspaceLayer:
         return self.left_basis is not None
 
     def encode(self, g):
-        """Seam. H = P^T G Q, core scattered."""
+        """Seam. H = P^T G Q, core scattered (the column side alone: H = G Q)."""
+        if self.sides == "right":
+            return encode_geo(g, None, self.right_basis)
         return swap_entries(encode_geo(g, self.left_basis, self.right_basis), self.swaps)
 
     def decode(self, h):
-        """Seam. G = P H Q^T."""
+        """Seam. G = P H Q^T (or H Q^T)."""
+        if self.sides == "right":
+            return decode_geo(h, None, self.right_basis)
         return decode_geo(swap_entries(h, self.swaps), self.left_basis, self.right_basis)
 
     def dominant_subspaces(self, mean):
@@ -775,7 +793,7 @@ class MuonFirstStep:
 #   WhitenedLayer.encode, decode      the output side too (an ablation)
 #   WhitenedLayer.factor_of           a warm-started eigensolver; dense factors, their EMA (ablations)
 #   SubspaceLayer.create              the rotated sides (sides="auto"), dense bases (ablations)
-#   SubspaceLayer.encode, decode      one side only (the column side), dense bases
+#   SubspaceLayer.encode, decode      the rotation as a (P or None, Q or None) pair, dense bases
 #   SubspaceLayer.dominant_subspaces  FSDP's row form, a covariance EMA
 #   SubspaceLayer.refresh             dense bases (ablations)
 #   GeoOptions.choices                production's own settings (Options)
@@ -796,11 +814,11 @@ class MuonFirstStep:
 #   refresh_inputs                    read after the step's finiteness flag
 #   propose_all                       the matrices of one shape refreshed together
 #   consider                          notes a proposal (for the rank agreement check)
-#   measure                           the matrices of one shape measured together; sides="auto"
+#   measure                           the matrices of one shape measured together, both rotations
 #   layer_errors                      measured as each mean is decoded (in place)
 #   error_seen                        FSDP: this rank's rows only
 #   round_trip                        Four Over Six's NVFP4 block scales
-#   through_codec                     sides="auto": both rotations
+#   through_codec                     the rotations as (P, Q) pairs; Options.sides fixes one
 
 GEOMETRIES = ("geofp8", "subspace", "euclidean")
 SELECTIONS = ("gain", "all", "list")
@@ -1084,15 +1102,20 @@ class Communicator:
         Euclidean on this step's gradients, decide, and put what was measured in use."""
         layers = {n: self.proposals.pop(n, self.layers[n]) for n in names}
         errors = self.measure(layers, means, as_sent, across_ranks)
-        for (name, layer), (euclid, geo) in zip(layers.items(), errors.tolist()):
+        for (name, layer), (euclid, *rotated) in zip(layers.items(), errors.tolist()):
+            best = min(range(len(rotated)), key=rotated.__getitem__)    # the first of equals
+            if len(rotated) > 1:
+                layer.sides = layer.SIDES[best]
+            geo = rotated[best]
             layer.gain = math.sqrt(euclid / geo) if geo > 0 else (math.inf if euclid > 0 else 1.0)
             layer.use_geo = self.decide(name, layer)
             self.layers[name] = layer
 
     def measure(self, layers, means, as_sent, across_ranks):
-        """Seam. (layers, 2) float64 on the device: the squared codec error of Euclidean FP8 and
-        of the geometry-aware codec, as each layer's optimizer sees it, summed over the workers -
-        and over the ranks, so every rank decides alike."""
+        """Seam. (layers, 1 + rotations) float64 on the device: the squared codec error of
+        Euclidean FP8 and of the geometry-aware codec in each of the layer's rotations (SIDES),
+        as its optimizer sees it, summed over the workers - and over the ranks, so every rank
+        decides alike."""
         world = dist.get_world_size(self.group) if across_ranks else 1
         errors = []
         for name, layer in layers.items():
@@ -1132,8 +1155,9 @@ class Communicator:
         return dequantize(quantize(x, self.opts.fmt, self.opts.block))
 
     def through_codec(self, layer, g):
-        """Seam. [g through the codec in the layer's coordinates]."""
-        return [layer.decode(self.round_trip(layer.encode(g)))]
+        """Seam. [g through the codec in each of the layer's rotations (its SIDES)]."""
+        return [rotation.decode(self.round_trip(rotation.encode(g)))
+                for rotation in map(layer.with_sides, layer.SIDES)]
 
 
 # ==== 7. See it work: python compress.py ==========================================================

@@ -249,3 +249,24 @@ def test_dense_factors_check_their_cholesky_on_the_device(kind):
         damped = (A + A.T) / 2 + 1e-3 * torch.eye(20, dtype=torch.float64)
         assert torch.equal(factor.L, torch.linalg.cholesky(damped))
     assert torch.isnan(layers.cholesky(-torch.eye(3, dtype=torch.float64))).all()
+
+
+def test_a_refresh_makes_one_svd_for_every_stack():
+    """Issue 58, item 1: the r x r cores of every stack (every run of every shape group) go
+    through one SVD call per r - on a GPU each call waits for the host twice - however small
+    the bucket that cuts the shape groups into runs; cold (the seeded start) and warm."""
+    shapes = [(64, 96)] * 3 + [(96, 64)] * 2 + [(128, 128)] * 2 + [(12, 64)]    # r: 8, ..., 6
+    named = [(f"w{i}", shape) for i, shape in enumerate(shapes)]
+    opts = Options(geometry="subspace", geo_rank=8, min_numel=16, geo_warmup=0, geo_refresh=2,
+                   geo_judge="l2", bucket_mb=0.03)         # a bucket of one 64 x 96 matrix
+    comm = ProductionCommunicator(named, opts)
+    assert comm.stack_limit() < 2 * 64 * 96                 # every matrix a run of its own
+    g = torch.Generator().manual_seed(0)
+    svds = []
+    for step in range(4):           # refreshes: the cold one, then every 2 steps taken
+        workers = [[torch.randn(s, generator=g) for s in shapes] for _ in range(2)]
+        with OpCounter() as ops:
+            comm.reduce_workers(workers)
+        svds.append(ops.counts.get("_linalg_svd", 0) + ops.counts.get("linalg_svd", 0))
+    assert svds == [2, 2, 0, 2]                             # two r's: 8 and 6
+    assert all(layer.built for layer in comm.layers.values())

@@ -32,12 +32,7 @@ def geometry_moves(out):
     return ("euclidean", "geo") in pairs, ("geo", "euclidean") in pairs
 
 
-# The rotation is not held yet: the fast path's gain check also measures the column side alone
-# (Options.sides="auto": both sides or the right one, the better measured), which compress.py
-# does not state; the first judged step whose two rotations differ in error sets the runs apart.
-# strict: the day compress.py states it, this fails and the mark goes.
-SIDES_AUTO = pytest.mark.xfail(strict=True, reason="compress.py has no sides='auto' (issue 56)")
-METHODS = ["fp8", pytest.param("subspace", marks=SIDES_AUTO)]
+METHODS = ["fp8", "subspace"]
 
 
 @pytest.mark.parametrize("comm", METHODS)

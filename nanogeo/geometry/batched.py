@@ -175,6 +175,11 @@ def refresh_group(layers, statistics):
         whiten_stack(layers, statistics)
 
 
+def refresh_stack(layers, means):
+    """refresh_stacks of one stack."""
+    refresh_stacks([(layers, means)])
+
+
 def complete_stack(U):
     """compress.HouseholderBasis.complete of each (m, r) of U (L, m, r): (Y, T) stacked."""
     def one(u):
@@ -188,26 +193,54 @@ def columns_stack(Y, T):
     return torch.vmap(lambda y, t: compress.HouseholderBasis(y, t).columns())(Y, T)
 
 
-def refresh_stack(layers, means):
-    """ProductionSubspaceLayer.refresh(mean) of each of `layers` (stackable, one refresh_key),
-    the bases of the stack estimated together: nanogeo.geometry.rows' subspace iteration (its
-    warm start, or its seeded cold start), the core energy and compress.py's completion, each
-    mapped over the stack (one SVD for the group)."""
+def refresh_stacks(stacks):
+    """ProductionSubspaceLayer.refresh(mean) of every layer of `stacks`, [(layers, means)] each
+    stackable and of one refresh_key: nanogeo.geometry.rows' subspace iteration (its warm start,
+    or its seeded cold start) mapped over each stack, then ONE SVD for the r x r cores of every
+    stack of one r (on a GPU each SVD call waits for the host twice: once a refresh, not once a
+    stack), then each stack's alignment, core energy and compress.py's completion. A stack is a
+    copy: it is made again for the second half, so that only one is held at a time."""
+    iterated = [iterate_stack(layers, means) for layers, means in stacks]
+    by_rank = {}
+    for k, (*_, core) in enumerate(iterated):
+        by_rank.setdefault(core.shape[-1], []).append(k)
+    aligned = {}
+    for ks in by_rank.values():         # the cores of every stack of one r: (sum of L, r, r)
+        a, _, bh = torch.linalg.svd(torch.cat([iterated[k][-1] for k in ks]))
+        sizes = [iterated[k][-1].shape[0] for k in ks]
+        aligned.update(zip(ks, zip(a.split(sizes), bh.split(sizes))))
+    for k, (layers, means) in enumerate(stacks):
+        finish_stack(layers, torch.stack(means), *iterated[k][:4], *aligned[k])
+
+
+def iterate_stack(layers, means):
+    """The first half of a stack's refresh: (U, V, left energies, right energies, cores)."""
     G = torch.stack(means)                                              # (L, m, n)
     first = layers[0]
-    rows = functools.partial(row_blocks.update_subspaces_rows, decay=first.opts.decay,
-                             iters=first.opts.iters, rows=UNSHARDED)
     if first.left_basis is None:        # cold: each matrix's own seeded start
         omega = torch.stack([row_blocks.seeded_directions(G.shape[2], first.r, layer.seed,
                                                           G.device, G.dtype) for layer in layers])
-        U, V, left_energy, right_energy = torch.vmap(functools.partial(
-            row_blocks.range_finder_rows, rows=UNSHARDED))(G, omega)
+        start = torch.vmap(functools.partial(row_blocks.range_finder_start, rows=UNSHARDED))
+        U, V, left_energy, right_energy = start(G, omega)
+        decay, iters = 0.0, 4
     else:
         left, right = stack_bases([(layer.left_basis, layer.right_basis) for layer in layers])
-        U, V, left_energy, right_energy = torch.vmap(rows)(
-            G, columns_stack(*left), columns_stack(*right),
-            torch.stack([layer.left_energy for layer in layers]),
-            torch.stack([layer.right_energy for layer in layers]))
+        U, V = columns_stack(*left), columns_stack(*right)
+        left_energy = torch.stack([layer.left_energy for layer in layers])
+        right_energy = torch.stack([layer.right_energy for layer in layers])
+        decay, iters = first.opts.decay, first.opts.iters
+    iterate = functools.partial(row_blocks.iterate_subspaces_rows, decay=decay, iters=iters,
+                                rows=UNSHARDED)
+    return torch.vmap(iterate)(G, U, V, left_energy, right_energy)
+
+
+def finish_stack(layers, G, U, V, left_energy, right_energy, a, bh):
+    """The second half: the bases aligned by their cores' SVD (a, bh), the core energy, the
+    Householder completion, written into the layers."""
+    first = layers[0]
+    decay = 0.0 if first.left_basis is None else first.opts.decay
+    align = functools.partial(row_blocks.align_subspaces_rows, decay=decay, rows=UNSHARDED)
+    U, V, left_energy, right_energy = torch.vmap(align)(G, U, V, left_energy, right_energy, a, bh)
     energy = torch.vmap(functools.partial(row_blocks.core_energy, rows=UNSHARDED))(G, U, V)
     left, right = complete_stack(U), complete_stack(V)
     for layer, Yl, Tl, Yr, Tr, el, er, e in zip(layers, *(t.unbind() for t in (

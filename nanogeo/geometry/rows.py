@@ -121,7 +121,17 @@ def update_subspaces_rows(G, U, V, left_energy, right_energy, decay, iters, rows
     of rows of the mean (FSDP): every product that runs over the rows is summed over the ranks
     (rows.sum), every m x r result gathered whole before it is orthonormalised (rows.gather), and
     this rank's rows of a whole m x r matrix are rows.local(U). Returns (U, V, left_energy,
-    right_energy), the same on every rank."""
+    right_energy), the same on every rank. Its two halves apart (iterate_subspaces_rows, then
+    the core's SVD, then align_subspaces_rows) let a refresh make one SVD for every matrix."""
+    U, V, left_energy, right_energy, core = iterate_subspaces_rows(
+        G, U, V, left_energy, right_energy, decay, iters, rows)
+    a, _, bh = torch.linalg.svd(core)                                 # r x r: negligible cost
+    return align_subspaces_rows(G, U, V, left_energy, right_energy, a, bh, decay, rows)
+
+
+def iterate_subspaces_rows(G, U, V, left_energy, right_energy, decay, iters, rows):
+    """update_subspaces_rows up to its SVD: (U, V, left_energy, right_energy, the r x r core
+    U^T G V whose singular vectors align the bases)."""
     for _ in range(iters):
         A = (1 - decay) * (G @ rows.sum(G.T @ rows.local(U)))          # rows of G G^T U
         B = (1 - decay) * rows.sum(G.T @ (G @ V))                     # G^T G V
@@ -134,7 +144,12 @@ def update_subspaces_rows(G, U, V, left_energy, right_energy, decay, iters, rows
         right_energy = ((1 - decay) * rows.sum((G @ V_new).pow(2).sum(0))
                         + decay * ((V.T @ V_new).pow(2) * right_energy[:, None]).sum(0))
         U, V = U_new, V_new
-    a, _, bh = torch.linalg.svd(rows.sum(rows.local(U).T @ G @ V))    # r x r: negligible cost
+    return U, V, left_energy, right_energy, rows.sum(rows.local(U).T @ G @ V)
+
+
+def align_subspaces_rows(G, U, V, left_energy, right_energy, a, bh, decay, rows):
+    """update_subspaces_rows after its SVD (a, bh: the core's singular vectors): the bases
+    rotated so that the core is diagonal, and their energies."""
     U, V = U @ a, V @ bh.T
     left_energy = ((1 - decay) * rows.sum(G.T @ rows.local(U)).pow(2).sum(0)
                    + decay * left_energy.sort(descending=True).values)
@@ -158,10 +173,15 @@ def seeded_directions(n, r, seed, device, dtype=torch.float32):
 
 def range_finder_rows(G, omega, rows, iters=4):
     """initial_subspaces_rows from its random start omega (n, r)."""
+    return update_subspaces_rows(G, *range_finder_start(G, omega, rows), 0.0, iters, rows)
+
+
+def range_finder_start(G, omega, rows):
+    """The cold start of the range finder: (U, V, zero energies) from omega (n, r)."""
     U = compress.orthonormal(rows.gather(G @ omega))
     V = compress.orthonormal(rows.sum(G.T @ rows.local(U)))
     zeros = torch.zeros(omega.shape[1], device=G.device, dtype=G.dtype)
-    return update_subspaces_rows(G, U, V, zeros, zeros, 0.0, iters, rows)
+    return U, V, zeros, zeros
 
 
 def core_energy(G, U, V, rows):

@@ -865,7 +865,7 @@ class ProductionCommunicator(compress.Communicator):
         built together (nanogeo.geometry.batched.refresh_group: the rotation's bases, the
         low-rank whitening's factors)."""
         keys = {n: batched.refresh_key(self.layers[n], found) for n, found in inputs.items()}
-        refreshed = {}
+        refreshed, rotations = {}, []       # rotations: [(proposals, means)], one SVD for all
         for key, group in batched.groups(keys).items():
             if key is None:
                 continue
@@ -874,8 +874,14 @@ class ProductionCommunicator(compress.Communicator):
                 proposals = [copy.copy(self.layers[n]) for n in names]     # as propose() makes
                 for proposal in proposals:
                     proposal.gain = float("nan")
-                batched.refresh_group(proposals, [inputs[n] for n in names])
+                found = [inputs[n] for n in names]
+                if key[0] == "subspace":
+                    rotations.append((proposals, found))
+                else:
+                    batched.refresh_group(proposals, found)
                 refreshed.update(zip(names, proposals))
+        if rotations:
+            batched.refresh_stacks(rotations)
         for name, found in inputs.items():
             if name in refreshed:
                 self.consider(name, refreshed[name])
@@ -903,8 +909,8 @@ class ProductionCommunicator(compress.Communicator):
     def through_codec(self, layer, g):
         """g through the codec in the layer's coordinates, or with sides="auto" in each of its
         two rotations."""
-        if not self.auto_sides():
-            return super().through_codec(layer, g)
+        if not self.auto_sides():       # the rotation in use only (sides fixed by Options)
+            return [layer.decode(self.round_trip(layer.encode(g)))]
         return [layer.decode(self.round_trip(layer.encode(g, rotation)), rotation)
                 for rotation in (layer.rotation("both"), layer.rotation("right"))]
 
