@@ -33,13 +33,16 @@ def geometry_moves(out):
 
 
 METHODS = ["fp8", "subspace"]
+NVFP4 = {"nvfp4": ("fp8", "--fmt=nvfp4"), "subspace-nvfp4": ("subspace", "--fmt=nvfp4")}
 
 
-@pytest.mark.parametrize("comm", METHODS)
+@pytest.mark.parametrize("comm", METHODS + list(NVFP4))
 def test_the_fast_path_ends_on_the_specifications_bits_simulated(tiny_corpus, tmp_path, comm):
-    fast = simulated(tiny_corpus, tmp_path / "fast", comm, "fast")
-    spec = simulated(tiny_corpus, tmp_path / "reference", comm, "reference")
-    if comm == "subspace":      # the steps cover a refresh, an entry and an exit
+    arm = comm
+    comm, *flags = NVFP4.get(arm, (arm,))
+    fast = simulated(tiny_corpus, tmp_path / "fast", comm, "fast", *flags)
+    spec = simulated(tiny_corpus, tmp_path / "reference", comm, "reference", *flags)
+    if arm == "subspace":       # the steps cover a refresh, an entry and an exit
         assert geometry_moves(tmp_path / "fast") == (True, True)
     assert fast["param_sha256"] == spec["param_sha256"]
 
