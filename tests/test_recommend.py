@@ -51,6 +51,13 @@ def test_auto_takes_the_pick_of_the_optimizer_at_the_nearest_w(picks):
     assert (cfg.comm, cfg.fmt, cfg.block, cfg.collective) == ("fp8", "e5m2", "tensor", "fp8-sum")
 
 
+def test_auto_takes_the_row_of_the_wire_the_flags_choose(picks):
+    cfg, why = resolve(["--optimizer=muon", "--fmt=nvfp4"], 16, picks)
+    assert (cfg.comm, cfg.fmt) == ("fp8", "nvfp4") and "on the 4-bit wire" in why
+    with pytest.raises(ConfigError, match="4-bit \\+ FP8 wire"):     # no such row in ROWS
+        resolve(["--optimizer=muon", "--fmt=nvfp4", "--stage2_fmt=e4m3"], 16, picks)
+
+
 def test_an_explicit_flag_wins_over_the_pick(picks):
     cfg, why = resolve(["--block=row"], 8, picks)
     assert (cfg.fmt, cfg.block, cfg.collective) == ("e5m2", "row", "fp8-sum")

@@ -1,6 +1,7 @@
 """
 `--comm=auto` (train.py's default): run the method the study recommends for the optimizer in
-force, on the FP8 wire.
+force, on the wire chosen (FP8 unless --fmt=nvfp4 says 4 bits, with --stage2_fmt=e4m3 the mixed
+4-bit + FP8 wire).
 
 The recommendations are recommended.json beside this file, written by the study tool from the
 same rule and the same results as the README's what-to-run table
@@ -12,8 +13,8 @@ run takes that row), AdamW -> Euclidean FP8.
 
 How a run resolves `auto`:
   * one data-parallel rank: nothing is communicated, so fp32 (no rounding at all);
-  * otherwise the FP8 row of the optimizer in force, at the W nearest the run's ranks (in
-    ratio: 4 GPUs take the study's W = 32 row); its flags are applied except where the run
+  * otherwise the row of the optimizer in force and the wire, at the W nearest the run's ranks
+    (in ratio: 4 GPUs take the study's W = 32 row); its flags are applied except where the run
     already sets a flag the pick sets (an explicit flag wins).
 The run's first line says what runs and why.
 """
@@ -26,7 +27,13 @@ import os
 from nanogeo.run.config import ConfigError, parse_value
 
 RECOMMENDED = os.path.join(os.path.dirname(__file__), "recommended.json")
-WIRE = "FP8"            # the wire format `auto` picks for: the project's default
+
+
+def wire(cfg):
+    """The table's wire format of a run's flags: "FP8" (the default), "4-bit" or "4-bit + FP8"."""
+    if cfg.fmt != "nvfp4":
+        return "FP8"
+    return "4-bit + FP8" if cfg.stage2_fmt in ("e4m3", "e5m2") else "4-bit"
 
 
 def load(path=RECOMMENDED):
@@ -59,16 +66,17 @@ def resolve(cfg, ranks, defaults, path=RECOMMENDED):
     if ranks == 1:
         return (dataclasses.replace(cfg, comm="fp32"),
                 "comm=auto: fp32 - one data-parallel rank, nothing to communicate")
-    rows = [r for r in load(path) if r["optimizer"] == cfg.optimizer and r["wire"] == WIRE]
+    on = wire(cfg)
+    rows = [r for r in load(path) if r["optimizer"] == cfg.optimizer and r["wire"] == on]
     if not rows:
         raise ConfigError(f"--comm=auto: {path} recommends nothing for --optimizer="
-                          f"{cfg.optimizer} on the {WIRE} wire; pass --comm explicitly")
+                          f"{cfg.optimizer} on the {on} wire; pass --comm explicitly")
     row = nearest(rows, ranks)
     fields = {f.name: f for f in dataclasses.fields(cfg)}
     picked = flag_values(row["flags"], fields)
     kept = [k for k in picked if k != "comm" and getattr(cfg, k) != getattr(defaults, k)]
     cfg = dataclasses.replace(cfg, **{k: v for k, v in picked.items() if k not in kept})
     why = (f"comm=auto: {row['arm']} ({' '.join(row['flags'])}) - the study's pick for "
-           f"{cfg.optimizer} on the {WIRE} wire at W = {row['workers']} (this run: {ranks} "
+           f"{cfg.optimizer} on the {on} wire at W = {row['workers']} (this run: {ranks} "
            "ranks; README.md, What to run)")
     return cfg, why + (f"; your {', '.join('--' + k for k in kept)} kept" if kept else "")
