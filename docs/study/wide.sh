@@ -37,7 +37,7 @@ publish() {
   $PY - "$OUT" "$RESULTS" <<'EOF'
 import fcntl, glob, json, os, sys
 out, results = sys.argv[1], sys.argv[2]
-with open(results + ".lock", "w") as lock:
+with open(os.path.join(out, "publish.lock"), "w") as lock:     # the lanes publish in turn
     fcntl.flock(lock, fcntl.LOCK_EX)
     kept = json.load(open(results)) if os.path.exists(results) else []
     mine = [r for f in glob.glob(os.path.join(out, "**", "results.json"), recursive=True)
