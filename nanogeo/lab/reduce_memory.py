@@ -21,8 +21,8 @@ they would, deciding nothing about real gradients).
 
 Each step runs inside nanogeo.lab.probes.MemoryPeak (the most bytes of new storage alive at
 once inside the reduce; the gradients and the model not counted) and OpCounter (aten ops: ~ a
-kernel launch each on a GPU, the price of more buckets), printed per step in MB (10^6 bytes)
-and as a multiple of the gradients' bytes. The first step also builds what is kept from then
+kernel launch each on a GPU, the price of more buckets; and the ops that make a GPU's host wait,
+by name), printed per step in MB (10^6 bytes) and as a multiple of the gradients' bytes. The first step also builds what is kept from then
 on (the layouts' index tensors, the geometry); the steps after it show what every step needs.
 """
 import argparse
@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 import model as model_lib
-from nanogeo.lab.probes import MemoryPeak, OpCounter
+from nanogeo.lab.probes import SYNCING, MemoryPeak, OpCounter
 from nanogeo.parallel import hooks
 from nanogeo.parallel.communicator import Options, ProductionCommunicator
 from nanogeo.run import config
@@ -118,8 +118,8 @@ def communicator_for(net, options):
 
 
 def reduce_peaks(preset, options, steps=3, seed=0):
-    """[(peak new bytes inside the reduce, the gradients' bytes, aten ops)] for `steps` steps
-    of a Loopback rank 0 averaging random gradients of `preset`'s parameters with Options
+    """[(peak new bytes inside the reduce, the gradients' bytes, its OpCounter)] for `steps`
+    steps of a Loopback rank 0 averaging random gradients of `preset`'s parameters with Options
     `options`."""
     with torch.device("meta"):
         net = model_lib.Llama(model_lib.model_config(preset))
@@ -133,7 +133,7 @@ def reduce_peaks(preset, options, steps=3, seed=0):
         with OpCounter() as ops, MemoryPeak() as mem:
             communicator.reduce([p.grad for p in params])
         peaks.append((mem.peak, sum(p.grad.numel() * p.grad.element_size() for p in params),
-                      ops.total))
+                      ops))
     return peaks
 
 
@@ -163,8 +163,9 @@ def main(argv=None):
     print(f"{preset} {options}: gradients {grads / 1e6:,.1f} MB; peak new bytes inside the "
           f"reduce, rank 0 of 2:")
     for step, (peak, _, ops) in enumerate(peaks, 1):
+        syncing = {name: n for name, n in sorted(ops.counts.items()) if name in SYNCING}
         print(f"  step {step}: {peak / 1e6:,.1f} MB = {peak / grads:.3f} x the gradients, "
-              f"{ops} aten ops")
+              f"{ops.total} aten ops (kernel launches on a GPU), syncing {syncing or 'none'}")
     dist.destroy_process_group()
     return peaks
 
