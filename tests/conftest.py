@@ -1,5 +1,7 @@
 import os
+import signal
 import socket
+import subprocess
 import sys
 import tempfile
 
@@ -73,6 +75,21 @@ def run_ranks(fn, world_size, *args):
                     raise
                 print(f"run_ranks: rank {e.error_index} died with {e.signal_name}; running "
                       f"{fn.__name__} once more", file=sys.stderr)
+
+
+def run_in_session(command, cwd, env, timeout):
+    """subprocess.run(command) in a session of its own: one that outlives `timeout` seconds is
+    killed with every process it started (no rank left behind to load the machine for the tests
+    after it), and its stderr says so. Returns the CompletedProcess."""
+    with subprocess.Popen(command, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, start_new_session=True) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            stdout, stderr = process.communicate()
+            stderr += f"\n(killed after {timeout} s)"
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 @pytest.fixture(autouse=True)

@@ -9,11 +9,10 @@ page's corpus is the tests' tiny one (conftest.tiny_corpus), in the copy's data/
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 
-from conftest import ROOT
+from conftest import ROOT, run_in_session
 
 PAGE = os.path.join(ROOT, "docs", "ablate.md")
 PASTE = re.compile(r'<!-- ablate: (\S+), above the line starting "([^"]+)" -->\n'
@@ -49,17 +48,10 @@ def run(root, language, text, timeout=600):
     env = {**os.environ, "PATH": f"{root / 'bin'}{os.pathsep}{os.environ['PATH']}",
            "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     command = ["bash", "-c", text] if language == "bash" else ["python", "-c", text]
-    with subprocess.Popen(command, cwd=root, env=env, text=True, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, start_new_session=True) as process:
-        try:
-            stdout, stderr = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            stdout, stderr = process.communicate()
-            stderr += f"\n(killed after {timeout} s)"
-    assert process.returncode == 0, (f"docs/ablate.md: {text!r} failed:\n{stdout[-3000:]}\n"
-                                     f"{stderr[-3000:]}\n{runs_log(root)}")
-    return stdout
+    done = run_in_session(command, root, env, timeout)
+    assert done.returncode == 0, (f"docs/ablate.md: {text!r} failed:\n{done.stdout[-3000:]}\n"
+                                  f"{done.stderr[-3000:]}\n{runs_log(root)}")
+    return done.stdout
 
 
 def runs_log(root):

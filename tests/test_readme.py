@@ -17,14 +17,13 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import time
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, run_in_session
 
 TRAIN = ("--preset=cpu-tiny --max_iters=2 --batch_size=2 --block_size=16 --eval_iters=1 "
          "--eval_interval=2 --warmup_iters=1 --compile=false --geo_warmup=1")
@@ -202,16 +201,8 @@ def shell(scratch, command, timeout=600):
     free here would only be one more that can be taken before it is used."""
     env = {**os.environ, "PATH": f"{scratch / 'bin'}:{os.environ['PATH']}", "PYTHONPATH": ROOT,
            "OMP_NUM_THREADS": "1"}
-    with subprocess.Popen(["bash", "-c", command], cwd=scratch, env=env, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          start_new_session=True) as process:
-        try:
-            stdout, stderr = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            stdout, stderr = process.communicate()
-            stderr += f"\n(killed after {timeout} s)"
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+    done = run_in_session(["bash", "-c", command], scratch, env, timeout)
+    return subprocess.CompletedProcess(command, done.returncode, done.stdout, done.stderr)
 
 
 # torchrun's report of a rank killed by a signal: "Signal 6 (SIGABRT) received by PID 1234"
@@ -304,7 +295,7 @@ STUDY_RESULTS = ("docs/study/namesake/results.json", "docs/study/mixed/results.j
                  "docs/study/results.json")
 STUDY_COMMAND = ("python -m nanogeo.lab.study --answer_workers 32,64 --answer "
                  + ",".join(STUDY_RESULTS) + " --readme README.md --readme docs/study/README.md "
-                 "--figure docs/study/answer.png")
+                 "--picks nanogeo/run/recommended.json --figure docs/study/answer.png")
 STUDY_PAGE = os.path.join(ROOT, "docs", "study", "README.md")
 
 

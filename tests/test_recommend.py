@@ -90,3 +90,17 @@ def test_a_run_says_what_auto_chose(tiny_corpus, tmp_path, capsys):
          "--optimizer=muon", "--simulate_workers=2", "--max_iters=2", "--eval_iters=1"]))
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith("comm=auto: subspace") and summary["config"]["comm"] == "subspace"
+
+
+def test_the_study_writes_the_picks_only_when_asked(tmp_path, capsys):
+    """--picks FILE writes the picks; --answer ... --readme alone never touches train.py's file."""
+    from nanogeo.lab import study
+    paths = [os.path.join(ROOT, p) for p in json.load(open(recommend.RECOMMENDED))["results"]]
+    before = open(recommend.RECOMMENDED).read()
+    out = tmp_path / "picks.json"
+    study.main(["--answer", ",".join(paths), "--answer_workers", "32,64", "--picks", str(out)])
+    assert json.load(open(out))["picks"] == json.load(open(recommend.RECOMMENDED))["picks"]
+    assert open(recommend.RECOMMENDED).read() == before
+    with pytest.raises(SystemExit):
+        study.main(["--picks", str(out)])
+    assert "--picks goes with --answer" in capsys.readouterr().err

@@ -193,10 +193,10 @@ def test_codec_check_fails_on_its_faults(monkeypatch):
         status, figures = ranks.smoke_codec(cpu, 1e4, 1, with_compiled=True)
         assert status == "FAIL" and not figures["e4m3_compiled_equals_eager"]
     assert not kernels.compiled()
-    with monkeypatch.context() as m:
-        real_decode = compress.fp8_decode
-        m.setattr(compress, "fp8_decode",
-                  lambda codes, scale, dtype: real_decode(codes, scale, dtype) * math.nan)
+    with monkeypatch.context() as m:           # e4m3's decoder in compress.py's registry
+        encode, real_decode = compress.BYTE_CODECS["e4m3"]
+        m.setitem(compress.BYTE_CODECS, "e4m3",
+                  (encode, lambda *args, **kwargs: real_decode(*args, **kwargs) * math.nan))
         status, figures = ranks.smoke_codec(cpu, 1e4, 1, with_compiled=False)
         assert status == "FAIL" and not figures["e4m3_device_equals_cpu"]
 

@@ -5,7 +5,7 @@ force, on the wire chosen (FP8 unless --fmt=nvfp4 says 4 bits, with --stage2_fmt
 
 The recommendations are recommended.json beside this file, written by the study tool from the
 same rule and the same results as the README's what-to-run table
-(`python -m nanogeo.lab.study --answer RESULTS --readme README.md`, nanogeo/lab/study/
+(`python -m nanogeo.lab.study --answer RESULTS --picks FILE`, nanogeo/lab/study/
 recommended.py): one row per optimizer, W and wire format, each with the study arm it picks
 and that arm's train.py flags. Today that is Muon -> the subspace rotation on the two-stage
 FP8 collective at W = 32 but Euclidean FP8 at W = 64 (nothing detected there: from 46 ranks a

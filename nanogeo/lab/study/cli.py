@@ -69,6 +69,9 @@ def parse_args(argv):
                         "write it between FILE's comparisons markers")
     parser.add_argument("--readme", action="append", default=None, metavar="FILE",
                         help="a markdown file whose generated blocks to rewrite; repeatable")
+    parser.add_argument("--picks", default=None, metavar="JSON", help="with --answer: write "
+                        "the table's picks, for train.py --comm=auto, to JSON (the one train.py "
+                        "reads: nanogeo/run/recommended.json)")
     parser.add_argument("--figure", default=None, metavar="PNG", help="with --answer: draw "
                         "the forest plot of the paired differences to PNG and write its values "
                         "beside it (.json); needs matplotlib (pip install -e \".[plot]\")")
@@ -168,8 +171,9 @@ def read_only(parser, args):
     if (args.readme or args.answer_workers) and not (args.answer or args.comparisons):
         parser.error("--readme and --answer_workers go with --answer RESULTS (or --comparisons "
                      "RESULTS): give both")
-    if args.figure and not args.answer:
-        parser.error("--figure goes with --answer RESULTS: give both")
+    for flag, given in (("--figure", args.figure), ("--picks", args.picks)):
+        if given and not args.answer:
+            parser.error(f"{flag} goes with --answer RESULTS: give both")
     if not (args.answer or args.comparisons):
         return False
     if args.answer and args.comparisons and args.readme:
@@ -193,10 +197,11 @@ def read_only(parser, args):
             for readme in args.readme:
                 names = write_blocks(paths, readme, workers, args.margin)
                 print(f"{readme}: {', '.join(names)}")
-            # the same picks for train.py --comm=auto
-            print(recommended.write(load_results(paths), workers, paths))
         elif args.answer:
             print(answers(load_results(paths), workers, args.margin), end="")
+        if args.picks:          # the same picks, for train.py --comm=auto
+            print(f"{recommended.write(load_results(paths), workers, paths, args.picks)}: "
+                  "the picks for train.py --comm=auto")
         if args.figure:
             print(write_figure(load_results(paths), workers, args.figure, args.margin))
         if args.comparisons:
