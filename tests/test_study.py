@@ -881,6 +881,11 @@ def test_plan_is_read_and_labels_every_comparison():
         "planned (A1)"
     assert plan.label(plan.lookup(rows, "char-study", "muon", 64, "subspace", "fp8")) == \
         "exploratory"
+    a1 = plan.lookup(rows, "char-study", "muon", 32, "fp8", "subspace")     # 6 seeds planned
+    assert plan.label(a1, 6) == "planned (A1)"
+    assert plan.label(a1, 4) == "planned (A1), interim: 4 of 6 seeds"      # a look before the end
+    assert plan.label(a1, 9) == "planned (A1), 9 seeds, 6 planned"         # grown past the plan
+    assert plan.label(rows[2], 9) == "retrospective (B1)"                  # fixed after the runs
     with pytest.raises(ValueError, match="B1"):
         plan.parse(PLAN_TEXT.replace("0.002 | 6 | final | baselines", "0.002 | 6 | final | -"))
     with pytest.raises(ValueError, match="A1 and A3"):

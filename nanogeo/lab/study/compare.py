@@ -95,7 +95,7 @@ def comparison_rows(results, workers, margin, tests):
                         f"{len(blocks)} | {estimate(diffs, sign='+')} | "
                         + (f"{interval[0]:+.4f} to {interval[1]:+.4f}" if interval else "—")
                         + f" | {p_value(diffs):.3f} | {holm_cell(tests, optimizer, w, a, b)} | ")
-                tail = (f" | {plan.label(tests.plan_row(optimizer, w, a, b))} | "
+                tail = (f" | {plan.label(tests.plan_row(optimizer, w, a, b), len(blocks))} | "
                         f"{verdict(diffs, margin)} | {machine_cell(by[a], by[b], labels)} |")
                 rows.append((head, p_value(diffs), tail))
     return rows

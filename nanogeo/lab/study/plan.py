@@ -102,8 +102,15 @@ def lookup(rows, preset, optimizer, workers, a, b):
     return named[0] if named else None
 
 
-def label(row):
-    """'planned (H1a)', 'retrospective (N2a)' or 'exploratory' (no row)."""
+def label(row, seeds=None):
+    """'planned (H1a)', 'retrospective (N2a)' or 'exploratory' (no row). A planned row compared
+    on other than its fixed number of seeds says so: an interim look ('interim: 8 of 12 seeds')
+    or seeds beyond the plan ('16 seeds, 12 planned'), which the plan's family did not fix."""
     if row is None:
         return "exploratory"
-    return f"{'retrospective' if row.retrospective else 'planned'} ({row.id})"
+    text = f"{'retrospective' if row.retrospective else 'planned'} ({row.id})"
+    if row.retrospective or seeds is None or seeds == row.seeds:
+        return text
+    if seeds < row.seeds:
+        return f"{text}, interim: {seeds} of {row.seeds} seeds"
+    return f"{text}, {seeds} seeds, {row.seeds} planned"
