@@ -79,6 +79,33 @@ if [ "$STEP" = sweep ]; then
   exit 0
 fi
 
+# STEP=next (one lane per process, LANE=a or b): the plan's rule carried out - while the
+# sweep's best rate is the lowest swept (best_at_edge in sweep.json), extend the grid below it
+# (5e-3, 3e-3, 2e-3, 1e-3; the high end lost by far: 1e-1 is the worst), waiting for the other
+# lane's seed; then the arms at the best rate.
+best() {
+  $PY - "$OUT/sweep/sweep.json" "$1" <<'EOF'
+import json, sys
+sweep = json.load(open(sys.argv[1]))["sweeps"][0]
+done = [v for v in sweep["values"] if len(v["final_val_loss"]) == 2]     # both seeds
+low = min(done, key=lambda v: float(v["value"]))
+pick = min(done, key=lambda v: v["mean"])
+print(("extend" if pick is low and sweep["best_at_edge"] else pick["value"])
+      if sys.argv[2] == "decide" else pick["value"])
+EOF
+}
+if [ "$STEP" = next ]; then
+  for low in 5e-3 3e-3 2e-3 1e-3; do
+    until [ "$($PY -c "import json; s = json.load(open('$OUT/sweep/sweep.json'))['sweeps'][0]
+print(all(len(v['final_val_loss']) == 2 for v in s['values']))")" = True ]; do sleep 60; done
+    [ "$(best decide)" = extend ] || break
+    STEP=sweep GRID=$low bash "$0"
+  done
+  until [ "$(best decide)" != extend ] || [ "$low" = 1e-3 ]; do sleep 60; done
+  MUON_LR=$(best pick) STEP=arms bash "$0"
+  exit 0
+fi
+
 [ -n "$MUON_LR" ] || { echo "wide.sh: set MUON_LR to the sweep's best rate (plan.md)"; exit 1; }
 # 2. the eight arms, seed by seed: lane a seeds 12-17, lane b 18-23
 for lane in $(lanes); do
