@@ -99,7 +99,8 @@ if [ "$STEP" = next ]; then
     until [ "$($PY -c "import json; s = json.load(open('$OUT/sweep/sweep.json'))['sweeps'][0]
 print(all(len(v['final_val_loss']) == 2 for v in s['values']))")" = True ]; do sleep 60; done
     [ "$(best decide)" = extend ] || break
-    STEP=sweep GRID=$low bash "$0"
+    STEP=sweep GRID=$low,$(best pick) bash "$0"     # (the driver sweeps two values or more:
+                                                    # the best so far, run already, is skipped)
   done
   until [ "$(best decide)" != extend ] || [ "$low" = 1e-3 ]; do sleep 60; done
   MUON_LR=$(best pick) STEP=arms bash "$0"
