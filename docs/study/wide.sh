@@ -94,16 +94,24 @@ print(("extend" if pick is low and sweep["best_at_edge"] else pick["value"])
       if sys.argv[2] == "decide" else pick["value"])
 EOF
 }
+# every value swept on both seeds (sweep.json keeps the seeds all values share)
+both_seeds() {
+  [ "$($PY -c "import json; s = json.load(open('$OUT/sweep/sweep.json'))['sweeps'][0]
+print(all(len(v['final_val_loss']) == 2 for v in s['values']))")" = True ]
+}
 if [ "$STEP" = next ]; then
   for low in 5e-3 3e-3 2e-3 1e-3; do
-    until [ "$($PY -c "import json; s = json.load(open('$OUT/sweep/sweep.json'))['sweeps'][0]
-print(all(len(v['final_val_loss']) == 2 for v in s['values']))")" = True ]; do sleep 60; done
+    until both_seeds; do sleep 60; done
     [ "$(best decide)" = extend ] || break
     STEP=sweep GRID=$low,$(best pick) bash "$0"     # (the driver sweeps two values or more:
                                                     # the best so far, run already, is skipped)
   done
-  until [ "$(best decide)" != extend ] || [ "$low" = 1e-3 ]; do sleep 60; done
-  MUON_LR=$(best pick) STEP=arms bash "$0"
+  # the last extension (1e-3, the grid's end) waits for the other lane's seed too: both lanes
+  # pick from the same two seeds, so their arms run at one rate
+  until both_seeds; do sleep 60; done
+  MUON_LR=$(best pick)
+  [ -n "$MUON_LR" ] || { echo "wide.sh: no rate swept on both seeds in $OUT/sweep"; exit 1; }
+  MUON_LR=$MUON_LR STEP=arms bash "$0"
   exit 0
 fi
 
