@@ -56,6 +56,8 @@ def test_auto_takes_the_row_of_the_wire_the_flags_choose(picks):
     assert (cfg.comm, cfg.fmt) == ("fp8", "nvfp4") and "on the 4-bit wire" in why
     with pytest.raises(ConfigError, match="4-bit \\+ FP8 wire"):     # no such row in ROWS
         resolve(["--optimizer=muon", "--fmt=nvfp4", "--stage2_fmt=e4m3"], 16, picks)
+    with pytest.raises(ConfigError, match="FP8 \\+ 4-bit wire"):     # not the FP8 row's pick
+        resolve(["--optimizer=muon", "--stage2_fmt=nvfp4"], 16, picks)
 
 
 def test_an_explicit_flag_wins_over_the_pick(picks):

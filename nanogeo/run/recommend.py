@@ -30,10 +30,12 @@ RECOMMENDED = os.path.join(os.path.dirname(__file__), "recommended.json")
 
 
 def wire(cfg):
-    """The table's wire format of a run's flags: "FP8" (the default), "4-bit" or "4-bit + FP8"."""
-    if cfg.fmt != "nvfp4":
-        return "FP8"
-    return "4-bit + FP8" if cfg.stage2_fmt in ("e4m3", "e5m2") else "4-bit"
+    """The table's wire format of a run's flags, as nanogeo.lab.study.arms.wire_format names an
+    arm's: "FP8" (the default), "4-bit", or stage 1's + stage 2's where they differ ("4-bit +
+    FP8"; "FP8 + 4-bit", which no row picks for)."""
+    kind = lambda fmt: "4-bit" if fmt == "nvfp4" else "FP8"
+    first, second = kind(cfg.fmt), kind(cfg.stage2_fmt or cfg.fmt)
+    return first if second == first else f"{first} + {second}"
 
 
 def load(path=RECOMMENDED):
