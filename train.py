@@ -384,7 +384,8 @@ def train(cfg):
     my_ranks = data_parallel_ranks(cfg, rank, world_size)
     data_parallel = len(my_ranks) * world_size
     # --comm=auto: the study's pick for this optimizer; the run's first line says which and why
-    cfg, why = recommend.resolve(cfg, data_parallel, TrainConfig(**config.TRAIN_PRESETS[cfg.preset]))
+    no_flags = TrainConfig(**config.TRAIN_PRESETS[cfg.preset])     # to tell the flags set
+    cfg, why = recommend.resolve(cfg, data_parallel, no_flags)
     if why and rank == 0:
         print(why, flush=True)
     torch.manual_seed(cfg.seed)  # same seed on every rank (and rank 0's bits: below)

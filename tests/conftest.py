@@ -86,7 +86,10 @@ def run_in_session(command, cwd, env, timeout):
         try:
             stdout, stderr = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:      # the group ended between the timeout and the kill
+                pass
             stdout, stderr = process.communicate()
             stderr += f"\n(killed after {timeout} s)"
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)

@@ -19,11 +19,12 @@ means outside this rank's shard are stand-ins (with FP8, this shard's [scale | c
 read in the others' places: finite, so the geometry's refresh and gain check run on them as
 they would, deciding nothing about real gradients).
 
-Each step runs inside nanogeo.lab.probes.MemoryPeak (the most bytes of new storage alive at
-once inside the reduce; the gradients and the model not counted) and OpCounter (aten ops: ~ a
-kernel launch each on a GPU, the price of more buckets; and the ops that make a GPU's host wait,
-by name), printed per step in MB (10^6 bytes) and as a multiple of the gradients' bytes. The first step also builds what is kept from then
-on (the layouts' index tensors, the geometry); the steps after it show what every step needs.
+Each step runs inside nanogeo.lab.probes.MemoryPeak (the most bytes of new storage alive at once
+inside the reduce; the gradients and the model not counted) and OpCounter (aten ops: ~ a kernel
+launch each on a GPU, the price of more buckets; and the ops that make a GPU's host wait, by name),
+printed per step in MB (10^6 bytes) and as a multiple of the gradients' bytes. The first step also
+builds what is kept from then on (the layouts' index tensors, the geometry); the steps after it show
+what every step needs.
 """
 import argparse
 import dataclasses

@@ -3,11 +3,12 @@
 place of the fast path (nanogeo/parallel/communicator.py's ProductionCommunicator). An edit of
 compress.py then changes what trains, on real ranks and with --simulate_workers alike.
 
-The specification is the method without the machinery: no buckets (the whole model is averaged
-at once), the K-FAC moments averaged with equal weights (every rank ran as many tokens).
-Euclidean FP8 and the subspace rotation end on the fast path's bits (tests/test_reference.py). The flags of what it does not state - error feedback, the paper's FP8-sum
-collective, a second stage format, Four Over Six, stochastic rounding, the Hadamard control, the
-whitening's ablations, --log_stages, resuming - stop the run with one line naming them.
+The specification is the method without the machinery: no buckets (the whole model is averaged at
+once), the K-FAC moments averaged with equal weights (every rank ran as many tokens). Euclidean FP8
+and the subspace rotation end on the fast path's bits (tests/test_reference.py). The flags of what
+it does not state - error feedback, the paper's FP8-sum collective, a second stage format, Four Over
+Six, stochastic rounding, the Hadamard control, the whitening's ablations, --log_stages, resuming -
+stop the run with one line naming them.
 
 `Reference` is the thin adapter train.py needs around it: the names train.py's log and
 simulated ranks read (coords, moment_layers, each simulated rank's moments averaged); every
