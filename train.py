@@ -142,6 +142,8 @@ class TrainConfig:
     simulate_workers: int = 0         # play W data-parallel ranks in this one process (0: off)
     device: str = "auto"              # auto | cpu | cuda
     compile: bool = False             # torch.compile the model and the packed FP8 codec
+    sync_debug: bool = False          # CUDA: each reduce under torch.cuda's sync debug mode; the
+                                      # host waits it made logged per step (the smoke's budget)
     seed: int = 1337
     check_every: int = 100            # all-rank parameter checksum every N steps (0 = never)
 
@@ -326,16 +328,19 @@ def evaluate(model, val, cfg, my_ranks, device, autocast, windows=0):
 class Diagnostics:
     """What a step reports besides its loss, measured around its reduce (nanogeo/run/summary.py)
     and off on most steps: on logged steps the coordinates each candidate layer's gradient was
-    sent in and, with --log_stages, the error of the mean by stage of the collective; on the last
-    step its gradients, for the end-of-run comparison against Euclidean FP8.
+    sent in and, with --log_stages, the error of the mean by stage of the collective; with
+    --sync_debug on a GPU, the host waits inside the reduce; on the last step its gradients, for
+    the end-of-run comparison against Euclidean FP8.
 
         with diagnostics.around_reduce(done, logged, grads, workers, params):
             ... the reduce ...
         diagnostics.log(done, log)      # after the step's log line
     """
 
-    def __init__(self, cfg, communicator, world_size, data_parallel):
+    def __init__(self, cfg, communicator, world_size, data_parallel, device):
         self.cfg, self.communicator, self.world_size = cfg, communicator, world_size
+        self.count_syncs = cfg.sync_debug and device.type == "cuda"    # --sync_debug
+        self.syncs = None
         # the last step, kept to measure it against Euclidean FP8 at the end (compressed runs)
         self.last_step = (summary.LastStep(communicator, data_parallel, bool(cfg.simulate_workers))
                           if communicator is not None and cfg.impl == "fast" else None)
@@ -353,7 +358,9 @@ class Diagnostics:
         decompose = logged and cfg.log_stages and communicator is not None
         if decompose:   # the error by stage: the gradients as they were (a reduce writes them)
             communicator.decompose, before = True, workers or [g.clone() for g in grads]
-        yield
+        with runtime.counting_syncs(self.count_syncs) as syncs:
+            yield
+        self.syncs = syncs[0] if syncs else None
         self.stages = None
         if decompose:
             self.stages = summary.stage_errors(communicator, before, [p.grad for p in params],
@@ -369,6 +376,8 @@ class Diagnostics:
         if self.stages:
             log.print(summary.stages_line(done, self.stages))
             log.write({"step": done, "stages": self.stages})
+        if self.syncs is not None:
+            log.write({"step": done, "reduce_syncs": self.syncs})
 
     def finish(self, log):
         """The end of the run: the last step against Euclidean FP8, if it was taken."""
@@ -459,7 +468,7 @@ def train(cfg):
     log.first_eval(first_val)
     val_loss = float("nan") if first_val is None else first_val    # resumed: not yet measured
     losses, t_start = None, time.time()     # losses: the last step's, on the device
-    diagnostics = Diagnostics(cfg, communicator, world_size, data_parallel)
+    diagnostics = Diagnostics(cfg, communicator, world_size, data_parallel, device)
     for step in range(start_step, cfg.max_iters):
         done = step + 1
         logged = done % cfg.log_interval == 0 or done == cfg.max_iters

@@ -209,11 +209,13 @@ def records(losses, resumed_to=40, first_step=0):
 
 
 @pytest.mark.parametrize("fault", [None, "nan loss", "loss rises", "resume stops short",
-                                   "mixed wire diverges", "rotation never judged"])
+                                   "mixed wire diverges", "rotation never judged",
+                                   "host waits in ordinary steps"])
 def test_training_check_fails_on_its_fault(monkeypatch, tmp_path, fault):
     """The train check on stand-in train.py logs: PASS when the loss falls and the resumed run
     reaches step 40; FAIL on a NaN loss, a loss that rises, a resume that stops short, the mixed
-    wire's loss ending infinite, a rotation run whose gain check never measured."""
+    wire's loss ending infinite, a rotation run whose gain check never measured, a reduce that
+    waits for the host on ordinary steps (over the sync budget)."""
     falling = [3.0 - 0.05 * k for k in range(30)]
     judged = [{"geometry_at": 10, "coords": {"w": ["geo", 1.3]}}]
     runs = {"first": records(falling), "resumed": records([1.4] * 10, first_step=30),
@@ -229,6 +231,11 @@ def test_training_check_fails_on_its_fault(monkeypatch, tmp_path, fault):
         runs["nvfp4-e4m3s2-ef1"] = records(falling[:-1] + [math.inf])
     if fault == "rotation never judged":
         runs["subspace"] = records(falling)
+    if fault == "host waits in ordinary steps":     # --sync_debug's counts, as a GPU logs them
+        runs["subspace"] += [{"step": k, "reduce_syncs": 1} for k in range(2, 31)]
+    if fault is None:
+        runs["subspace"] += [{"step": k, "reduce_syncs": 2 if k % 5 == 0 else 0}
+                             for k in range(2, 31)]
     order = iter(["first", "resumed", "muon", "subspace", "nvfp4-e4m3s2-ef1"])
     monkeypatch.setattr(launcher, "run_training", lambda *args: runs[next(order)])
     status, _ = launcher.smoke_training(2, str(tmp_path), True, lambda: 100)
@@ -442,3 +449,34 @@ if __name__ == "__main__":
                 print(check, open(f"{out}.0").read(), flush=True)
             except Exception as e:      # a check that does not exist in this checkout
                 print(check, f"cannot run: {type(e).__name__}", file=sys.stderr, flush=True)
+
+
+def test_host_waits_are_counted_under_sync_debug_mode(monkeypatch):
+    """runtime.counting_syncs: torch.cuda's sync debug mode "warn" turned on for the block and off
+    after it, each synchronizing call's warning counted (stand-ins: the CPU has no CUDA syncs);
+    not enabled, nothing is counted and the mode is never touched."""
+    import warnings
+    from nanogeo.run import runtime
+    modes = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    with runtime.counting_syncs(True) as syncs:
+        warnings.warn(f"an op {runtime.SYNC_WARNING}")
+        warnings.warn("something else")
+        warnings.warn(f"an op {runtime.SYNC_WARNING}")
+    assert syncs == [2] and modes == ["warn", 0]
+    with runtime.counting_syncs(False) as syncs:
+        warnings.warn(f"an op {runtime.SYNC_WARNING}")
+    assert syncs == [] and modes == ["warn", 0]
+
+
+def test_sync_debug_counts_nothing_on_the_cpu(tiny_corpus, tmp_path):
+    """train.py --sync_debug on the CPU trains as without it and logs no count (no CUDA)."""
+    import train
+    args = [f"--data_dir={tiny_corpus}", "--preset=char-study", "--optimizer=muon",
+            "--comm=subspace", "--simulate_workers=2", "--max_iters=3", "--eval_iters=1",
+            "--log_interval=1", "--device=cpu"]
+    plain = train.train(train.parse_config([*args, f"--out_dir={tmp_path / 'plain'}"]))
+    debug = train.train(train.parse_config([*args, f"--out_dir={tmp_path / 'debug'}",
+                                            "--sync_debug"]))
+    assert plain["param_sha256"] == debug["param_sha256"]
+    assert not any("reduce_syncs" in line for line in open(tmp_path / "debug" / "log.jsonl"))

@@ -6,6 +6,7 @@ tests), the GPU's peak for MFU, and the one-line stop (with the CUDA wheel index
 driver) where GPUs are visible but torch cannot use them. Nothing here knows about gradient
 communication; that is train.py's reduce_gradients and compress.py.
 """
+import contextlib
 import datetime
 import hashlib
 import itertools
@@ -14,6 +15,7 @@ import platform
 import re
 import subprocess
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -223,3 +225,26 @@ if __name__ == "__main__":
     if reason := cuda_build_missing():
         print(f"error: {reason}", file=sys.stderr)
         sys.exit(2)
+
+
+SYNC_WARNING = "called a synchronizing CUDA operation"   # what sync debug mode "warn" says
+
+
+@contextlib.contextmanager
+def counting_syncs(enabled):
+    """Count the calls inside that make the host wait for a GPU: torch.cuda's sync debug mode
+    "warn" reports each one as a warning (train.py --sync_debug, the smoke's budget). Yields a
+    list that holds the count once the block ends; not enabled (or no CUDA): nothing counted,
+    the list stays empty."""
+    found = []
+    if not enabled:
+        yield found
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield found
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    found.append(sum(SYNC_WARNING in str(w.message) for w in caught))
