@@ -841,7 +841,9 @@ class GeoOptions:
     geo_enter_gain: float = 1.10    # go geometry-aware when Euclidean error / its error >= this
     geo_exit_gain: float = 1.00     # ... and back below this (both 0 with a list: fixed choice)
     min_numel: int = 4096           # smaller matrices stay Euclidean
-    vocab_size: int = 0             # so do matrices with a dimension of this size
+    vocabulary: tuple = ()          # so do these weights: the embedding, an untied output head
+                                    # (found by module: nanogeo.parallel.hooks.vocabulary_layers)
+    vocab_size: int = 0             # ... or, knowing shapes only, a dimension of this size
     whiten_rank: int = 32           # geofp8: r of A's low-rank part
     damping: float = 1e-3           # geofp8
     moment_decay: float = 0.95      # geofp8: EMA of the moments across refreshes
@@ -862,7 +864,7 @@ class GeoOptions:
             self.geo_refresh = 50 if self.geometry == "geofp8" else 4
         if min(self.geo_rank, self.geo_refresh, self.whiten_rank, self.judge_every) < 1:
             raise ValueError("geo_rank, whiten_rank, geo_refresh and judge_every must be >= 1")
-        self.geo_layers = tuple(self.geo_layers)
+        self.geo_layers, self.vocabulary = tuple(self.geo_layers), tuple(self.vocabulary)
 
     @property
     def scale_block(self):
@@ -882,8 +884,8 @@ def why_euclidean(name, shape, opts, linear=None):
         return None if name in opts.geo_layers else "not selected"
     if linear is not None and name not in linear:
         return "not a linear layer"
-    if opts.vocab_size and opts.vocab_size in shape:   # an untied output head
-        return "vocabulary"
+    if name in opts.vocabulary or (opts.vocab_size and opts.vocab_size in shape):
+        return "vocabulary"         # the embedding or an untied output head
     if math.prod(shape) < opts.min_numel:
         return "small"
     return None

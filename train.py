@@ -170,7 +170,10 @@ def make_communicator(cfg, model, optimizers):
     if cfg.comm in ("fp32", "bf16"):
         return None, None
     named = [(n, p.shape) for n, p in model.named_parameters() if p.requires_grad]
-    options = config.geo_options(cfg, model.config.vocab_size)
+    # the embedding and the output head stay Euclidean, found by module type and one token's
+    # forward (never by shape: char-wide's width equals its vocabulary size)
+    one_token = torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device)
+    options = config.geo_options(cfg, vocabulary=hooks.vocabulary_layers(model, one_token))
     linear = set(hooks.linear_layers(model))
     if cfg.impl == "reference":     # compress.py's own Communicator (nanogeo/run/reference.py)
         communicator = reference.Reference(named, options, linear)

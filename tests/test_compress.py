@@ -727,6 +727,45 @@ def test_why_euclidean():
     assert "vocabulary" in summary.layer_table(comm)
 
 
+class UntiedHead(torch.nn.Module):
+    """A model we did not design: learned positions, width equal to the vocabulary size, a
+    dropout, the logits returned in a dict, and a second head that is soft-capped."""
+    def __init__(self, vocab=32, positions=8, capped=False):
+        super().__init__()
+        self.tokens = torch.nn.Embedding(vocab, vocab)
+        self.positions = torch.nn.Embedding(positions, vocab)
+        self.mix, self.drop = torch.nn.Linear(vocab, vocab), torch.nn.Dropout(0.5)
+        self.out, self.capped = torch.nn.Linear(vocab, vocab), capped
+
+    def forward(self, idx):
+        x = self.tokens(idx) + self.positions(torch.arange(idx.shape[1]))
+        logits = self.out(self.drop(self.mix(x)))
+        return {"logits": 30 * torch.tanh(logits / 30) if self.capped else logits}
+
+
+def test_vocabulary_layers_by_module_not_shape():
+    """char-wide's width equals its vocabulary size (128): the shape rule would keep every
+    matrix Euclidean; found by module, only the embedding and the untied head are."""
+    import model as model_lib
+    from nanogeo.parallel import hooks
+    one = torch.zeros(1, 1, dtype=torch.long)
+    net = model_lib.Llama(model_lib.model_config("char-wide"))
+    vocabulary = hooks.vocabulary_layers(net, one)
+    assert vocabulary == ["tok_embeddings.weight", "lm_head.weight"]
+    named, linear = [(n, p.shape) for n, p in net.named_parameters()], set(hooks.linear_layers(net))
+    by_module = ProductionCommunicator(named, Options(vocabulary=vocabulary), linear=linear)
+    by_shape = ProductionCommunicator(named, Options(vocab_size=128), linear=linear)
+    assert len(by_module.layers) == 7 * 4 and not by_shape.layers
+    assert by_module.reasons["lm_head.weight"] == "vocabulary"
+    # the foreign model: its position table reads positions, its mixing layer's output is not
+    # returned; the random streams are as they were (its dropout drew nothing)
+    foreign, state = UntiedHead(), torch.get_rng_state()
+    assert hooks.vocabulary_layers(foreign.train(), one) == ["tokens.weight", "out.weight"]
+    assert torch.equal(torch.get_rng_state(), state)
+    # a head whose output is changed before it is returned is not found (named by hand instead)
+    assert hooks.vocabulary_layers(UntiedHead(capped=True), one) == ["tokens.weight"]
+
+
 @pytest.mark.parametrize("geometry", ["subspace", "geofp8"])
 def test_layer_table_says_dash_where_nothing_was_measured(geometry):
     """Before any step nothing is measured: the gain and energy columns say "-", never nan.

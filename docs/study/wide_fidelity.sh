@@ -22,7 +22,7 @@ for model in char-study:3e-2 char-wide:${MUON_LR_WIDE:?set MUON_LR_WIDE}; do
       --data_dir=data/shakespeare_char --batch_size=4 --block_size=64 --optimizer=muon \
       --muon_lr=$lr --learning_rate=3e-3 --warmup_iters=20 --workers=32 --train_steps=200 \
       --capture_steps=4
-  python -m nanogeo.lab.fidelity $OUT/$preset.pt --vocab_size 128 --methods $METHODS \
+  python -m nanogeo.lab.fidelity $OUT/$preset.pt --methods $METHODS \
       --json $OUT/$preset.json > $OUT/$preset.txt
   rm $OUT/$preset.pt
 done

@@ -12,13 +12,15 @@ checkpoint (--checkpoint=out/demo/ckpt.pt), then records --capture_steps success
 file holds, oldest step first:
 
     steps       [[{name: fp32 gradient} per worker] per step]
-    inputs      [{weight name: A = a^T a / tokens} per step]     each nn.Linear without a vocabulary
-    outputs     [{weight name: G = delta^T delta / tokens} per step]   dimension, all workers' tokens
+    inputs      [{weight name: A = a^T a / tokens} per step]     each nn.Linear but the output
+    outputs     [{weight name: G = delta^T delta / tokens} per step]   head, all workers' tokens
     optimizer   {"groups": [{"class": "AdamW" | "Muon", "params": [names], "hyper": {kwargs}}],
                  (not with --keep=linear, which keeps only the linear layers' weights)
                  "state": {name: torch's per-parameter state}}   as it was before the first step
     optimizer_v {name: exp_avg_sq} at the end (AdamW's parameters; legacy)
-    vocab_size  the model's vocabulary size (tools read roles from here, never from shapes)
+    vocab_size  the model's vocabulary size
+    vocabulary  names of the weights that read or write the vocabulary (the embedding, an untied
+                head), found by module (hooks.vocabulary_layers): tools read roles from here
     linear      names of the nn.Linear weights (by module type): GeoFP8's candidates
     grad_clip   the global-norm clip applied to every mean before the optimizer step
 
@@ -87,7 +89,6 @@ def simulated_training(cfg, record_from, collect_moments=False):
     else:
         model = model_lib.Llama(model_lib.model_config(cfg.preset, block_size=cfg.block_size))
         data = load_splits(cfg.data_dir, cfg.block_size, model.config.vocab_size)
-    mcfg = model.config
     optimizers = make_optimizers(cfg, model, fused=False)
     start = 0
     if cfg.checkpoint:
@@ -100,10 +101,10 @@ def simulated_training(cfg, record_from, collect_moments=False):
     max_iters = record_from + cfg.capture_steps       # the schedule ends with the capture
     peaks = peak_lrs(optimizers)
     recording = [False]
-    # every linear layer but those with a vocabulary dimension (the head's G alone would be
-    # vocab x vocab); the vocabulary size comes from the model's config
-    layers = {n: m for n, m in hooks.linear_layers(model).items()
-              if mcfg.vocab_size not in m.weight.shape}
+    # every linear layer but the output head (its G alone would be vocab x vocab), found by
+    # module type and one token's forward, never by shape
+    vocabulary = hooks.vocabulary_layers(model, torch.zeros(1, 1, dtype=torch.long))
+    layers = {n: m for n, m in hooks.linear_layers(model).items() if n not in vocabulary}
     moments = (hooks.KroneckerMoments(layers, lambda: recording[0], ("input", "output")).attach()
                if collect_moments else None)
     for step in range(start, max_iters):
@@ -186,7 +187,9 @@ def capture(cfg: CaptureConfig):
     names = {p: n for n, p in model.named_parameters()}
     optimizer_v = {names[p]: o.state[p]["exp_avg_sq"].clone() for o in adamw for p in o.state}
     data = {"steps": steps, "inputs": inputs, "outputs": outputs,
-            "vocab_size": model.config.vocab_size, "linear": list(hooks.linear_layers(model))}
+            "vocab_size": model.config.vocab_size,
+            "vocabulary": hooks.vocabulary_layers(model, torch.zeros(1, 1, dtype=torch.long)),
+            "linear": list(hooks.linear_layers(model))}
     if cfg.keep == "all":   # the optimizer replays only on the whole model (clipping is global)
         data.update(optimizer=record, optimizer_v=optimizer_v, grad_clip=cfg.grad_clip)
     if cfg.quiet_rows > 0:

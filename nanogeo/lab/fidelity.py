@@ -37,8 +37,8 @@ Any method takes Options overrides after colons, for ablations:
     hadamard:hadamard_block=32   hadamard:hadamard_sides=both   hadamard:select=all
 The whitening methods read each step's input (and output) second moments from the file. The
 candidates are the file's `linear` weights (the model's nn.Linear modules; older files: every
-matrix); a vocabulary dimension stays Euclidean, its size from --vocab_size or the file's
-vocab_size. Where the file records the optimizer, each layer's coordinates are chosen by the
+matrix); the vocabulary's weights stay Euclidean: those the file names (`vocabulary`, found by
+module at capture) or, with --vocab_size or an older file, those with a dimension of that size. Where the file records the optimizer, each layer's coordinates are chosen by the
 error that optimizer sees (the replayed state before each step; `:geo_judge=l2` for plain L2).
 """
 
@@ -80,8 +80,9 @@ DEFAULT_METHODS = ("bf16,fp8-tensor,fp8-row,fp8-block,fp8-paper,geofp8,geofp8-pa
                    "hadamard,nvfp4")
 
 
-def method_options(spec, vocab_size):
-    """'subspace:geo_rank=8:sides=left' -> Options (or None for bf16)."""
+def method_options(spec, vocab_size, vocabulary=()):
+    """'subspace:geo_rank=8:sides=left' -> Options (or None for bf16). The vocabulary's
+    weights stay Euclidean: `vocabulary` names them, or `vocab_size` finds them by shape."""
     name, *overrides = spec.split(":")
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
@@ -90,7 +91,7 @@ def method_options(spec, vocab_size):
             raise ValueError("bf16 takes no options")
         return None
     fields = {f.name: f for f in dataclasses.fields(Options)}
-    options = dict(METHODS[name], vocab_size=vocab_size)
+    options = dict(METHODS[name], vocab_size=vocab_size, vocabulary=tuple(vocabulary))
     for item in overrides:
         key, _, value = item.partition("=")
         if key not in fields:
@@ -134,12 +135,13 @@ def tensor_bytes(layout, index):
     return total / world
 
 
-def run_method(spec, steps, names, vocab_size, moments=None, linear=None, views=None):
+def run_method(spec, steps, names, vocab_size, moments=None, linear=None, views=None,
+               vocabulary=()):
     """Means delivered by one method for every step, and bytes per rank, plus coords used.
     moments[s] = {"input": {name: A}, "output": {name: G}} of step s, for the whitening;
     linear: the names of the model's nn.Linear weights (the candidates; None: every matrix);
     views[s] = {name: update_error.OptimizerView} before step s (the selection's error measure)."""
-    options = method_options(spec, vocab_size)
+    options = method_options(spec, vocab_size, vocabulary)
     shapes = [steps[0][0][n].shape for n in names]
     results = []
     if options is None:
@@ -291,7 +293,10 @@ def evaluate(path, methods, last=1, vocab_size=None, round_trip=False, workers=N
         steps = [[{n: sum(w[n].float() for w in workers) / len(workers) for n in names}]
                  for workers in steps]
     adam_v = data.get("optimizer_v")
-    vocab_size = vocab_size if vocab_size is not None else data.get("vocab_size", 0)
+    # the vocabulary's weights: named by the file (found by module at capture), or by shape
+    vocabulary = tuple(data.get("vocabulary", ())) if vocab_size is None else ()
+    if vocab_size is None:
+        vocab_size = 0 if vocabulary else data.get("vocab_size", 0)
     moments = file_moments(data)
     exact = [{n: sum(w[n].float() for w in workers) / len(workers) for n in names}
              for workers in steps]
@@ -307,7 +312,7 @@ def evaluate(path, methods, last=1, vocab_size=None, round_trip=False, workers=N
                              classes, grad_clip)
     report = {}
     for spec in methods:
-        results = run_method(spec, steps, names, vocab_size, moments, linear, views)
+        results = run_method(spec, steps, names, vocab_size, moments, linear, views, vocabulary)
         layers = {n: {"rel_err": 0.0, "cos": 0.0, "bytes": 0.0, "ref_norm": 0.0, "max_err": 0.0,
                       "mse": 0.0} for n in names}
         total = {"rel_err": 0.0, "cos": 0.0, "bytes": 0.0, "matrices_rel_err": 0.0}
@@ -340,7 +345,8 @@ def evaluate(path, methods, last=1, vocab_size=None, round_trip=False, workers=N
                 layer["mse"] += e2 / r.numel() / last
                 layer["coords"] = c
                 err2, ref2, dot, mean2 = err2 + e2, ref2 + r2, dot + d, mean2 + m2
-                if r.dim() == 2 and vocab_size not in r.shape:  # the matrices but vocabulary
+                if r.dim() == 2 and n not in vocabulary and vocab_size not in r.shape:
+                    # the matrices but the vocabulary's
                     mat_err2, mat_ref2 = mat_err2 + e2, mat_ref2 + r2
                 if adam_v is not None and n in adam_v:      # AdamW's parameters
                     scale = adam_v[n].sqrt() + 1e-8

@@ -22,7 +22,8 @@ hop, in ring or tree order), prints the ranking and writes the selection:
 
 The output file is JSON: {"selected": [names], "scores": {name: score}, ...}; train.py's
 --geo_layers=FILE and the DDP hook (select="list", geo_layers=...) take the "selected" list.
-Roles come from the model (nn.Linear weights, vocabulary size from its config), never from names.
+Roles come from the model's modules (nn.Linear weights; the vocabulary's weights by
+hooks.vocabulary_layers), never from names or shapes.
 The same profile runs inside train.py with --geo_layers=fragile:K --collective=fp8-sum.
 """
 
@@ -30,6 +31,8 @@ import dataclasses
 import json
 import sys
 from dataclasses import dataclass
+
+import torch
 
 import compress
 import model as model_lib
@@ -63,16 +66,15 @@ def profile(cfg: ProfileConfig):
         if comm is None:
             named = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
             linear = set(hooks.linear_layers(model))     # candidates, by module type
+            vocabulary = hooks.vocabulary_layers(model, torch.zeros(1, 1, dtype=torch.long))
             options = Options(
                 geometry=geometry, fmt=cfg.fmt, block="tensor", collective="fp8-sum",
-                sum_order=cfg.sum_order, geo_refresh=1, select="gain",
-                vocab_size=model.config.vocab_size)
+                sum_order=cfg.sum_order, geo_refresh=1, select="gain", vocabulary=vocabulary)
             comm = ProductionCommunicator(named, options, linear=linear)
             comm.watch(hooks.optimizer_views(optimizers, model))  # gains as they see them
             candidates = [n for n, s in named
                           if compress.why_euclidean(n, s, Options(
-                              geometry="geofp8", vocab_size=model.config.vocab_size),
-                              linear) is None]
+                              geometry="geofp8", vocabulary=vocabulary), linear) is None]
         comm.reduce_workers([[w[n] for n in comm.names] for w in workers], moments)
         print(f"profiled step {step}: loss {loss:.3f}")
     if cfg.by == "fragility":

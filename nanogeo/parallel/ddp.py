@@ -16,7 +16,8 @@ The hook names the parameters in the bucket, averages their gradients with compr
 two-stage FP8 collective (in geometry-aware coordinates where that measurably helps), writes the
 mean back into the bucket and returns it as an already-completed future. Options are those of
 Options (the same as train.py's flags): geometry, fmt, block, collective, select,
-factor, refresh, warmup, error_feedback, vocab_size (keeps an untied output head Euclidean), ...
+factor, refresh, warmup, error_feedback, vocabulary (names kept Euclidean, e.g. an untied output
+head: hooks.vocabulary_layers), ...
 
 Which matrices may go geometry-aware: the weights of nn.Linear modules (found by module type;
 embedding tables and tied heads stay Euclidean), and of those the ones whose measured error -

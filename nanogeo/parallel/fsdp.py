@@ -299,7 +299,7 @@ def use_compressed_reduce_scatter(model, linear=None, **options):
     """Give every FSDP module of `model` (after fully_shard) a CompressedReduceScatter. Options as
     Options. Candidates: the weight names in `linear`, by default every nn.Linear
     weight (found by module type; name a GPT-2 Conv1D's weights here to rotate them too); pass
-    vocab_size to keep an untied output head Euclidean as well. Returns the reduce-scatters
+    vocabulary=hooks.vocabulary_layers(model, batch) to keep an untied output head Euclidean. Returns the reduce-scatters
     (their bytes_sent, geometry_bytes and table() are for logging; watch_optimizers)."""
     linear = set(hooks.linear_layers(model) if linear is None else linear)
     check_candidates(linear, model)

@@ -3,6 +3,9 @@ What GeoFP8 reads from the model and its optimizers, as torch hooks and adapters
 
   * linear_layers: the model's nn.Linear weights, found by module type (never by name or
     shape): the matrices that may use a geometry, and the layers whose inputs K-FAC reads;
+  * vocabulary_layers: the weights that read or write the vocabulary (nn.Embedding, and a
+    linear layer whose output the model returns: an untied output head), found by module type
+    and one forward, so they stay Euclidean whatever the model's width;
   * KroneckerMoments: the K-FAC moments of linear layers (A = E[a a^T] of the inputs, G =
     E[delta delta^T] of the output gradients) that the published method whitens with, collected
     by forward hooks (compress.py section 3);
@@ -42,6 +45,33 @@ def linear_layers(model, names=None):
                 and param is modules[0].weight and (names is None or name in names)):
             found[name] = modules[0]
     return found
+
+
+def vocabulary_layers(model, *example):
+    """The names of the weights that read or write the vocabulary, found by module type and
+    one forward of `example` (e.g. one token), without gradients: an nn.Embedding that reads
+    one of the example's tensors (the token embedding; a position table reads positions), and
+    an nn.Linear (linear_layers) whose output is one of the model's outputs (an untied output
+    head, whose rows are the vocabulary; a tied one is the embedding's weight). Neither a name
+    nor a shape is consulted, so a model whose width equals its vocabulary size (char-wide: 128
+    and 128) keeps its other matrices as candidates. A head whose output the model changes
+    before returning it (a soft cap, a cast) is not found: name it (Options(vocabulary=...))."""
+    names = {id(p): n for n, p in model.named_parameters()}    # a tied weight: its first name
+    linear = set(linear_layers(model))
+    seen = []       # (module, input, output): holding them keeps their ids from being reused
+    hooks = [m.register_forward_hook(lambda m, args, out: seen.append((m, args[0], out)))
+             for m in model.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.Linear))]
+    devices = [t.device for t in example if isinstance(t, torch.Tensor) and t.is_cuda]
+    try:        # the random streams as they were: a model with dropout draws nothing here
+        with torch.no_grad(), torch.random.fork_rng(devices=devices[:1]):
+            returned = torch.utils._pytree.tree_leaves(model(*example))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    found = [names[id(m.weight)] for m, x, out in seen
+             if isinstance(m, torch.nn.Embedding) and any(x is e for e in example)
+             or names.get(id(m.weight)) in linear and any(out is r for r in returned)]
+    return list(dict.fromkeys(found))
 
 
 class KroneckerMoments:

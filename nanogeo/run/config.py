@@ -178,14 +178,17 @@ def parse_geo_layers(text):
 GEOMETRY = {"fp8": "euclidean", "geofp8": "geofp8", "subspace": "subspace", "hadamard": "hadamard"}
 
 
-def geo_options(cfg, vocab_size):
+def geo_options(cfg, vocab_size=0, vocabulary=()):
     """Options from the training flags (shared with the DDP hook and tools). One vocabulary:
     every flag that names an Options field is that field (--geo_refresh is geo_refresh, ...);
-    --comm picks the geometry, --block and --geo_layers are parsed."""
+    --comm picks the geometry, --block and --geo_layers are parsed. `vocabulary`: the weights
+    that stay Euclidean as the vocabulary's (hooks.vocabulary_layers); `vocab_size`: the same by
+    shape, for callers that know shapes only."""
     flags = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(Options)
              if hasattr(cfg, f.name) and f.name not in ("geometry", "block", "geo_layers")}
     try:
         return Options(**flags, geometry=GEOMETRY[cfg.comm], block=parse_block(cfg.block),
-                       vocab_size=vocab_size, **parse_geo_layers(cfg.geo_layers))
+                       vocab_size=vocab_size, vocabulary=tuple(vocabulary),
+                       **parse_geo_layers(cfg.geo_layers))
     except ValueError as e:     # a combination Options rejects; its message names the fix
         raise ConfigError(str(e)) from None
