@@ -295,7 +295,9 @@ STUDY_RESULTS = ("docs/study/namesake/results.json", "docs/study/mixed/results.j
                  "docs/study/results.json")
 STUDY_COMMAND = ("python -m nanogeo.lab.study --answer_workers 32,64 --answer "
                  + ",".join(STUDY_RESULTS) + " --readme README.md --readme docs/study/README.md "
-                 "--picks nanogeo/run/recommended.json --figure docs/study/answer.png")
+                 "--picks nanogeo/run/recommended.json --figure docs/study/answer.png "
+                 "--transfer docs/study/wide/results.json")
+WIDE_RESULTS = os.path.join(ROOT, "docs", "study", "wide", "results.json")
 STUDY_PAGE = os.path.join(ROOT, "docs", "study", "README.md")
 
 
@@ -327,6 +329,12 @@ def test_the_study_blocks_are_the_study_tools_output():
         expected = expected.replace(ROOT + os.sep, "")      # the machines table names the files
         assert block(docs, name) == expected, (
             f"docs/study/README.md's {name} block is stale: run {STUDY_COMMAND}")
+    from nanogeo.lab.study import transfer      # the char-wide replication beside them
+    wide = study.load_results([WIDE_RESULTS])
+    assert block(docs, "transfer") == transfer.transfer(results, wide, workers), (
+        f"docs/study/README.md's transfer block is stale: run {STUDY_COMMAND}")
+    assert block(readme, "transfer line") == transfer.transfer_line(results, wide), (
+        f"README's transfer line is stale: run {STUDY_COMMAND}")
 
 
 def test_the_figure_plots_the_tables_values():
@@ -336,11 +344,14 @@ def test_the_figure_plots_the_tables_values():
     needed)."""
     from nanogeo.lab import study
     plotted = json.load(open(os.path.join(ROOT, "docs", "study", "answer.json")))
-    assert plotted == json.loads(json.dumps(study.forest(study_results(), (32, 64)))), (
+    expected = study.forest(study_results(), (32, 64))
+    expected["panels"] += [{**p, "title": f"char-wide: {p['title']}"} for p in study.forest(
+        study.load_results([WIDE_RESULTS]), (32, 64))["panels"]]
+    assert plotted == json.loads(json.dumps(expected)), (
         f"docs/study/answer.json (and its PNG) are stale: run {STUDY_COMMAND}")
     assert os.path.exists(os.path.join(ROOT, "docs", "study", "answer.png"))
     table = block(open(STUDY_PAGE).read(), "comparisons").splitlines()
-    for panel in plotted["panels"]:
+    for panel in [p for p in plotted["panels"] if not p["title"].startswith("char-wide")]:
         for row in panel["rows"]:
             hits = [line for line in table
                     if line.startswith(f"| {panel['optimizer']} | {panel['workers']} | ")

@@ -87,6 +87,8 @@ The package, by what each part is for:
     findings.py     what the data show, in words written from the numbers
     figure.py       the forest plot and its values (--figure)
     page.py         the generated blocks of the README and docs/study/README.md (--readme)
+    transfer.py     the char-wide replication beside char-study: each hypothesis on both
+                    models, each pick held / not shown / reversed (--transfer)
     sweep.py        the learning-rate sweep and --lr_from
     diagnostics.py  gain history, loss plots, the error by stage (--stages), --sensitivity
     cli.py          the command line (python -m nanogeo.lab.study)

@@ -15,7 +15,7 @@ from nanogeo.lab.study.compare import comparisons
 from nanogeo.lab.study.diagnostics import (at_endpoint, gain_history, plot, sensitivity,
                                              stage_table)
 from nanogeo.lab.study.figure import write_figure
-from nanogeo.lab.study import recommended
+from nanogeo.lab.study import recommended, transfer
 from nanogeo.lab.study.page import (COMPARISONS_BEGIN, COMPARISONS_END, write_block,
                                       write_blocks)
 from nanogeo.lab.study.report import load_results, table
@@ -75,6 +75,11 @@ def parse_args(argv):
     parser.add_argument("--figure", default=None, metavar="PNG", help="with --answer: draw "
                         "the forest plot of the paired differences to PNG and write its values "
                         "beside it (.json); needs matplotlib (pip install -e \".[plot]\")")
+    parser.add_argument("--transfer", default=None, metavar=results, help="with --answer: "
+                        "the char-wide replication's results; --readme FILE writes FILE's "
+                        "transfer blocks (each hypothesis on both models, each pick held / not "
+                        "shown / reversed: nanogeo/lab/study/transfer.py) and --figure gains "
+                        "its panel")
     parser.add_argument("--margin", type=float, default=MARGIN, help="the equivalence margin "
                         "of --answer and --comparisons in final val loss (default %(default)g, "
                         "about 0.12 %% of the study's loss): two methods are called equivalent "
@@ -171,7 +176,8 @@ def read_only(parser, args):
     if (args.readme or args.answer_workers) and not (args.answer or args.comparisons):
         parser.error("--readme and --answer_workers go with --answer RESULTS (or --comparisons "
                      "RESULTS): give both")
-    for flag, given in (("--figure", args.figure), ("--picks", args.picks)):
+    for flag, given in (("--figure", args.figure), ("--picks", args.picks),
+                        ("--transfer", args.transfer)):
         if given and not args.answer:
             parser.error(f"{flag} goes with --answer RESULTS: give both")
     if not (args.answer or args.comparisons):
@@ -179,7 +185,8 @@ def read_only(parser, args):
     if args.answer and args.comparisons and args.readme:
         parser.error("--readme takes one of --answer and --comparisons at a time")
     paths = (args.answer or args.comparisons).split(",")
-    missing = [p for p in paths if not os.path.exists(p)]
+    wide = args.transfer.split(",") if args.transfer else []
+    missing = [p for p in paths + wide if not os.path.exists(p)]
     if missing:
         parser.error(f"--answer / --comparisons {missing[0]}: no such results file (a study's "
                      "out_dir/results.json)")
@@ -196,6 +203,9 @@ def read_only(parser, args):
         if args.answer and args.readme:
             for readme in args.readme:
                 names = write_blocks(paths, readme, workers, args.margin)
+                if wide:
+                    names += transfer.write_blocks(readme, load_results(paths),
+                                                   load_results(wide), workers)
                 print(f"{readme}: {', '.join(names)}")
         elif args.answer:
             print(answers(load_results(paths), workers, args.margin), end="")
@@ -203,7 +213,8 @@ def read_only(parser, args):
             print(f"{recommended.write(load_results(paths), workers, paths, args.picks)}: "
                   "the picks for train.py --comm=auto")
         if args.figure:
-            print(write_figure(load_results(paths), workers, args.figure, args.margin))
+            print(write_figure(load_results(paths), workers, args.figure, args.margin,
+                               load_results(wide) if wide else None))
         if args.comparisons:
             text = comparisons(load_results(paths), workers, args.margin)
             for readme in args.readme or []:

@@ -104,10 +104,13 @@ def draw(data, path):
     return True
 
 
-def write_figure(results, workers, path, margin=MARGIN):
+def write_figure(results, workers, path, margin=MARGIN, wide=None):
     """Draw the figure at `path` and write its values to the same name with .json; returns
-    the line to print (what was written, or why nothing was)."""
+    the line to print (what was written, or why nothing was). `wide`: the char-wide
+    replication's records, drawn below as panels of their own."""
     data = forest(results, workers, margin)
+    for panel in forest(wide, workers, margin)["panels"] if wide else []:
+        data["panels"].append({**panel, "title": f"char-wide: {panel['title']}"})
     if not data["panels"]:
         raise ValueError(f"no study run at W = {', '.join(map(str, workers))} to plot: pass "
                          "the W the study ran at (--answer_workers)")
