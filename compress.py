@@ -864,6 +864,8 @@ class GeoOptions:
             self.geo_refresh = 50 if self.geometry == "geofp8" else 4
         if min(self.geo_rank, self.geo_refresh, self.whiten_rank, self.judge_every) < 1:
             raise ValueError("geo_rank, whiten_rank, geo_refresh and judge_every must be >= 1")
+        if isinstance(self.vocabulary, str):
+            raise ValueError("vocabulary is a list of weight names, e.g. ('lm_head.weight',)")
         self.geo_layers, self.vocabulary = tuple(self.geo_layers), tuple(self.vocabulary)
 
     @property

@@ -762,8 +762,16 @@ def test_vocabulary_layers_by_module_not_shape():
     foreign, state = UntiedHead(), torch.get_rng_state()
     assert hooks.vocabulary_layers(foreign.train(), one) == ["tokens.weight", "out.weight"]
     assert torch.equal(torch.get_rng_state(), state)
+    assert foreign.training      # its mode as it was (the forward ran in eval mode)
     # a head whose output is changed before it is returned is not found (named by hand instead)
-    assert hooks.vocabulary_layers(UntiedHead(capped=True), one) == ["tokens.weight"]
+    with pytest.warns(UserWarning, match="no nn.Linear's output is the model's output"):
+        assert hooks.vocabulary_layers(UntiedHead(capped=True), one) == ["tokens.weight"]
+    # names of a wrapped model (DDP's "module.") are refused, not silently ignored
+    from nanogeo.parallel.ddp import CompressHookState
+    with pytest.raises(ValueError, match="call hooks.vocabulary_layers on the bare model"):
+        CompressHookState(foreign, vocabulary=("module.out.weight",))
+    with pytest.raises(ValueError, match="a list of weight names"):
+        Options(vocabulary="out.weight")
 
 
 @pytest.mark.parametrize("geometry", ["subspace", "geofp8"])

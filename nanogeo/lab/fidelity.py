@@ -80,6 +80,15 @@ DEFAULT_METHODS = ("bf16,fp8-tensor,fp8-row,fp8-block,fp8-paper,geofp8,geofp8-pa
                    "hadamard,nvfp4")
 
 
+def file_vocabulary(data, vocab_size=None):
+    """(names, size) that keep a capture file's vocabulary weights Euclidean: the names the
+    file records (found by module at capture: hooks.vocabulary_layers) and size 0, or - with
+    `vocab_size` given, or an older file without names - no names and that size (by shape)."""
+    if vocab_size is None and "vocabulary" in data:
+        return tuple(data["vocabulary"]), 0
+    return (), data.get("vocab_size", 0) if vocab_size is None else vocab_size
+
+
 def method_options(spec, vocab_size, vocabulary=()):
     """'subspace:geo_rank=8:sides=left' -> Options (or None for bf16). The vocabulary's
     weights stay Euclidean: `vocabulary` names them, or `vocab_size` finds them by shape."""
@@ -293,10 +302,7 @@ def evaluate(path, methods, last=1, vocab_size=None, round_trip=False, workers=N
         steps = [[{n: sum(w[n].float() for w in workers) / len(workers) for n in names}]
                  for workers in steps]
     adam_v = data.get("optimizer_v")
-    # the vocabulary's weights: named by the file (found by module at capture), or by shape
-    vocabulary = tuple(data.get("vocabulary", ())) if vocab_size is None else ()
-    if vocab_size is None:
-        vocab_size = 0 if vocabulary else data.get("vocab_size", 0)
+    vocabulary, vocab_size = file_vocabulary(data, vocab_size)
     moments = file_moments(data)
     exact = [{n: sum(w[n].float() for w in workers) / len(workers) for n in names}
              for workers in steps]

@@ -71,9 +71,10 @@ def group_summary(layers, names):
 def tables(path, codec="round-trip", last=1, group="mlp.w2.weight", vocab_size=None,
            workers=None):
     data = fidelity.load_gradient_file(path)
-    vocab = vocab_size if vocab_size is not None else data.get("vocab_size", 0)
+    vocabulary, vocab = fidelity.file_vocabulary(data, vocab_size)
     shapes = {n: t.shape for n, t in data["steps"][0][0].items()}
-    matrices = [n for n, s in shapes.items() if len(s) == 2 and vocab not in s]
+    matrices = [n for n, s in shapes.items()
+                if len(s) == 2 and n not in vocabulary and vocab not in s]
     down = [n for n in matrices if n.endswith(group)]
     if not down:
         raise ValueError(f"no matrix name ends with --group={group}")

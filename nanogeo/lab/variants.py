@@ -55,8 +55,9 @@ def compare(path, geo_rank=16):
     exact = [{n: sum(w[n].float() for w in ws) / len(ws) for n in names} for ws in steps]
     states, _ = fidelity.exact_updates(record, exact, data.get("grad_clip", 0.0))
     views = fidelity.optimizer_views(record, states)
-    opts = Options(geometry="subspace", select="all", geo_rank=geo_rank,
-                   vocab_size=data.get("vocab_size", 0))
+    vocabulary, vocab_size = fidelity.file_vocabulary(data)
+    opts = Options(geometry="subspace", select="all", geo_rank=geo_rank, vocab_size=vocab_size,
+                   vocabulary=vocabulary)
     comm = ProductionCommunicator([(n, steps[0][0][n].shape) for n in names], opts,
                                   linear=set(data["linear"]) if "linear" in data else None)
     round_trip = comm.round_trip

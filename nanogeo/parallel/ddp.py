@@ -69,6 +69,17 @@ def check_candidates(names, module):
                          "of the model; pass names from model.named_parameters()")
 
 
+def check_vocabulary(names, module):
+    """`vocabulary=` names must be parameters of the module: names taken from a wrapped model
+    ("module.", "_orig_mod." in front) would leave the output head a candidate without a word."""
+    params = dict(module.named_parameters())
+    bad = sorted(n for n in names if n not in params)
+    if bad:
+        raise ValueError(f"nanogeo: vocabulary= names {bad[0]!r}, which is not a parameter of the "
+                         "model; call hooks.vocabulary_layers on the bare model, before DDP, "
+                         "fully_shard or torch.compile wrap it")
+
+
 class CompressHookState:
     """What the hook keeps between calls: parameter names, one communicator per bucket layout,
     and the bytes sent (for logging). `linear`: the weight names that are candidates (default:
@@ -85,6 +96,7 @@ class CompressHookState:
         self.trainable = sum(p.requires_grad for p in self.names)     # what DDP's buckets hold
         self.linear = set(hooks.linear_layers(module) if linear is None else linear)
         check_candidates(self.linear, module)
+        check_vocabulary(self.options.vocabulary, module)
         self.views = {}             # name -> nanogeo.geometry.update_error.OptimizerView, from watch()
         self.communicators = {}     # tuple of names -> ProductionCommunicator
         self.owner = {}             # name -> the key of the communicator holding its state

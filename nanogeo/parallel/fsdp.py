@@ -73,7 +73,7 @@ from nanogeo.parallel import hooks
 from nanogeo.parallel.precision import ieee
 from nanogeo.geometry.rows import RowBlocks, decode_geo_rows, swap_entries_rows
 from nanogeo.run import summary
-from nanogeo.parallel.ddp import check_candidates
+from nanogeo.parallel.ddp import check_candidates, check_vocabulary
 from nanogeo.wire import collective
 from nanogeo.parallel.communicator import Options, ProductionCommunicator
 
@@ -299,10 +299,12 @@ def use_compressed_reduce_scatter(model, linear=None, **options):
     """Give every FSDP module of `model` (after fully_shard) a CompressedReduceScatter. Options as
     Options. Candidates: the weight names in `linear`, by default every nn.Linear
     weight (found by module type; name a GPT-2 Conv1D's weights here to rotate them too); pass
-    vocabulary=hooks.vocabulary_layers(model, batch) to keep an untied output head Euclidean. Returns the reduce-scatters
-    (their bytes_sent, geometry_bytes and table() are for logging; watch_optimizers)."""
+    vocabulary=hooks.vocabulary_layers(model, batch), found on the bare model before
+    fully_shard, to keep an untied output head Euclidean. Returns the reduce-scatters (their
+    bytes_sent, geometry_bytes and table() are for logging; watch_optimizers)."""
     linear = set(hooks.linear_layers(model) if linear is None else linear)
     check_candidates(linear, model)
+    check_vocabulary(options.get("vocabulary", ()), model)
     comms = []
     for prefix, module in model.named_modules():
         if isinstance(module, FSDPModule) and fsdp_params(module):

@@ -19,6 +19,7 @@ What GeoFP8 reads from the model and its optimizers, as torch hooks and adapters
 """
 import contextlib
 import functools
+import warnings
 
 import torch
 
@@ -49,29 +50,46 @@ def linear_layers(model, names=None):
 
 def vocabulary_layers(model, *example):
     """The names of the weights that read or write the vocabulary, found by module type and
-    one forward of `example` (e.g. one token), without gradients: an nn.Embedding that reads
-    one of the example's tensors (the token embedding; a position table reads positions), and
-    an nn.Linear (linear_layers) whose output is one of the model's outputs (an untied output
-    head, whose rows are the vocabulary; a tied one is the embedding's weight). Neither a name
-    nor a shape is consulted, so a model whose width equals its vocabulary size (char-wide: 128
-    and 128) keeps its other matrices as candidates. A head whose output the model changes
-    before returning it (a soft cap, a cast) is not found: name it (Options(vocabulary=...))."""
+    one forward of `example` (e.g. one token) in eval mode, without gradients: an nn.Embedding
+    that reads one of the example's tensors (the token embedding; a position table reads
+    positions), and an nn.Linear (linear_layers) whose output is one of the model's outputs (an
+    untied output head, whose rows are the vocabulary; a tied one is the embedding's weight).
+    Neither a name nor a shape is consulted, so a model whose width equals its vocabulary size
+    (char-wide: 128 and 128) keeps its other matrices as candidates.
+
+    Call it on the bare model, before DDP, fully_shard or torch.compile wrap it (their
+    parameter names differ, and a DDP forward is a collective). A head whose output the model
+    changes before returning it (a soft cap, a cast) is not found - a warning says so - so name
+    it yourself (Options(vocabulary=...))."""
     names = {id(p): n for n, p in model.named_parameters()}    # a tied weight: its first name
+    modules = [m for m in model.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.Linear))]
+    weight_of = {m: names.get(id(m.weight)) for m in modules}   # read before the forward
     linear = set(linear_layers(model))
     seen = []       # (module, input, output): holding them keeps their ids from being reused
-    hooks = [m.register_forward_hook(lambda m, args, out: seen.append((m, args[0], out)))
-             for m in model.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.Linear))]
+    hooks = [m.register_forward_hook(
+                 lambda m, args, out: seen.append((m, args[0] if args else None, out)))
+             for m in modules]
+    training = {m: m.training for m in model.modules()}
     devices = [t.device for t in example if isinstance(t, torch.Tensor) and t.is_cuda]
-    try:        # the random streams as they were: a model with dropout draws nothing here
+    try:        # eval mode, random streams kept: no dropout draw, no running statistic moves
+        model.eval()
         with torch.no_grad(), torch.random.fork_rng(devices=devices[:1]):
             returned = torch.utils._pytree.tree_leaves(model(*example))
     finally:
         for hook in hooks:
             hook.remove()
-    found = [names[id(m.weight)] for m, x, out in seen
-             if isinstance(m, torch.nn.Embedding) and any(x is e for e in example)
-             or names.get(id(m.weight)) in linear and any(out is r for r in returned)]
-    return list(dict.fromkeys(found))
+        for m, mode in training.items():
+            m.train(mode)
+    tokens = [weight_of[m] for m, x, _ in seen
+              if isinstance(m, torch.nn.Embedding) and any(x is e for e in example)]
+    heads = [weight_of[m] for m, _, out in seen
+             if weight_of[m] in linear and any(out is r for r in returned)]
+    tied = any(isinstance(m, torch.nn.Linear) and weight_of[m] in tokens for m in modules)
+    if tokens and not heads and not tied:
+        warnings.warn("vocabulary_layers: no nn.Linear's output is the model's output (a head "
+                      "that is cast or capped after it?); if the model has an untied output "
+                      "head, pass its weight's name in Options(vocabulary=...) yourself")
+    return list(dict.fromkeys(tokens + heads))
 
 
 class KroneckerMoments:

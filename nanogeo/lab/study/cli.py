@@ -186,10 +186,17 @@ def read_only(parser, args):
         parser.error("--readme takes one of --answer and --comparisons at a time")
     paths = (args.answer or args.comparisons).split(",")
     wide = args.transfer.split(",") if args.transfer else []
-    missing = [p for p in paths + wide if not os.path.exists(p)]
+    missing = [p for p in paths if not os.path.exists(p)]
     if missing:
         parser.error(f"--answer / --comparisons {missing[0]}: no such results file (a study's "
                      "out_dir/results.json)")
+    missing = [p for p in wide if not os.path.exists(p)]
+    if missing:
+        parser.error(f"--transfer {missing[0]}: no such results file (the char-wide study's "
+                     "docs/study/wide/results.json)")
+    if wide and not (args.readme or args.figure):
+        parser.error("--transfer writes blocks and a figure panel: give --readme FILE or "
+                     "--figure PNG with it")
     try:
         workers = [int(w) for w in (args.answer_workers or "32").split(",")]
     except ValueError:

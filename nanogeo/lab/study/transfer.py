@@ -7,23 +7,35 @@ Does the answer hold on a wider model? The char-wide replication (docs/study/pla
 
 writes the block `transfer` (docs/study/README.md: each hypothesis on both models, and one line
 per pick of the what-to-run table) and `transfer line` (README.md: one line) wherever a file has
-its markers. Each hypothesis is the plan's row on char-wide (its Holm-adjusted p in its family,
-final and tail endpoints); char-study's estimate is the same paired difference at the same
-optimizer and W from the char-study records, with the p and family its own plan gives it (or the
-unadjusted p, said so, where its plan names no such test). A row on fewer seeds than its plan
-fixes is an interim look, said in the row.
+its markers.
+
+Words. A hypothesis's outcome is "shown", "reversed" (the other direction) or "equivalent within
+±margin" only with a Holm-adjusted p below ALPHA in a family the plan fixed; with fewer seeds
+than the plan fixes it is marked "(interim)". char-study's estimate is the same paired
+difference at the same optimizer and W: the p its own plan gives that test where it has one,
+else an unadjusted p (or an exploratory family's), in words that say "exploratory". Where
+char-study's main group lacks an arm, the records of another group are read (the first study's:
+machines unrecorded, never pooled with the study's), said so. The tail mean is the secondary
+endpoint, adjusted in the same family.
 """
 
-from nanogeo.lab.study import plan
-from nanogeo.lab.study.page import marker, write_block
+from collections import namedtuple
+
+from nanogeo.lab.study import plan, report
 from nanogeo.lab.study.arms import BUDGETS
-from nanogeo.lab.study import report
 from nanogeo.lab.study.findings import name
+from nanogeo.lab.study.page import marker, write_block
 from nanogeo.lab.study.report import arms_of, settings
-from nanogeo.lab.study.rule import ALPHA, Multiplicity, recommend
-from nanogeo.lab.study.stats import MARGIN, estimate, mean_ci, p_value, paired, tost, tost_p
+from nanogeo.lab.study.rule import ALPHA, Multiplicity, recommend, test_key
+from nanogeo.lab.study.stats import estimate, mean_ci, p_value, paired, tost_p
 
 WIDE = "char-wide"
+BLOCKS = ("transfer", "transfer line")
+
+# one model's cell of one hypothesis: "mean ± 95 % t half-width (n seeds)", the p in words, the
+# outcome in words, the number of seeds
+Cell = namedtuple("Cell", "estimate p words seeds")
+NOT_RUN = Cell("not run", "", "not run", 0)
 
 
 def hypotheses(rows):
@@ -38,97 +50,120 @@ def group(results, optimizer, workers):
 
 def any_group(results, optimizer, workers, a, b):
     """(by_comm, whether it is the study's main group) of the group holding the most seeds of
-    both a and b: the main group (settings) when it has them, else another (e.g. the first
-    study's, whose machines were not recorded and which is never pooled)."""
+    both a and b: the main group (settings) when it has them, else another (ties: the first in
+    report.group_order); (None, False) when no group has both."""
     main = group(results, optimizer, workers)
     if a in main and b in main:
         return main, True
     rows = [r for r in results if not r.get("sweep") and r["optimizer"] == optimizer
             and r["workers"] == workers]
-    groups = [arms_of([r for r in rows if report.group(r) == k])
-              for k in {report.group(r) for r in rows}]
-    shared = [(len(paired(by[a], by[b])[1]), i) for i, by in enumerate(groups)
-              if a in by and b in by]
-    return (groups[max(shared)[1]], False) if shared else ({}, True)
+    keys = sorted({report.group(r) for r in rows}, key=report.group_order)
+    groups = [arms_of([r for r in rows if report.group(r) == k]) for k in keys]
+    held = [by for by in groups if a in by and b in by]
+    if not held:
+        return None, False
+    return max(held, key=lambda by: len(paired(by[a], by[b])[1])), False
 
 
-def outcome(row, diffs, p):
-    """The hypothesis's outcome in words from the paired differences and its (adjusted) p."""
-    if len(diffs) < 2:
-        return "not run"
-    mean, half = mean_ci(diffs)
+def p_text(p):
+    return "p < 0.001" if p < 0.001 else f"p = {p:.3f}"
+
+
+def planned_p(tests, row, endpoint):
+    """(Holm-adjusted p, family) of row's own test in these results' families, or None."""
+    k = test_key(row.optimizer, row.workers, row.a, row.b,
+                 "equivalent" if row.test == "equivalent" else "difference")
+    found = (tests.final if endpoint == "final" else tests.tail).get(k)
+    return None if found is None else (found[1], tests.tests[k].family)
+
+
+def confirmed(row, diffs, p):
+    """The outcome from a p adjusted in a family the plan fixed."""
     if row.test == "report":
         return "reported (no test)"
     if row.test == "equivalent":
-        low, high, inside = tost(diffs, row.margin)
-        if p < ALPHA and inside:
-            return f"equivalent within ±{row.margin:g}"
-        outside = low > row.margin or high < -row.margin
-        return f"not equivalent (outside ±{row.margin:g})" if outside else "not shown"
-    sign = 1 if row.test == "greater" else -1
-    if p < ALPHA and sign * mean > 0:
-        return "shown"
-    return "reversed" if sign * mean < 0 and abs(mean) > half else "not shown"
+        return f"equivalent within ±{row.margin:g}" if p < ALPHA else "not shown"
+    if not p < ALPHA:
+        return "not shown"
+    mean = mean_ci(diffs)[0]
+    return "shown" if (mean > 0) == (row.test == "greater") else "reversed"
 
 
-def p_cell(tests, row, diffs, endpoint="final"):
-    """(p, 'Holm p = x in "family"' or 'p = x, unadjusted') of row's test on one model."""
-    found = tests.adjusted(row.optimizer, row.workers, row.a, row.b, endpoint)
-    if found is not None:
-        return found[1], f'Holm p = {found[1]:.3f} ("{found[2]}")'
-    if row.test == "report" or len(diffs) < 2:
-        return float("nan"), "—"
-    p = tost_p(diffs, row.margin) if row.test == "equivalent" else p_value(diffs)
-    return p, f"p = {p:.3f}, unadjusted (no such test in its plan)"
+def exploratory(row, diffs, p):
+    """The same reading from a p no planned family adjusts."""
+    if row.test == "report":
+        return "reported (no test)"
+    if row.test == "equivalent":
+        return f"exploratory: within ±{row.margin:g}" if p < ALPHA else "not shown"
+    if not p < ALPHA:
+        return "exploratory: no difference detected"
+    return f"exploratory: {'above' if mean_ci(diffs)[0] > 0 else 'below'} 0"
 
 
-def side(results, tests, row, endpoint="final"):
-    """One model's cell of one hypothesis: estimate (seeds), p, outcome."""
+def side(results, tests, row, endpoint="final", interim=False):
+    """One model's Cell of one hypothesis (interim: mark an outcome on fewer seeds than the
+    plan fixes)."""
     by_comm, main = any_group(results, row.optimizer, row.workers, row.a, row.b)
-    if row.a not in by_comm or row.b not in by_comm:
-        return "not run", "", "not run", 0
+    if by_comm is None:
+        return NOT_RUN
     diffs = paired(by_comm[row.a], by_comm[row.b], endpoint)[1]
     if len(diffs) < 2:
-        return "—", "", "not run", len(diffs)
-    p, text = p_cell(tests, row, diffs, endpoint) if main else (
-        p_value(diffs) if row.test != "equivalent" else tost_p(diffs, row.margin), "")
-    if not main:    # not the study's group: its own seeds, its p unadjusted
-        text = (f"p = {p:.3f}, unadjusted (records of another group, never pooled with the "
-                "study's)" if row.test != "report" else "—")
-    seeds = f"{len(diffs)} seeds"
-    return f"{estimate(diffs, sign='+')} ({seeds})", text, outcome(row, diffs, p), len(diffs)
+        return Cell("—", "", "not run", len(diffs))
+    found = planned_p(tests, row, endpoint) if main else None
+    if found:
+        p, text = found[0], f'Holm {p_text(found[0])} ("{found[1]}")'
+        words = exploratory if found[1].startswith("exploratory") else confirmed
+    else:
+        p = tost_p(diffs, row.margin) if row.test == "equivalent" else p_value(diffs)
+        where = "no such test in its plan" if main else \
+            "records of another group, never pooled with the study's"
+        text = "—" if row.test == "report" else f"{p_text(p)}, unadjusted ({where})"
+        words = exploratory
+    outcome = words(row, diffs, p)
+    if interim and len(diffs) < row.seeds and row.test != "report":
+        outcome += " (interim)"
+    return Cell(f"{estimate(diffs, sign='+')} ({len(diffs)} seeds)", text, outcome, len(diffs))
+
+
+def test_words(row):
+    if row.test == "equivalent":
+        return f"TOST ±{row.margin:g}"
+    return "report" if row.test == "report" else f"{row.test} than 0"
 
 
 def hypothesis_table(study, wide, rows):
     """The markdown table: each hypothesis on char-study and on char-wide (final endpoint), and
-    char-wide's tail endpoint (rows: the whole plan)."""
+    char-wide's tail mean (rows: the whole plan)."""
     study_tests, wide_tests = Multiplicity(study, (32, 64), rows), Multiplicity(wide, (32,), rows)
-    lines = ["| hypothesis | test | char-study: estimate | p | outcome | char-wide: estimate | "
-             "p | outcome | char-wide, tail mean: estimate | p | outcome |",
+    lines = ["Each estimate: the mean paired difference in val loss ± its 95 % t half-width.\n",
+             "| hypothesis | test | char-study: estimate | p | outcome | char-wide: estimate | "
+             "p | outcome | char-wide, tail mean (secondary): estimate | p | outcome |",
              "| --- " * 11 + "|"]
     for row in hypotheses(rows):
-        test = (f"TOST ±{row.margin:g}" if row.test == "equivalent" else
-                "report" if row.test == "report" else f"{row.test} than 0")
-        a = side(study, study_tests, row)
-        b = side(wide, wide_tests, row)
-        c = side(wide, wide_tests, row, "tail")
-        look = f" — {plan.label(row, b[3])}" if 0 < b[3] < row.seeds else ""
-        lines.append(f"| {row.id}: {row.a} − {row.b} (Muon, W = {row.workers}){look} | {test} | "
-                     + " | ".join(" | ".join(cell[:3]) for cell in (a, b, c)) + " |")
+        cells = (side(study, study_tests, row), side(wide, wide_tests, row, interim=True),
+                 side(wide, wide_tests, row, "tail", interim=True))
+        look = cells[1].seeds
+        label = f" — {plan.label(row, look)}" if 0 < look != row.seeds else ""
+        lines.append(f"| {row.id}: {row.a} − {row.b} ({name(row.optimizer)}, W = {row.workers})"
+                     f"{label} | {test_words(row)} | "
+                     + " | ".join(f"{c.estimate} | {c.p} | {c.words}" for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def margin_line(study, wide):
+def margin_line(study, wide, rows):
     """The margin as a fraction of fp32's loss on each model (the plan's second statement)."""
-    parts = []
+    margins = [r for r in hypotheses(rows) if r.margin]
+    if not margins:
+        return ""
+    row, parts = margins[0], []
     for label, results in (("char-study", study), (WIDE, wide)):
-        fp32 = group(results, "muon", 32).get("fp32", {})
+        fp32 = group(results, row.optimizer, row.workers).get("fp32", {})
         losses = [r["final_val_loss"] for r in fp32.values()]
         if losses:
             mean = sum(losses) / len(losses)
-            parts.append(f"{label} {100 * MARGIN / mean:.2f} % of fp32's {mean:.4f}")
-    return f"The margin {MARGIN:g} as a fraction of fp32's final val loss (Muon, W = 32): " + \
-        "; ".join(parts) + ".\n"
+            parts.append(f"{label} {100 * row.margin / mean:.2f} % of fp32's {mean:.4f}")
+    return (f"The margin {row.margin:g} as a fraction of fp32's final val loss "
+            f"({name(row.optimizer)}, W = {row.workers}): " + "; ".join(parts) + ".\n")
 
 
 def pick_verdict(study, wide, tests, optimizer, workers, fmt):
@@ -142,22 +177,23 @@ def pick_verdict(study, wide, tests, optimizer, workers, fmt):
     if mine.comm not in by_comm:
         return mine.comm, "not shown (not run on char-wide)"
     theirs = recommend(by_comm, fmt, wide_tests, optimizer, workers)
-    if theirs is None:
+    if theirs is None or mine.comm not in theirs.fits:
         return mine.comm, "not shown (too few char-wide seeds)"
     interim = f", interim: {theirs.seeds} seeds" if theirs.seeds < 12 else ""
-    others = [c for c in theirs.fits if c != mine.comm]
-    if theirs.comm == mine.comm and not others:
+    beaten_by = theirs.beaten_by[mine.comm]
+    if beaten_by:
+        return mine.comm, f"reversed ({', '.join(beaten_by)} lower, Holm p < {ALPHA}{interim})"
+    if theirs.comm == mine.comm and len(theirs.fits) == 1:
         return mine.comm, f"held by default (the only {fmt} arm run on char-wide{interim})"
     if theirs.comm == mine.comm:
         return mine.comm, f"held (the rule picks it among {', '.join(theirs.fits)}{interim})"
-    if wide_tests.beats(optimizer, workers, theirs.comm, mine.comm):
-        return mine.comm, f"reversed ({theirs.comm} beats it{interim})"
-    return mine.comm, (f"not shown (it did not beat {theirs.comm}, the rule's pick on "
+    return mine.comm, (f"not shown (it is not lower than {theirs.comm}, the rule's pick on "
                        f"char-wide{interim})")
 
 
 def pick_lines(study, wide, rows, workers=(32, 64)):
     """One line per pick of the what-to-run table: held / not shown / reversed on char-wide."""
+    ran = {(r.optimizer, r.workers) for r in hypotheses(rows)}
     tests = Multiplicity(study, workers, rows), Multiplicity(wide, (32,), rows)
     lines = []
     for optimizer, w, _ in settings(study, workers):
@@ -165,8 +201,8 @@ def pick_lines(study, wide, rows, workers=(32, 64)):
             pick, words = pick_verdict(study, wide, tests, optimizer, w, fmt)
             if pick is None:
                 continue
-            if (optimizer, w) != ("muon", 32):
-                words = "not shown (char-wide ran Muon at W = 32 only)"
+            if (optimizer, w) not in ran:
+                words = "not shown (the char-wide study did not run this optimizer and W)"
             lines.append(f"- {name(optimizer)}, W = {w}, {fmt}: `{pick}` — {words}")
     return "\n".join(lines) + "\n"
 
@@ -174,7 +210,7 @@ def pick_lines(study, wide, rows, workers=(32, 64)):
 def transfer(study, wide, workers=(32, 64), rows=None):
     """The `transfer` block of docs/study/README.md (rows: the plan's, default plan.md's)."""
     rows = plan.read() if rows is None else rows
-    return (hypothesis_table(study, wide, rows) + "\n" + margin_line(study, wide) + "\n"
+    return (hypothesis_table(study, wide, rows) + "\n" + margin_line(study, wide, rows) + "\n"
             + "Each pick of the what-to-run table on char-wide:\n\n"
             + pick_lines(study, wide, rows, workers))
 
@@ -182,20 +218,16 @@ def transfer(study, wide, workers=(32, 64), rows=None):
 def transfer_line(study, wide, rows=None):
     """The README's one line: each hypothesis's outcome on char-wide."""
     rows = plan.read() if rows is None else rows
-    wide_tests = Multiplicity(wide, (32,), rows)
-    words, seeds = [], 0
-    for row in hypotheses(rows):
-        _, _, out, n = side(wide, wide_tests, row)
-        words.append(f"{row.id} {out}")
-        seeds = max(seeds, n)
-    planned = max(r.seeds for r in hypotheses(rows))
-    state = f"{seeds} seeds, as planned" if seeds >= planned else \
-        f"interim: {seeds} of {planned} seeds"
-    return (f"On the wider char-wide (0.82M, width 128; {state}): " + "; ".join(words)
+    tests = Multiplicity(wide, (32,), rows)
+    cells = [(row, side(wide, tests, row, interim=True)) for row in hypotheses(rows)]
+    planned = max(row.seeds for row, _ in cells)
+    seeds = min((c.seeds for _, c in cells if c.seeds), default=0)
+    state = (f"{seeds} seeds, as planned" if seeds == planned else
+             f"interim: {seeds} of {planned} seeds" if seeds < planned else
+             f"{seeds} seeds, {planned} planned")
+    return (f"On the wider char-wide (0.82M, width 128; {state}): "
+            + "; ".join(f"{row.id} {c.words}" for row, c in cells)
             + " (docs/study/README.md, \"char-wide\").\n")
-
-
-BLOCKS = ("transfer", "transfer line")
 
 
 def write_blocks(readme, study, wide, workers=(32, 64)):
