@@ -23,8 +23,10 @@ Muon, the subspace rotation on the two-stage collective of section 2.
 
 `python compress.py` (section 7) shows it work. This file imports nothing from nanogeo/, which
 runs the same algorithms at scale and passes its faster forms in: packed codecs, the paper's
-FP8-sum collective, stochastic rounding, error feedback, K-FAC hooks, a Hadamard control, DDP and
-FSDP2, checkpoints (docs/method.md has the map).
+FP8-sum collective, stochastic rounding, K-FAC hooks, a Hadamard control, DDP and FSDP2,
+checkpoints (docs/method.md has the map). Error feedback and a stage-2 format of its own (the
+README's 4-bit and mixed wires) are stated here: Communicator.outgoing, keep_send_losses and
+ShardLayout.average_shard.
 """
 
 import copy
@@ -247,6 +249,13 @@ def dequantize(q: Quantized) -> torch.Tensor:
 # bytes, so every rank ends with the same bits. Bytes a rank sends: ~2 (W - 1)/W N (1 + 4/block),
 # 0.516x a bf16 ring all-reduce's at block 128 (NVFP4: ~0.28x). (The paper's collective adds FP8
 # codes hop by hop instead: nanogeo/wire/fp8sum.py.)
+#
+# Stage 2 may send another format than stage 1 (stage2_fmt): an NVFP4 all_to_all and an e4m3
+# all_gather is the README's mixed wire. Error feedback keeps what a quantization lost and adds it
+# to the same place's next send, so that over steps the errors cancel instead of adding up:
+# stage 1's residual is each rank's (its gradient minus its own round trip, Communicator
+# .keep_send_losses), stage 2's each owner's (its shard's mean minus what it gathered,
+# ShardLayout.average_shard).
 
 # one output tensor for the W inputs (torch 2.13 renamed all_gather_into_tensor)
 all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -261,18 +270,24 @@ Piece = namedtuple("Piece", "tensor start end shape block")
 
 class ShardLayout:
     """How a bucket of tensors is cut into W shards (alike on every rank, from the shapes), and
-    the two stages' codec steps: seams, which nanogeo.wire's layouts override."""
+    the two stages' codec steps: seams, which nanogeo.wire's layouts override. Stage 2 may send
+    another format (stage2_fmt, e.g. e4m3 after an NVFP4 all_to_all): both stages quantize the
+    same pieces, cut in the groups of the FP8 one of the two (NVFP4's blocks of 16 lie whole
+    inside them), each scaling them in its own groups from the piece's start."""
 
-    def __init__(self, shapes, fmt, block, world_size):
+    def __init__(self, shapes, fmt, block, world_size, stage2_fmt=""):
         check_codec(fmt, block)
-        block = NVFP4_BLOCK if fmt == "nvfp4" else block
-        self.shapes, self.fmt, self.block = [tuple(s) for s in shapes], fmt, block
+        self.fmt, self.stage2_fmt = fmt, stage2_fmt or fmt
+        self.cut_fmt = self.stage2_fmt if fmt == "nvfp4" else fmt       # the pieces' groups
+        block = NVFP4_BLOCK if self.cut_fmt == "nvfp4" else block
+        self.shapes, self.block = [tuple(s) for s in shapes], block
         self.world_size = world_size
         self.pieces = self.cut()                                # pieces[j]: rank j's shard
-        self.piece_nbytes = [[wire_nbytes(p.shape, fmt, p.block) for p in shard]
-                             for shard in self.pieces]                 # each piece's wire bytes
-        self.nbytes = [sum(sizes) for sizes in self.piece_nbytes]
-        self.stage2_nbytes = self.nbytes    # stage 2's (nanogeo's TwoFormatLayout: another format)
+        sizes = lambda fmt: [[wire_nbytes(p.shape, fmt, p.block) for p in shard]
+                             for shard in self.pieces]
+        self.piece_nbytes, self.stage2_piece_nbytes = sizes(fmt), sizes(self.stage2_fmt)
+        self.nbytes = [sum(s) for s in self.piece_nbytes]       # each shard's, stage 1
+        self.stage2_nbytes = [sum(s) for s in self.stage2_piece_nbytes]
 
     def groups_of(self, shape):
         """(elements per scale group, the pieces' block) of one tensor ("tensor" scaling: W
@@ -301,7 +316,7 @@ class ShardLayout:
                 if end > start:     # (an empty range is no piece)
                     shape = (count, group_len) if block == "row" else (end - start,)
                     pieces[j].append(Piece(t, start, end, shape, block))
-                    load[j] += wire_nbytes(shape, self.fmt, block)
+                    load[j] += wire_nbytes(shape, self.cut_fmt, block)
         return pieces
 
     def quantize_piece(self, values, piece):
@@ -314,10 +329,12 @@ class ShardLayout:
         return torch.cat([self.quantize_piece(flats[p.tensor][p.start:p.end], p)
                           for shard in self.pieces for p in shard])
 
-    def decode_shard(self, buffer, shard):
-        """One shard's bytes -> the flat fp32 values of each of its pieces."""
-        sizes = self.piece_nbytes[shard]
-        return [dequantize(Quantized(b, p.shape, self.fmt, p.block)).reshape(-1)
+    def decode_shard(self, buffer, shard, stage=1):
+        """One shard's bytes, as stage 1 or stage 2 sent them -> the flat fp32 values of each
+        of its pieces."""
+        fmt = self.fmt if stage == 1 else self.stage2_fmt
+        sizes = (self.piece_nbytes if stage == 1 else self.stage2_piece_nbytes)[shard]
+        return [dequantize(Quantized(b, p.shape, fmt, p.block)).reshape(-1)
                 for b, p in zip(buffer[: sum(sizes)].split(sizes), self.pieces[shard])]
 
     def sum_copies(self, received, shard):
@@ -327,23 +344,34 @@ class ShardLayout:
         return [functools.reduce(torch.add, copies_of_piece)      # (c0 + c1) + ...
                 for copies_of_piece in zip(*copies)]
 
-    def average_shard(self, received, shard):
+    def average_shard(self, received, shard, feedback=None):
         """Seam: between the stages, on the owner of `shard`: the mean of its W copies, quantized
-        again (the bytes stage 2 gathers)."""
+        again in stage 2's format (the bytes stage 2 gathers). `feedback` (stage 2's error
+        feedback: {shard: [a residual per piece]}, the owner's): the residual is added to the
+        mean before it is quantized, and what that quantization loses is kept for the next step."""
         W = count_divisor(self.world_size, received)
-        parts = [self.quantize_piece(v / W, p)
-                 for v, p in zip(self.sum_copies(received, shard), self.pieces[shard])]
-        return torch.cat(parts) if parts else received.new_empty(0)
+        means = [v / W for v in self.sum_copies(received, shard)]
+        if feedback is not None and shard in feedback:
+            means = [m + r for m, r in zip(means, feedback[shard])]
+        parts = [quantize(m.view(p.shape), self.stage2_fmt, p.block).buffer
+                 for m, p in zip(means, self.pieces[shard])]
+        out = torch.cat(parts) if parts else received.new_empty(0)
+        if feedback is not None:
+            sent = self.decode_shard(out, shard, stage=2)
+            feedback[shard] = [m - d for m, d in zip(means, sent)]
+        return out
 
-    def dequantize_shards(self, buffer, stride=None):
+    def dequantize_shards(self, buffer, stride=None, stage=2):
         """Seam: stage 2's end, the W shards' bytes (shard j at j * stride, or back to back as
-        stage 1 wrote them) -> the bucket's values, flat fp32 in tensor order."""
+        stage 1 wrote them) -> the bucket's values, flat fp32 in tensor order (stage=1: bytes
+        in stage 1's format, a rank's own send)."""
         starts = [0, *itertools.accumulate(math.prod(s) for s in self.shapes)]
-        at = itertools.accumulate(self.nbytes, initial=0) if stride is None else \
+        nbytes = self.nbytes if stage == 1 else self.stage2_nbytes
+        at = itertools.accumulate(nbytes, initial=0) if stride is None else \
             range(0, stride * self.world_size, stride)                 # where shard j begins
         flat = torch.zeros(starts[-1], device=buffer.device)
         for j, (pieces, offset) in enumerate(zip(self.pieces, at)):
-            for p, values in zip(pieces, self.decode_shard(buffer[offset:], j)):
+            for p, values in zip(pieces, self.decode_shard(buffer[offset:], j, stage)):
                 flat[starts[p.tensor] + p.start: starts[p.tensor] + p.end] = values
         return flat
 
@@ -361,12 +389,15 @@ def quantize_bucket(tensors, layout, rank=0):
     return layout.quantize_shards(flats, rank)
 
 
-def dequantize_bucket(buffer, layout, stride=None):
-    """Stage 2's end: full fp32 tensors from the W shards' bytes in `buffer` (alike on all ranks)."""
+def dequantize_bucket(buffer, layout, stride=None, stage=2):
+    """Stage 2's end: full fp32 tensors from the W shards' bytes in `buffer` (alike on all
+    ranks); stage=1: from a rank's own stage-1 send (its round trip, for error feedback)."""
     if not sum(layout.nbytes):
         return [torch.zeros(s, device=buffer.device) for s in layout.shapes]
-    flat = layout.dequantize_shards(buffer, stride).split([math.prod(s) for s in layout.shapes])
-    return [t.view(s) for t, s in zip(flat, layout.shapes)]
+    flat = layout.dequantize_shards(buffer, stride) if stage == 2 else \
+        layout.dequantize_shards(buffer, stride, stage=1)
+    return [t.view(s) for t, s in zip(flat.split([math.prod(s) for s in layout.shapes]),
+                                      layout.shapes)]
 
 
 def collective_bytes(layout, rank):
@@ -376,34 +407,41 @@ def collective_bytes(layout, rank):
     return stage1 + (layout.world_size - 1) * max(layout.stage2_nbytes)
 
 
-def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, layout=None):
+def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, layout=None, feedback=None):
     """(The mean of `tensors` over the process group, bytes this rank sent), bit-identical on
-    every rank. `layout`: production's forms (nanogeo.wire: packed, NVFP4, stochastic rounding)."""
+    every rank. `layout`: a ShardLayout (a stage-2 format of its own), or production's forms
+    (nanogeo.wire: packed, NVFP4, stochastic rounding); `feedback`: stage 2's error feedback
+    (ShardLayout.average_shard)."""
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     me = dist.get_rank(group) if dist.is_initialized() else 0
     layout = layout or ShardLayout([t.shape for t in tensors], fmt, block, world)
     send = quantize_bucket(tensors, layout, me)                            # stage 1
+    average = functools.partial(layout.average_shard, feedback=feedback) if feedback is not None \
+        else layout.average_shard
     if world == 1:
-        return dequantize_bucket(layout.average_shard(send, 0), layout), 0
+        return dequantize_bucket(average(send, 0), layout), 0
     own, largest = layout.nbytes[me], max(layout.stage2_nbytes)
     recv = send.new_empty(world * own)                      # the W copies of this rank's shard
     dist.all_to_all_single(recv, send, [own] * world, layout.nbytes, group=group)
     own_mean = send.new_zeros(largest)          # padded to the largest: all_gather's sizes
-    own_mean[:layout.stage2_nbytes[me]] = layout.average_shard(recv, me)        # stage 2
+    own_mean[:layout.stage2_nbytes[me]] = average(recv, me)                     # stage 2
     gathered = send.new_empty(world, largest)               # row j: rank j's averaged shard
     all_gather_flat(gathered.view(-1), own_mean, group=group)
     means = dequantize_bucket(gathered.view(-1), layout, stride=largest)
     return means, collective_bytes(layout, me)
 
 
-def simulate_mean(worker_tensors, fmt="e4m3", block=128, layout=None):
+def simulate_mean(worker_tensors, fmt="e4m3", block=128, layout=None, feedback=None):
     """Exactly all_reduce_mean's numerics for W ranks in one process (worker_tensors[i]: rank
-    i's tensors): (means, bytes a rank sends on average)."""
+    i's tensors; `feedback`: every owner's stage-2 residuals): (means, bytes a rank sends on
+    average)."""
     world = len(worker_tensors)
     layout = layout or ShardLayout([t.shape for t in worker_tensors[0]], fmt, block, world)
     sends = layout.quantize_ranks(worker_tensors)               # row i: rank i's stage 1
     received = sends.split(layout.nbytes, dim=1)    # [j]: the W copies of shard j, (W, bytes)
-    shards = [layout.average_shard(received[j].reshape(-1), j) for j in range(world)]
+    average = functools.partial(layout.average_shard, feedback=feedback) if feedback is not None \
+        else layout.average_shard
+    shards = [average(received[j].reshape(-1), j) for j in range(world)]
     nbytes = 0 if world == 1 else sum(collective_bytes(layout, i) for i in range(world)) / world
     return dequantize_bucket(torch.cat(shards), layout), nbytes
 
@@ -805,8 +843,9 @@ class MuonFirstStep:
 #   reduce_workers                    each simulated rank's own moments, averaged as over ranks
 #   communicate                       a bucket at a time (exchange() in collective()'s place:
 #                                     packed stages, NVFP4, stochastic rounding, fp8-sum)
-#   outgoing                          error feedback's residual added
-#   collective                        (replaced by exchange(), above)
+#   outgoing                          stage 1's residual per name (feedback on some matrices only)
+#   collective                        (replaced by exchange(), above; a non-finite step keeps
+#                                     the old residuals)
 #   advance                           FSDP's row blocks; the paper's fragile selection after
 #                                     the warmup; stage 2's residuals dropped when the
 #                                     coordinates change
@@ -823,6 +862,7 @@ class MuonFirstStep:
 GEOMETRIES = ("geofp8", "subspace", "euclidean")
 SELECTIONS = ("gain", "all", "list")
 JUDGES = ("optimizer", "l2")
+FEEDBACK_STAGES = ("1", "2", "both")
 
 
 @dataclass
@@ -850,10 +890,14 @@ class GeoOptions:
     geo_rank: int = 16              # subspace: r per side, at most min(m, n) // 2
     iters: int = 1                  # subspace: iterations per refresh
     scatter_core: bool = True       # subspace: each core entry in a scale group of its own
+    stage2_fmt: str = ""            # stage 2's format ("": fmt's), e.g. e4m3 after an NVFP4 stage 1
+    error_feedback: bool = False    # add what the codec lost to the next step's send, of ...
+    feedback_stages: str = "1"      # ... stage 1 (each rank's send), "2" (each owner's mean), "both"
 
     def choices(self):
         """Seam. {field: allowed values} of the string fields."""
-        return {"geometry": GEOMETRIES, "fmt": FORMATS, "select": SELECTIONS, "geo_judge": JUDGES}
+        return {"geometry": GEOMETRIES, "fmt": FORMATS, "select": SELECTIONS, "geo_judge": JUDGES,
+                "stage2_fmt": ("", *FORMATS), "feedback_stages": FEEDBACK_STAGES}
 
     def __post_init__(self):
         for key, allowed in self.choices().items():
@@ -867,6 +911,7 @@ class GeoOptions:
         if isinstance(self.vocabulary, str):
             raise ValueError("vocabulary is a list of weight names, e.g. ('lm_head.weight',)")
         self.geo_layers, self.vocabulary = tuple(self.geo_layers), tuple(self.vocabulary)
+        self.stage2_fmt = "" if self.stage2_fmt == self.fmt else self.stage2_fmt
 
     @property
     def scale_block(self):
@@ -916,6 +961,8 @@ class Communicator:
         # its geometry is built from K-FAC moments (the whitening), as its layer class's is
         self.from_moments = bool(self.layers) and self.layer_class.from_moments
         self.views = {}         # name -> its optimizer's view (watch()); none: plain L2
+        self.residuals = {}     # error feedback, stage 1: worker -> [what its last send lost]
+        self.stage2_residuals = {}  # ... stage 2: shard -> [what its owner's mean lost, a piece each]
         self.warned = False
         self.steps_taken = 0    # steps taken: counted at the end of each (advance)
 
@@ -1000,16 +1047,36 @@ class Communicator:
         return [self.from_coords(n, c) for n, c in zip(names, tensors)]
 
     def outgoing(self, worker, grads):
-        """Seam. A worker's gradients as sent: fp32, in original coordinates."""
-        return [g.float() for g in grads]
+        """Seam. A worker's gradients as sent: fp32, in original coordinates, plus what its last
+        send lost (error feedback, stage 1)."""
+        fp32 = [g.float() for g in grads]
+        lost = self.residuals.get(worker)
+        return fp32 if lost is None else [g + r for g, r in zip(fp32, lost)]
 
     def collective(self, coords, across_ranks):
         """Seam. The collective on the tensors in coordinates ({worker: [tensors]}): over the
         process group, or its simulator. Returns (means in coordinates, bytes a rank sends)."""
+        o, tensors = self.opts, next(iter(coords.values()))
+        world = dist.get_world_size(self.group) if across_ranks else len(coords)
+        layout = ShardLayout([t.shape for t in tensors], o.fmt, o.block, world, o.stage2_fmt)
+        stage2 = o.error_feedback and o.feedback_stages != "1"
+        feedback = self.stage2_residuals if stage2 else None
         if across_ranks:                        # (this rank's tensors only)
-            [tensors] = coords.values()
-            return all_reduce_mean(tensors, self.opts.fmt, self.opts.block, self.group)
-        return simulate_mean(list(coords.values()), self.opts.fmt, self.opts.block)
+            out = all_reduce_mean(tensors, group=self.group, layout=layout, feedback=feedback)
+        else:
+            out = simulate_mean(list(coords.values()), layout=layout, feedback=feedback)
+        if o.error_feedback and o.feedback_stages != "2":
+            self.keep_send_losses(coords, layout)
+        return out
+
+    def keep_send_losses(self, coords, layout):
+        """Error feedback, stage 1: what each worker's own send lost - its tensors in
+        coordinates minus their round trip through stage 1's codec - back in original
+        coordinates, to be added to its next send (outgoing)."""
+        for w, tensors in coords.items():
+            back = dequantize_bucket(quantize_bucket(tensors, layout), layout, stage=1)
+            lost = [c - b for c, b in zip(tensors, back)]
+            self.residuals[w] = self.all_from_coords(self.names, lost)
 
     # -- the geometry --------------------------------------------------------------------------
 

@@ -34,12 +34,18 @@ def geometry_moves(out):
 
 METHODS = ["fp8", "subspace"]
 NVFP4 = {"nvfp4": ("fp8", "--fmt=nvfp4"), "subspace-nvfp4": ("subspace", "--fmt=nvfp4")}
+# the README's other two picks: NVFP4 with error feedback on both stages, and the mixed wire
+FEEDBACK = {"nvfp4-ef12": ("fp8", "--fmt=nvfp4", "--error_feedback", "--feedback_stages=both"),
+            "nvfp4-e4m3s2-ef1": ("fp8", "--fmt=nvfp4", "--stage2_fmt=e4m3", "--error_feedback",
+                                 "--feedback_stages=1"),
+            "subspace-ef1": ("subspace", "--error_feedback", "--feedback_stages=1")}
+ARMS = {**NVFP4, **FEEDBACK}
 
 
-@pytest.mark.parametrize("comm", METHODS + list(NVFP4))
+@pytest.mark.parametrize("comm", METHODS + list(ARMS))
 def test_the_fast_path_ends_on_the_specifications_bits_simulated(tiny_corpus, tmp_path, comm):
     arm = comm
-    comm, *flags = NVFP4.get(arm, (arm,))
+    comm, *flags = ARMS.get(arm, (arm,))
     fast = simulated(tiny_corpus, tmp_path / "fast", comm, "fast", *flags)
     spec = simulated(tiny_corpus, tmp_path / "reference", comm, "reference", *flags)
     if arm == "subspace":       # the steps cover a refresh, an entry and an exit
@@ -47,12 +53,13 @@ def test_the_fast_path_ends_on_the_specifications_bits_simulated(tiny_corpus, tm
     assert fast["param_sha256"] == spec["param_sha256"]
 
 
-@pytest.mark.parametrize("comm", METHODS)
+@pytest.mark.parametrize("comm", METHODS + list(FEEDBACK))
 def test_the_fast_path_ends_on_the_specifications_bits_on_two_ranks(tiny_corpus, tmp_path, comm):
+    comm, *flags = ARMS.get(comm, (comm,))
     sums = {}
     for impl in ("fast", "reference"):
         argv = tiny_args(tiny_corpus, tmp_path / impl, *GEOMETRY, f"--comm={comm}",
-                         f"--impl={impl}")
+                         f"--impl={impl}", *flags)
         run_ranks(train_rank, 2, argv, str(tmp_path))
         sums[impl] = {json.load(open(tmp_path / f"rank{r}.json"))["param_sha256"] for r in (0, 1)}
     assert len(sums["fast"]) == 1 and sums["fast"] == sums["reference"]
@@ -68,11 +75,24 @@ def test_an_edit_of_compress_py_changes_what_the_reference_trains(tiny_corpus, t
     assert after["param_sha256"] != before["param_sha256"]
 
 
-@pytest.mark.parametrize("flag", ["--error_feedback", "--collective=fp8-sum", "--stage2_fmt=e4m3",
-                                  "--comm=hadamard", "--log_stages"])
-def test_what_the_specification_does_not_state_is_refused(tiny_corpus, tmp_path, flag):
+def test_the_specifications_error_feedback_and_stage_2_format_change_what_trains(tiny_corpus,
+                                                                                 tmp_path):
+    """The bits held equal above are not the feedback-free ones: each lever moves the result."""
+    sums = {name: simulated(tiny_corpus, tmp_path / name, "fp8", "reference", "--fmt=nvfp4",
+                            "--max_iters=4", *flags)["param_sha256"]
+            for name, flags in (("plain", []), ("ef1", ["--error_feedback"]),
+                                ("ef2", ["--error_feedback", "--feedback_stages=2"]),
+                                ("e4m3s2", ["--stage2_fmt=e4m3"]))}
+    assert len(set(sums.values())) == 4, sums
+
+
+@pytest.mark.parametrize("comm, flags", [
+    ("fp8", ["--collective=fp8-sum"]), ("fp8", ["--comm=hadamard"]), ("fp8", ["--log_stages"]),
+    ("fp8", ["--error_feedback", "--feedback_geo_only"]),
+    ("subspace", ["--error_feedback", "--feedback_stages=both"])])
+def test_what_the_specification_does_not_state_is_refused(tiny_corpus, tmp_path, comm, flags):
     with pytest.raises(ConfigError, match="--impl=reference"):
-        simulated(tiny_corpus, tmp_path, "fp8", "reference", flag, "--max_iters=1")
+        simulated(tiny_corpus, tmp_path, comm, "reference", *flags, "--max_iters=1")
 
 
 def test_a_torchrun_restart_of_the_reference_is_refused(tiny_corpus, tmp_path, monkeypatch):

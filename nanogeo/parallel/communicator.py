@@ -54,7 +54,7 @@ COLLECTIVES = ("two-stage", "fp8-sum")
 SUM_ORDERS = ("ring", "tree")      # fp8-sum: the order NCCL adds in (nanogeo/wire/fp8sum.py)
 SELECTIONS = compress.SELECTIONS + ("fragile",)
 GEOMETRIES = compress.GEOMETRIES + ("hadamard",)
-FEEDBACK_STAGES = ("1", "2", "both")
+FEEDBACK_STAGES = compress.FEEDBACK_STAGES
 SUBSPACE_SIDES = ("both", "left", "right", "auto")
 WHITEN_SIDES = ("input", "output", "both")
 
@@ -67,16 +67,11 @@ class Options(compress.GeoOptions):
     top_k: int = 0                  # select="fragile": the top_k matrices by fraction of saturated
                                     # FP8 sums over the warmup steps (needs collective="fp8-sum")
     seed: int = 0                   # stochastic rounding's and the Hadamard control's draws
-    stage2_fmt: str = ""            # the two-stage collective's all-gather in another format
-                                    # ("": fmt's), e.g. e4m3 after an NVFP4 all-to-all
     nvfp4_scale: str = "6"          # NVFP4's block scales: each block's max at 6, or "4over6":
                                     # at 6 or 4, whichever errs less (Four Over Six)
     stochastic_round: bool = False  # stochastic rounding (two-stage collective only)
     stochastic_stages: str = "both" # ... in both stages, or only "1" (each rank's send) or "2"
                                     # (the re-quantized averaged shard)
-    error_feedback: bool = False    # keep each rank's stage-1 quantization error, add it back
-    feedback_stages: str = "1"      # ... of stage 1; "2": instead the owner's re-quantization
-                                    # error of each averaged shard; "both"
     feedback_geo_only: bool = False # stage 1 only on the geometry-aware matrices (as published)
     # the Hadamard control (geometry="hadamard", nanogeo/geometry/hadamard.py)
     hadamard_block: int = 128       # entries per Walsh-Hadamard block, a power of two
@@ -440,7 +435,7 @@ class ProductionCommunicator(compress.Communicator):
 
     def outgoing_of(self, worker, indices, grads):
         """outgoing() of the tensors at `indices` of the list `grads` only."""
-        fp32 = super().outgoing(worker, [grads[i] for i in indices])
+        fp32 = [grads[i].float() for i in indices]
         residual = {} if self.opts.stale_residual else self.residuals.get(worker, {})
         names = [self.names[i] for i in indices]
         return [g + residual[n] if self.has_feedback(n) and n in residual else g

@@ -4,11 +4,13 @@ place of the fast path (nanogeo/parallel/communicator.py's ProductionCommunicato
 compress.py then changes what trains, on real ranks and with --simulate_workers alike.
 
 The specification is the method without the machinery: no buckets (the whole model is averaged at
-once), the K-FAC moments averaged with equal weights (every rank ran as many tokens). Euclidean FP8
-and the subspace rotation end on the fast path's bits (tests/test_reference.py). The flags of what
-it does not state - error feedback, the paper's FP8-sum collective, a second stage format, Four Over
-Six, stochastic rounding, the Hadamard control, the whitening's ablations, --log_stages, resuming -
-stop the run with one line naming them.
+once), the K-FAC moments averaged with equal weights (every rank ran as many tokens). Euclidean FP8,
+the subspace rotation, NVFP4, the mixed wire (an e4m3 stage 2) and error feedback end on the fast
+path's bits (tests/test_reference.py). The flags of what it does not state - the paper's FP8-sum
+collective, Four Over Six, stochastic rounding, the Hadamard control, the whitening's ablations,
+stage 1's feedback on the geometry-aware matrices only, stage 2's feedback with a geometry (its
+residual lives in coordinates that move), --log_stages, resuming - stop the run with one line
+naming them.
 
 `Reference` is the thin adapter train.py needs around it: the names train.py's log and
 simulated ranks read (coords, moment_layers, each simulated rank's moments averaged); every
@@ -21,9 +23,9 @@ import compress
 from nanogeo.run.config import ConfigError
 
 # train.py flags (with the default that leaves them off) the specification has no statement of
-FAST_ONLY = {"error_feedback": False, "collective": "two-stage", "stage2_fmt": "",
-             "nvfp4_scale": "6", "stochastic_round": False, "whiten_factor": "lowrank",
-             "whiten_sides": "input", "factor_decay": 0.0, "log_stages": False, "resume": False}
+FAST_ONLY = {"collective": "two-stage", "nvfp4_scale": "6", "stochastic_round": False,
+             "feedback_geo_only": False, "whiten_factor": "lowrank", "whiten_sides": "input",
+             "factor_decay": 0.0, "log_stages": False, "resume": False}
 
 
 def check(cfg):
@@ -31,6 +33,10 @@ def check(cfg):
     if cfg.comm == "hadamard":
         raise ConfigError("--impl=reference: compress.py has no Hadamard control; use "
                           "--impl=fast for --comm=hadamard")
+    if cfg.error_feedback and cfg.feedback_stages != "1" and cfg.comm != "fp8":
+        raise ConfigError("--impl=reference: compress.py states stage 2's error feedback in "
+                          "Euclidean coordinates only; use --feedback_stages=1, --comm=fp8 or "
+                          "--impl=fast")
     if cfg.geo_layers.startswith("fragile:"):
         raise ConfigError("--impl=reference: compress.py has no saturation profiler; use "
                           "--geo_layers=gain, all or a file, or --impl=fast")
