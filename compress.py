@@ -22,11 +22,10 @@ What to run (the studies' answer, with its intervals and limits: docs/study/READ
 Muon, the subspace rotation on the two-stage collective of section 2.
 
 `python compress.py` (section 7) shows it work. This file imports nothing from nanogeo/, which
-runs the same algorithms at scale and passes its faster forms in: packed codecs, the paper's
-FP8-sum collective, stochastic rounding, K-FAC hooks, a Hadamard control, DDP and FSDP2,
-checkpoints (docs/method.md has the map). Error feedback and a stage-2 format of its own (the
-README's 4-bit and mixed wires) are stated here: Communicator.outgoing, keep_send_losses and
-ShardLayout.average_shard.
+runs the same algorithms at scale and passes its faster forms in: packed codecs, stochastic
+rounding, K-FAC hooks, a Hadamard control, DDP and FSDP2, checkpoints (docs/method.md has the
+map). Error feedback, a stage-2 format of its own (the README's 4-bit and mixed wires) and the
+paper's FP8-sum collective are stated here, in section 2.
 """
 
 import copy
@@ -247,8 +246,8 @@ def dequantize(q: Quantized) -> torch.Tensor:
 # copies of its shard, adds them in fp32 in rank order and divides by W. Stage 2 (an all-gather):
 # each rank quantizes its averaged shard again and all_gathers; every rank decodes the same
 # bytes, so every rank ends with the same bits. Bytes a rank sends: ~2 (W - 1)/W N (1 + 4/block),
-# 0.516x a bf16 ring all-reduce's at block 128 (NVFP4: ~0.28x). (The paper's collective adds FP8
-# codes hop by hop instead: nanogeo/wire/fp8sum.py.)
+# 0.516x a bf16 ring all-reduce's at block 128 (NVFP4: ~0.28x). (The paper's collective, at the
+# end of this section, adds FP8 codes hop by hop instead.)
 #
 # Stage 2 may send another format than stage 1 (stage2_fmt): an NVFP4 all_to_all and an e4m3
 # all_gather is the README's mixed wire. Error feedback keeps what a quantization lost and adds it
@@ -444,6 +443,59 @@ def simulate_mean(worker_tensors, fmt="e4m3", block=128, layout=None, feedback=N
     shards = [average(received[j].reshape(-1), j) for j in range(world)]
     nbytes = 0 if world == 1 else sum(collective_bytes(layout, i) for i in range(world)) / world
     return dequantize_bucket(torch.cat(shards), layout), nbytes
+
+
+# The paper's collective (its baseline, and the studies' worst wire): ONE e5m2 scale per tensor,
+# the same on every rank (s = fmax / the max over ranks of its amax: an all_reduce MAX), and the
+# FP8 codes themselves summed by NCCL's float8 all_reduce, which widens two codes to fp16, adds
+# and rounds back to FP8 (saturating) at every hop of its ring: W - 1 roundings of the partial
+# sums, and a sum past the format's max is clipped. Decode: sum / (s W). Here the ring is played
+# out exactly (gloo has no float8 sum); NCCL adds in its own order.
+
+def fp8_sum_codes(tensors, fmt, amax):
+    """Each tensor's codes at its shared scale, one flat uint8 buffer, and the scales (T,)."""
+    dtype, fmax = FP8_FORMATS[fmt]
+    scales = scale_from_amax(amax, fmax)
+    codes = [(t.float().reshape(-1) * s).clamp(-fmax, fmax).to(dtype).view(torch.uint8)
+             for t, s in zip(tensors, scales)]
+    return torch.cat(codes), scales
+
+
+def ring_sum(codes, fmt):
+    """(W, N) FP8 codes summed as a ring all_reduce does: chunk c of W starts at rank c + 1 and
+    travels once around, each rank adding its own codes in fp16, rounded back to FP8."""
+    (W, n), (dtype, fmax) = codes.shape, FP8_FORMATS[fmt]
+    total = torch.empty_like(codes[0])
+    for c in range(W):
+        start, end = -(-c * n // W), -(-(c + 1) * n // W)
+        partial = codes[(c + 1) % W, start:end]
+        for hop in range(2, W + 1):
+            wide = partial.view(dtype).half()
+            wide += codes[(c + hop) % W, start:end].view(dtype).half()
+            partial = wide.float().clamp_(-fmax, fmax).to(dtype).view(torch.uint8)
+        total[start:end] = partial
+    return total
+
+
+def fp8_sum_mean(worker_tensors, fmt, across_ranks, group=None):
+    """The paper's collective: (the mean as every rank decodes it, bytes a rank sends), over
+    the process group (worker_tensors: [this rank's tensors]) or among W simulated ranks."""
+    amax = torch.stack([torch.stack([t.abs().amax().float() for t in ts])
+                        for ts in worker_tensors]).amax(0)                  # (T,), shared
+    if across_ranks:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    sent = [fp8_sum_codes(ts, fmt, amax) for ts in worker_tensors]     # [(codes, scales)]
+    codes, scales = torch.stack([c for c, _ in sent]), sent[0][1]
+    W = dist.get_world_size(group) if across_ranks else len(worker_tensors)
+    if across_ranks:                                            # every rank's codes, in order
+        codes = codes.new_empty(W, codes.shape[1])
+        all_gather_flat(codes.view(-1), sent[0][0], group=group)
+    summed = ring_sum(codes, fmt).view(FP8_FORMATS[fmt][0]).float()
+    tensors = worker_tensors[0]
+    values = summed.split([t.numel() for t in tensors])
+    means = [(v / (s * W)).view(t.shape) for v, s, t in zip(values, scales, tensors)]
+    nbytes = 2 * (W - 1) / W * (summed.numel() + 4 * len(tensors))     # codes, then the MAX
+    return means, nbytes
 
 
 # ==== 3. The published coordinates: whitening by the K-FAC input factor of each linear layer ======
@@ -863,6 +915,7 @@ GEOMETRIES = ("geofp8", "subspace", "euclidean")
 SELECTIONS = ("gain", "all", "list")
 JUDGES = ("optimizer", "l2")
 FEEDBACK_STAGES = ("1", "2", "both")
+COLLECTIVES = ("two-stage", "fp8-sum")
 
 
 @dataclass
@@ -890,6 +943,7 @@ class GeoOptions:
     geo_rank: int = 16              # subspace: r per side, at most min(m, n) // 2
     iters: int = 1                  # subspace: iterations per refresh
     scatter_core: bool = True       # subspace: each core entry in a scale group of its own
+    collective: str = "two-stage"   # or "fp8-sum": the paper's (one scale a tensor, codes summed)
     stage2_fmt: str = ""            # stage 2's format ("": fmt's), e.g. e4m3 after an NVFP4 stage 1
     error_feedback: bool = False    # add what the codec lost to the next step's send, of ...
     feedback_stages: str = "1"      # ... stage 1 (each rank's send), "2" (each owner's mean), "both"
@@ -897,7 +951,8 @@ class GeoOptions:
     def choices(self):
         """Seam. {field: allowed values} of the string fields."""
         return {"geometry": GEOMETRIES, "fmt": FORMATS, "select": SELECTIONS, "geo_judge": JUDGES,
-                "stage2_fmt": ("", *FORMATS), "feedback_stages": FEEDBACK_STAGES}
+                "stage2_fmt": ("", *FORMATS), "feedback_stages": FEEDBACK_STAGES,
+                "collective": COLLECTIVES}
 
     def __post_init__(self):
         for key, allowed in self.choices().items():
@@ -1057,6 +1112,8 @@ class Communicator:
         """Seam. The collective on the tensors in coordinates ({worker: [tensors]}): over the
         process group, or its simulator. Returns (means in coordinates, bytes a rank sends)."""
         o, tensors = self.opts, next(iter(coords.values()))
+        if o.collective == "fp8-sum":
+            return fp8_sum_mean(list(coords.values()), o.fmt, across_ranks, self.group)
         world = dist.get_world_size(self.group) if across_ranks else len(coords)
         layout = ShardLayout([t.shape for t in tensors], o.fmt, o.block, world, o.stage2_fmt)
         stage2 = o.error_feedback and o.feedback_stages != "1"

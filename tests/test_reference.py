@@ -38,7 +38,9 @@ NVFP4 = {"nvfp4": ("fp8", "--fmt=nvfp4"), "subspace-nvfp4": ("subspace", "--fmt=
 FEEDBACK = {"nvfp4-ef12": ("fp8", "--fmt=nvfp4", "--error_feedback", "--feedback_stages=both"),
             "nvfp4-e4m3s2-ef1": ("fp8", "--fmt=nvfp4", "--stage2_fmt=e4m3", "--error_feedback",
                                  "--feedback_stages=1"),
-            "subspace-ef1": ("subspace", "--error_feedback", "--feedback_stages=1")}
+            "subspace-ef1": ("subspace", "--error_feedback", "--feedback_stages=1"),
+            # the paper's collective: one e5m2 scale a tensor, the codes summed hop by hop
+            "fp8-paper": ("fp8", "--fmt=e5m2", "--block=tensor", "--collective=fp8-sum")}
 ARMS = {**NVFP4, **FEEDBACK}
 
 
@@ -87,7 +89,8 @@ def test_the_specifications_error_feedback_and_stage_2_format_change_what_trains
 
 
 @pytest.mark.parametrize("comm, flags", [
-    ("fp8", ["--collective=fp8-sum"]), ("fp8", ["--comm=hadamard"]), ("fp8", ["--log_stages"]),
+    ("subspace", ["--collective=fp8-sum", "--fmt=e5m2"]), ("fp8", ["--comm=hadamard"]),
+    ("fp8", ["--log_stages"]), ("fp8", ["--collective=fp8-sum", "--fmt=e5m2", "--sum_order=tree"]),
     ("fp8", ["--error_feedback", "--feedback_geo_only"]),
     ("subspace", ["--error_feedback", "--feedback_stages=both"])])
 def test_what_the_specification_does_not_state_is_refused(tiny_corpus, tmp_path, comm, flags):

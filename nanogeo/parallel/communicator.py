@@ -50,7 +50,7 @@ RENAMED = {"refresh": "geo_refresh", "warmup": "geo_warmup", "judge": "geo_judge
            "enter_gain": "geo_enter_gain", "exit_gain": "geo_exit_gain",
            "factor": "whiten_factor", "stochastic": "stochastic_round"}
 OLD_GEOMETRY = {"whiten": "geofp8"}
-COLLECTIVES = ("two-stage", "fp8-sum")
+COLLECTIVES = compress.COLLECTIVES
 SUM_ORDERS = ("ring", "tree")      # fp8-sum: the order NCCL adds in (nanogeo/wire/fp8sum.py)
 SELECTIONS = compress.SELECTIONS + ("fragile",)
 GEOMETRIES = compress.GEOMETRIES + ("hadamard",)
@@ -61,7 +61,6 @@ WHITEN_SIDES = ("input", "output", "both")
 
 @dataclass
 class Options(compress.GeoOptions):
-    collective: str = "two-stage"   # or "fp8-sum": the paper's per-tensor scales + FP8 all_reduce
     sum_order: str = "ring"         # fp8-sum: the order NCCL adds in ("ring" or "tree")
     scale_sync_every: int = 1       # fp8-sum: >1 reproduces the published local-scale defect
     top_k: int = 0                  # select="fragile": the top_k matrices by fraction of saturated

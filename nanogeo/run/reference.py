@@ -6,11 +6,12 @@ compress.py then changes what trains, on real ranks and with --simulate_workers 
 The specification is the method without the machinery: no buckets (the whole model is averaged at
 once), the K-FAC moments averaged with equal weights (every rank ran as many tokens). Euclidean FP8,
 the subspace rotation, NVFP4, the mixed wire (an e4m3 stage 2) and error feedback end on the fast
-path's bits (tests/test_reference.py). The flags of what it does not state - the paper's FP8-sum
-collective, Four Over Six, stochastic rounding, the Hadamard control, the whitening's ablations,
-stage 1's feedback on the geometry-aware matrices only, stage 2's feedback with a geometry (its
-residual lives in coordinates that move), --log_stages, resuming - stop the run with one line
-naming them.
+path's bits (tests/test_reference.py), and so does the paper's FP8-sum collective for Euclidean
+FP8 (fp8-paper). The flags of what it does not state - that collective with a geometry or error
+feedback or another sum order, Four Over Six, stochastic rounding, the Hadamard control, the
+whitening's ablations, stage 1's feedback on the geometry-aware matrices only, stage 2's
+feedback with a geometry (its residual lives in coordinates that move), --log_stages, resuming -
+stop the run with one line naming them.
 
 `Reference` is the thin adapter train.py needs around it: the names train.py's log and
 simulated ranks read (coords, moment_layers, each simulated rank's moments averaged); every
@@ -23,9 +24,9 @@ import compress
 from nanogeo.run.config import ConfigError
 
 # train.py flags (with the default that leaves them off) the specification has no statement of
-FAST_ONLY = {"collective": "two-stage", "nvfp4_scale": "6", "stochastic_round": False,
-             "feedback_geo_only": False, "whiten_factor": "lowrank", "whiten_sides": "input",
-             "factor_decay": 0.0, "log_stages": False, "resume": False}
+FAST_ONLY = {"sum_order": "ring", "scale_sync_every": 1, "nvfp4_scale": "6",
+             "stochastic_round": False, "feedback_geo_only": False, "whiten_factor": "lowrank",
+             "whiten_sides": "input", "factor_decay": 0.0, "log_stages": False, "resume": False}
 
 
 def check(cfg):
@@ -36,6 +37,10 @@ def check(cfg):
     if cfg.error_feedback and cfg.feedback_stages != "1" and cfg.comm != "fp8":
         raise ConfigError("--impl=reference: compress.py states stage 2's error feedback in "
                           "Euclidean coordinates only; use --feedback_stages=1, --comm=fp8 or "
+                          "--impl=fast")
+    if cfg.collective == "fp8-sum" and (cfg.comm != "fp8" or cfg.error_feedback):
+        raise ConfigError("--impl=reference: compress.py states the paper's FP8-sum collective "
+                          "for Euclidean FP8 without error feedback; use --comm=fp8 or "
                           "--impl=fast")
     if cfg.geo_layers.startswith("fragile:"):
         raise ConfigError("--impl=reference: compress.py has no saturation profiler; use "
