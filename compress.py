@@ -269,8 +269,8 @@ Piece = namedtuple("Piece", "tensor start end shape block")
 
 class ShardLayout:
     """How a bucket of tensors is cut into W shards (alike on every rank, from the shapes), and
-    the two stages' codec steps: seams, which nanogeo.wire's layouts override. Stage 2 may send
-    another format (stage2_fmt, e.g. e4m3 after an NVFP4 all_to_all): both stages quantize the
+    the two stages' codec steps (nanogeo/wire sends the same bytes in packed form). Stage 2 may
+    send another format (stage2_fmt, e.g. e4m3 after an NVFP4 all_to_all): both stages quantize the
     same pieces, cut in the groups of the FP8 one of the two (NVFP4's blocks of 16 lie whole
     inside them), each scaling them in its own groups from the piece's start."""
 
@@ -299,7 +299,7 @@ class ShardLayout:
         return -(-numel // self.world_size), "tensor"      # (also "row" of a 1-D tensor)
 
     def cut(self):
-        """Seam: each tensor's scale groups in W equal counts, rank j the j-th range; the groups
+        """Each tensor's scale groups in W equal counts, rank j the j-th range; the groups
         left over go to the shards with the fewest bytes so far (ties: the lower rank), as the
         all_gather pads every shard to the largest (else one rank piles up the remainders)."""
         W = self.world_size
@@ -319,11 +319,11 @@ class ShardLayout:
         return pieces
 
     def quantize_piece(self, values, piece):
-        """Seam (stochastic rounding): one piece through the codec, its wire bytes."""
+        """One piece through the codec, its wire bytes."""
         return quantize(values.view(piece.shape), self.fmt, piece.block).buffer
 
     def quantize_shards(self, flats, rank=0):
-        """Seam: stage 1, a rank's flat fp32 tensors -> one uint8 buffer, the W shards back to
+        """Stage 1, a rank's flat fp32 tensors -> one uint8 buffer, the W shards back to
         back (shard j: nbytes[j] bytes; a stochastic layout draws from `rank`'s random stream)."""
         return torch.cat([self.quantize_piece(flats[p.tensor][p.start:p.end], p)
                           for shard in self.pieces for p in shard])
@@ -337,14 +337,14 @@ class ShardLayout:
                 for b, p in zip(buffer[: sum(sizes)].split(sizes), self.pieces[shard])]
 
     def sum_copies(self, received, shard):
-        """Seam: the W copies of a shard (back to back, in source-rank order), decoded and added
+        """The W copies of a shard (back to back, in source-rank order), decoded and added
         in fp32 in rank order (every rank and the simulator add alike): a tensor per piece."""
         copies = [self.decode_shard(c, shard) for c in received.split(self.nbytes[shard])]
         return [functools.reduce(torch.add, copies_of_piece)      # (c0 + c1) + ...
                 for copies_of_piece in zip(*copies)]
 
     def average_shard(self, received, shard, feedback=None):
-        """Seam: between the stages, on the owner of `shard`: the mean of its W copies, quantized
+        """Between the stages, on the owner of `shard`: the mean of its W copies, quantized
         again in stage 2's format (the bytes stage 2 gathers). `feedback` (stage 2's error
         feedback: {shard: [a residual per piece]}, the owner's): the residual is added to the
         mean before it is quantized, and what that quantization loses is kept for the next step."""
@@ -361,7 +361,7 @@ class ShardLayout:
         return out
 
     def dequantize_shards(self, buffer, stride=None, stage=2):
-        """Seam: stage 2's end, the W shards' bytes (shard j at j * stride, or back to back as
+        """Stage 2's end, the W shards' bytes (shard j at j * stride, or back to back as
         stage 1 wrote them) -> the bucket's values, flat fp32 in tensor order (stage=1: bytes
         in stage 1's format, a rank's own send)."""
         starts = [0, *itertools.accumulate(math.prod(s) for s in self.shapes)]
@@ -375,7 +375,7 @@ class ShardLayout:
         return flat
 
     def quantize_ranks(self, rank_tensors):
-        """Seam (a packed layout: one codec call): the simulator's stage 1 of all W ranks,
+        """The simulator's stage 1 of all W ranks,
         (W, bytes), row i = quantize_bucket(rank_tensors[i], self, i)."""
         return torch.stack([quantize_bucket(ts, self, i) for i, ts in enumerate(rank_tensors)])
 
@@ -584,11 +584,11 @@ class WhitenedLayer:
         return bool(self.factors)
 
     def encode(self, g):
-        """Seam. G~ = G F_A^-T."""
+        """G~ = G F_A^-T."""
         return self.factors["input"].whiten(g)
 
     def decode(self, h):
-        """Seam. G = G~ F_A^T."""
+        """G = G~ F_A^T."""
         return self.factors["input"].unwhiten(h)
 
     def refresh(self, moments):
@@ -609,7 +609,7 @@ class WhitenedLayer:
                                   self.opts.moment_decay * old + (1 - self.opts.moment_decay) * moment)
 
     def factor_of(self, side, moment):
-        """Seam. The factor of a smoothed moment."""
+        """The factor of a smoothed moment."""
         return whitening_factor(moment, self.opts.whiten_rank, self.opts.damping)
 
 
@@ -757,7 +757,7 @@ class SubspaceLayer:
 
     @classmethod
     def create(cls, name, shape, opts):
-        """Seam. r = geo_rank, at most half the smaller side; the seed from the name, alike on
+        """r = geo_rank, at most half the smaller side; the seed from the name, alike on
         every rank; the core's swaps for the scale groups."""
         r = min(opts.geo_rank, min(shape) // 2)
         return cls(shape, r, seed=zlib.crc32(name.encode()), opts=opts,
@@ -768,19 +768,19 @@ class SubspaceLayer:
         return self.left_basis is not None
 
     def encode(self, g):
-        """Seam. H = P^T G Q, core scattered (the column side alone: H = G Q)."""
+        """H = P^T G Q, core scattered (the column side alone: H = G Q)."""
         if self.sides == "right":
             return encode_geo(g, None, self.right_basis)
         return swap_entries(encode_geo(g, self.left_basis, self.right_basis), self.swaps)
 
     def decode(self, h):
-        """Seam. G = P H Q^T (or H Q^T)."""
+        """G = P H Q^T (or H Q^T)."""
         if self.sides == "right":
             return decode_geo(h, None, self.right_basis)
         return decode_geo(swap_entries(h, self.swaps), self.left_basis, self.right_basis)
 
     def dominant_subspaces(self, mean):
-        """Seam. (U, V), the top-r singular subspaces of the decoded mean, warm-started from
+        """(U, V), the top-r singular subspaces of the decoded mean, warm-started from
         the bases in use."""
         if self.left_basis is None:
             return initial_subspaces(mean, self.r, self.seed)
@@ -788,7 +788,7 @@ class SubspaceLayer:
                                 self.opts.iters)
 
     def refresh(self, mean):
-        """Seam. New bases from the decoded mean (alike on every rank)."""
+        """New bases from the decoded mean (alike on every rank)."""
         U, V = self.dominant_subspaces(mean)
         self.left_basis, self.right_basis = HouseholderBasis.complete(U), HouseholderBasis.complete(V)
 
@@ -876,40 +876,7 @@ class MuonFirstStep:
 # tensor travels as it is. A step: every worker's gradients into coordinates, through the
 # collective, the mean back; then, where due, the geometry: proposals measured and decided, new
 # ones made.
-#
-# Seams: the methods marked "Seam." are the ones the production path overrides (nanogeo/parallel/
-# communicator.py's ProductionCommunicator and Options, nanogeo/geometry/layers.py's layers), so
-# that this file stays the one statement of the method. What production does in each:
-#   WhitenedLayer.encode, decode      the output side too (an ablation)
-#   WhitenedLayer.factor_of           a warm-started eigensolver; dense factors, their EMA (ablations)
-#   SubspaceLayer.create              the rotated sides (sides="auto"), dense bases (ablations)
-#   SubspaceLayer.encode, decode      the rotation as a (P or None, Q or None) pair, dense bases
-#   SubspaceLayer.dominant_subspaces  FSDP's row form, a covariance EMA
-#   SubspaceLayer.refresh             dense bases (ablations)
-#   GeoOptions.choices                production's own settings (Options)
-#   to_coords, from_coords            a benchmark's stage timer; IEEE fp32 whatever TF32 says
-#   all_to_coords, all_from_coords    the rotated matrices of one shape encoded together
-#   whitened_sides                    the output side too (an ablation)
-#   reduce                            each mean written into its gradient as it is decoded
-#   average_moments                   weighted by tokens, in one all-reduce
-#   reduce_workers                    each simulated rank's own moments, averaged as over ranks
-#   communicate                       a bucket at a time (exchange() in collective()'s place:
-#                                     packed stages, NVFP4, stochastic rounding, fp8-sum)
-#   outgoing                          stage 1's residual per name (feedback on some matrices only)
-#   collective                        (replaced by exchange(), above; a non-finite step keeps
-#                                     the old residuals)
-#   advance                           FSDP's row blocks; the paper's fragile selection after
-#                                     the warmup; stage 2's residuals dropped when the
-#                                     coordinates change
-#   update_geometry                   one finiteness decision across ranks; rank agreement
-#   refresh_inputs                    read after the step's finiteness flag
-#   propose_all                       the matrices of one shape refreshed together
-#   consider                          notes a proposal (for the rank agreement check)
-#   measure                           the matrices of one shape measured together, both rotations
-#   layer_errors                      measured as each mean is decoded (in place)
-#   error_seen                        FSDP: this rank's rows only
-#   round_trip                        Four Over Six's NVFP4 block scales
-#   through_codec                     the rotations as (P, Q) pairs; Options.sides fixes one
+
 
 GEOMETRIES = ("geofp8", "subspace", "euclidean")
 SELECTIONS = ("gain", "all", "list")
@@ -949,7 +916,7 @@ class GeoOptions:
     feedback_stages: str = "1"      # ... stage 1 (each rank's send), "2" (each owner's mean), "both"
 
     def choices(self):
-        """Seam. {field: allowed values} of the string fields."""
+        """{field: allowed values} of the string fields."""
         return {"geometry": GEOMETRIES, "fmt": FORMATS, "select": SELECTIONS, "geo_judge": JUDGES,
                 "stage2_fmt": ("", *FORMATS), "feedback_stages": FEEDBACK_STAGES,
                 "collective": COLLECTIVES}
@@ -1036,15 +1003,15 @@ class Communicator:
                 and self.steps_taken > self.opts.geo_warmup)
 
     def to_coords(self, name, g):
-        """Seam. g in the coordinates `name` is sent in."""
+        """g in the coordinates `name` is sent in."""
         return self.layers[name].encode(g) if self.sent_in_geometry(name) else g
 
     def from_coords(self, name, c):
-        """Seam. Back to the original coordinates."""
+        """Back to the original coordinates."""
         return self.layers[name].decode(c) if self.sent_in_geometry(name) else c
 
     def whitened_sides(self):
-        """Seam. The sides it whitens (published: the input)."""
+        """The sides it whitens (published: the input)."""
         return ("input",)
 
     def moments_due(self):
@@ -1055,7 +1022,7 @@ class Communicator:
     # -- one step ----------------------------------------------------------------------------
 
     def reduce(self, grads, moments=None):
-        """Seam. Average grads (matching self.names) over the process group, in place;
+        """Average grads (matching self.names) over the process group, in place;
         `moments`: this rank's K-FAC moments, averaged here first. Returns the bytes this rank
         sent."""
         across = dist.is_initialized()
@@ -1068,7 +1035,7 @@ class Communicator:
         return nbytes
 
     def average_moments(self, moments):
-        """Seam. The mean of every rank's K-FAC moments, so that every rank builds the same
+        """The mean of every rank's K-FAC moments, so that every rank builds the same
         factors (equal weights: every rank ran as many tokens)."""
         out = {side: {n: m.clone() for n, m in moments.get(side, {}).items()}
                for side in self.whitened_sides()}
@@ -1078,12 +1045,12 @@ class Communicator:
         return out
 
     def reduce_workers(self, worker_grads, moments=None):
-        """Seam. reduce()'s numerics for W simulated workers (`moments`: already averaged over all
+        """reduce()'s numerics for W simulated workers (`moments`: already averaged over all
         of them): (means, bytes a rank sends)."""
         return self.communicate(dict(enumerate(worker_grads)), moments, across_ranks=False)
 
     def communicate(self, worker_grads, moments, across_ranks):
-        """Seam. One step for the workers this process holds ({index: gradients}): into
+        """One step for the workers this process holds ({index: gradients}): into
         coordinates, through the collective, the mean back, then the geometry. Returns (means,
         bytes)."""
         as_sent = {w: self.outgoing(w, grads) for w, grads in worker_grads.items()}   # fp32
@@ -1094,22 +1061,22 @@ class Communicator:
         return means, nbytes
 
     def all_to_coords(self, names, tensors):
-        """Seam. to_coords of each."""
+        """to_coords of each."""
         return [self.to_coords(n, t) for n, t in zip(names, tensors)]
 
     def all_from_coords(self, names, tensors):
-        """Seam. from_coords of each."""
+        """from_coords of each."""
         return [self.from_coords(n, c) for n, c in zip(names, tensors)]
 
     def outgoing(self, worker, grads):
-        """Seam. A worker's gradients as sent: fp32, in original coordinates, plus what its last
+        """A worker's gradients as sent: fp32, in original coordinates, plus what its last
         send lost (error feedback, stage 1)."""
         fp32 = [g.float() for g in grads]
         lost = self.residuals.get(worker)
         return fp32 if lost is None else [g + r for g, r in zip(fp32, lost)]
 
     def collective(self, coords, across_ranks):
-        """Seam. The collective on the tensors in coordinates ({worker: [tensors]}): over the
+        """The collective on the tensors in coordinates ({worker: [tensors]}): over the
         process group, or its simulator. Returns (means in coordinates, bytes a rank sends)."""
         o, tensors = self.opts, next(iter(coords.values()))
         if o.collective == "fp8-sum":
@@ -1138,7 +1105,7 @@ class Communicator:
     # -- the geometry --------------------------------------------------------------------------
 
     def advance(self, means, as_sent, moments=None, across_ranks=False):
-        """Seam. Count the step just finished and update the geometry where it is due. means:
+        """Count the step just finished and update the geometry where it is due. means:
         {name: decoded mean}; as_sent: each worker's gradients as sent; moments: K-FAC moments
         collected during the step; across_ranks: measurements are summed over the process group."""
         if self.steps_taken % self.opts.geo_refresh:    # not a step moments_due() announced:
@@ -1164,7 +1131,7 @@ class Communicator:
                 or (layer.built and (self.from_moments or math.isnan(layer.gain)))]
 
     def update_geometry(self, means, as_sent, moments, across_ranks):
-        """Seam. Measure what is due (to_judge), then propose new geometry from the step's
+        """Measure what is due (to_judge), then propose new geometry from the step's
         refresh inputs."""
         judged = self.to_judge()
         if judged:
@@ -1172,7 +1139,7 @@ class Communicator:
         self.propose_all(self.refresh_inputs(means, moments))
 
     def refresh_inputs(self, means, moments):
-        """Seam. {name: what its new geometry is built from}: the whitening's averaged K-FAC
+        """{name: what its new geometry is built from}: the whitening's averaged K-FAC
         moments ({side: moment}), when given; the others' decoded mean every geo_refresh steps,
         or until built."""
         if self.from_moments:
@@ -1183,7 +1150,7 @@ class Communicator:
                 if self.steps_taken % self.opts.geo_refresh == 0 or not layer.built}
 
     def propose_all(self, inputs):
-        """Seam. propose() for each {name: its refresh input}."""
+        """Propose() for each {name: its refresh input}."""
         for name, found in inputs.items():
             self.propose(name, found)
 
@@ -1196,7 +1163,7 @@ class Communicator:
         self.consider(name, proposal)
 
     def consider(self, name, proposal):
-        """Seam. New geometry for `name` is a proposal until later gradients measure it (measured
+        """New geometry for `name` is a proposal until later gradients measure it (measured
         on the gradients it was built from, it would look better than it is) - unless decide()
         takes it unmeasured."""
         if self.decide(name, proposal):
@@ -1240,7 +1207,7 @@ class Communicator:
             self.layers[name] = layer
 
     def measure(self, layers, means, as_sent, across_ranks):
-        """Seam. (layers, 1 + rotations) float64 on the device: the squared codec error of
+        """(layers, 1 + rotations) float64 on the device: the squared codec error of
         Euclidean FP8 and of the geometry-aware codec in each of the layer's rotations (SIDES),
         as its optimizer sees it, summed over the workers - and over the ranks, so every rank
         decides alike."""
@@ -1255,7 +1222,7 @@ class Communicator:
         return errors                           # on the device: judge's .tolist() reads it
 
     def layer_errors(self, name, layer, mean, grads, workers):
-        """Seam. One layer's squared codec errors,
+        """One layer's squared codec errors,
         Euclidean and in the layer's coordinates, for each worker's gradient as sent (`grads`),
         as its optimizer sees them around `mean`: a list of device scalars."""
         seen, errors = self.error_seen(name, mean, workers), []
@@ -1266,7 +1233,7 @@ class Communicator:
         return errors
 
     def error_seen(self, name, mean, workers):
-        """Seam. delta -> a gradient error's squared size as the layer's optimizer sees it (its
+        """Delta -> a gradient error's squared size as the layer's optimizer sees it (its
         view, section 5), or in plain L2 - warning once if asked for but no optimizer is watched."""
         view = self.views.get(name) if self.opts.geo_judge == "optimizer" else None
         if view is not None:
@@ -1279,11 +1246,11 @@ class Communicator:
         return lambda delta: delta.pow(2).sum()
 
     def round_trip(self, x):
-        """Seam. x through the codec and back."""
+        """X through the codec and back."""
         return dequantize(quantize(x, self.opts.fmt, self.opts.block))
 
     def through_codec(self, layer, g):
-        """Seam. [g through the codec in each of the layer's rotations (its SIDES)]."""
+        """[g through the codec in each of the layer's rotations (its SIDES)]."""
         return [rotation.decode(self.round_trip(rotation.encode(g)))
                 for rotation in map(layer.with_sides, layer.SIDES)]
 

@@ -670,16 +670,17 @@ def test_one_name_per_thing_in_the_communicator():
     assert not hasattr(comm.layers["w"], "ready") and not hasattr(compress, "exemption")
 
 
-def seam_list():
-    """The names in the list of seams that opens compress.py's section 6 ("Class.a, b" is
+def override_list():
+    """The names in docs/method.md's map of what the fast path overrides ("Class.a, b" is
     Class.a and Class.b)."""
-    import inspect
+    import os
     import re
-    source = inspect.getsource(compress)
-    header = source[source.index("# ==== 6."):source.index("\nGEOMETRIES")]
+    page = open(os.path.join(os.path.dirname(compress.__file__), "docs", "method.md")).read()
+    start = page.index("(the map the teaching file used to carry):")
+    header = page[start:page.index("\n```\n", page.index("```", start) + 3)]
     names = set()
     for line in header.splitlines():
-        found = re.match(r"#   (\S+(?:, \S+)*)  ", line)
+        found = re.match(r"  (\S+(?:, \S+)*)  ", line)
         if found:
             first, *rest = found.group(1).split(", ")
             owner = first.rpartition(".")[0]
@@ -687,26 +688,23 @@ def seam_list():
     return names
 
 
-def test_the_seam_list_names_every_override_and_every_marker():
-    """Every method production overrides in compress.py's classes is marked "Seam." there, and
-    the one list at the top of section 6 names exactly the marked methods."""
+def test_the_override_map_names_every_override():
+    """docs/method.md's map names exactly the methods production overrides in compress.py's
+    classes (compress.py itself carries no marker of them: it is the specification)."""
     import inspect
     from nanogeo.geometry import layers as production_layers
     pairs = [("", compress.Communicator, ProductionCommunicator),
              ("GeoOptions.", compress.GeoOptions, Options),
              ("WhitenedLayer.", compress.WhitenedLayer, production_layers.LAYERS["geofp8"]),
              ("SubspaceLayer.", compress.SubspaceLayer, production_layers.LAYERS["subspace"])]
-    overridden, marked = set(), set()
+    overridden = set()
     for prefix, base, sub in pairs:
-        for name, value in vars(base).items():
-            doc = inspect.getdoc(getattr(base, name)) if not name.startswith("_") else None
-            if doc and doc.startswith("Seam."):
-                marked.add(prefix + name)
         overridden |= {prefix + name for name, value in vars(sub).items()
                        if not name.startswith("_") and name in vars(base)
                        and (inspect.isfunction(value) or isinstance(value, (classmethod, property)))}
-    assert overridden <= marked, sorted(overridden - marked)
-    assert seam_list() == marked, (sorted(seam_list() - marked), sorted(marked - seam_list()))
+    listed = override_list()
+    assert overridden == listed, (sorted(overridden - listed), sorted(listed - overridden))
+    assert "Seam" not in inspect.getsource(compress)
 
 
 def test_why_euclidean():

@@ -1,9 +1,9 @@
 """
 The communicator as training runs it: compress.Communicator (the method: coordinates, the
 two-stage collective, refresh, the gain check, the decision) with what production adds around
-it - a subclass that overrides compress.py's seams (the methods marked "Seam."; the list, with
-what this file does in each, opens compress.py's section 6), so that compress.py stays the one
-statement of the method:
+it - a subclass that overrides some of compress.py's methods (the list, with what this file does
+in each: docs/method.md, "Two implementations"), held to compress.py's bits by
+tests/test_reference.py:
 
   * memory: the tensors averaged a bucket at a time (bucket_mb, nanogeo.wire.buckets; each
     bucket is compress.py's collective, exchange() in collective()'s place), each mean written
