@@ -271,20 +271,21 @@ class ShardLayout:
     """How a bucket of tensors is cut into W shards (alike on every rank, from the shapes), and
     the two stages' codec steps (nanogeo/wire sends the same bytes in packed form). Stage 2 may
     send another format (stage2_fmt, e.g. e4m3 after an NVFP4 all_to_all): both stages quantize the
-    same pieces, cut in the groups of the FP8 one of the two (NVFP4's blocks of 16 lie whole
-    inside them), each scaling them in its own groups from the piece's start."""
+    same pieces, cut in the groups of the FP8 one of the two (an integer block, a multiple of 16,
+    holds NVFP4's blocks of 16 whole), each scaling them in its own groups from the piece's
+    start."""
 
     def __init__(self, shapes, fmt, block, world_size, stage2_fmt=""):
         check_codec(fmt, block)
+        check_codec(stage2_fmt or fmt, block)
         self.fmt, self.stage2_fmt = fmt, stage2_fmt or fmt
         self.cut_fmt = self.stage2_fmt if fmt == "nvfp4" else fmt       # the pieces' groups
         block = NVFP4_BLOCK if self.cut_fmt == "nvfp4" else block
         self.shapes, self.block = [tuple(s) for s in shapes], block
         self.world_size = world_size
         self.pieces = self.cut()                                # pieces[j]: rank j's shard
-        sizes = lambda fmt: [[wire_nbytes(p.shape, fmt, p.block) for p in shard]
-                             for shard in self.pieces]
-        self.piece_nbytes, self.stage2_piece_nbytes = sizes(fmt), sizes(self.stage2_fmt)
+        self.piece_nbytes = self.piece_sizes(fmt)                     # stage 1's wire bytes
+        self.stage2_piece_nbytes = self.piece_sizes(self.stage2_fmt)    # stage 2's
         self.nbytes = [sum(s) for s in self.piece_nbytes]       # each shard's, stage 1
         self.stage2_nbytes = [sum(s) for s in self.stage2_piece_nbytes]
 
@@ -318,6 +319,10 @@ class ShardLayout:
                     load[j] += wire_nbytes(shape, self.cut_fmt, block)
         return pieces
 
+    def piece_sizes(self, fmt):
+        """[[wire bytes of each piece] of each shard] in format `fmt`."""
+        return [[wire_nbytes(p.shape, fmt, p.block) for p in shard] for shard in self.pieces]
+
     def quantize_piece(self, values, piece):
         """One piece through the codec, its wire bytes."""
         return quantize(values.view(piece.shape), self.fmt, piece.block).buffer
@@ -349,15 +354,15 @@ class ShardLayout:
         feedback: {shard: [a residual per piece]}, the owner's): the residual is added to the
         mean before it is quantized, and what that quantization loses is kept for the next step."""
         W = count_divisor(self.world_size, received)
-        means = [v / W for v in self.sum_copies(received, shard)]
+        to_send = [v / W for v in self.sum_copies(received, shard)]
         if feedback is not None and shard in feedback:
-            means = [m + r for m, r in zip(means, feedback[shard])]
+            to_send = [m + r for m, r in zip(to_send, feedback[shard])]
         parts = [quantize(m.view(p.shape), self.stage2_fmt, p.block).buffer
-                 for m, p in zip(means, self.pieces[shard])]
+                 for m, p in zip(to_send, self.pieces[shard])]
         out = torch.cat(parts) if parts else received.new_empty(0)
         if feedback is not None:
-            sent = self.decode_shard(out, shard, stage=2)
-            feedback[shard] = [m - d for m, d in zip(means, sent)]
+            arrives = self.decode_shard(out, shard, stage=2)
+            feedback[shard] = [m - d for m, d in zip(to_send, arrives)]
         return out
 
     def dequantize_shards(self, buffer, stride=None, stage=2):
@@ -393,6 +398,7 @@ def dequantize_bucket(buffer, layout, stride=None, stage=2):
     ranks); stage=1: from a rank's own stage-1 send (its round trip, for error feedback)."""
     if not sum(layout.nbytes):
         return [torch.zeros(s, device=buffer.device) for s in layout.shapes]
+    # (nanogeo/wire's layouts decode stage 2 only: stage 1's round trip is asked of its own)
     flat = layout.dequantize_shards(buffer, stride) if stage == 2 else \
         layout.dequantize_shards(buffer, stride, stage=1)
     return [t.view(s) for t, s in zip(flat.split([math.prod(s) for s in layout.shapes]),
@@ -449,8 +455,11 @@ def simulate_mean(worker_tensors, fmt="e4m3", block=128, layout=None, feedback=N
 # the same on every rank (s = fmax / the max over ranks of its amax: an all_reduce MAX), and the
 # FP8 codes themselves summed by NCCL's float8 all_reduce, which widens two codes to fp16, adds
 # and rounds back to FP8 (saturating) at every hop of its ring: W - 1 roundings of the partial
-# sums, and a sum past the format's max is clipped. Decode: sum / (s W). Here the ring is played
-# out exactly (gloo has no float8 sum); NCCL adds in its own order.
+# sums, and a sum past the format's max is clipped. Decode: sum / (s W). Here every rank gathers
+# all ranks' codes and adds them in a textbook ring's order (chunk c starts at rank c + 1): the
+# numerics nanogeo's emulation runs on gloo and simulated ranks. On NCCL the fast path runs
+# NCCL's own float8 all_reduce, whose chunks and order are NCCL's - not these bits. The bytes
+# counted are the paper's, a ring all_reduce's (the gather here sends W / 2 times the codes).
 
 def fp8_sum_codes(tensors, fmt, amax):
     """Each tensor's codes at its shared scale, one flat uint8 buffer, and the scales (T,)."""
@@ -484,18 +493,20 @@ def fp8_sum_mean(worker_tensors, fmt, across_ranks, group=None):
                         for ts in worker_tensors]).amax(0)                  # (T,), shared
     if across_ranks:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-    sent = [fp8_sum_codes(ts, fmt, amax) for ts in worker_tensors]     # [(codes, scales)]
-    codes, scales = torch.stack([c for c, _ in sent]), sent[0][1]
+    encoded = [fp8_sum_codes(ts, fmt, amax) for ts in worker_tensors]  # [(codes, scales)]
+    scales = encoded[0][1]                                      # alike on every rank
     W = dist.get_world_size(group) if across_ranks else len(worker_tensors)
     if across_ranks:                                            # every rank's codes, in order
-        codes = codes.new_empty(W, codes.shape[1])
-        all_gather_flat(codes.view(-1), sent[0][0], group=group)
-    summed = ring_sum(codes, fmt).view(FP8_FORMATS[fmt][0]).float()
+        every_rank = encoded[0][0].new_empty(W, encoded[0][0].numel())
+        all_gather_flat(every_rank.view(-1), encoded[0][0], group=group)
+    else:
+        every_rank = torch.stack([codes for codes, _ in encoded])
+    summed = ring_sum(every_rank, fmt).view(FP8_FORMATS[fmt][0]).float()
     tensors = worker_tensors[0]
     values = summed.split([t.numel() for t in tensors])
     means = [(v / (s * W)).view(t.shape) for v, s, t in zip(values, scales, tensors)]
-    nbytes = 2 * (W - 1) / W * (summed.numel() + 4 * len(tensors))     # codes, then the MAX
-    return means, nbytes
+    ring = lambda n, size: int(2 * (W - 1) * n * size // W)    # a ring all_reduce's bytes
+    return means, ring(summed.numel(), 1) + ring(len(tensors), 4)     # the codes, the MAX
 
 
 # ==== 3. The published coordinates: whitening by the K-FAC input factor of each linear layer ======
@@ -1080,23 +1091,31 @@ class Communicator:
         process group, or its simulator. Returns (means in coordinates, bytes a rank sends)."""
         o, tensors = self.opts, next(iter(coords.values()))
         if o.collective == "fp8-sum":
+            if o.fmt not in FP8_FORMATS or o.stage2_fmt or o.error_feedback:
+                raise ValueError("the FP8-sum collective sends one FP8 format, without error "
+                                 "feedback here: drop stage2_fmt and error_feedback")
             return fp8_sum_mean(list(coords.values()), o.fmt, across_ranks, self.group)
         world = dist.get_world_size(self.group) if across_ranks else len(coords)
         layout = ShardLayout([t.shape for t in tensors], o.fmt, o.block, world, o.stage2_fmt)
-        stage2 = o.error_feedback and o.feedback_stages != "1"
-        feedback = self.stage2_residuals if stage2 else None
+        feedback = self.stage2_residuals if self.feeds_back(2) else None
         if across_ranks:                        # (this rank's tensors only)
             out = all_reduce_mean(tensors, group=self.group, layout=layout, feedback=feedback)
         else:
             out = simulate_mean(list(coords.values()), layout=layout, feedback=feedback)
-        if o.error_feedback and o.feedback_stages != "2":
+        if self.feeds_back(1):
             self.keep_send_losses(coords, layout)
         return out
+
+    def feeds_back(self, stage):
+        """Does error feedback keep residuals of stage 1 or 2?"""
+        o = self.opts
+        return o.error_feedback and o.feedback_stages in (str(stage), "both")
 
     def keep_send_losses(self, coords, layout):
         """Error feedback, stage 1: what each worker's own send lost - its tensors in
         coordinates minus their round trip through stage 1's codec - back in original
-        coordinates, to be added to its next send (outgoing)."""
+        coordinates, to be added to its next send (outgoing). (Quantizing again gives the bytes
+        that were sent: rounding to nearest is a function of the values.)"""
         for w, tensors in coords.items():
             back = dequantize_bucket(quantize_bucket(tensors, layout), layout, stage=1)
             lost = [c - b for c, b in zip(tensors, back)]
@@ -1150,7 +1169,7 @@ class Communicator:
                 if self.steps_taken % self.opts.geo_refresh == 0 or not layer.built}
 
     def propose_all(self, inputs):
-        """Propose() for each {name: its refresh input}."""
+        """propose() for each {name: its refresh input}."""
         for name, found in inputs.items():
             self.propose(name, found)
 
@@ -1233,7 +1252,7 @@ class Communicator:
         return errors
 
     def error_seen(self, name, mean, workers):
-        """Delta -> a gradient error's squared size as the layer's optimizer sees it (its
+        """delta -> a gradient error's squared size as the layer's optimizer sees it (its
         view, section 5), or in plain L2 - warning once if asked for but no optimizer is watched."""
         view = self.views.get(name) if self.opts.geo_judge == "optimizer" else None
         if view is not None:
@@ -1246,7 +1265,7 @@ class Communicator:
         return lambda delta: delta.pow(2).sum()
 
     def round_trip(self, x):
-        """X through the codec and back."""
+        """x through the codec and back."""
         return dequantize(quantize(x, self.opts.fmt, self.opts.block))
 
     def through_codec(self, layer, g):

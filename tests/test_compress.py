@@ -676,7 +676,9 @@ def override_list():
     import os
     import re
     page = open(os.path.join(os.path.dirname(compress.__file__), "docs", "method.md")).read()
-    start = page.index("(the map the teaching file used to carry):")
+    anchor = "(the map the teaching file used to carry):"
+    assert anchor in page, f"docs/method.md lost the override map's heading line {anchor!r}"
+    start = page.index(anchor)
     header = page[start:page.index("\n```\n", page.index("```", start) + 3)]
     names = set()
     for line in header.splitlines():
@@ -1011,3 +1013,22 @@ def test_compiled_hot_path_equals_eager():
             assert torch.equal(a, b)
         else:
             assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_the_specifications_fp8_sum_is_the_fast_paths_emulation(world):
+    """compress.py's FP8-sum collective (its ring of fp16 adds, the shared scales, the decode,
+    the bytes) against nanogeo/wire/fp8sum.py's simulator, and ring_sum against fp8_sum on
+    finite codes, with fewer elements than ranks too."""
+    from nanogeo.wire import fp8sum
+    g = torch.Generator().manual_seed(world)
+    workers = [[torch.randn(7, 5, generator=g) * (i + 1), torch.randn(3, generator=g)]
+               for i in range(world)]
+    means, nbytes = compress.fp8_sum_mean(workers, "e5m2", across_ranks=False)
+    fast, fast_bytes, _, _ = fp8sum.simulate_fp8_sum(workers, "e5m2")
+    assert all(torch.equal(a, b) for a, b in zip(means, fast)) and nbytes == fast_bytes
+    for n in (world - 1, 11):
+        codes = (torch.randn(world, max(n, 0), generator=g) * 3e4).to(torch.float8_e5m2)
+        codes = codes.view(torch.uint8)
+        assert torch.equal(compress.ring_sum(codes, "e5m2"),
+                           fp8sum.fp8_sum(codes, torch.float8_e5m2))

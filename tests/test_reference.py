@@ -41,10 +41,13 @@ FEEDBACK = {"nvfp4-ef12": ("fp8", "--fmt=nvfp4", "--error_feedback", "--feedback
             "subspace-ef1": ("subspace", "--error_feedback", "--feedback_stages=1"),
             # the paper's collective: one e5m2 scale a tensor, the codes summed hop by hop
             "fp8-paper": ("fp8", "--fmt=e5m2", "--block=tensor", "--collective=fp8-sum")}
-ARMS = {**NVFP4, **FEEDBACK}
+# FP8 in integer blocks ends on the same bits whatever the fast path's buckets (several here)
+BUCKETS = {"fp8-ef12-buckets": ("fp8", "--error_feedback", "--feedback_stages=both",
+                                "--bucket_mb=0.05")}
+ARMS = {**NVFP4, **FEEDBACK, **BUCKETS}
 
 
-@pytest.mark.parametrize("comm", METHODS + list(ARMS))
+@pytest.mark.parametrize("comm", METHODS + list(NVFP4) + list(FEEDBACK) + list(BUCKETS))
 def test_the_fast_path_ends_on_the_specifications_bits_simulated(tiny_corpus, tmp_path, comm):
     arm = comm
     comm, *flags = ARMS.get(arm, (arm,))
@@ -91,6 +94,7 @@ def test_the_specifications_error_feedback_and_stage_2_format_change_what_trains
 @pytest.mark.parametrize("comm, flags", [
     ("subspace", ["--collective=fp8-sum", "--fmt=e5m2"]), ("fp8", ["--comm=hadamard"]),
     ("fp8", ["--log_stages"]), ("fp8", ["--collective=fp8-sum", "--fmt=e5m2", "--sum_order=tree"]),
+    ("fp8", ["--collective=fp8-sum", "--fmt=e5m2", "--error_feedback"]),
     ("fp8", ["--error_feedback", "--feedback_geo_only"]),
     ("subspace", ["--error_feedback", "--feedback_stages=both"])])
 def test_what_the_specification_does_not_state_is_refused(tiny_corpus, tmp_path, comm, flags):

@@ -7,7 +7,8 @@ The specification is the method without the machinery: no buckets (the whole mod
 once), the K-FAC moments averaged with equal weights (every rank ran as many tokens). Euclidean FP8,
 the subspace rotation, NVFP4, the mixed wire (an e4m3 stage 2) and error feedback end on the fast
 path's bits (tests/test_reference.py), and so does the paper's FP8-sum collective for Euclidean
-FP8 (fp8-paper). The flags of what it does not state - that collective with a geometry or error
+FP8 (fp8-paper) on gloo and simulated ranks - with the model in one of the fast path's buckets
+(NVFP4's tensor scales and fp8-sum's ring chunks are per bucket; docs/method.md). The flags of what it does not state - that collective with a geometry or error
 feedback or another sum order, Four Over Six, stochastic rounding, the Hadamard control, the
 whitening's ablations, stage 1's feedback on the geometry-aware matrices only, stage 2's
 feedback with a geometry (its residual lives in coordinates that move), --log_stages, resuming -
@@ -35,9 +36,9 @@ def check(cfg):
         raise ConfigError("--impl=reference: compress.py has no Hadamard control; use "
                           "--impl=fast for --comm=hadamard")
     if cfg.error_feedback and cfg.feedback_stages != "1" and cfg.comm != "fp8":
-        raise ConfigError("--impl=reference: compress.py states stage 2's error feedback in "
-                          "Euclidean coordinates only; use --feedback_stages=1, --comm=fp8 or "
-                          "--impl=fast")
+        raise ConfigError("--impl=reference: compress.py keeps stage 2's residual where the "
+                          "fast path drops it (when a geometry's coordinates change); use "
+                          "--feedback_stages=1, --comm=fp8 or --impl=fast")
     if cfg.collective == "fp8-sum" and (cfg.comm != "fp8" or cfg.error_feedback):
         raise ConfigError("--impl=reference: compress.py states the paper's FP8-sum collective "
                           "for Euclidean FP8 without error feedback; use --comm=fp8 or "

@@ -126,7 +126,8 @@ class TwoFormatLayout:
 
     def __init__(self, stage1_layout, stage2_layout):
         self.stage1_layout, self.stage2_layout = stage1_layout, stage2_layout
-        self.stage2_nbytes = stage2_layout.nbytes
+        self.stage2_fmt, self.stage2_nbytes = stage2_layout.fmt, stage2_layout.nbytes
+        self.stage2_piece_nbytes = stage2_layout.piece_nbytes
 
     def __getattr__(self, name):        # stage 1's: pieces, nbytes, quantize_shards, ...
         return getattr(self.stage1_layout, name)
