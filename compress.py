@@ -1104,7 +1104,11 @@ class Communicator:
             out = simulate_mean(list(coords.values()), layout=layout, feedback=feedback)
         if self.feeds_back(1):
             self.keep_send_losses(coords, layout)
-        return out
+        # each mean in memory of its own, as a gradient is (not a view into the bucket's flat
+        # buffer): CPU BLAS can round differently when a matrix starts at an unaligned address
+        # (after a 37-element bias, say), and the fast path's means are separate tensors
+        means, nbytes = out
+        return [m.clone() for m in means], nbytes
 
     def feeds_back(self, stage):
         """Does error feedback keep residuals of stage 1 or 2?"""
