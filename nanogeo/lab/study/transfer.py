@@ -77,27 +77,21 @@ def planned_p(tests, row, endpoint):
     return None if found is None else (found[1], tests.tests[k].family)
 
 
-def confirmed(row, diffs, p):
-    """The outcome from a p adjusted in a family the plan fixed."""
+def outcome(row, diffs, p, planned):
+    """The outcome in words: from a p that a family the plan fixed adjusts (planned), "shown",
+    "reversed" or "equivalent within ±margin"; from any other p the same reading, said to be
+    exploratory."""
     if row.test == "report":
         return "reported (no test)"
+    tag = "" if planned else "exploratory: "
     if row.test == "equivalent":
-        return f"equivalent within ±{row.margin:g}" if p < ALPHA else "not shown"
+        return f"{tag}equivalent within ±{row.margin:g}" if p < ALPHA else "not shown"
     if not p < ALPHA:
-        return "not shown"
-    mean = mean_ci(diffs)[0]
-    return "shown" if (mean > 0) == (row.test == "greater") else "reversed"
-
-
-def exploratory(row, diffs, p):
-    """The same reading from a p no planned family adjusts."""
-    if row.test == "report":
-        return "reported (no test)"
-    if row.test == "equivalent":
-        return f"exploratory: within ±{row.margin:g}" if p < ALPHA else "not shown"
-    if not p < ALPHA:
-        return "exploratory: no difference detected"
-    return f"exploratory: {'above' if mean_ci(diffs)[0] > 0 else 'below'} 0"
+        return "not shown" if planned else "exploratory: no difference detected"
+    above = mean_ci(diffs)[0] > 0
+    if planned:
+        return "shown" if above == (row.test == "greater") else "reversed"
+    return f"exploratory: {'above' if above else 'below'} 0"
 
 
 def side(results, tests, row, endpoint="final", interim=False):
@@ -112,17 +106,17 @@ def side(results, tests, row, endpoint="final", interim=False):
     found = planned_p(tests, row, endpoint) if main else None
     if found:
         p, text = found[0], f'Holm {p_text(found[0])} ("{found[1]}")'
-        words = exploratory if found[1].startswith("exploratory") else confirmed
+        planned = not found[1].startswith("exploratory")
     else:
         p = tost_p(diffs, row.margin) if row.test == "equivalent" else p_value(diffs)
         where = "no such test in its plan" if main else \
             "records of another group, never pooled with the study's"
         text = "—" if row.test == "report" else f"{p_text(p)}, unadjusted ({where})"
-        words = exploratory
-    outcome = words(row, diffs, p)
+        planned = False
+    words = outcome(row, diffs, p, planned)
     if interim and len(diffs) < row.seeds and row.test != "report":
-        outcome += " (interim)"
-    return Cell(f"{estimate(diffs, sign='+')} ({len(diffs)} seeds)", text, outcome, len(diffs))
+        words += " (interim)"
+    return Cell(f"{estimate(diffs, sign='+')} ({len(diffs)} seeds)", text, words, len(diffs))
 
 
 def test_words(row):
