@@ -27,7 +27,7 @@ from nanogeo.lab.study.findings import name
 from nanogeo.lab.study.page import marker, write_block
 from nanogeo.lab.study.report import arms_of, settings
 from nanogeo.lab.study.rule import ALPHA, Multiplicity, recommend, test_key
-from nanogeo.lab.study.stats import estimate, mean_ci, p_value, paired, tost_p
+from nanogeo.lab.study.stats import estimate, mean_ci, p_value, paired, tost_p, wrap
 
 WIDE = "char-wide"
 BLOCKS = ("transfer", "transfer line")
@@ -219,9 +219,12 @@ def transfer_line(study, wide, rows=None):
     state = (f"{seeds} seeds, as planned" if seeds == planned else
              f"interim: {seeds} of {planned} seeds" if seeds < planned else
              f"{seeds} seeds, {planned} planned")
-    return (f"On the wider char-wide (0.82M, width 128; {state}): "
-            + "; ".join(f"{row.id} {c.words}" for row, c in cells)
-            + " (docs/study/README.md, \"char-wide\").\n")
+    # short enough for two lines: "interim" said once, no "±" outside the README's table
+    words = [c.words.replace(" (interim)", "").replace("±", "").replace(" (no test)", "")
+             for _, c in cells]
+    return wrap(f"On the wider char-wide (0.82M, width 128; {state}): "
+                + "; ".join(f"{row.id} {w}" for (row, _), w in zip(cells, words))
+                + " (docs/study/README.md).") + "\n"
 
 
 def write_blocks(readme, study, wide, workers=(32, 64)):
