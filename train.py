@@ -142,8 +142,8 @@ class TrainConfig:
     simulate_workers: int = 0         # play W data-parallel ranks in this one process (0: off)
     device: str = "auto"              # auto | cpu | cuda
     compile: bool = False             # torch.compile the model and the packed FP8 codec
-    sync_debug: bool = False          # CUDA: each reduce under torch.cuda's sync debug mode; the
-                                      # host waits it made logged per step (the smoke's budget)
+    sync_debug: bool = False          # CUDA: each reduce under torch.cuda's sync debug mode and
+                                      # the profiler; its host waits and kernel launches logged
     seed: int = 1337
     check_every: int = 100            # all-rank parameter checksum every N steps (0 = never)
 
@@ -343,7 +343,7 @@ class Diagnostics:
     def __init__(self, cfg, communicator, world_size, data_parallel, device):
         self.cfg, self.communicator, self.world_size = cfg, communicator, world_size
         self.count_syncs = cfg.sync_debug and device.type == "cuda"    # --sync_debug
-        self.syncs = None
+        self.syncs = self.launches = None
         # the last step, kept to measure it against Euclidean FP8 at the end (compressed runs)
         self.last_step = (summary.LastStep(communicator, data_parallel, bool(cfg.simulate_workers))
                           if communicator is not None and cfg.impl == "fast" else None)
@@ -361,9 +361,11 @@ class Diagnostics:
         decompose = logged and cfg.log_stages and communicator is not None
         if decompose:   # the error by stage: the gradients as they were (a reduce writes them)
             communicator.decompose, before = True, workers or [g.clone() for g in grads]
-        with runtime.counting_syncs(self.count_syncs) as syncs:
+        with runtime.counting_launches(self.count_syncs) as launches, \
+                runtime.counting_syncs(self.count_syncs) as syncs:
             yield
         self.syncs = syncs[0] if syncs else None
+        self.launches = launches[0] if launches else None
         self.stages = None
         if decompose:
             self.stages = summary.stage_errors(communicator, before, [p.grad for p in params],
@@ -380,7 +382,7 @@ class Diagnostics:
             log.print(summary.stages_line(done, self.stages))
             log.write({"step": done, "stages": self.stages})
         if self.syncs is not None:
-            log.write({"step": done, "reduce_syncs": self.syncs})
+            log.write({"step": done, "reduce_syncs": self.syncs, "reduce_launches": self.launches})
 
     def finish(self, log):
         """The end of the run: the last step against Euclidean FP8, if it was taken."""

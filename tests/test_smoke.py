@@ -469,6 +469,32 @@ def test_host_waits_are_counted_under_sync_debug_mode(monkeypatch):
     assert syncs == [] and modes == ["warn", 0]
 
 
+def test_kernel_launches_are_counted_from_the_profile(monkeypatch):
+    """runtime.counting_launches: the CUDA launch calls among a profile's events (stand-ins: the
+    CPU launches no kernel), and the smoke's per-step figures of them beside the host waits."""
+    import types
+    from nanogeo.run import runtime
+    from nanogeo.smoke import launcher
+    events = [types.SimpleNamespace(name=n) for n in
+              ("cudaLaunchKernel", "aten::mm", "cuLaunchKernel", "cudaMemcpyAsync",
+               "cudaLaunchKernelExC")]
+    assert runtime.launches_in(events) == 3
+    profile = types.SimpleNamespace(events=lambda: events)
+    monkeypatch.setattr(torch.profiler, "profile",
+                        lambda activities: type("P", (), {"__enter__": lambda self: profile,
+                                                          "__exit__": lambda self, *a: False})())
+    with runtime.counting_launches(True) as launches:
+        pass
+    assert launches == [3]
+    with runtime.counting_launches(False) as launches:
+        pass
+    assert launches == []
+    records = [{"step": k, "reduce_syncs": 0, "reduce_launches": 100 + k} for k in range(1, 6)]
+    assert launcher.reduce_syncs(records) == {"reduce_syncs_median": 0, "reduce_syncs_max": 0,
+                                              "reduce_launches_median": 104,
+                                              "reduce_launches_max": 105}
+
+
 def test_sync_debug_counts_nothing_on_the_cpu(tiny_corpus, tmp_path):
     """train.py --sync_debug on the CPU trains as without it and logs no count (no CUDA)."""
     import train

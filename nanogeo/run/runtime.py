@@ -228,6 +228,30 @@ if __name__ == "__main__":
 
 
 SYNC_WARNING = "called a synchronizing CUDA operation"   # what sync debug mode "warn" says
+# the CUDA runtime and driver calls that launch a kernel, as torch.profiler names them
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cudaLaunchCooperativeKernel",
+                "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def launches_in(events):
+    """How many of a profile's events launch a kernel (LAUNCH_CALLS)."""
+    return sum(1 for e in events if e.name in LAUNCH_CALLS)
+
+
+@contextlib.contextmanager
+def counting_launches(enabled):
+    """Count the kernels launched inside, by torch.profiler's record of the CUDA runtime calls
+    (train.py --sync_debug: the smoke's launches per step beside its host waits). Yields a list
+    that holds the count once the block ends; not enabled: nothing counted, the list stays
+    empty. (The profiler's own start and stop lie outside what a counting_syncs inside sees.)"""
+    found = []
+    if not enabled:
+        yield found
+        return
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profile:
+        yield found
+    found.append(launches_in(profile.events()))
 
 
 @contextlib.contextmanager

@@ -128,8 +128,9 @@ def smoke_training(nproc, work, toy, time_left):
                                time_left())
         out[name] = {**step_figures(records), "gain_measured": gain_measured(records),
                      **reduce_syncs(records)}
-    out["host_syncs_per_step"] = ("inside the reduce, the picks' reduce_syncs_* (on a GPU; "
-                                  "train.py --sync_debug); the whole step: tests/test_train.py "
+    out["host_syncs_per_step"] = ("inside the reduce, the picks' reduce_syncs_* and the kernels "
+                                  "they launch, reduce_launches_* (on a GPU; train.py "
+                                  "--sync_debug); the whole step's host reads: tests/test_train.py "
                                   "counts them on the CPU")
     ok = (out["geofp8"]["resumed_to"] == 40 and out["subspace"]["gain_measured"]
           and all(out[k]["last_loss"] < out[k]["first_loss"]
@@ -156,11 +157,15 @@ SYNC_BUDGET = {"median": 0, "max": 4}
 
 def reduce_syncs(records):
     """{"reduce_syncs_median", "reduce_syncs_max"} over the steps after the first (the warm-up's
-    allocations), from the log's "reduce_syncs" records; {} where none was counted (no GPU)."""
-    counts = sorted(r["reduce_syncs"] for r in records if "reduce_syncs" in r and r["step"] > 1)
-    if not counts:
-        return {}
-    return {"reduce_syncs_median": counts[len(counts) // 2], "reduce_syncs_max": counts[-1]}
+    allocations), from the log's "reduce_syncs" records, and the same of "reduce_launches" (the
+    kernels each reduce launched, by torch.profiler); {} where none was counted (no GPU)."""
+    out = {}
+    for key in ("reduce_syncs", "reduce_launches"):
+        counts = sorted(r[key] for r in records
+                        if r.get(key) is not None and r["step"] > 1)
+        if counts:
+            out.update({f"{key}_median": counts[len(counts) // 2], f"{key}_max": counts[-1]})
+    return out
 
 
 def within_sync_budget(figures):
@@ -226,8 +231,11 @@ def describe(name, status, figures):
 def syncs_text(figures):
     if "reduce_syncs_max" not in figures:
         return ""
+    launches = (f", {figures['reduce_launches_median']} kernel launches a step (most "
+                f"{figures['reduce_launches_max']})" if "reduce_launches_max" in figures else "")
     return (f", host waits in the reduce {figures['reduce_syncs_median']} a step (most "
-            f"{figures['reduce_syncs_max']}; budget {SYNC_BUDGET['median']}/{SYNC_BUDGET['max']})")
+            f"{figures['reduce_syncs_max']}; budget {SYNC_BUDGET['median']}/{SYNC_BUDGET['max']})"
+            + launches)
 
 
 CHECKS = ("codec", "collective", "fp8-sum", "ddp", "fsdp", "train")
