@@ -1106,7 +1106,8 @@ class Communicator:
             self.keep_send_losses(coords, layout)
         # each mean in memory of its own, as a gradient is (not a view into the bucket's flat
         # buffer): CPU BLAS can round differently when a matrix starts at an unaligned address
-        # (after a 37-element bias, say), and the fast path's means are separate tensors
+        # (after a 37-element bias, say), and the fast path's means are separate tensors (the
+        # FP8-sum collective's, above, are already: each is a division's result)
         means, nbytes = out
         return [m.clone() for m in means], nbytes
 

@@ -361,7 +361,8 @@ class Diagnostics:
         decompose = logged and cfg.log_stages and communicator is not None
         if decompose:   # the error by stage: the gradients as they were (a reduce writes them)
             communicator.decompose, before = True, workers or [g.clone() for g in grads]
-        with runtime.counting_launches(self.count_syncs) as launches, \
+        # (the profiler on logged steps only: it costs a synchronize and its bookkeeping)
+        with runtime.counting_launches(self.count_syncs and logged) as launches, \
                 runtime.counting_syncs(self.count_syncs) as syncs:
             yield
         self.syncs = syncs[0] if syncs else None

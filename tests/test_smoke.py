@@ -489,8 +489,12 @@ def test_kernel_launches_are_counted_from_the_profile(monkeypatch):
     with runtime.counting_launches(False) as launches:
         pass
     assert launches == []
+    monkeypatch.undo()          # the real profiler: a CPU matmul launches no CUDA kernel
+    with runtime.counting_launches(True) as launches:
+        torch.ones(8, 8) @ torch.ones(8, 8)
+    assert launches == [0]
     records = [{"step": k, "reduce_syncs": 0, "reduce_launches": 100 + k} for k in range(1, 6)]
-    assert launcher.reduce_syncs(records) == {"reduce_syncs_median": 0, "reduce_syncs_max": 0,
+    assert launcher.reduce_counts(records) == {"reduce_syncs_median": 0, "reduce_syncs_max": 0,
                                               "reduce_launches_median": 104,
                                               "reduce_launches_max": 105}
 

@@ -241,15 +241,19 @@ def launches_in(events):
 @contextlib.contextmanager
 def counting_launches(enabled):
     """Count the kernels launched inside, by torch.profiler's record of the CUDA runtime calls
-    (train.py --sync_debug: the smoke's launches per step beside its host waits). Yields a list
+    (train.py --sync_debug, on logged steps: the smoke's launches per step beside its host
+    waits). Not counted: CUDA graph replays (cudaGraphLaunch) and calls kineto does not name. Yields a list
     that holds the count once the block ends; not enabled: nothing counted, the list stays
     empty. (The profiler's own start and stop lie outside what a counting_syncs inside sees.)"""
     found = []
     if not enabled:
         yield found
         return
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as profile:
+    # the CUDA activity alone records the runtime and driver calls, no CPU op (a CPU-only torch
+    # profiles the CPU instead: no kernel to count, the same API)
+    activity = torch.profiler.ProfilerActivity
+    kind = activity.CUDA if torch.cuda.is_available() else activity.CPU
+    with torch.profiler.profile(activities=[kind]) as profile:
         yield found
     found.append(launches_in(profile.events()))
 

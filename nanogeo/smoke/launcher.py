@@ -127,11 +127,11 @@ def smoke_training(nproc, work, toy, time_left):
                                [*flags, "--max_iters=30", "--learning_rate=3e-3", "--sync_debug"],
                                time_left())
         out[name] = {**step_figures(records), "gain_measured": gain_measured(records),
-                     **reduce_syncs(records)}
-    out["host_syncs_per_step"] = ("inside the reduce, the picks' reduce_syncs_* and the kernels "
-                                  "they launch, reduce_launches_* (on a GPU; train.py "
-                                  "--sync_debug); the whole step's host reads: tests/test_train.py "
-                                  "counts them on the CPU")
+                     **reduce_counts(records)}
+    out["host_syncs_per_step"] = ("inside the reduce, the picks' host waits (reduce_syncs_*) and "
+                                  "kernel launches (reduce_launches_*, logged steps) on a GPU "
+                                  "(train.py --sync_debug); the whole step's host reads: "
+                                  "tests/test_train.py counts them on the CPU")
     ok = (out["geofp8"]["resumed_to"] == 40 and out["subspace"]["gain_measured"]
           and all(out[k]["last_loss"] < out[k]["first_loss"]
                   for k in ("geofp8", "muon", *RECOMMENDED))
@@ -155,7 +155,7 @@ RECOMMENDED = {"subspace": ["--optimizer=muon", "--comm=subspace", "--geo_warmup
 SYNC_BUDGET = {"median": 0, "max": 4}
 
 
-def reduce_syncs(records):
+def reduce_counts(records):
     """{"reduce_syncs_median", "reduce_syncs_max"} over the steps after the first (the warm-up's
     allocations), from the log's "reduce_syncs" records, and the same of "reduce_launches" (the
     kernels each reduce launched, by torch.profiler); {} where none was counted (no GPU)."""

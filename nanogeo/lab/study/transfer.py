@@ -79,13 +79,13 @@ def planned_p(tests, row, endpoint):
 
 def outcome(row, diffs, p, planned):
     """The outcome in words: from a p that a family the plan fixed adjusts (planned), "shown",
-    "reversed" or "equivalent within ±margin"; from any other p the same reading, said to be
-    exploratory."""
+    "reversed", "equivalent within ±margin" or "not shown"; from any other p, "exploratory:"
+    and what the interval shows (above or below 0, equivalent, no difference detected)."""
     if row.test == "report":
         return "reported (no test)"
     tag = "" if planned else "exploratory: "
     if row.test == "equivalent":
-        return f"{tag}equivalent within ±{row.margin:g}" if p < ALPHA else "not shown"
+        return f"{tag}equivalent within ±{row.margin:g}" if p < ALPHA else f"{tag}not shown"
     if not p < ALPHA:
         return "not shown" if planned else "exploratory: no difference detected"
     above = mean_ci(diffs)[0] > 0
