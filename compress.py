@@ -412,6 +412,14 @@ def collective_bytes(layout, rank):
     return stage1 + (layout.world_size - 1) * max(layout.stage2_nbytes)
 
 
+def owners_step(layout, feedback):
+    """layout.average_shard, with stage 2's error feedback where there is any (not every layout
+    of nanogeo/wire takes a feedback argument: the fast path binds its feedback into the layout)."""
+    if feedback is None:
+        return layout.average_shard
+    return functools.partial(layout.average_shard, feedback=feedback)
+
+
 def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, layout=None, feedback=None):
     """(The mean of `tensors` over the process group, bytes this rank sent), bit-identical on
     every rank. `layout`: a ShardLayout (a stage-2 format of its own), or production's forms
@@ -421,8 +429,7 @@ def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, layout=None, fee
     me = dist.get_rank(group) if dist.is_initialized() else 0
     layout = layout or ShardLayout([t.shape for t in tensors], fmt, block, world)
     send = quantize_bucket(tensors, layout, me)                            # stage 1
-    average = functools.partial(layout.average_shard, feedback=feedback) if feedback is not None \
-        else layout.average_shard
+    average = owners_step(layout, feedback)
     if world == 1:
         return dequantize_bucket(average(send, 0), layout), 0
     own, largest = layout.nbytes[me], max(layout.stage2_nbytes)
@@ -444,8 +451,7 @@ def simulate_mean(worker_tensors, fmt="e4m3", block=128, layout=None, feedback=N
     layout = layout or ShardLayout([t.shape for t in worker_tensors[0]], fmt, block, world)
     sends = layout.quantize_ranks(worker_tensors)               # row i: rank i's stage 1
     received = sends.split(layout.nbytes, dim=1)    # [j]: the W copies of shard j, (W, bytes)
-    average = functools.partial(layout.average_shard, feedback=feedback) if feedback is not None \
-        else layout.average_shard
+    average = owners_step(layout, feedback)
     shards = [average(received[j].reshape(-1), j) for j in range(world)]
     nbytes = 0 if world == 1 else sum(collective_bytes(layout, i) for i in range(world)) / world
     return dequantize_bucket(torch.cat(shards), layout), nbytes
