@@ -21,11 +21,12 @@ error as its optimizer sees it (section 5); one function decides, Communicator.d
 What to run (the studies' answer, with its intervals and limits: docs/study/README.md): under
 Muon, the subspace rotation on the two-stage collective of section 2.
 
-`python compress.py` (section 7) shows it work. This file imports nothing from nanogeo/, which
-runs the same algorithms at scale and passes its faster forms in: packed codecs, stochastic
-rounding, K-FAC hooks, a Hadamard control, DDP and FSDP2, checkpoints (docs/method.md has the
-map). Error feedback, a stage-2 format of its own (the README's 4-bit and mixed wires) and the
-paper's FP8-sum collective are stated here, in section 2.
+`python compress.py` (section 7) shows it work; `train.py --impl=reference` trains with this
+file's Communicator. This file is the specification and imports nothing from nanogeo/, which
+computes the same bits faster (packed codecs, buckets, stacked rotations) and adds what a run
+at scale needs (stochastic rounding, K-FAC hooks, DDP and FSDP2, checkpoints); tests hold the
+two equal method by method (docs/method.md has the map). Error feedback, a stage-2 format of its
+own (the README's 4-bit and mixed wires) and the paper's FP8-sum collective are in section 2.
 """
 
 import copy
@@ -99,12 +100,11 @@ def scale_from_amax(amax, fmax):
     return torch.where(amax > 0, fmax / amax, torch.ones_like(amax)).clamp(max=FP32_MAX)
 
 
-def fp8_encode(groups, fmax, dtype, to_fp8=torch.Tensor.to):
-    """(G, L) fp32 -> scales (G,) fp32 and codes (G, L) uint8, rounded to nearest even
-    (production passes a stochastic `to_fp8`)."""
+def fp8_encode(groups, fmax, dtype):
+    """(G, L) fp32 -> scales (G,) fp32 and codes (G, L) uint8, rounded to nearest even."""
     scale = scale_from_amax(groups.abs().amax(dim=1), fmax)            # (G,)
     y = (groups * scale[:, None]).clamp(-fmax, fmax)                   # saturated at +-fmax
-    return scale, to_fp8(y, dtype).view(torch.uint8)
+    return scale, y.to(dtype).view(torch.uint8)
 
 
 def fp8_decode(codes, scale, dtype):
@@ -147,25 +147,25 @@ def e2m1_codes(y):
     return idx | (y < 0).to(torch.uint8) << 3
 
 
-def nvfp4_tensor_scale(amax, top=E4M3_MAX):
-    """The fp32 scale that brings the largest block scale to `top` (e4m3's max) - 1 where amax
+def nvfp4_tensor_scale(amax):
+    """The fp32 scale that brings the largest block scale to e4m3's max - 1 where amax
     is 0, at least fp32's smallest normal (a subnormal quotient would round to 0, and 0 / 0 =
     NaN). (The divisor is a tensor: CUDA divides by a Python number as a multiplication by its
     reciprocal, which differs from the CPU's division in the last bit for about a quarter of
     all amax - and the wire bytes must not depend on the device.)"""
-    divisor = torch.full_like(amax, E2M1_MAX * top)
+    divisor = torch.full_like(amax, E2M1_MAX * E4M3_MAX)
     scale = (amax / divisor).clamp(min=torch.finfo(torch.float32).tiny)
     return torch.where(amax > 0, scale, torch.ones_like(amax))
 
 
-def nvfp4_encode(blocks, amax, scale, to_e2m1=e2m1_codes, block_max=E2M1_MAX):
+def nvfp4_encode(blocks, amax, scale):
     """blocks (G, 16) fp32, their amax (G,) and tensor scale ((G,) or (1,)) -> block scales (G,)
     as e4m3 bytes and codes (G, 8) uint8, two a byte, low nibble first: each block's amax maps
-    to `block_max` of the e2m1 grid (production passes a stochastic `to_e2m1`)."""
-    block_scale = (amax / (block_max * scale)).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    to the top of the e2m1 grid (6)."""
+    block_scale = (amax / (E2M1_MAX * scale)).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
     step = block_scale.float() * scale                                 # (G,) decoded block scale
     y = torch.where(step[:, None] > 0, blocks / step[:, None], torch.zeros_like(blocks))
-    codes = to_e2m1(y.clamp(-E2M1_MAX, E2M1_MAX))                       # (G, 16)
+    codes = e2m1_codes(y.clamp(-E2M1_MAX, E2M1_MAX))                    # (G, 16)
     return block_scale.view(torch.uint8), codes[:, 0::2] | (codes[:, 1::2] << 4)
 
 
@@ -209,14 +209,12 @@ def quantize(x, fmt="e4m3", block=128) -> Quantized:
     return Quantized(buffer, x.shape, fmt, block)
 
 
-def nvfp4_wire(x, encode=nvfp4_encode, top=E4M3_MAX):
-    """x (not empty) -> NVFP4 wire bytes: [tensor scale | block scales | codes, padding cut]
-    (production passes a stochastic or a Four Over Six `encode`, with the `top` of its tensor
-    scale)."""
+def nvfp4_wire(x):
+    """x (not empty) -> NVFP4 wire bytes: [tensor scale | block scales | codes, padding cut]."""
     blocks = scale_groups(x, NVFP4_BLOCK)                              # (G, 16)
     amax = blocks.abs().amax(dim=1)
-    scale = nvfp4_tensor_scale(amax.max(), top).reshape(1)
-    block_scale, nibbles = encode(blocks, amax, scale)
+    scale = nvfp4_tensor_scale(amax.max()).reshape(1)
+    block_scale, nibbles = nvfp4_encode(blocks, amax, scale)
     codes = nibbles.view(-1)[: (x.numel() + 1) // 2]
     return torch.cat([scale.view(torch.uint8), block_scale, codes])
 
@@ -398,9 +396,7 @@ def dequantize_bucket(buffer, layout, stride=None, stage=2):
     ranks); stage=1: from a rank's own stage-1 send (its round trip, for error feedback)."""
     if not sum(layout.nbytes):
         return [torch.zeros(s, device=buffer.device) for s in layout.shapes]
-    # (nanogeo/wire's layouts decode stage 2 only: stage 1's round trip is asked of its own)
-    flat = layout.dequantize_shards(buffer, stride) if stage == 2 else \
-        layout.dequantize_shards(buffer, stride, stage=1)
+    flat = layout.dequantize_shards(buffer, stride, stage)
     return [t.view(s) for t, s in zip(flat.split([math.prod(s) for s in layout.shapes]),
                                       layout.shapes)]
 
@@ -412,47 +408,34 @@ def collective_bytes(layout, rank):
     return stage1 + (layout.world_size - 1) * max(layout.stage2_nbytes)
 
 
-def owners_step(layout, feedback):
-    """layout.average_shard, with stage 2's error feedback where there is any (not every layout
-    of nanogeo/wire takes a feedback argument: the fast path binds its feedback into the layout)."""
-    if feedback is None:
-        return layout.average_shard
-    return functools.partial(layout.average_shard, feedback=feedback)
-
-
-def all_reduce_mean(tensors, fmt="e4m3", block=128, group=None, layout=None, feedback=None):
+def all_reduce_mean(tensors, layout, group=None, feedback=None):
     """(The mean of `tensors` over the process group, bytes this rank sent), bit-identical on
-    every rank. `layout`: a ShardLayout (a stage-2 format of its own), or production's forms
-    (nanogeo.wire: packed, NVFP4, stochastic rounding); `feedback`: stage 2's error feedback
-    (ShardLayout.average_shard)."""
+    every rank. `layout`: the ShardLayout of these tensors' shapes at the group's size (how
+    they are cut and coded); `feedback`: stage 2's error feedback (ShardLayout.average_shard)."""
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     me = dist.get_rank(group) if dist.is_initialized() else 0
-    layout = layout or ShardLayout([t.shape for t in tensors], fmt, block, world)
     send = quantize_bucket(tensors, layout, me)                            # stage 1
-    average = owners_step(layout, feedback)
     if world == 1:
-        return dequantize_bucket(average(send, 0), layout), 0
+        return dequantize_bucket(layout.average_shard(send, 0, feedback), layout), 0
     own, largest = layout.nbytes[me], max(layout.stage2_nbytes)
     recv = send.new_empty(world * own)                      # the W copies of this rank's shard
     dist.all_to_all_single(recv, send, [own] * world, layout.nbytes, group=group)
     own_mean = send.new_zeros(largest)          # padded to the largest: all_gather's sizes
-    own_mean[:layout.stage2_nbytes[me]] = average(recv, me)                     # stage 2
+    own_mean[:layout.stage2_nbytes[me]] = layout.average_shard(recv, me, feedback)  # stage 2
     gathered = send.new_empty(world, largest)               # row j: rank j's averaged shard
     all_gather_flat(gathered.view(-1), own_mean, group=group)
     means = dequantize_bucket(gathered.view(-1), layout, stride=largest)
     return means, collective_bytes(layout, me)
 
 
-def simulate_mean(worker_tensors, fmt="e4m3", block=128, layout=None, feedback=None):
+def simulate_mean(worker_tensors, layout, feedback=None):
     """Exactly all_reduce_mean's numerics for W ranks in one process (worker_tensors[i]: rank
-    i's tensors; `feedback`: every owner's stage-2 residuals): (means, bytes a rank sends on
-    average)."""
+    i's tensors; `layout`: cut for W; `feedback`: every owner's stage-2 residuals): (means,
+    bytes a rank sends on average)."""
     world = len(worker_tensors)
-    layout = layout or ShardLayout([t.shape for t in worker_tensors[0]], fmt, block, world)
     sends = layout.quantize_ranks(worker_tensors)               # row i: rank i's stage 1
     received = sends.split(layout.nbytes, dim=1)    # [j]: the W copies of shard j, (W, bytes)
-    average = owners_step(layout, feedback)
-    shards = [average(received[j].reshape(-1), j) for j in range(world)]
+    shards = [layout.average_shard(received[j].reshape(-1), j, feedback) for j in range(world)]
     nbytes = 0 if world == 1 else sum(collective_bytes(layout, i) for i in range(world)) / world
     return dequantize_bucket(torch.cat(shards), layout), nbytes
 
@@ -561,17 +544,20 @@ def top_eigenpairs(A, r, floor):
     return U, lam, rest
 
 
-def whitening_factor(A, r=32, damping=1e-3, floor=1e-3, eigenpairs=top_eigenpairs):
+def whitening_factor(A, r=32, damping=1e-3, floor=1e-3):
     """The factor GeoFP8 whitens with, F F^T = A^ + damping I, for a second moment A (d x d):
-    computed in float64 (a nearly singular A needs it), returned in A's dtype. `eigenpairs`
-    finds A^'s parts (here a full eigendecomposition; production passes a top-r solver)."""
-    dtype = A.dtype
-    A = (A.double() + A.double().T) / 2
-    U, lam, rest = eigenpairs(A, min(r, A.shape[0]), floor)
+    computed in float64 (a nearly singular A needs it), returned in A's dtype."""
+    A64 = (A.double() + A.double().T) / 2
+    return factor_of_parts(*top_eigenpairs(A64, min(r, A.shape[0]), floor), damping, A.dtype)
+
+
+def factor_of_parts(U, lam, rest, damping, dtype):
+    """The Whitening of A^ = U diag(lam) U^T + diag(rest), by the formula above (float64 in,
+    `dtype` out)."""
     D = rest + damping
     K = U * lam.sqrt() / D.sqrt()[:, None]                             # D^-1/2 U L^1/2
     Z, sigma, _ = torch.linalg.svd(K, full_matrices=False)
-    return Whitening("lowrank", A.shape[0], sqrt_d=D.sqrt().to(dtype), directions=Z.to(dtype),
+    return Whitening("lowrank", U.shape[0], sqrt_d=D.sqrt().to(dtype), directions=Z.to(dtype),
                      up=((1 + sigma.pow(2)).sqrt() - 1).to(dtype),
                      down=((1 + sigma.pow(2)).rsqrt() - 1).to(dtype))
 
@@ -1105,9 +1091,9 @@ class Communicator:
         layout = ShardLayout([t.shape for t in tensors], o.fmt, o.block, world, o.stage2_fmt)
         feedback = self.stage2_residuals if self.feeds_back(2) else None
         if across_ranks:                        # (this rank's tensors only)
-            out = all_reduce_mean(tensors, group=self.group, layout=layout, feedback=feedback)
+            out = all_reduce_mean(tensors, layout, self.group, feedback)
         else:
-            out = simulate_mean(list(coords.values()), layout=layout, feedback=feedback)
+            out = simulate_mean(list(coords.values()), layout, feedback)
         if self.feeds_back(1):
             self.keep_send_losses(coords, layout)
         # each mean in memory of its own, as a gradient is (not a view into the bucket's flat

@@ -27,10 +27,11 @@ def test_each_block_keeps_the_closer_of_its_two_encodings():
     blocks = torch.randn(512, 16, generator=g) * torch.logspace(-3, 2, 512)[:, None]
     blocks[0] = torch.tensor([1.0, 0.8, -0.78, 0.7] + [0.05] * 12)
     amax = blocks.abs().amax(dim=1)
-    scale = compress.nvfp4_tensor_scale(amax.max(), nvfp4.FOUR_OVER_SIX_TOP).reshape(1)
+    scale = nvfp4.tensor_scale(amax.max(), nvfp4.FOUR_OVER_SIX_TOP).reshape(1)
     chosen = block_errors(blocks, *nvfp4.encode_4over6(blocks, amax, scale), scale)
     six = block_errors(blocks, *compress.nvfp4_encode(blocks, amax, scale), scale)
-    four = block_errors(blocks, *compress.nvfp4_encode(blocks, amax, scale, block_max=4.0), scale)
+    four = block_errors(blocks, *nvfp4.encode_with(blocks, amax, scale, compress.e2m1_codes, 4.0),
+                        scale)
     assert torch.equal(chosen, torch.minimum(six, four))
     assert four[0] < six[0] and chosen[0] == four[0]
     assert 0.1 < (four < six).float().mean() < 0.9          # both choices occur
@@ -128,3 +129,21 @@ def test_the_gain_check_measures_the_codec_the_wire_uses():
     four = nvfp4.quantize_4over6(x)
     assert torch.equal(comms["4over6"].round_trip(x), compress.dequantize(four))
     assert torch.equal(comms["6"].round_trip(x), compress.dequantize(compress.quantize(x, "nvfp4")))
+
+
+def test_the_restated_codec_steps_are_compress_pys_at_its_settings():
+    """nvfp4.tensor_scale, encode_with and wire_with restate compress.py's NVFP4 steps with a
+    `top`, a rounding and a block encoder of their own (Four Over Six, stochastic rounding); at
+    compress.py's settings they write its bits."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 19, generator=g) * torch.logspace(-4, 3, 19)
+    blocks = compress.scale_groups(x, compress.NVFP4_BLOCK)
+    amax = blocks.abs().amax(dim=1)
+    amaxes = torch.cat([amax, torch.tensor([0.0, 1e-42, 3e38])])
+    assert torch.equal(nvfp4.tensor_scale(amaxes), compress.nvfp4_tensor_scale(amaxes))
+    scale = compress.nvfp4_tensor_scale(amax.max()).reshape(1)
+    for mine, theirs in zip(nvfp4.encode_with(blocks, amax, scale, compress.e2m1_codes),
+                            compress.nvfp4_encode(blocks, amax, scale)):
+        assert torch.equal(mine, theirs)
+    assert torch.equal(nvfp4.wire_with(x, compress.nvfp4_encode).buffer,
+                       compress.quantize(x, "nvfp4").buffer)

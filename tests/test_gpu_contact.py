@@ -546,7 +546,8 @@ def test_the_codec_never_divides_by_a_python_number():
         for fmt in ("e4m3", "e5m2", "nvfp4"):
             for x in workers[0]:
                 compress.dequantize(compress.quantize(x, fmt, 128))
-            compress.simulate_mean(workers, fmt)
+            compress.simulate_mean(workers, compress.ShardLayout(
+                [t.shape for t in workers[0]], fmt, 128, len(workers)))
             collective.mean_over_workers(workers, fmt)             # the packed forms
         collective.mean_over_workers(workers, "nvfp4", stage2_fmt="e4m3")
         simulated.average(workers, "fp32", None)

@@ -84,7 +84,7 @@ def fast_whitening_factor(A, r=32, damping=1e-3, floor=1e-3, old=None):
     """compress.whitening_factor with the top-r eigenpairs by subspace iteration, warm-started
     from `old`, the factor in use (or None)."""
     start = start_of(old)
-    return compress.whitening_factor(
-        A, r, damping, floor,
-        eigenpairs=functools.partial(subspace_eigenpairs,
-                                     start=None if start is None else start.to(A.device)))
+    A64 = (A.double() + A.double().T) / 2
+    parts = subspace_eigenpairs(A64, min(r, A.shape[0]), floor,
+                                start=None if start is None else start.to(A.device))
+    return compress.factor_of_parts(*parts, damping, A.dtype)

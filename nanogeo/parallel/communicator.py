@@ -589,9 +589,9 @@ class ProductionCommunicator(compress.Communicator):
         if keep_local:
             layout = collective.KeptSends(layout, workers[0][0].device)
         if across_ranks:
-            means, nbytes = compress.all_reduce_mean(workers[0], group=self.group, layout=layout)
+            means, nbytes = compress.all_reduce_mean(workers[0], layout, self.group)
         else:
-            means, nbytes = compress.simulate_mean(workers, layout=layout)
+            means, nbytes = compress.simulate_mean(workers, layout)
         return means, nbytes, layout.local() if keep_local else None, None
 
     def fp8_sum(self, workers, across_ranks):

@@ -57,7 +57,10 @@ class FeedbackLayout:
     def __getattr__(self, name):
         return getattr(self.layout, name)
 
-    def average_shard(self, received, shard):
+    def average_shard(self, received, shard, feedback=None):
+        """The layout's owner step with this layout's residuals (compress.py's `feedback`
+        argument: None - the fast path keeps its own, packed, per bucket)."""
+        assert feedback is None, "a FeedbackLayout keeps stage 2's residuals itself"
         return self.layout.average_shard(received, shard, self.feedback)
 
 
@@ -83,8 +86,8 @@ class KeptSends:
         """[each kept rank's round trip: its tensors, fp32] (rank order)."""
         if self.one_rank:           # all_reduce_mean (none kept: only empty tensors, none sent)
             empty = torch.empty(0, dtype=torch.uint8, device=self.device)
-            sent = getattr(self.layout, "stage1_layout", self.layout)   # (TwoFormatLayout)
-            return [compress.dequantize_bucket(self.sends[0] if self.sends else empty, sent)]
+            return [compress.dequantize_bucket(self.sends[0] if self.sends else empty,
+                                               self.layout, stage=1)]
         if not sum(self.nbytes):    # only empty tensors
             return [compress.dequantize_bucket(send, self.layout) for send in self.sends]
         sizes = [math.prod(s) for s in self.shapes]
@@ -108,13 +111,13 @@ class TimedLayout:
         with self.timer.stage("quantize"):
             return self.layout.quantize_shards(flats, rank)
 
-    def average_shard(self, received, shard):
+    def average_shard(self, received, shard, feedback=None):
         with self.timer.stage("reduce"):
-            return self.layout.average_shard(received, shard)
+            return self.layout.average_shard(received, shard, feedback)
 
-    def dequantize_shards(self, buffer, stride=None):
+    def dequantize_shards(self, buffer, stride=None, stage=2):
         with self.timer.stage("decode"):
-            return self.layout.dequantize_shards(buffer, stride)
+            return self.layout.dequantize_shards(buffer, stride, stage)
 
 
 class TwoFormatLayout:
@@ -139,10 +142,12 @@ class TwoFormatLayout:
             return self
         return TwoFormatLayout(self.stage1_layout.with_streams(rng_for), self.stage2_layout)
 
-    def average_shard(self, received, shard):
+    def average_shard(self, received, shard, feedback=None):
         """The owner's step: the W copies decoded and added in rank order by stage 1's codec,
         divided by W, quantized again by stage 2's (packed FP8: in one call; the wire is
-        compress.quantize's of each piece either way)."""
+        compress.quantize's of each piece either way). No stage-2 error feedback (Options
+        refuses it with a stage-2 format of its own)."""
+        assert feedback is None, "a stage 2 in its own format keeps no error feedback here"
         W = compress.count_divisor(self.world_size, received)
         means = [v / W for v in self.stage1_layout.sum_copies(received, shard)]
         second = self.stage2_layout
@@ -154,8 +159,10 @@ class TwoFormatLayout:
             return packing.pack_groups(blocks.view(-1, B), second.fmt)
         return torch.cat([second.quantize_piece(v, p) for v, p in zip(means, second.pieces[shard])])
 
-    def dequantize_shards(self, buffer, stride=None):
-        return self.stage2_layout.dequantize_shards(buffer, stride)
+    def dequantize_shards(self, buffer, stride=None, stage=2):
+        """stage 2's bytes by stage2_layout, a rank's own stage-1 send by stage1_layout."""
+        second = stage == 2
+        return (self.stage2_layout if second else self.stage1_layout).dequantize_shards(buffer, stride)
 
 
 def two_format_layout(shapes, fmt, stage2_fmt, block, world_size, nvfp4_scale="6"):
@@ -258,7 +265,7 @@ def mean_over_ranks(tensors, fmt="e4m3", block=128, group=None, stochastic=False
     bucket = bucket_layout(tensors, fmt, block, world, stochastic, seed, stages, feedback, timer,
                            stage2_fmt, nvfp4_scale)
     kept = KeptSends(bucket, tensors[0].device) if return_local else bucket
-    means, nbytes = compress.all_reduce_mean(tensors, group=group, layout=kept)
+    means, nbytes = compress.all_reduce_mean(tensors, kept, group)
     return (means, nbytes, kept.local()[0]) if return_local else (means, nbytes)
 
 
@@ -270,5 +277,5 @@ def mean_over_workers(worker_tensors, fmt="e4m3", block=128, stochastic=False, s
     bucket = bucket_layout(worker_tensors[0], fmt, block, len(worker_tensors), stochastic, seed,
                            stages, feedback, stage2_fmt=stage2_fmt, nvfp4_scale=nvfp4_scale)
     kept = KeptSends(bucket, worker_tensors[0][0].device) if return_local else bucket
-    means, nbytes = compress.simulate_mean(worker_tensors, layout=kept)
+    means, nbytes = compress.simulate_mean(worker_tensors, kept)
     return (means, nbytes, kept.local()) if return_local else (means, nbytes)

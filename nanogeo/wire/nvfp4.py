@@ -40,21 +40,53 @@ def stochastic_e2m1(generator=None):
     return codes
 
 
+def encode_with(blocks, amax, scale, to_e2m1, block_max=compress.E2M1_MAX):
+    """compress.nvfp4_encode restated with another rounding (`to_e2m1`: stochastic_e2m1) or
+    another top for each block's amax on the e2m1 grid (`block_max`: Four Over Six's 4). With
+    compress.e2m1_codes and 6 it is compress.nvfp4_encode, bit for bit (tests/test_nvfp4.py)."""
+    block_scale = (amax / (block_max * scale)).clamp(max=compress.E4M3_MAX)
+    block_scale = block_scale.to(torch.float8_e4m3fn)
+    step = block_scale.float() * scale                                 # (G,) decoded block scale
+    y = torch.where(step[:, None] > 0, blocks / step[:, None], torch.zeros_like(blocks))
+    codes = to_e2m1(y.clamp(-compress.E2M1_MAX, compress.E2M1_MAX))     # (G, 16)
+    return block_scale.view(torch.uint8), codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
 def encode_blocks(blocks, amax, scale, stochastic=False, generator=None):
     """compress.nvfp4_encode, to nearest or stochastically."""
-    to_e2m1 = stochastic_e2m1(generator) if stochastic else compress.e2m1_codes
-    return compress.nvfp4_encode(blocks, amax, scale, to_e2m1)
+    if not stochastic:
+        return compress.nvfp4_encode(blocks, amax, scale)
+    return encode_with(blocks, amax, scale, stochastic_e2m1(generator))
 
 
 decode_blocks = compress.nvfp4_decode       # (a name of its own: tests count the calls)
 
 
-def quantize_nvfp4_stochastic(x, generator=None) -> Quantized:
-    """compress.quantize(x, "nvfp4"), rounded stochastically: the same wire."""
+def tensor_scale(amax, top=compress.E4M3_MAX):
+    """compress.nvfp4_tensor_scale restated with the largest block scale brought to `top`
+    (Four Over Six: FOUR_OVER_SIX_TOP); at e4m3's max it is compress's, bit for bit."""
+    divisor = torch.full_like(amax, compress.E2M1_MAX * top)      # (a tensor: see compress's)
+    scale = (amax / divisor).clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.where(amax > 0, scale, torch.ones_like(amax))
+
+
+def wire_with(x, encode, top=compress.E4M3_MAX) -> Quantized:
+    """compress.quantize(x, "nvfp4") (compress.nvfp4_wire restated) with another block encoder
+    `encode(blocks, amax, scale)` and the `top` of its tensor scale: the same wire format."""
     if x.numel() == 0:
         return compress.quantize(x, "nvfp4")
-    encode = functools.partial(compress.nvfp4_encode, to_e2m1=stochastic_e2m1(generator))
-    return Quantized(compress.nvfp4_wire(x, encode), x.shape, "nvfp4", NVFP4_BLOCK)
+    blocks = compress.scale_groups(x, NVFP4_BLOCK)                     # (G, 16)
+    amax = blocks.abs().amax(dim=1)
+    scale = tensor_scale(amax.max(), top).reshape(1)
+    block_scale, nibbles = encode(blocks, amax, scale)
+    codes = nibbles.view(-1)[: (x.numel() + 1) // 2]
+    buffer = torch.cat([scale.view(torch.uint8), block_scale, codes])
+    return Quantized(buffer, x.shape, "nvfp4", NVFP4_BLOCK)
+
+
+def quantize_nvfp4_stochastic(x, generator=None) -> Quantized:
+    """compress.quantize(x, "nvfp4"), rounded stochastically: the same wire."""
+    return wire_with(x, functools.partial(encode_with, to_e2m1=stochastic_e2m1(generator)))
 
 
 # Four Over Six (Cook et al., arXiv 2512.02010): e2m1 has nothing between 4 and 6, so with the
@@ -69,9 +101,9 @@ FOUR_OVER_SIX_TOP = 256.0
 
 def encode_4over6(blocks, amax, scale):
     """compress.nvfp4_encode with each block's max at 6 or at 4, whichever decodes with the
-    smaller squared error (ties: 6). `scale`: compress.nvfp4_tensor_scale(., FOUR_OVER_SIX_TOP)."""
+    smaller squared error (ties: 6). `scale`: tensor_scale(., FOUR_OVER_SIX_TOP)."""
     six = compress.nvfp4_encode(blocks, amax, scale)
-    four = compress.nvfp4_encode(blocks, amax, scale, block_max=4.0)
+    four = encode_with(blocks, amax, scale, compress.e2m1_codes, block_max=4.0)
     six_err, four_err = ((compress.nvfp4_decode(*enc, scale) - blocks).square().sum(dim=1)
                          for enc in (six, four))                          # (G,) each
     four_wins = four_err < six_err
@@ -81,10 +113,7 @@ def encode_4over6(blocks, amax, scale):
 
 def quantize_4over6(x) -> Quantized:
     """compress.quantize(x, "nvfp4") with Four Over Six's block scales: the same wire format."""
-    if x.numel() == 0:
-        return compress.quantize(x, "nvfp4")
-    return Quantized(compress.nvfp4_wire(x, encode_4over6, FOUR_OVER_SIX_TOP), x.shape, "nvfp4",
-                     NVFP4_BLOCK)
+    return wire_with(x, encode_4over6, FOUR_OVER_SIX_TOP)
 
 
 def gather_segments(source, segments, total):
@@ -143,7 +172,7 @@ class WireRun:
         piece_amax = amax.new_zeros(P).scatter_reduce(0, owner, amax, "amax",
                                                        include_self=False)         # (P,)
         if self.four_over_six:                  # (to nearest: Options refuses it stochastic)
-            scale = compress.nvfp4_tensor_scale(piece_amax, FOUR_OVER_SIX_TOP)
+            scale = tensor_scale(piece_amax, FOUR_OVER_SIX_TOP)
             block_scale, nibbles = encode_4over6(blocks, amax, scale.index_select(0, owner))
         else:
             scale = compress.nvfp4_tensor_scale(piece_amax)     # elementwise: one call, P pieces
@@ -252,9 +281,9 @@ class Nvfp4PackedLayout(Nvfp4Layout, packing.PackedLayout):
             feedback.keep(shard, means, run.decode(out.view(1, -1))[0])
         return out
 
-    def dequantize_shards(self, buffer, stride=None):
+    def dequantize_shards(self, buffer, stride=None, stage=2):
         """Stage 2's end (as packing.PackedLayout.dequantize_shards): shard j at j * stride, or
-        back to back."""
+        back to back (`stage`: either - one format, the same bytes)."""
         values = self.bucket.decode(buffer.view(1, -1), stride)                   # (1, G, 16)
         return self.in_tensor_order(values.view(-1), self.first_group)
 

@@ -55,8 +55,9 @@ def stochastic_fp8(y, dtype, generator=None):
 def stochastic_encode(groups, fmax, dtype, generator=None):
     """compress.fp8_encode with stochastic rounding: (G, L) fp32 -> scales (G,) fp32 and codes
     (G, L) uint8."""
-    to_fp8 = functools.partial(stochastic_fp8, generator=generator)
-    return compress.fp8_encode(groups, fmax, dtype, to_fp8)
+    scale = compress.scale_from_amax(groups.abs().amax(dim=1), fmax)            # (G,)
+    y = (groups * scale[:, None]).clamp(-fmax, fmax)                   # saturated at +-fmax
+    return scale, stochastic_fp8(y, dtype, generator).view(torch.uint8)
 
 
 def from_host(t, device, dtype=None):
@@ -308,10 +309,11 @@ class PackedLayout(PieceLayout):
             first += -(-n // self.block) * self.block
         return out
 
-    def dequantize_shards(self, buffer, stride=None):
+    def dequantize_shards(self, buffer, stride=None, stage=2):
         """Stage 2's end: the W shards' bytes (shard j at j * stride, or back to back) -> the
         bucket's flat fp32 values in tensor order. The padding rows of a gathered buffer (shards shorter
-        than the largest) decode to garbage (scale 0); they are never read."""
+        than the largest) decode to garbage (scale 0); they are never read. (`stage`: either - one
+        format, the same bytes.)"""
         first_group = self.first_group if stride is None else \
             [j * (stride // (4 + self.block)) for j in range(self.world_size)]
         return self.in_tensor_order(unpack_groups(buffer, self.block, self.fmt).reshape(-1),
