@@ -989,7 +989,7 @@ class Communicator:
         self.residuals = {}     # error feedback, stage 1: worker -> [what its last send lost]
         self.stage2_residuals = {}  # ... stage 2: shard -> [what its owner's mean lost, a piece each]
         self.warned = False
-        self.steps_taken = 0    # steps taken: counted at the end of each (advance)
+        self.steps_taken = 0    # steps taken: counted at the end of each (step)
 
     def watch(self, views):
         """Judge each layer by the error its optimizer sees (section 5): {name: a view with
@@ -1032,7 +1032,7 @@ class Communicator:
         rank = dist.get_rank(self.group) if across else 0
         if moments is not None and across:
             moments = self.average_moments(moments)
-        means, nbytes = self.communicate({rank: grads}, moments, across)
+        means, nbytes = self.step({rank: grads}, moments, across)
         for g, m in zip(grads, means):
             g.copy_(m)
         return nbytes
@@ -1050,18 +1050,32 @@ class Communicator:
     def reduce_workers(self, worker_grads, moments=None):
         """reduce()'s numerics for W simulated workers (`moments`: already averaged over all
         of them): (means, bytes a rank sends)."""
-        return self.communicate(dict(enumerate(worker_grads)), moments, across_ranks=False)
+        return self.step(dict(enumerate(worker_grads)), moments, across_ranks=False)
 
-    def communicate(self, worker_grads, moments, across_ranks):
-        """One step for the workers this process holds ({index: gradients}): into
-        coordinates, through the collective, the mean back, then the geometry. Returns (means,
-        bytes)."""
-        as_sent = {w: self.outgoing(w, grads) for w, grads in worker_grads.items()}   # fp32
+    def step(self, worker_grads, moments, across_ranks):
+        """One whole step for the workers this process holds ({index: their gradients}; over
+        the process group: this rank's). `moments`: K-FAC moments averaged over all workers,
+        on a step moments_due() announced. Returns (the means, bytes a rank sends)."""
+        # 1. what each worker sends: its gradients in fp32, plus what its last send lost
+        as_sent = {w: self.outgoing(w, grads) for w, grads in worker_grads.items()}
+        # 2. each tensor in the coordinates it is sent in (sent_in_geometry: the decision's)
         coords = {w: self.all_to_coords(self.names, gs) for w, gs in as_sent.items()}
+        # 3. the collective (section 2): every worker ends with the same mean, in coordinates
         mean_coords, nbytes = self.collective(coords, across_ranks)
-        means = self.all_from_coords(self.names, mean_coords)
-        self.advance(dict(zip(self.names, means)), list(as_sent.values()), moments, across_ranks)
-        return means, nbytes
+        # 4. the mean back in the original coordinates: what the optimizer is given
+        means = dict(zip(self.names, self.all_from_coords(self.names, mean_coords)))
+        # 5. the step is taken; then, where the geometry is due, the gain check measures what
+        #    waits to be measured on this step's gradients (judge: decide, sections 5 and 6), and
+        #    new geometry is proposed from this step's mean or moments (measured on a later one)
+        if self.steps_taken % self.opts.geo_refresh:    # not a step moments_due() announced:
+            moments = None                              # the whitening refreshes on its own
+        self.steps_taken += 1
+        if self.layers and self.geometry_due(moments is not None, self.steps_taken):
+            judged = self.to_judge()
+            if judged:
+                self.judge(judged, means, list(as_sent.values()), across_ranks)
+            self.propose_all(self.refresh_inputs(means, moments))
+        return list(means.values()), nbytes
 
     def all_to_coords(self, names, tensors):
         """to_coords of each."""
@@ -1120,16 +1134,6 @@ class Communicator:
 
     # -- the geometry --------------------------------------------------------------------------
 
-    def advance(self, means, as_sent, moments=None, across_ranks=False):
-        """Count the step just finished and update the geometry where it is due. means:
-        {name: decoded mean}; as_sent: each worker's gradients as sent; moments: K-FAC moments
-        collected during the step; across_ranks: measurements are summed over the process group."""
-        if self.steps_taken % self.opts.geo_refresh:    # not a step moments_due() announced:
-            moments = None                              # the whitening refreshes on its own
-        self.steps_taken += 1                           # this step taken
-        if self.layers and self.geometry_due(moments is not None, self.steps_taken):
-            self.update_geometry(means, as_sent, moments, across_ranks)
-
     def geometry_due(self, fresh_moments, steps_taken):
         """Does the geometry move once `steps_taken` steps are taken: proposals to measure, a
         geometry in use but unmeasured, a refresh, or (the whitening) a re-measurement?"""
@@ -1145,14 +1149,6 @@ class Communicator:
         unmeasured, and for the whitening at every check."""
         return [n for n, layer in self.layers.items() if n in self.proposals
                 or (layer.built and (self.from_moments or math.isnan(layer.gain)))]
-
-    def update_geometry(self, means, as_sent, moments, across_ranks):
-        """Measure what is due (to_judge), then propose new geometry from the step's
-        refresh inputs."""
-        judged = self.to_judge()
-        if judged:
-            self.judge(judged, means, as_sent, across_ranks)
-        self.propose_all(self.refresh_inputs(means, moments))
 
     def refresh_inputs(self, means, moments):
         """{name: what its new geometry is built from}: the whitening's averaged K-FAC

@@ -665,8 +665,9 @@ def test_one_name_per_thing_in_the_communicator():
     assert comm.steps_taken == 0 and comm.from_moments is False and comm.moments_due() is False
     assert comm.layers["w"].built is False and comm.sent_in_geometry("w") is False
     assert callable(comm.refresh_inputs) and compress.why_euclidean("b", (3,), comm.opts)
-    for old in ("kind", "chosen", "step", "uses_moments", "wants_moments", "statistics", "is_geo"):
+    for old in ("kind", "chosen", "uses_moments", "wants_moments", "statistics", "is_geo"):
         assert not hasattr(comm, old), old
+    assert callable(comm.step)      # "step" is the method that takes one (once the step count)
     assert not hasattr(comm.layers["w"], "ready") and not hasattr(compress, "exemption")
 
 

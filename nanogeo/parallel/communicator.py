@@ -217,7 +217,7 @@ class RepairedUnmeasured(Exception):
 
 
 class InFlight:
-    """One tensor between its first bucket and its last (ProductionCommunicator.communicate):
+    """One tensor between its first bucket and its last (ProductionCommunicator.step_in_buckets):
     its coordinates on each worker ({worker: tensor}) and what the exchange returned of it.
     Whole in one bucket, the bucket's mean and round trips themselves; cut into segments,
     gathered segment by segment into `target` (its mean, in coordinates), `lost` (each worker's
@@ -257,7 +257,7 @@ class InFlight:
 
 
 class BucketedStep:
-    """What one step of ProductionCommunicator.communicate carries from bucket to bucket."""
+    """What one step of ProductionCommunicator.step_in_buckets carries from bucket to bucket."""
 
     def __init__(self, as_sent, across_ranks, grads, judged, count):
         self.as_sent = as_sent              # {worker: its tensors as sent (outgoing), each the raw
@@ -275,7 +275,8 @@ class ProductionCommunicator(compress.Communicator):
     """compress.Communicator with the production forms (module docstring). train.py, the DDP
     hook, FSDP2 and the tools use this one."""
     LAYERS = layers.LAYERS      # compress.py's layers with their state, and the Hadamard control
-    # the names before compress.py's one-name-per-thing pass (906d8c0), for one release
+    # the names before compress.py's one-name-per-thing pass (906d8c0), for one release (then
+    # step_in_buckets, below, takes compress.Communicator.step's name)
     step = RenamedAttribute("steps_taken")
     chosen = RenamedAttribute("listed")
     kind = RenamedAttribute("layer_class")
@@ -378,7 +379,7 @@ class ProductionCommunicator(compress.Communicator):
         if isinstance(moments, list):
             moments = hooks.average_worker_moments(moments, self.moment_shapes(),
                                                    self.whitened_sides(), worker_grads[0][0].device)
-        return super().reduce_workers(worker_grads, moments)
+        return self.step_in_buckets(dict(enumerate(worker_grads)), moments, across_ranks=False)
 
     def moment_shapes(self):
         return {n: self.shapes[n] for n in self.moment_layers()}
@@ -442,15 +443,15 @@ class ProductionCommunicator(compress.Communicator):
 
     def reduce(self, grads, moments=None):
         """compress.Communicator.reduce, each tensor's mean written into its gradient as soon as
-        its last bucket is decoded (communicate, in_place)."""
+        its last bucket is decoded (step_in_buckets, in_place)."""
         across = dist.is_initialized()
         rank = dist.get_rank(self.group) if across else 0
         if moments is not None and across:
             moments = self.average_moments(moments)
-        return self.communicate({rank: grads}, moments, across, in_place=True)[1]
+        return self.step_in_buckets({rank: grads}, moments, across, in_place=True)[1]
 
-    def communicate(self, worker_grads, moments, across_ranks, in_place=False):
-        """compress.Communicator.communicate a bucket at a time (buckets()): each bucket's part
+    def step_in_buckets(self, worker_grads, moments, across_ranks, in_place=False):
+        """compress.Communicator.step a bucket at a time (buckets()): each bucket's part
         of the tensors into coordinates, through the collective (exchange) and back before the
         next bucket's, then the geometry. A step holds one bucket's temporaries, not the model's.
 
@@ -619,7 +620,7 @@ class ProductionCommunicator(compress.Communicator):
             self.residuals[worker].update((key, r) for key, r in old.items()   # stage 2's, kept
                                           if packing.ShardFeedback.owns(key))  # beside
 
-    # -- the gain check, measured as the means arrive (communicate's in_place) -------------------
+    # -- the gain check, measured as the means arrive (step_in_buckets' in_place) -------------------
 
     def judged_next(self, moments):
         """{name: layer} the coming advance() measures (compress.Communicator.to_judge, on a step
@@ -643,13 +644,13 @@ class ProductionCommunicator(compress.Communicator):
 
     def layer_errors(self, name, layer, mean, grads, workers):
         """compress.Communicator.layer_errors; on a step that wrote its means in place, the
-        errors communicate measured as the layer's mean was decoded (the gradient as sent is
+        errors step_in_buckets measured as the layer's mean was decoded (the gradient as sent is
         gone by now)."""
         if self.taken is None:
             return super().layer_errors(name, layer, mean, grads, workers)
         measured, errors = self.taken.pop(name, (None, None))
         if measured is not layer:
-            raise RuntimeError(f"the gain check measures {name!r}, which communicate did not "
+            raise RuntimeError(f"the gain check measures {name!r}, which step_in_buckets did not "
                                "measure before writing its mean in place (judged_next)")
         return errors
 
@@ -691,7 +692,8 @@ class ProductionCommunicator(compress.Communicator):
 
     @ieee       # the gain check's measurements and the new geometry: IEEE fp32 (precision.py)
     def advance(self, means, as_sent, moments=None, across_ranks=False, rows=None):
-        """compress.Communicator.advance; `rows` (FSDP): {name: this rank's RowBlocks}, when
+        """compress.Communicator.step's step 5 (the step counted; the geometry where due), as
+        update_geometry below does it; `rows` (FSDP): {name: this rank's RowBlocks}, when
         `means` holds only this rank's rows; then, after the warmup, the fragile selection."""
         if rows:
             self.rows = rows
@@ -699,7 +701,11 @@ class ProductionCommunicator(compress.Communicator):
                 layer.rows = rows.get(n)
         stage2 = self.opts.error_feedback and self.opts.feedback_stages != "1"
         before = self.coordinates_in_use()
-        super().advance(means, as_sent, moments, across_ranks)
+        if self.steps_taken % self.opts.geo_refresh:    # (compress.Communicator.step's step 5)
+            moments = None
+        self.steps_taken += 1
+        if self.layers and self.geometry_due(moments is not None, self.steps_taken):
+            self.update_geometry(means, as_sent, moments, across_ranks)
         if not same_coordinates(before, self.coordinates_in_use()):
             self.stacks = batched.StackedBases()        # the old bases' stacks: freed
             for residual in self.residuals.values() if stage2 else ():
@@ -724,7 +730,10 @@ class ProductionCommunicator(compress.Communicator):
         self.proposed = False
         try:
             with self.timer.stage("geometry"):
-                super().update_geometry(means, as_sent, moments, across_ranks)
+                judged = self.to_judge()        # (compress.Communicator.step's step 5)
+                if judged:
+                    self.judge(judged, means, as_sent, across_ranks)
+                self.propose_all(self.refresh_inputs(means, moments))
                 if self.bad is not None:        # neither judged nor proposed: read it now
                     self.host_read()
         except NonFiniteStep:
@@ -789,7 +798,7 @@ class ProductionCommunicator(compress.Communicator):
     def codec_errors(self, layers, means, as_sent, across_ranks):
         """compress.Communicator.measure, the matrices of one shape, sides and optimizer view
         measured together (errors_by_group) where every layer can be - on a step that wrote its
-        means in place, what communicate measured as they arrived (layer_errors)."""
+        means in place, what step_in_buckets measured as they arrived (layer_errors)."""
         if self.taken is not None or not self.batchable(layers):
             return super().measure(layers, means, as_sent, across_ranks)
         world = dist.get_world_size(self.group) if across_ranks else 1

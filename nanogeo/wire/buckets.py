@@ -6,7 +6,7 @@ tensors in wire order, each rank's decoded copies of its shard, their sum, the d
 (3x the gradients' bytes for FP8, 5x for NVFP4: BENCHMARKS.md section 21), 7-12 GB at
 llama-600m. Cut into buckets of at most `bucket_mb` MiB, those temporaries exist for one bucket
 at a time, and each bucket's mean is written back into the gradients before the next one
-starts (ProductionCommunicator.communicate; train.reduce_gradients for fp32 and bf16).
+starts (ProductionCommunicator.step_in_buckets; train.reduce_gradients for fp32 and bf16).
 
 How the gradients are cut - from their shapes alone, in their fixed order, so alike on every
 rank and in the simulator (every rank runs the same buckets' collectives in the same order):
