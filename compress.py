@@ -966,7 +966,8 @@ def why_euclidean(name, shape, opts, linear=None):
 class Communicator:
     """Averages a fixed list of named tensors through the two-stage collective, each matrix in
     Euclidean or geometry-aware coordinates: reduce() over the process group, reduce_workers()
-    for W simulated workers (K-FAC `moments`, {"input": {name: A}}, when moments_due())."""
+    for W simulated workers (K-FAC `moments` when moments_due(): {"input": {name: A}} and the
+    tokens each A averaged, {"tokens": {"input": {name: t}}})."""
     LAYERS = {"geofp8": WhitenedLayer, "subspace": SubspaceLayer}
 
     def __init__(self, named_shapes, options=None, group=None, linear=None):
@@ -1038,13 +1039,18 @@ class Communicator:
         return nbytes
 
     def average_moments(self, moments):
-        """The mean of every rank's K-FAC moments, so that every rank builds the same
-        factors (equal weights: every rank ran as many tokens)."""
-        out = {side: {n: m.clone() for n, m in moments.get(side, {}).items()}
-               for side in self.whitened_sides()}
-        for moment in (m for by_name in out.values() for m in by_name.values()):
-            dist.all_reduce(moment, group=self.group)
-            moment /= count_divisor(dist.get_world_size(self.group), moment)
+        """Every rank's K-FAC moments averaged, each weighted by the tokens it averaged
+        (moments["tokens"][side][name]; none given: 1 each) - E[a a^T] over every rank's
+        tokens - so that every rank builds the same factors."""
+        out = {side: {} for side in self.whitened_sides()}
+        for side, by_name in out.items():
+            for name, moment in moments.get(side, {}).items():
+                tokens = moments.get("tokens", {}).get(side, {}).get(name, 1)
+                total = moment.reshape(-1) * tokens
+                count = torch.full((1,), tokens, dtype=torch.float32, device=moment.device)
+                dist.all_reduce(total, group=self.group)
+                dist.all_reduce(count, group=self.group)
+                by_name[name] = (total / count).view(moment.shape)
         return out
 
     def reduce_workers(self, worker_grads, moments=None):

@@ -3,16 +3,20 @@
 place of the fast path (nanogeo/parallel/communicator.py's ProductionCommunicator). An edit of
 compress.py then changes what trains, on real ranks and with --simulate_workers alike.
 
-The specification is the method without the machinery: no buckets (the whole model is averaged at
-once), the K-FAC moments averaged with equal weights (every rank ran as many tokens). Euclidean FP8,
-the subspace rotation, NVFP4, the mixed wire (an e4m3 stage 2) and error feedback end on the fast
-path's bits (tests/test_reference.py), and so does the paper's FP8-sum collective for Euclidean
-FP8 (fp8-paper) on gloo and simulated ranks - with the model in one of the fast path's buckets
-(NVFP4's tensor scales and fp8-sum's ring chunks are per bucket; docs/method.md). The flags of what it does not state - that collective with a geometry or error
-feedback or another sum order, Four Over Six, stochastic rounding, the Hadamard control, the
-whitening's ablations, stage 1's feedback on the geometry-aware matrices only, stage 2's
-feedback with a geometry (its residual lives in coordinates that move), --log_stages, resuming -
-stop the run with one line naming them.
+The specification is the method without the machinery: no buckets (the whole model is averaged
+at once), the K-FAC moments averaged over the ranks' tokens with one all-reduce per moment, the
+whitening's eigenpairs by a full eigendecomposition. Euclidean FP8, the subspace rotation, NVFP4,
+the mixed wire (an e4m3 stage 2), error feedback and the published whitening (with
+--whiten_solver=eigh: the fast path's default, auto, warm-starts a subspace iteration where the
+gain check measures every factor - other bits) end on the fast path's bits
+(tests/test_reference.py), and so does the paper's FP8-sum collective for Euclidean FP8
+(fp8-paper) on gloo and simulated ranks - with the model in one of the fast path's buckets
+(NVFP4's tensor scales and fp8-sum's ring chunks are per bucket; docs/method.md). The flags of
+what it does not state - that collective with a geometry or error feedback or another sum order,
+Four Over Six, stochastic rounding, the Hadamard control, the whitening's ablations and its
+subspace solver, stage 1's feedback on the geometry-aware matrices only, stage 2's feedback
+with a geometry (its residual lives in coordinates that move), --log_stages, resuming - stop the
+run with one line naming them.
 
 `Reference` is the thin adapter train.py needs around it: the names train.py's log and
 simulated ranks read (coords, moment_layers, each simulated rank's moments averaged); every
@@ -20,6 +24,9 @@ other attribute is the specification's own.
 """
 
 import dataclasses
+import functools
+
+import torch
 
 import compress
 from nanogeo.run.config import ConfigError
@@ -42,6 +49,10 @@ def check(cfg):
     if cfg.collective == "fp8-sum" and (cfg.comm != "fp8" or cfg.error_feedback):
         raise ConfigError("--impl=reference: compress.py states the paper's FP8-sum collective "
                           "for Euclidean FP8 without error feedback; use --comm=fp8 or "
+                          "--impl=fast")
+    if cfg.comm == "geofp8" and cfg.whiten_solver == "subspace":
+        raise ConfigError("--impl=reference: compress.py finds the whitening's eigenpairs by a "
+                          "full eigendecomposition; use --whiten_solver=eigh or auto, or "
                           "--impl=fast")
     if cfg.geo_layers.startswith("fragile:"):
         raise ConfigError("--impl=reference: compress.py has no saturation profiler; use "
@@ -78,14 +89,23 @@ class Reference:
         return list(self.spec.layers) if self.spec.from_moments else []
 
     def reduce_workers(self, worker_grads, moments=None):
-        """`moments`: each simulated rank's, averaged here with equal weights, as reduce()
-        averages them over real ranks."""
+        """`moments`: each simulated rank's, averaged here as compress.Communicator
+        .average_moments averages them over real ranks: weighted by tokens, added in rank
+        order."""
         if moments:
-            moments = {side: {n: sum(m[side][n] for m in moments)
-                                 / compress.count_divisor(len(moments), moments[0][side][n])
-                              for n in moments[0][side]}
+            moments = {side: {n: self.weighted_mean(moments, side, n) for n in moments[0][side]}
                        for side in self.spec.whitened_sides()}
         return self.spec.reduce_workers(worker_grads, moments)
+
+    @staticmethod
+    def weighted_mean(worker_moments, side, name):
+        """sum_i t_i A_i / sum_i t_i over the simulated ranks (t_i: the tokens of rank i's A_i)."""
+        tokens = [m.get("tokens", {}).get(side, {}).get(name, 1) for m in worker_moments]
+        total = functools.reduce(torch.add, [m[side][name].reshape(-1) * t
+                                             for m, t in zip(worker_moments, tokens)])
+        count = functools.reduce(torch.add, [torch.full((1,), t, dtype=torch.float32)
+                                             for t in tokens])
+        return (total / count.to(total.device)).view(worker_moments[0][side][name].shape)
 
     def state_dict(self):
         return {}               # nothing to resume from: --resume is refused (check)
