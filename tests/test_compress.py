@@ -702,7 +702,8 @@ def test_the_override_map_names_every_override():
              ("SubspaceLayer.", compress.SubspaceLayer, production_layers.LAYERS["subspace"])]
     overridden = set()
     for prefix, base, sub in pairs:
-        overridden |= {prefix + name for name, value in vars(sub).items()
+        mine = [c for c in sub.__mro__ if not issubclass(base, c)]    # sub and its mixins
+        overridden |= {prefix + name for c in mine for name, value in vars(c).items()
                        if not name.startswith("_") and name in vars(base)
                        and (inspect.isfunction(value) or isinstance(value, (classmethod, property)))}
     listed = override_list()
@@ -868,7 +869,7 @@ def test_distributed_communicator_matches_simulator(options, tmp_path):
 def test_stage_two_residual_is_dropped_when_the_coordinates_change():
     """Stage 2's residual is made in the coordinates in use: same_coordinates tells a refresh
     (new bases) and a change of rotated sides apart from a copy of the same geometry."""
-    from nanogeo.parallel.communicator import same_coordinates
+    from nanogeo.parallel.geometry_step import same_coordinates
     _, comm = run_steps(Options(geometry="subspace", geo_rank=8, select="all", geo_warmup=0),
                         planted_workers(128, 96, 2, 3))
     before = comm.coordinates_in_use()

@@ -211,3 +211,13 @@ def test_renamed_public_attributes_keep_their_old_names_for_a_release():
         assert comm.steps_taken == 7 and isinstance(type(comm).step, nanogeo.RenamedAttribute)
         with pytest.raises(AttributeError):
             hooks.nothing
+
+
+def test_no_module_of_the_package_is_over_600_lines():
+    """A module of nanogeo/ is read whole: none over 600 lines (issue 56; communicator.py was
+    950 before its options and geometry step had modules of their own)."""
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[1] / "nanogeo"
+    long = {str(p.relative_to(root)): n for p in root.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 600}
+    assert not long, long
