@@ -101,24 +101,24 @@ def scale_from_amax(amax, fmax):
 
 
 def fp8_encode(groups, fmax, dtype):
-    """(G, L) fp32 -> scales (G,) fp32 and codes (G, L) uint8, rounded to nearest even."""
-    scale = scale_from_amax(groups.abs().amax(dim=1), fmax)            # (G,)
+    """(n, L) fp32 -> scales (n,) fp32 and codes (n, L) uint8, rounded to nearest even."""
+    scale = scale_from_amax(groups.abs().amax(dim=1), fmax)            # (n,)
     y = (groups * scale[:, None]).clamp(-fmax, fmax)                   # saturated at +-fmax
     return scale, y.to(dtype).view(torch.uint8)
 
 
 def fp8_decode(codes, scale, dtype):
-    """codes (G, L) uint8 and their scales (G,) -> (G, L) fp32."""
+    """codes (n, L) uint8 and their scales (n,) -> (n, L) fp32."""
     return codes.view(dtype).float() / scale[:, None]
 
 
 def fp8_pack(scale, codes):
-    """scales (G,) and codes (G, L) -> the wire: per group [fp32 scale | L codes]."""
+    """scales (n,) and codes (n, L) -> the wire: per group [fp32 scale | L codes]."""
     return torch.cat([scale.view(torch.uint8).view(-1, 4), codes], dim=1).view(-1)
 
 
 # The formats that send each scale group as [fp32 scale | a byte a value], by name: (encode,
-# decode), encode (G, L) fp32 -> scales (G,) fp32 and codes (G, L) uint8, decode its inverse.
+# decode), encode (n, L) fp32 -> scales (n,) fp32 and codes (n, L) uint8, decode its inverse.
 # quantize, dequantize and wire_nbytes serve each one alike; FORMATS (train.py's --fmt choices)
 # lists them. A new one-byte format is a pair of functions and one line here (docs/ablate.md).
 BYTE_CODECS = {fmt: (functools.partial(fp8_encode, fmax=fmax, dtype=dtype),
@@ -159,13 +159,13 @@ def nvfp4_tensor_scale(amax):
 
 
 def nvfp4_encode(blocks, amax, scale):
-    """blocks (G, 16) fp32, their amax (G,) and tensor scale ((G,) or (1,)) -> block scales (G,)
-    as e4m3 bytes and codes (G, 8) uint8, two a byte, low nibble first: each block's amax maps
+    """blocks (n, 16) fp32, their amax (n,) and tensor scale ((n,) or (1,)) -> block scales (n,)
+    as e4m3 bytes and codes (n, 8) uint8, two a byte, low nibble first: each block's amax maps
     to the top of the e2m1 grid (6)."""
     block_scale = (amax / (E2M1_MAX * scale)).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
-    step = block_scale.float() * scale                                 # (G,) decoded block scale
+    step = block_scale.float() * scale                                 # (n,) decoded block scale
     y = torch.where(step[:, None] > 0, blocks / step[:, None], torch.zeros_like(blocks))
-    codes = e2m1_codes(y.clamp(-E2M1_MAX, E2M1_MAX))                    # (G, 16)
+    codes = e2m1_codes(y.clamp(-E2M1_MAX, E2M1_MAX))                    # (n, 16)
     return block_scale.view(torch.uint8), codes[:, 0::2] | (codes[:, 1::2] << 4)
 
 
@@ -177,7 +177,7 @@ def e2m1_grid(device):
 
 
 def nvfp4_decode(block_scale, nibbles, scale):
-    """Inverse of nvfp4_encode: e4m3 bytes (G,), codes (G, 8) and tensor scale -> (G, 16) fp32."""
+    """Inverse of nvfp4_encode: e4m3 bytes (n,), codes (n, 8) and tensor scale -> (n, 16) fp32."""
     codes = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=2).view(-1).long()   # low first
     values = e2m1_grid(nibbles.device).index_select(0, codes).view(-1, NVFP4_BLOCK)
     return values * (block_scale.view(torch.float8_e4m3fn).float() * scale)[:, None]
@@ -211,7 +211,7 @@ def quantize(x, fmt="e4m3", block=128) -> Quantized:
 
 def nvfp4_wire(x):
     """x (not empty) -> NVFP4 wire bytes: [tensor scale | block scales | codes, padding cut]."""
-    blocks = scale_groups(x, NVFP4_BLOCK)                              # (G, 16)
+    blocks = scale_groups(x, NVFP4_BLOCK)                              # (n, 16)
     amax = blocks.abs().amax(dim=1)
     scale = nvfp4_tensor_scale(amax.max()).reshape(1)
     block_scale, nibbles = nvfp4_encode(blocks, amax, scale)
@@ -230,10 +230,12 @@ def dequantize(q: Quantized) -> torch.Tensor:
         scale = rows[:, :4].reshape(-1).clone().view(torch.float32)
         _, decode = BYTE_CODECS[q.fmt]
         values = decode(rows[:, 4:], scale)
-    else:       # [tensor scale | G block scales | codes], the last block's unsent codes 0
-        G, tensor_scale = num_groups(q.shape, NVFP4_BLOCK), q.buffer[:4].clone().view(torch.float32)
-        nibbles = torch.nn.functional.pad(q.buffer[4 + G:], (0, 8 * G - (numel + 1) // 2))
-        values = nvfp4_decode(q.buffer[4: 4 + G], nibbles.view(G, 8), tensor_scale)
+    else:       # [tensor scale | a scale per block | codes], the last block's unsent codes 0
+        blocks = num_groups(q.shape, NVFP4_BLOCK)
+        tensor_scale = q.buffer[:4].clone().view(torch.float32)
+        unsent = 8 * blocks - (numel + 1) // 2          # the last block's padding codes
+        nibbles = torch.nn.functional.pad(q.buffer[4 + blocks:], (0, unsent))
+        values = nvfp4_decode(q.buffer[4: 4 + blocks], nibbles.view(blocks, 8), tensor_scale)
     return values.reshape(-1)[:numel].view(q.shape)
 
 
@@ -1258,7 +1260,7 @@ class Communicator:
             return view.error(mean, workers)
         if self.opts.geo_judge == "optimizer" and not self.views and not self.warned:
             self.warned = True
-            warnings.warn("GeoFP8: geo_judge='optimizer' but no optimizer is watched, so the "
+            warnings.warn("compress.Communicator: geo_judge='optimizer' but no optimizer is watched, so the "
                           "layers are judged in plain L2: call watch() (the DDP hook: "
                           "state.watch(optimizers)) or pass geo_judge='l2'", stacklevel=2)
         return lambda delta: delta.pow(2).sum()

@@ -12,7 +12,7 @@ How data parallelism works here (no DistributedDataParallel wrapper, on purpose)
   3. After the last micro-step, `reduce_gradients` averages the gradients across ranks with
      explicit torch.distributed collectives, a bucket of --bucket_mb MiB at a time (as DDP
      does: nanogeo/wire/buckets.py), each mean written back into .grad before the next bucket.
-     This is THE place where GeoFP8 plugs in:
+     This is THE place where the compressed, geometry-aware communication plugs in:
        --comm=auto    (the default) what the study recommends for the optimizer in force:
                       Muon -> subspace (fp8 from 46 ranks: W = 64's row), AdamW -> fp8
                       (nanogeo/run/recommend.py); fp32 on one rank
@@ -116,7 +116,7 @@ class TrainConfig:
     geo_layers: str = "gain"          # gain | all | fragile:K | FILE (a list from nanogeo.lab.profile)
     geo_refresh: int = 0              # re-estimate the geometry every N steps (0: 50 geofp8, 4 the
                                       # others; hadamard: re-judge it)
-    geo_warmup: int = 10              # steps in Euclidean coordinates before GeoFP8 starts
+    geo_warmup: int = 10              # steps in Euclidean coordinates before any geometry
     geo_judge: str = "optimizer"      # a layer's coordinates by the error its optimizer sees | l2
     geo_enter_gain: float = 1.10      # a layer goes geometry-aware when its error drops this much
     geo_exit_gain: float = 1.00       # ... and leaves below this (0 and 0: the paper's fixed choice)
@@ -165,8 +165,8 @@ GEO_COMMS = ("geofp8", "subspace", "hadamard")          # --comm values with per
 def make_communicator(cfg, model, optimizers):
     """State that survives between steps for the compressed collectives (geometry, residuals),
     and for the published GeoFP8 the hooks that collect its layers' input moments.
-    (None, None) for fp32 and bf16, which are stateless. The candidates for GeoFP8 are the
-    nn.Linear weights (by module type), each judged by the error its optimizer sees."""
+    (None, None) for fp32 and bf16, which are stateless. The candidates for a geometry are
+    the nn.Linear weights (by module type), each judged by the error its optimizer sees."""
     if cfg.comm in ("fp32", "bf16"):
         return None, None
     named = [(n, p.shape) for n, p in model.named_parameters() if p.requires_grad]

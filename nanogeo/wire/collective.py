@@ -161,8 +161,8 @@ class TwoFormatLayout:
 
     def dequantize_shards(self, buffer, stride=None, stage=2):
         """stage 2's bytes by stage2_layout, a rank's own stage-1 send by stage1_layout."""
-        second = stage == 2
-        return (self.stage2_layout if second else self.stage1_layout).dequantize_shards(buffer, stride)
+        layout = self.stage2_layout if stage == 2 else self.stage1_layout
+        return layout.dequantize_shards(buffer, stride)
 
 
 def two_format_layout(shapes, fmt, stage2_fmt, block, world_size, nvfp4_scale="6"):
