@@ -231,11 +231,11 @@ def dequantize(q: Quantized) -> torch.Tensor:
         _, decode = BYTE_CODECS[q.fmt]
         values = decode(rows[:, 4:], scale)
     else:       # [tensor scale | a scale per block | codes], the last block's unsent codes 0
-        blocks = num_groups(q.shape, NVFP4_BLOCK)
+        n_blocks = num_groups(q.shape, NVFP4_BLOCK)
         tensor_scale = q.buffer[:4].clone().view(torch.float32)
-        unsent = 8 * blocks - (numel + 1) // 2          # the last block's padding codes
-        nibbles = torch.nn.functional.pad(q.buffer[4 + blocks:], (0, unsent))
-        values = nvfp4_decode(q.buffer[4: 4 + blocks], nibbles.view(blocks, 8), tensor_scale)
+        unsent = 8 * n_blocks - (numel + 1) // 2          # the last block's padding codes
+        nibbles = torch.nn.functional.pad(q.buffer[4 + n_blocks:], (0, unsent))
+        values = nvfp4_decode(q.buffer[4: 4 + n_blocks], nibbles.view(n_blocks, 8), tensor_scale)
     return values.reshape(-1)[:numel].view(q.shape)
 
 
@@ -410,12 +410,15 @@ def collective_bytes(layout, rank):
     return stage1 + (layout.world_size - 1) * max(layout.stage2_nbytes)
 
 
-def all_reduce_mean(tensors, layout, group=None, feedback=None):
+def all_reduce_mean(tensors, layout, *, group=None, feedback=None):
     """(The mean of `tensors` over the process group, bytes this rank sent), bit-identical on
     every rank. `layout`: the ShardLayout of these tensors' shapes at the group's size (how
     they are cut and coded); `feedback`: stage 2's error feedback (ShardLayout.average_shard)."""
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     me = dist.get_rank(group) if dist.is_initialized() else 0
+    if layout.world_size != world:
+        raise ValueError(f"the layout is cut for {layout.world_size} ranks, the group has {world}: "
+                         "ShardLayout(shapes, fmt, block, world_size=the group's size)")
     send = quantize_bucket(tensors, layout, me)                            # stage 1
     if world == 1:
         return dequantize_bucket(layout.average_shard(send, 0, feedback), layout), 0
@@ -430,7 +433,7 @@ def all_reduce_mean(tensors, layout, group=None, feedback=None):
     return means, collective_bytes(layout, me)
 
 
-def simulate_mean(worker_tensors, layout, feedback=None):
+def simulate_mean(worker_tensors, layout, *, feedback=None):
     """Exactly all_reduce_mean's numerics for W ranks in one process (worker_tensors[i]: rank
     i's tensors; `layout`: cut for W; `feedback`: every owner's stage-2 residuals): (means,
     bytes a rank sends on average)."""
@@ -1034,25 +1037,30 @@ class Communicator:
         across = dist.is_initialized()
         rank = dist.get_rank(self.group) if across else 0
         if moments is not None and across:
-            moments = self.average_moments(moments)
+            moments = self.average_moments(moments, grads[0].device)
         means, nbytes = self.step({rank: grads}, moments, across)
         for g, m in zip(grads, means):
             g.copy_(m)
         return nbytes
 
-    def average_moments(self, moments):
+    def average_moments(self, moments, device):
         """Every rank's K-FAC moments averaged, each weighted by the tokens it averaged
-        (moments["tokens"][side][name]; none given: 1 each) - E[a a^T] over every rank's
-        tokens - so that every rank builds the same factors."""
+        (moments["tokens"][side][name]) - E[a a^T] over every rank's tokens - so that every
+        rank builds the same factors. One all-reduce of a fixed list of (side, layer) slots, the
+        same on every rank: a layer a rank did not run adds zeros and 0 tokens (a moment given
+        without its tokens weighs 0); one no rank ran stays out."""
+        slots = [(side, n) for side in self.whitened_sides() for n in self.layers]
+        widths = [self.shapes[n][1 if side == "input" else 0] for side, n in slots]
+        tokens = [moments.get("tokens", {}).get(side, {}).get(n, 0) for side, n in slots]
+        parts = [moments[side][n].reshape(-1) * t if n in moments.get(side, {}) else
+                 torch.zeros(d * d, device=device) for (side, n), d, t in zip(slots, widths, tokens)]
+        flat = torch.cat(parts + [torch.tensor(tokens, dtype=torch.float32, device=device)])
+        dist.all_reduce(flat, group=self.group)
+        totals, counts = flat[:-len(slots)].split([d * d for d in widths]), flat[-len(slots):]
         out = {side: {} for side in self.whitened_sides()}
-        for side, by_name in out.items():
-            for name, moment in moments.get(side, {}).items():
-                tokens = moments.get("tokens", {}).get(side, {}).get(name, 1)
-                total = moment.reshape(-1) * tokens
-                count = torch.full((1,), tokens, dtype=torch.float32, device=moment.device)
-                dist.all_reduce(total, group=self.group)
-                dist.all_reduce(count, group=self.group)
-                by_name[name] = (total / count).view(moment.shape)
+        for (side, n), d, total, count in zip(slots, widths, totals, counts.tolist()):
+            if count > 0:
+                out[side][n] = total.view(d, d) / count_divisor(count, total)
         return out
 
     def reduce_workers(self, worker_grads, moments=None):
@@ -1113,9 +1121,9 @@ class Communicator:
         layout = ShardLayout([t.shape for t in tensors], o.fmt, o.block, world, o.stage2_fmt)
         feedback = self.stage2_residuals if self.feeds_back(2) else None
         if across_ranks:                        # (this rank's tensors only)
-            out = all_reduce_mean(tensors, layout, self.group, feedback)
+            out = all_reduce_mean(tensors, layout, group=self.group, feedback=feedback)
         else:
-            out = simulate_mean(list(coords.values()), layout, feedback)
+            out = simulate_mean(list(coords.values()), layout, feedback=feedback)
         if self.feeds_back(1):
             self.keep_send_losses(coords, layout)
         # each mean in memory of its own, as a gradient is (not a view into the bucket's flat

@@ -294,17 +294,17 @@ class ProductionCommunicator(GeometryStep, compress.Communicator):
         # each tensor as sent (outgoing: fp32, plus error feedback's residual) is made at its
         # first bucket (take_off), so a step holds a bucket's worth of them, not the model's
         as_sent = {w: list(grads) for w, grads in worker_grads.items()}
-        step = BucketedStep(as_sent, across_ranks,
+        carried = BucketedStep(as_sent, across_ranks,
                             [*worker_grads.values()][0] if in_place else None,
                             self.judged_next(moments) if in_place else {}, len(self.names))
         self.taken = {} if in_place else None
         flights, finite, saturated = {}, [], []
         try:
             for k, bucket in enumerate(self.buckets()):
-                flights.update(self.take_off([s for s in bucket if s.start == 0], step))
+                flights.update(self.take_off([s for s in bucket if s.start == 0], carried))
                 coords = {w: [flights[s.tensor].piece(w, s) for s in bucket] for w in as_sent}
                 mean_pieces, nbytes, local, fractions = self.exchange(coords, across_ranks, k)
-                step.nbytes += nbytes
+                carried.nbytes += nbytes
                 saturated.append(fractions)
                 if self.keeps_stage1():
                     finite.append(agreement.all_finite(mean_pieces))
@@ -312,35 +312,35 @@ class ProductionCommunicator(GeometryStep, compress.Communicator):
                     flights[s.tensor].land(s, mean_pieces[j],
                                            None if local is None else [rt[j] for rt in local])
                 self.arrive({s.tensor: flights.pop(s.tensor) for s in bucket if s.end == s.numel},
-                            step)
+                            carried)
                 del coords, mean_pieces, local      # freed before the next bucket's exchange
             if self.keeps_stage1() and finite:
-                self.keep_residuals(step.lost, torch.stack(finite).all())
+                self.keep_residuals(carried.lost, torch.stack(finite).all())
             if self.decompose:      # the mean an exact second stage would deliver (this rank's)
-                self.stage1 = step.stage1
+                self.stage1 = carried.stage1
             fractions = [f for f in saturated if f is not None]     # (fp8-sum's profile)
             if fractions:
                 self.count_saturation(torch.cat(fractions))
-            self.advance(dict(zip(self.names, step.means)), list(as_sent.values()), moments,
+            self.advance(dict(zip(self.names, carried.means)), list(as_sent.values()), moments,
                          across_ranks)
         finally:
             self.taken = None
-        return step.means, step.nbytes
+        return carried.means, carried.nbytes
 
-    def take_off(self, segments, step):
+    def take_off(self, segments, carried):
         """The tensors whose first bucket this is ({index: InFlight}): into coordinates on every
         worker, the matrices of one shape rotated together (all_to_coords)."""
         indices = [s.tensor for s in segments]
-        for w, tensors in step.as_sent.items():     # each one as sent, made now
+        for w, tensors in carried.as_sent.items():     # each one as sent, made now
             for i, g in zip(indices, self.outgoing_of(w, indices, tensors)):
                 tensors[i] = g
         names = [self.names[i] for i in indices]
         coords = {w: self.all_to_coords(names, [grads[i] for i in indices])
-                  for w, grads in step.as_sent.items()}
-        return {s.tensor: self.in_flight(s, {w: cs[j] for w, cs in coords.items()}, step)
+                  for w, grads in carried.as_sent.items()}
+        return {s.tensor: self.in_flight(s, {w: cs[j] for w, cs in coords.items()}, carried)
                 for j, s in enumerate(segments)}
 
-    def in_flight(self, segment, coords, step):
+    def in_flight(self, segment, coords, carried):
         """A tensor at its first bucket, in coordinates on every worker ({worker: tensor}; the
         stale-residual ablation, defect c, adds the residual there) - contiguous when it is
         cut, with the buffers its mean (and error feedback's loss, --log_stages' round trips)
@@ -355,53 +355,53 @@ class ProductionCommunicator(GeometryStep, compress.Communicator):
             return InFlight(coords)
         coords = {w: c.contiguous() for w, c in coords.items()}
         w, first = next(iter(coords.items()))
-        read_later = step.grads is None or n in step.judged
+        read_later = carried.grads is None or n in carried.judged
         aliased = first.untyped_storage().data_ptr() == \
-            step.as_sent[w][i].untyped_storage().data_ptr()     # (a view of it counts too)
+            carried.as_sent[w][i].untyped_storage().data_ptr()     # (a view of it counts too)
         target = torch.empty_like(first) if read_later and aliased else first
         lost = ({w: torch.empty_like(c) for w, c in coords.items()}
                 if self.keeps_stage1() and self.has_feedback(n) else None)
         local = {w: torch.empty_like(c) for w, c in coords.items()} if self.decompose else None
         return InFlight(coords, target, lost, local)
 
-    def arrive(self, flights, step):
+    def arrive(self, flights, carried):
         """The tensors after their last bucket ({index: InFlight}), the matrices of one shape
         rotated back together (all_from_coords): error feedback's loss and --log_stages' stage-1
-        mean in original coordinates, and each mean decoded (step.means) - in place, measured
+        mean in original coordinates, and each mean decoded (carried.means) - in place, measured
         for the gain check where it is judged, then written into the gradient."""
         names = {i: self.names[i] for i in flights}
         fed = [i for i in flights if self.keeps_stage1() and self.has_feedback(names[i])]
         lost = {i: flights[i].lost_to_codec() for i in fed}
-        for w in step.as_sent:
+        for w in carried.as_sent:
             back = [lost[i][w] for i in fed]
             if not self.opts.stale_residual:
                 back = self.all_from_coords([names[i] for i in fed], back)
-            step.lost[w].update((names[i], d) for i, d in zip(fed, back))
+            carried.lost[w].update((names[i], d) for i, d in zip(fed, back))
         if self.decompose:
             local = [torch.stack(list(flights[i].local.values())).mean(0) for i in flights]
             for i, mean in zip(flights, self.all_from_coords(list(names.values()), local)):
-                step.stage1[i] = mean
+                carried.stage1[i] = mean
         means = dict(zip(flights, self.all_from_coords(list(names.values()),
                                                       [f.mean for f in flights.values()])))
-        if step.grads is None:
+        if carried.grads is None:
             for i, mean in means.items():
-                step.means[i] = mean
+                carried.means[i] = mean
             return
-        [as_sent] = step.as_sent.values()
-        judged = {names[i]: step.judged[names[i]] for i in flights if names[i] in step.judged}
+        [as_sent] = carried.as_sent.values()
+        judged = {names[i]: carried.judged[names[i]] for i in flights if names[i] in carried.judged}
         if judged:
-            world = dist.get_world_size(self.group) if step.across_ranks else 1
+            world = dist.get_world_size(self.group) if carried.across_ranks else 1
             index = {n: i for i, n in names.items()}
             self.taken.update(self.measure_now(
                 judged, {n: means[index[n]] for n in judged},
                 {n: [as_sent[index[n]]] for n in judged}, world))
         for i, mean in means.items():
-            if mean is not step.grads[i]:
-                step.grads[i].copy_(mean)
+            if mean is not carried.grads[i]:
+                carried.grads[i].copy_(mean)
             as_sent[i] = None       # (read no more: the gain check's measurement is taken)
             # the geometry reads the fp32 mean: the gradient itself where it is fp32 (bf16 or
             # fp16 gradients of a DDP model hold it rounded, and a refresh's QR takes no bf16)
-            step.means[i] = step.grads[i] if step.grads[i].dtype == mean.dtype else mean
+            carried.means[i] = carried.grads[i] if carried.grads[i].dtype == mean.dtype else mean
 
     def exchange(self, coords, across_ranks, bucket):
         """One bucket through the wire as training runs it - the paper's FP8-sum collective, or
@@ -422,7 +422,7 @@ class ProductionCommunicator(GeometryStep, compress.Communicator):
         if keep_local:
             layout = collective.KeptSends(layout, workers[0][0].device)
         if across_ranks:
-            means, nbytes = compress.all_reduce_mean(workers[0], layout, self.group)
+            means, nbytes = compress.all_reduce_mean(workers[0], layout, group=self.group)
         else:
             means, nbytes = compress.simulate_mean(workers, layout)
         return means, nbytes, layout.local() if keep_local else None, None

@@ -89,23 +89,31 @@ class Reference:
         return list(self.spec.layers) if self.spec.from_moments else []
 
     def reduce_workers(self, worker_grads, moments=None):
-        """`moments`: each simulated rank's, averaged here as compress.Communicator
-        .average_moments averages them over real ranks: weighted by tokens, added in rank
-        order."""
+        """`moments`: each simulated rank's, averaged here with compress.Communicator
+        .average_moments' arithmetic: weighted by tokens (none given: 0), the ranks' sums added
+        in rank order, divided by the tokens' sum; a layer no rank ran stays out."""
         if moments:
-            moments = {side: {n: self.weighted_mean(moments, side, n) for n in moments[0][side]}
-                       for side in self.spec.whitened_sides()}
+            sides = self.spec.whitened_sides()
+            moments = {side: {n: mean for n in self.spec.layers
+                              if (mean := self.weighted_mean(moments, side, n)) is not None}
+                       for side in sides}
         return self.spec.reduce_workers(worker_grads, moments)
 
     @staticmethod
     def weighted_mean(worker_moments, side, name):
-        """sum_i t_i A_i / sum_i t_i over the simulated ranks (t_i: the tokens of rank i's A_i)."""
-        tokens = [m.get("tokens", {}).get(side, {}).get(name, 1) for m in worker_moments]
-        total = functools.reduce(torch.add, [m[side][name].reshape(-1) * t
-                                             for m, t in zip(worker_moments, tokens)])
-        count = functools.reduce(torch.add, [torch.full((1,), t, dtype=torch.float32)
-                                             for t in tokens])
-        return (total / count.to(total.device)).view(worker_moments[0][side][name].shape)
+        """sum_i t_i A_i / sum_i t_i over the simulated ranks that ran the layer (t_i: the tokens
+        of rank i's A_i), or None where none did."""
+        ran = [(m[side][name], m.get("tokens", {}).get(side, {}).get(name, 0))
+               for m in worker_moments if name in m.get(side, {})]
+        if not ran:
+            return None
+        device = ran[0][0].device
+        total = functools.reduce(torch.add, [A.reshape(-1) * t for A, t in ran])
+        count = functools.reduce(torch.add, [torch.full((1,), t, dtype=torch.float32,
+                                                        device=device) for _, t in ran])
+        if not count.item() > 0:
+            return None
+        return (total / count).view(ran[0][0].shape)
 
     def state_dict(self):
         return {}               # nothing to resume from: --resume is refused (check)

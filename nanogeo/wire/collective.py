@@ -60,7 +60,8 @@ class FeedbackLayout:
     def average_shard(self, received, shard, feedback=None):
         """The layout's owner step with this layout's residuals (compress.py's `feedback`
         argument: None - the fast path keeps its own, packed, per bucket)."""
-        assert feedback is None, "a FeedbackLayout keeps stage 2's residuals itself"
+        if feedback is not None:
+            raise ValueError("a FeedbackLayout keeps stage 2's residuals itself: pass no feedback")
         return self.layout.average_shard(received, shard, self.feedback)
 
 
@@ -147,7 +148,9 @@ class TwoFormatLayout:
         divided by W, quantized again by stage 2's (packed FP8: in one call; the wire is
         compress.quantize's of each piece either way). No stage-2 error feedback (Options
         refuses it with a stage-2 format of its own)."""
-        assert feedback is None, "a stage 2 in its own format keeps no error feedback here"
+        if feedback is not None:
+            raise ValueError("a stage 2 in its own format (stage2_fmt) keeps no error feedback: "
+                             "pass no feedback, or drop stage2_fmt")
         W = compress.count_divisor(self.world_size, received)
         means = [v / W for v in self.stage1_layout.sum_copies(received, shard)]
         second = self.stage2_layout
@@ -265,7 +268,7 @@ def mean_over_ranks(tensors, fmt="e4m3", block=128, group=None, stochastic=False
     bucket = bucket_layout(tensors, fmt, block, world, stochastic, seed, stages, feedback, timer,
                            stage2_fmt, nvfp4_scale)
     kept = KeptSends(bucket, tensors[0].device) if return_local else bucket
-    means, nbytes = compress.all_reduce_mean(tensors, kept, group)
+    means, nbytes = compress.all_reduce_mean(tensors, kept, group=group)
     return (means, nbytes, kept.local()[0]) if return_local else (means, nbytes)
 
 
