@@ -130,7 +130,8 @@ FORMATS = (*BYTE_CODECS, "nvfp4")       # every format quantize knows
 # NVFP4 (the 4-bit format of NVIDIA's Blackwell GPUs): blocks of 16 values, each an e2m1 number
 # (magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6), each block scaled by an e4m3 number, and one fp32
 # scale per tensor that brings the largest block scale to the top of e4m3's range. Two values a
-# byte: ~0.56 bytes a value, against ~1.03 for e4m3 with groups of 128.
+# byte: ~0.56 bytes a value, against ~1.03 for e4m3 with groups of 128. NVFP4's scales multiply to
+# decode, as NVIDIA defines the format - the opposite of FP8's s above, which multiplies to encode.
 NVFP4_BLOCK = 16
 E2M1_MAX, E4M3_MAX = 6.0, 448.0
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)    # a 4-bit code: sign << 3 | index
