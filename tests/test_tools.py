@@ -143,3 +143,17 @@ def test_profile_and_tables(tiny_corpus, tmp_path):
     assert rows["low-rank A 32"]["geo_matrices"] == 2 * 7 and table["down_matrices"] == 2  # all 7
 
 
+
+
+def test_the_frames_tool_reads_the_path_from_train_to_the_wire():
+    """nanogeo.lab.frames keeps the frames from the innermost train.train on, outermost first."""
+    import os
+    from collections import namedtuple
+    from nanogeo.lab import frames
+    Frame = namedtuple("Frame", "filename function")
+    at = lambda *parts: os.path.join(frames.ROOT, *parts)
+    stack = [Frame(at("compress.py"), "all_reduce_mean"), Frame(at("compress.py"), "step"),
+             Frame(at("train.py"), "reduce_gradients"), Frame(at("train.py"), "train"),
+             Frame(at("train.py"), "main"), Frame(at("train.py"), "<module>")]    # innermost first
+    assert frames.path_to_wire(stack) == ["train.py:train", "train.py:reduce_gradients",
+                                          "compress.py:step", "compress.py:all_reduce_mean"]
