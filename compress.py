@@ -151,9 +151,7 @@ def e2m1_codes(y):
 def nvfp4_tensor_scale(amax):
     """The fp32 scale that brings the largest block scale to e4m3's max - 1 where amax
     is 0, at least fp32's smallest normal (a subnormal quotient would round to 0, and 0 / 0 =
-    NaN). (The divisor is a tensor: CUDA divides by a Python number as a multiplication by its
-    reciprocal, which differs from the CPU's division in the last bit for about a quarter of
-    all amax - and the wire bytes must not depend on the device.)"""
+    NaN). The divisor is a tensor, as in count_divisor."""
     divisor = torch.full_like(amax, E2M1_MAX * E4M3_MAX)
     scale = (amax / divisor).clamp(min=torch.finfo(torch.float32).tiny)
     return torch.where(amax > 0, scale, torch.ones_like(amax))
@@ -172,8 +170,7 @@ def nvfp4_encode(blocks, amax, scale):
 
 @functools.lru_cache(maxsize=None)
 def e2m1_grid(device):
-    """The value of each 4-bit code (8: -0.0) on `device`, made once: a copy from host memory at
-    every call would make a GPU stream wait."""
+    """The value of each 4-bit code (8: -0.0) on `device`, made once (not copied every call)."""
     return torch.tensor(E2M1_GRID + tuple(-v for v in E2M1_GRID), device=device)
 
 
@@ -185,10 +182,8 @@ def nvfp4_decode(block_scale, nibbles, scale):
 
 
 def count_divisor(count, like):
-    """`count` (W ranks, a whole number) as a 0-dim fp32 tensor on `like`'s device, to divide a
-    sum of W copies by. CUDA divides by a Python number as a multiplication by its reciprocal,
-    which for W not a power of two differs from the CPU's division in the last bit: a GPU
-    rank's mean would then not be the simulator's, nor the CPU's, bit for bit."""
+    """`count` (W ranks) as a 0-dim fp32 tensor on `like`'s device, to divide a sum of W copies
+    by: CUDA divides by a Python number as a product with its reciprocal, another last bit."""
     return torch.full((), count, dtype=torch.float32, device=like.device)
 
 
