@@ -1071,11 +1071,12 @@ class Communicator:
         # 1. what each worker sends: its gradients in fp32, plus what its last send lost
         as_sent = {w: self.outgoing(w, grads) for w, grads in worker_grads.items()}
         # 2. each tensor in the coordinates it is sent in (sent_in_geometry: the decision's)
-        coords = {w: self.all_to_coords(self.names, gs) for w, gs in as_sent.items()}
+        coords = {w: [self.to_coords(n, g) for n, g in zip(self.names, gs)]
+                  for w, gs in as_sent.items()}
         # 3. the collective (section 2): every worker ends with the same mean, in coordinates
         mean_coords, nbytes = self.collective(coords, across_ranks)
         # 4. the mean back in the original coordinates: what the optimizer is given
-        means = dict(zip(self.names, self.all_from_coords(self.names, mean_coords)))
+        means = {n: self.from_coords(n, c) for n, c in zip(self.names, mean_coords)}
         # 5. the step is taken; then, where the geometry is due, the gain check measures what
         #    waits to be measured on this step's gradients (judge: decide, sections 5 and 6), and
         #    new geometry is proposed from this step's mean or moments (measured on a later one)
@@ -1086,16 +1087,9 @@ class Communicator:
             judged = self.to_judge()
             if judged:
                 self.judge(judged, means, list(as_sent.values()), across_ranks)
-            self.propose_all(self.refresh_inputs(means, moments))
+            for name, found in self.refresh_inputs(means, moments).items():
+                self.propose(name, found)
         return list(means.values()), nbytes
-
-    def all_to_coords(self, names, tensors):
-        """to_coords of each."""
-        return [self.to_coords(n, t) for n, t in zip(names, tensors)]
-
-    def all_from_coords(self, names, tensors):
-        """from_coords of each."""
-        return [self.from_coords(n, c) for n, c in zip(names, tensors)]
 
     def outgoing(self, worker, grads):
         """A worker's gradients as sent: fp32, in original coordinates, plus what its last
@@ -1142,7 +1136,7 @@ class Communicator:
         for w, tensors in coords.items():
             back = dequantize_bucket(quantize_bucket(tensors, layout), layout, stage=1)
             lost = [c - b for c, b in zip(tensors, back)]
-            self.residuals[w] = self.all_from_coords(self.names, lost)
+            self.residuals[w] = [self.from_coords(n, c) for n, c in zip(self.names, lost)]
 
     # -- the geometry --------------------------------------------------------------------------
 
@@ -1172,11 +1166,6 @@ class Communicator:
             return {n: sides for n, sides in found.items() if sides}
         return {n: means[n] for n, layer in self.layers.items()
                 if self.steps_taken % self.opts.geo_refresh == 0 or not layer.built}
-
-    def propose_all(self, inputs):
-        """propose() for each {name: its refresh input}."""
-        for name, found in inputs.items():
-            self.propose(name, found)
 
     def propose(self, name, found):
         """New geometry for `name` from its refresh input. A copy: refresh() assigns new tensors,

@@ -163,11 +163,12 @@ class ProductionCommunicator(GeometryStep, compress.Communicator):
     # -- the matrices of one shape together (nanogeo.geometry.batched) -----------------------------
 
     def all_to_coords(self, names, tensors):
-        """to_coords of each, the rotated matrices of one shape and sides encoded together."""
+        """to_coords of each (compress.Communicator.step's step 2), the rotated matrices of one
+        shape and sides encoded together."""
         return self.rotate_all(names, tensors, inverse=False)
 
     def all_from_coords(self, names, tensors):
-        """from_coords of each, likewise."""
+        """from_coords of each (step 4), likewise."""
         return self.rotate_all(names, tensors, inverse=True)
 
     @ieee

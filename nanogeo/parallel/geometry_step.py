@@ -254,7 +254,8 @@ class GeometryStep:
         return bad
 
     def propose_all(self, inputs):
-        """compress.Communicator.propose_all, the new geometry of the matrices of one shape
+        """propose() for each {name: its refresh input} (compress.Communicator.step's step 5),
+        the new geometry of the matrices of one shape
         built together (nanogeo.geometry.batched.refresh_group: the rotation's bases, the
         low-rank whitening's factors)."""
         keys = {n: batched.refresh_key(self.layers[n], found) for n, found in inputs.items()}
