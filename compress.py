@@ -434,6 +434,9 @@ def simulate_mean(worker_tensors, layout, *, feedback=None):
     i's tensors; `layout`: cut for W; `feedback`: every owner's stage-2 residuals): (means,
     bytes a rank sends on average)."""
     world = len(worker_tensors)
+    if layout.world_size != world:
+        raise ValueError(f"the layout is cut for {layout.world_size} ranks, not the {world} "
+                         "workers given: ShardLayout(shapes, fmt, block, world_size=W)")
     sends = layout.quantize_ranks(worker_tensors)               # row i: rank i's stage 1
     received = sends.split(layout.nbytes, dim=1)    # [j]: the W copies of shard j, (W, bytes)
     shards = [layout.average_shard(received[j].reshape(-1), j, feedback) for j in range(world)]
@@ -1044,7 +1047,8 @@ class Communicator:
         (moments["tokens"][side][name]) - E[a a^T] over every rank's tokens - so that every
         rank builds the same factors. One all-reduce of a fixed list of (side, layer) slots, the
         same on every rank: a layer a rank did not run adds zeros and 0 tokens (a moment given
-        without its tokens weighs 0); one no rank ran stays out."""
+        without its tokens weighs 0); one no rank ran stays out. (The token counts go to the
+        device as a copy and come back as a host read; the fast path makes them there.)"""
         slots = [(side, n) for side in self.whitened_sides() for n in self.layers]
         widths = [self.shapes[n][1 if side == "input" else 0] for side, n in slots]
         tokens = [moments.get("tokens", {}).get(side, {}).get(n, 0) for side, n in slots]

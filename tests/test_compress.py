@@ -1034,3 +1034,15 @@ def test_the_specifications_fp8_sum_is_the_fast_paths_emulation(world):
         codes = codes.view(torch.uint8)
         assert torch.equal(compress.ring_sum(codes, "e5m2"),
                            fp8sum.fp8_sum(codes, torch.float8_e5m2))
+
+
+def test_a_layout_cut_for_another_world_size_is_refused():
+    """simulate_mean (and all_reduce_mean, over its group) refuse a ShardLayout cut for another W
+    with one line that names the fix, instead of an index error deep in the stages."""
+    import pytest
+    workers = [[torch.randn(64, 48)] for _ in range(3)]
+    layout = compress.ShardLayout([(64, 48)], "e4m3", 128, 4)
+    with pytest.raises(ValueError, match="world_size"):
+        compress.simulate_mean(workers, layout)
+    with pytest.raises(ValueError, match="world_size"):
+        compress.all_reduce_mean(workers[0], layout)        # no process group: one rank

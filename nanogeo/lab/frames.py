@@ -5,9 +5,9 @@ gloo ranks of one training step.
 
     python -m nanogeo.lab.frames [--impl reference|fast|both] [-- more train.py flags]
 
-Prints, per --impl, the frames (file:function, outermost first) and their count; torch's no_grad
-wrapper of reduce_gradients (torch/utils/_contextlib.py) is shown but not counted, nor is the
-collective itself. Defaults: --preset=char-study --comm=fp8, one step, nothing written but a
+Prints, per --impl, the frames (file:function, outermost first) and their count; frames outside
+the repository (torch's no_grad wrapper of reduce_gradients, any library's) are shown but not
+counted, nor is the collective itself. Defaults: --preset=char-study --comm=fp8, one step, nothing written but a
 scratch out_dir. docs/method.md gives the counts.
 """
 import argparse
@@ -46,11 +46,12 @@ def rank_main(rank, world_size, port, impl, extra, out_dir):
 
     def spy(*args, **kwargs):
         if rank == 0 and not seen:
-            frames = path_to_wire(inspect.stack()[1:])
-            counted = [f for f in frames if "torch/" not in f]
+            frames = path_to_wire(inspect.stack(0)[1:])
+            counted = [f for f in frames if not f.startswith((".", os.sep))]    # ours only
             files = sorted({f.split(":")[0] for f in counted})
-            print(f"--impl={impl}: {len(counted)} frames in {len(files)} files: "
-                  + " -> ".join(frames), flush=True)
+            # into a file that main() prints: a distributed train.py may leave with os._exit
+            with open(os.path.join(out_dir, "frames.txt"), "w") as f:
+                f.write(f"{len(counted)} frames in {len(files)} files: " + " -> ".join(frames))
             seen.append(frames)
         return collective(*args, **kwargs)
 
@@ -76,6 +77,10 @@ def main(argv=None):
         with tempfile.TemporaryDirectory() as out_dir:
             mp.start_processes(rank_main, args=(2, free_port(), impl, extra, out_dir), nprocs=2,
                                join=True, start_method="spawn")
+            found = os.path.join(out_dir, "frames.txt")
+            print(f"--impl={impl}: " + (open(found).read() if os.path.exists(found) else
+                                         "no all_to_all_single reached (fp32, bf16, the FP8-sum "
+                                         "collective and --simulate_workers send none)"))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ place of the fast path (nanogeo/parallel/communicator.py's ProductionCommunicato
 compress.py then changes what trains, on real ranks and with --simulate_workers alike.
 
 The specification is the method without the machinery: no buckets (the whole model is averaged
-at once), the K-FAC moments averaged over the ranks' tokens with one all-reduce per moment, the
+at once), the K-FAC moments averaged over the ranks' tokens in one all-reduce of a fixed slot list, the
 whitening's eigenpairs by a full eigendecomposition. Euclidean FP8, the subspace rotation, NVFP4,
 the mixed wire (an e4m3 stage 2), error feedback and the published whitening (with
 --whiten_solver=eigh: the fast path's default, auto, warm-starts a subspace iteration where the
@@ -111,7 +111,7 @@ class Reference:
         total = functools.reduce(torch.add, [A.reshape(-1) * t for A, t in ran])
         count = functools.reduce(torch.add, [torch.full((1,), t, dtype=torch.float32,
                                                         device=device) for _, t in ran])
-        if not count.item() > 0:
+        if not sum(t for _, t in ran) > 0:      # (host numbers: no read of the device)
             return None
         return (total / count).view(ran[0][0].shape)
 
