@@ -406,15 +406,20 @@ def collective_bytes(layout, rank):
     return stage1 + (layout.world_size - 1) * max(layout.stage2_nbytes)
 
 
+def check_world_size(layout, world):
+    """A layout cut for another number of ranks: a one-line error that names the fix."""
+    if layout.world_size != world:
+        raise ValueError(f"the layout is cut for {layout.world_size} ranks, not {world}: "
+                         "ShardLayout(shapes, fmt, block, world_size=W)")
+
+
 def all_reduce_mean(tensors, layout, *, group=None, feedback=None):
     """(The mean of `tensors` over the process group, bytes this rank sent), bit-identical on
     every rank. `layout`: the ShardLayout of these tensors' shapes at the group's size (how
     they are cut and coded); `feedback`: stage 2's error feedback (ShardLayout.average_shard)."""
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     me = dist.get_rank(group) if dist.is_initialized() else 0
-    if layout.world_size != world:
-        raise ValueError(f"the layout is cut for {layout.world_size} ranks, the group has {world}: "
-                         "ShardLayout(shapes, fmt, block, world_size=the group's size)")
+    check_world_size(layout, world)
     send = quantize_bucket(tensors, layout, me)                            # stage 1
     if world == 1:
         return dequantize_bucket(layout.average_shard(send, 0, feedback), layout), 0
@@ -434,9 +439,7 @@ def simulate_mean(worker_tensors, layout, *, feedback=None):
     i's tensors; `layout`: cut for W; `feedback`: every owner's stage-2 residuals): (means,
     bytes a rank sends on average)."""
     world = len(worker_tensors)
-    if layout.world_size != world:
-        raise ValueError(f"the layout is cut for {layout.world_size} ranks, not the {world} "
-                         "workers given: ShardLayout(shapes, fmt, block, world_size=W)")
+    check_world_size(layout, world)
     sends = layout.quantize_ranks(worker_tensors)               # row i: rank i's stage 1
     received = sends.split(layout.nbytes, dim=1)    # [j]: the W copies of shard j, (W, bytes)
     shards = [layout.average_shard(received[j].reshape(-1), j, feedback) for j in range(world)]

@@ -24,11 +24,9 @@ other attribute is the specification's own.
 """
 
 import dataclasses
-import functools
-
-import torch
 
 import compress
+from nanogeo.parallel import hooks
 from nanogeo.run.config import ConfigError
 
 # train.py flags (with the default that leaves them off) the specification has no statement of
@@ -89,31 +87,15 @@ class Reference:
         return list(self.spec.layers) if self.spec.from_moments else []
 
     def reduce_workers(self, worker_grads, moments=None):
-        """`moments`: each simulated rank's, averaged here with compress.Communicator
-        .average_moments' arithmetic: weighted by tokens (none given: 0), the ranks' sums added
-        in rank order, divided by the tokens' sum; a layer no rank ran stays out."""
+        """`moments`: each simulated rank's, averaged here as compress.Communicator
+        .average_moments averages them over real ranks - weighted by tokens, the ranks' sums
+        added in rank order - by the function the fast path's simulated ranks use (its bits are
+        those of one all-reduce of the same slots: tests/test_reference.py)."""
         if moments:
-            sides = self.spec.whitened_sides()
-            moments = {side: {n: mean for n in self.spec.layers
-                              if (mean := self.weighted_mean(moments, side, n)) is not None}
-                       for side in sides}
+            shapes = {n: self.spec.shapes[n] for n in self.moment_layers()}
+            moments = hooks.average_worker_moments(moments, shapes, self.spec.whitened_sides(),
+                                                   worker_grads[0][0].device)
         return self.spec.reduce_workers(worker_grads, moments)
-
-    @staticmethod
-    def weighted_mean(worker_moments, side, name):
-        """sum_i t_i A_i / sum_i t_i over the simulated ranks that ran the layer (t_i: the tokens
-        of rank i's A_i), or None where none did."""
-        ran = [(m[side][name], m.get("tokens", {}).get(side, {}).get(name, 0))
-               for m in worker_moments if name in m.get(side, {})]
-        if not ran:
-            return None
-        device = ran[0][0].device
-        total = functools.reduce(torch.add, [A.reshape(-1) * t for A, t in ran])
-        count = functools.reduce(torch.add, [torch.full((1,), t, dtype=torch.float32,
-                                                        device=device) for _, t in ran])
-        if not sum(t for _, t in ran) > 0:      # (host numbers: no read of the device)
-            return None
-        return (total / count).view(ran[0][0].shape)
 
     def state_dict(self):
         return {}               # nothing to resume from: --resume is refused (check)

@@ -43,7 +43,7 @@ def stochastic_e2m1(generator=None):
 def encode_with(blocks, amax, scale, to_e2m1, block_max=compress.E2M1_MAX):
     """compress.nvfp4_encode restated with another rounding (`to_e2m1`: stochastic_e2m1) or
     another top for each block's amax on the e2m1 grid (`block_max`: Four Over Six's 4). With
-    compress.e2m1_codes and 6 it is compress.nvfp4_encode, bit for bit (tests/test_nvfp4.py)."""
+    compress.e2m1_codes and 6 it is compress.nvfp4_encode, bit for bit (tests/test_four_over_six.py)."""
     block_scale = (amax / (block_max * scale)).clamp(max=compress.E4M3_MAX)
     block_scale = block_scale.to(torch.float8_e4m3fn)
     step = block_scale.float() * scale                                 # (G,) decoded block scale
