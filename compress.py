@@ -97,7 +97,7 @@ def wire_nbytes(shape, fmt, block):
 
 def scale_from_amax(amax, fmax):
     """s = fmax / amax, elementwise (1 where amax is 0; at most fp32's max)."""
-    return torch.where(amax > 0, fmax / amax, torch.ones_like(amax)).clamp(max=FP32_MAX)
+    return torch.where(amax > 0, fmax / amax, 1.0).clamp(max=FP32_MAX)
 
 
 def fp8_encode(groups, fmax, dtype):
@@ -154,7 +154,7 @@ def nvfp4_tensor_scale(amax):
     NaN). The divisor is a tensor, as in count_divisor."""
     divisor = torch.full_like(amax, E2M1_MAX * E4M3_MAX)
     scale = (amax / divisor).clamp(min=torch.finfo(torch.float32).tiny)
-    return torch.where(amax > 0, scale, torch.ones_like(amax))
+    return torch.where(amax > 0, scale, 1.0)
 
 
 def nvfp4_encode(blocks, amax, scale):

@@ -79,3 +79,27 @@ def test_subspace_launches_per_step(cpu_tiny):
     assert cpu_tiny["refresh_steps"] >= 4
     assert cpu_tiny["ops_per_step"] <= 1500, cpu_tiny
     assert cpu_tiny["ops_refresh_step"] <= 3000 and cpu_tiny["ops_most"] <= 3000, cpu_tiny
+
+
+def test_a_compiled_codec_call_counts_as_the_kernels_it_runs():
+    """Under a dispatch mode, torch.compile'd code falls back to its eager ops, so OpCounter alone
+    would count the compiled codec's ~11 ops an encode. Inside probes.compiled_kernels_seen each
+    compiled call runs compiled and counts the fused kernels the profiler saw it run (inductor's
+    C++ kernels on the CPU), and MemoryPeak still tracks what it returns. An ordinary step of
+    char-study, one bucket, rank 0 of 2 (nanogeo.lab.reduce_memory's Loopback)."""
+    import torch.distributed as dist
+    from nanogeo.lab import reduce_memory
+    reduce_memory.join_loopback(2)
+    try:
+        options = dict(geometry="euclidean", bucket_mb=0)
+        (_, _, eager), (_, _, _) = reduce_memory.reduce_peaks("char-study", options, steps=2)
+        _, (peak, _, compiled) = reduce_memory.reduce_peaks(
+            "char-study", options, steps=2, compile=True)
+    finally:
+        dist.destroy_process_group()
+    encodes = eager.counts["amax"]                  # stage 1 and stage 2: one encode each
+    assert encodes == 2 and eager.counts["_to_copy"] == 4       # and two decodes
+    assert compiled.counts["compiled fp8_encode"] >= encodes
+    assert compiled.counts["compiled fp8_decode"] >= 2
+    assert not {"amax", "abs", "reciprocal"} & set(compiled.counts)     # not counted eagerly
+    assert compiled.total < eager.total and peak > 0

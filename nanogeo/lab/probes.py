@@ -16,11 +16,20 @@ just swaps. None of that shows in a CPU's wall time, so the tests and benchmarks
     mem.peak                            # the most of those bytes alive at once
 
 Both are plain context managers around any code; they change nothing it computes.
+
+torch.compile'd code under a dispatch mode falls back to its eager ops, so by itself a probe would
+count the codec's ~11 ops where a GPU launches one fused kernel. With the packed codec compiled
+(train.py --compile), count it as it runs:
+
+    profile_compiled_kernels()          # before nanogeo.wire.kernels.compile_hot_path(True)
+    with OpCounter() as ops, compiled_kernels_seen():
+        ...                             # each compiled codec call: its fused kernels, counted
 """
+import contextlib
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
 # aten ops that make the host wait for the device on CUDA: linalg calls that check their result
@@ -59,6 +68,10 @@ class OpCounter(TorchDispatchMode):
         self.counts[name] = self.counts.get(name, 0) + 1
         return func(*args, **(kwargs or {}))
 
+    def compiled_call(self, name, kernels, outputs):
+        """A compiled call seen by compiled_kernels_seen(): its `kernels` fused kernels."""
+        self.counts[name] = self.counts.get(name, 0) + kernels
+
     @property
     def total(self):
         return sum(n for name, n in self.counts.items() if name not in NO_KERNEL)
@@ -96,6 +109,13 @@ class MemoryPeak(TorchDispatchMode):
                 self.track(t.untyped_storage())
         return out
 
+    def compiled_call(self, name, kernels, outputs):
+        """A compiled call seen by compiled_kernels_seen(): the storages it returned (inside,
+        inductor's fused kernels keep their intermediates in registers)."""
+        for t in tree_flatten(outputs)[0]:
+            if isinstance(t, torch.Tensor):
+                self.track(t.untyped_storage())
+
     def track(self, storage):
         ptr, nbytes = storage.data_ptr(), storage.nbytes()
         if ptr in self.tracked or nbytes == 0:
@@ -108,3 +128,56 @@ class MemoryPeak(TorchDispatchMode):
             self.alive -= nbytes
             self.tracked.discard(ptr)
         weakref.finalize(storage, freed)
+
+
+def profile_compiled_kernels():
+    """Make every C++ kernel that inductor compiles from now on record itself in the profiler
+    (named graph_<n>_cpp_fused_...), so compiled_kernels_seen() can count them."""
+    import torch._inductor.config as inductor_config
+    inductor_config.cpp.enable_kernel_profile = True
+
+
+@contextlib.contextmanager
+def compiled_kernels_seen():
+    """While active, each call of a compiled codec kernel (nanogeo.wire.kernels.KERNELS after
+    compile_hot_path(True)) runs compiled, outside the probes, and reports to each probe active
+    at the call (compiled_call) the fused kernels it ran - one launch each on a GPU. The
+    profiler counts them at the first call of each graph (a graph is the same for every group
+    count G but 1, nanogeo.wire.kernels: one per kernel, dtype and G = 1 or not). Compiled on
+    the CPU, the codec's inductor graph is one C++ kernel an encode and one a decode; Triton's
+    fusion on a GPU may differ."""
+    from nanogeo.wire import kernels
+    fused_per_graph = {}
+
+    def fused(kernel, args):
+        """The kernels that one call of `kernel` runs, the profiler's count."""
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            out = kernel(*args)
+        count = sum(e.name.startswith("graph_") for e in profile.events())
+        if not count:
+            raise RuntimeError("a compiled kernel ran no profiled kernel: call "
+                               "profile_compiled_kernels() before compile_hot_path(True)")
+        return out, count
+
+    def seen(name, kernel):
+        def call(*args):
+            graph = (name, *[(a.dtype, a.shape[0] == 1, a.shape[1:]) if isinstance(a, torch.Tensor)
+                             else a for a in args])
+            with _disable_current_modes() as probes:
+                if graph not in fused_per_graph:
+                    out, fused_per_graph[graph] = fused(kernel, args)
+                else:
+                    out = kernel(*args)
+            for probe in probes:
+                if hasattr(probe, "compiled_call"):
+                    probe.compiled_call(f"compiled {name}", fused_per_graph[graph], out)
+            return out
+        return call
+
+    saved = dict(kernels.KERNELS)
+    kernels.KERNELS.update({name: seen(name, kernel) for name, kernel in saved.items()
+                            if kernel is not kernels.EAGER[name]})
+    try:
+        yield
+    finally:
+        kernels.KERNELS.update(saved)

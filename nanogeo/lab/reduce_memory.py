@@ -2,7 +2,7 @@
 Peak memory of the gradient reduction at any model size, without training it (issue 50, item 4).
 
     python -m nanogeo.lab.reduce_memory --preset llama-600m --geometry euclidean --fmt nvfp4
-        [--bucket_mb 25] [--steps 3] [any other communicator Options field: --geo_warmup 1 ...]
+        [--bucket_mb 25] [--steps 3] [--compile] [any other Options field: --geo_warmup 1 ...]
 
 Builds the preset's model (its memory only: never initialised), fills every .grad with random
 normal values and averages them as train.py does with a compressed --comm
@@ -24,7 +24,9 @@ inside the reduce; the gradients and the model not counted) and OpCounter (aten 
 launch each on a GPU, the price of more buckets; and the ops that make a GPU's host wait, by name),
 printed per step in MB (10^6 bytes) and as a multiple of the gradients' bytes. The first step also
 builds what is kept from then on (the layouts' index tensors, the geometry); the steps after it show
-what every step needs.
+what every step needs. --compile compiles the packed FP8 codec as train.py --compile does
+(nanogeo.wire.kernels) and counts each compiled call as the fused kernels it runs
+(nanogeo.lab.probes.compiled_kernels_seen; inductor's C++ kernels here, Triton's on a GPU).
 """
 import argparse
 import dataclasses
@@ -35,10 +37,12 @@ import torch.distributed as dist
 from torch.futures import Future
 
 import model as model_lib
-from nanogeo.lab.probes import SYNCING, MemoryPeak, OpCounter
+from nanogeo.lab.probes import (SYNCING, MemoryPeak, OpCounter, compiled_kernels_seen,
+                                profile_compiled_kernels)
 from nanogeo.parallel import hooks
 from nanogeo.parallel.communicator import Options, ProductionCommunicator
 from nanogeo.run import config
+from nanogeo.wire import kernels
 
 
 class Done(dist._Work):
@@ -118,23 +122,29 @@ def communicator_for(net, options):
     return communicator.watch(hooks.optimizer_views([optimizer], net))
 
 
-def reduce_peaks(preset, options, steps=3, seed=0):
+def reduce_peaks(preset, options, steps=3, seed=0, compile=False):
     """[(peak new bytes inside the reduce, the gradients' bytes, its OpCounter)] for `steps`
     steps of a Loopback rank 0 averaging random gradients of `preset`'s parameters with Options
-    `options`."""
+    `options` (`compile`: with the packed codec compiled, its calls counted as their kernels)."""
     with torch.device("meta"):
         net = model_lib.Llama(model_lib.model_config(preset))
     net.to_empty(device="cpu")                  # memory only: the reduction never reads it
     params = [p for p in net.parameters() if p.requires_grad]
     communicator = communicator_for(net, options)
     generator, peaks = torch.Generator().manual_seed(seed), []
-    for _ in range(steps):
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=generator)
-        with OpCounter() as ops, MemoryPeak() as mem:
-            communicator.reduce([p.grad for p in params])
-        peaks.append((mem.peak, sum(p.grad.numel() * p.grad.element_size() for p in params),
-                      ops))
+    if compile:
+        profile_compiled_kernels()
+        kernels.compile_hot_path(True)
+    try:
+        for _ in range(steps):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=generator)
+            with OpCounter() as ops, MemoryPeak() as mem, compiled_kernels_seen():
+                communicator.reduce([p.grad for p in params])
+            peaks.append((mem.peak, sum(p.grad.numel() * p.grad.element_size() for p in params),
+                          ops))
+    finally:
+        kernels.compile_hot_path(False)
     return peaks
 
 
@@ -154,14 +164,15 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--preset", default="cpu-tiny", choices=list(model_lib.PRESETS))
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--compile", action="store_true", help="the packed FP8 codec compiled")
     option_flags(parser)
     args = vars(parser.parse_args(sys.argv[1:] if argv is None else argv))
-    preset, steps = args.pop("preset"), args.pop("steps")
+    preset, steps, compile = args.pop("preset"), args.pop("steps"), args.pop("compile")
     options = {k: v for k, v in args.items() if v is not None}
     join_loopback(2)
-    peaks = reduce_peaks(preset, options, steps)
+    peaks = reduce_peaks(preset, options, steps, compile=compile)
     grads = peaks[0][1]
-    print(f"{preset} {options}: gradients {grads / 1e6:,.1f} MB; peak new bytes inside the "
+    print(f"{preset} {options}{' compiled' if compile else ''}: gradients {grads / 1e6:,.1f} MB; peak new bytes inside the "
           f"reduce, rank 0 of 2:")
     for step, (peak, _, ops) in enumerate(peaks, 1):
         syncing = {name: n for name, n in sorted(ops.counts.items()) if name in SYNCING}

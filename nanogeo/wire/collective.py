@@ -151,7 +151,7 @@ class TwoFormatLayout:
         if feedback is not None:
             raise ValueError("a stage 2 in its own format (stage2_fmt) keeps no error feedback: "
                              "pass no feedback, or drop stage2_fmt")
-        W = compress.count_divisor(self.world_size, received)
+        W = packing.world_divisor(self.world_size, received)
         means = [v / W for v in self.stage1_layout.sum_copies(received, shard)]
         second = self.stage2_layout
         if not means:

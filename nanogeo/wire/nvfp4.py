@@ -67,7 +67,7 @@ def tensor_scale(amax, top=compress.E4M3_MAX):
     (Four Over Six: FOUR_OVER_SIX_TOP); at e4m3's max it is compress's, bit for bit."""
     divisor = torch.full_like(amax, compress.E2M1_MAX * top)      # (a tensor: see compress's)
     scale = (amax / divisor).clamp(min=torch.finfo(torch.float32).tiny)
-    return torch.where(amax > 0, scale, torch.ones_like(amax))
+    return torch.where(amax > 0, scale, 1.0)
 
 
 def wire_with(x, encode, top=compress.E4M3_MAX) -> Quantized:
@@ -273,7 +273,7 @@ class Nvfp4PackedLayout(Nvfp4Layout, packing.PackedLayout):
 
     def average_shard(self, received, shard, feedback=None):
         run = self.shards[shard]
-        means = self.sum_groups(received, shard) / compress.count_divisor(self.world_size, received)
+        means = self.sum_groups(received, shard) / packing.world_divisor(self.world_size, received)
         if feedback is not None:                # (as packing.PieceLayout.reduce)
             means = feedback.add(shard, means)
         out = run.encode(means, *self.rounding((shard, 2)))

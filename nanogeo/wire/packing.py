@@ -71,6 +71,12 @@ def from_host(t, device, dtype=None):
     return t.to(device, dtype)
 
 
+def world_divisor(world, like):
+    """compress.count_divisor(world, like), made once per device (a fill kernel a bucket
+    otherwise): the same division, by a one-element tensor."""
+    return on_device((float(world),), like.device)
+
+
 @functools.lru_cache(maxsize=None)
 def on_device(constant, device):
     """A constant tensor (or tuple of tensors, or tuple of numbers) on `device`, made once: built
@@ -217,7 +223,7 @@ class PieceLayout(compress.ShardLayout):
         residual is added to the mean before it is quantized, and what this quantization loses
         is kept for the next step."""
         rounding = self.rounding((shard, 2))
-        W = compress.count_divisor(self.world_size, received)
+        W = world_divisor(self.world_size, received)
         means = [v / W for v in self.sum_copies(received, shard)]
         if feedback is not None:
             means = feedback.add(shard, means)
@@ -292,7 +298,7 @@ class PackedLayout(PieceLayout):
     def average_shard(self, received, shard, feedback=None):
         """The owner's step: the summed shard divided by W, back to wire bytes (with `feedback`, as
         PieceLayout.reduce)."""
-        means = self.sum_groups(received, shard) / compress.count_divisor(self.world_size, received)
+        means = self.sum_groups(received, shard) / world_divisor(self.world_size, received)
         if feedback is not None:
             means = feedback.add(shard, means)
         out = pack_groups(means, self.fmt, *self.rounding((shard, 2)))
