@@ -68,38 +68,45 @@ def test_compress_adamw_direction_is_torchs_adamw_step():
     assert torch.allclose(u, -step.double(), rtol=1e-5, atol=1e-7)
 
 
-def test_the_optimizer_metric_without_an_optimizer_warns_once():
+@pytest.mark.parametrize("spec", [True, False], ids=["compress", "production"])
+def test_the_optimizer_metric_without_an_optimizer_warns_once(spec):
     """geo_judge="optimizer" (the default) with no watch(): the layers are judged in plain L2,
-    and a warning says so once, naming the fix; watched (or geo_judge="l2"), none."""
+    and a warning says so once, naming the fix; watched (or geo_judge="l2"), none. Both
+    communicators."""
+    from nanogeo.parallel.communicator import Options, ProductionCommunicator
     g = torch.Generator().manual_seed(0)
     workers = [[torch.randn(64, 96, generator=g)] for _ in range(2)]
-    comm = compress.Communicator([("w", (64, 96))], compress.GeoOptions(geometry="subspace",
-                                                                       min_numel=16))
+    make, options = ((compress.Communicator, compress.GeoOptions) if spec else
+                     (ProductionCommunicator, Options))
+    comm = make([("w", (64, 96))], options(geometry="subspace", min_numel=16))
     with pytest.warns(UserWarning, match="no optimizer is watched.*call watch") as caught:
         for _ in range(10):
             comm.reduce_workers(workers)
     assert len([w for w in caught if "watched" in str(w.message)]) == 1
-    quiet = compress.Communicator([("w", (64, 96))], compress.GeoOptions(
-        geometry="subspace", min_numel=16, geo_judge="l2"))
+    quiet = make([("w", (64, 96))], options(geometry="subspace", min_numel=16, geo_judge="l2"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for _ in range(10):
             quiet.reduce_workers(workers)
 
 
-def test_decide_is_the_one_decision():
-    """compress.Communicator.decide on every branch: forced (select="all"), a list (only the
-    listed; with both gains 0 the paper's fixed choice, unmeasured), the measured gain with
-    hysteresis (enter at 1.10, stay while >= 1.00; unmeasured: not yet)."""
+@pytest.mark.parametrize("spec", [True, False], ids=["compress", "production"])
+def test_decide_is_the_one_decision(spec):
+    """compress.Communicator.decide on every branch, and ProductionCommunicator's restatement
+    alike: forced (select="all"), a list (only the listed; with both gains 0 the paper's fixed
+    choice, unmeasured), the measured gain with hysteresis (enter at 1.10, stay while >= 1.00;
+    unmeasured: not yet)."""
+    from nanogeo.parallel.communicator import Options, ProductionCommunicator
     def decide(select, gain, use_geo=False, name="a", gains=(1.10, 1.00)):
-        opts = compress.GeoOptions(geometry="subspace", select=select, min_numel=16,
-                                   geo_layers=("a",) if select == "list" else (),
-                                   geo_enter_gain=gains[0], geo_exit_gain=gains[1])
-        comm = compress.Communicator([("a", (32, 32)), ("b", (32, 32))], opts)
+        settings = dict(geometry="subspace", select=select, min_numel=16,
+                        geo_layers=("a",) if select == "list" else (),
+                        geo_enter_gain=gains[0], geo_exit_gain=gains[1])
+        comm = (compress.Communicator(named, compress.GeoOptions(**settings)) if spec else
+                ProductionCommunicator(named, Options(**settings)))
         layer = comm.layers[name]
         layer.gain, layer.use_geo = gain, use_geo
         return comm.decide(name, layer)
-    nan = float("nan")
+    named, nan = [("a", (32, 32)), ("b", (32, 32))], float("nan")
     assert decide("all", nan) and decide("all", 0.5)
     assert not decide("gain", nan) and not decide("gain", 1.05) and decide("gain", 1.10)
     assert decide("gain", 1.05, use_geo=True) and not decide("gain", 0.99, use_geo=True)

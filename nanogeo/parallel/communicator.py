@@ -1,9 +1,9 @@
 """
 The communicator as training runs it: compress.Communicator (the method: coordinates, the
-two-stage collective, refresh, the gain check, the decision) with what production adds around
-it - a subclass that overrides some of compress.py's methods (the list, with what this file does
-in each: docs/method.md, "Two implementations"), held to compress.py's bits by
-tests/test_reference.py:
+two-stage collective, refresh, the gain check, the decision) restated in its faster forms, with
+what production adds around it - a class of its own, not a subclass (which of its methods
+restates which step of compress.py's: docs/method.md, "Two implementations"), held to
+compress.py's bits by tests/test_reference.py:
 
   * memory: the tensors averaged a bucket at a time (bucket_mb, nanogeo.wire.buckets; each
     bucket is compress.py's collective, exchange() in collective()'s place), each mean written
@@ -103,8 +103,9 @@ class BucketedStep:
         self.stage1 = [None] * count        # --log_stages: the mean of the round trips
 
 
-class ProductionCommunicator(GeometryStep, compress.Communicator):
-    """compress.Communicator with the production forms (module docstring). train.py, the DDP
+class ProductionCommunicator(GeometryStep):
+    """compress.Communicator in the production forms (module docstring): the same interface
+    (reduce, reduce_workers, watch, moments_due, steps_taken, layers, ...). train.py, the DDP
     hook, FSDP2 and the tools use this one."""
     LAYERS = layers.LAYERS      # compress.py's layers with their state, and the Hadamard control
     # the names before compress.py's one-name-per-thing pass (906d8c0), for one release (then
@@ -118,7 +119,24 @@ class ProductionCommunicator(GeometryStep, compress.Communicator):
 
     def __init__(self, named_shapes, options=None, group=None, linear=None,
                  timer=collective.NO_TIMER):
-        super().__init__(named_shapes, options or Options(), group, linear)
+        self.opts, self.group = options or Options(), group
+        self.names = [n for n, _ in named_shapes]
+        self.shapes = {n: tuple(s) for n, s in named_shapes}
+        self.layer_class = self.LAYERS.get(self.opts.geometry)     # None: Euclidean
+        may = [n for n in self.names
+               if compress.why_euclidean(n, self.shapes[n], self.opts, linear) is None]
+        self.layers = {n: self.layer_class.create(n, self.shapes[n], self.opts)
+                       for n in may}    # name -> the geometry in use (or being built)
+        self.proposals = {}     # name -> new geometry, not yet measured, not yet used
+        # select="list": the names listed; "fragile": the profile's top_k (select_fragile)
+        self.listed = set(self.opts.geo_layers) if self.opts.select == "list" else set()
+        if self.listed - set(self.names):
+            raise ValueError(f"geo_layers names tensors this model does not have, e.g. "
+                             f"{sorted(self.listed - set(self.names))[0]!r}: list this model's")
+        self.from_moments = bool(self.layers) and self.layer_class.from_moments
+        self.views = {}         # name -> its optimizer's view (watch()); none: plain L2
+        self.warned = False
+        self.steps_taken = 0    # steps taken: counted at the end of each
         self.timer = timer          # a benchmark's stage timer: where the time goes
         self.reasons = {n: compress.why_euclidean(n, self.shapes[n], self.opts, linear)
                         for n in self.names if n not in self.layers}    # why it stays Euclidean
@@ -152,13 +170,15 @@ class ProductionCommunicator(GeometryStep, compress.Communicator):
 
     @ieee       # the coordinates in IEEE fp32 even where the model's matmuls use TF32 (precision.py)
     def to_coords(self, name, g):
+        """g in the coordinates `name` is sent in."""
         with self.timer.stage("rotate"):
-            return super().to_coords(name, g)
+            return self.layers[name].encode(g) if self.sent_in_geometry(name) else g
 
     @ieee
     def from_coords(self, name, c):
+        """Back to the original coordinates."""
         with self.timer.stage("rotate"):
-            return super().from_coords(name, c)
+            return self.layers[name].decode(c) if self.sent_in_geometry(name) else c
 
     # -- the matrices of one shape together (nanogeo.geometry.batched) -----------------------------
 
@@ -471,16 +491,15 @@ class ProductionCommunicator(GeometryStep, compress.Communicator):
         if self.batchable(layers):
             rows = self.errors_by_group(layers, means, grads, world)
             return {n: (layer, list(rows[n].reshape(-1).unbind())) for n, layer in layers.items()}
-        return {n: (layer, compress.Communicator.layer_errors(self, n, layer, means[n], grads[n],
-                                                              world * len(grads[n])))
+        return {n: (layer, self.errors_of(n, layer, means[n], grads[n], world * len(grads[n])))
                 for n, layer in layers.items()}
 
     def layer_errors(self, name, layer, mean, grads, workers):
-        """compress.Communicator.layer_errors; on a step that wrote its means in place, the
+        """errors_of (compress.Communicator.layer_errors); on a step that wrote its means in place, the
         errors step_in_buckets measured as the layer's mean was decoded (the gradient as sent is
         gone by now)."""
         if self.taken is None:
-            return super().layer_errors(name, layer, mean, grads, workers)
+            return self.errors_of(name, layer, mean, grads, workers)
         measured, errors = self.taken.pop(name, (None, None))
         if measured is not layer:
             raise RuntimeError(f"the gain check measures {name!r}, which step_in_buckets did not "

@@ -1,7 +1,10 @@
 """
 The geometry step as training runs it: compress.Communicator.step's step 5 (the step counted,
-then - where due - the gain check and new geometry) with what a run over many ranks needs, a
-mixin of ProductionCommunicator (nanogeo.parallel.communicator) placed before compress.Communicator:
+then - where due - the gain check and new geometry) with what a run over many ranks needs, the
+base of ProductionCommunicator (nanogeo.parallel.communicator). compress.Communicator's
+coordinates, gain check and decision are restated here (the first section below), in the same
+words, and held to it by tests/test_reference.py (entries and exits, bit for bit) and
+tests/test_compress.py (decide, case by case); around them:
 
   * one finiteness decision for all ranks before the geometry moves (a non-finite mean or moment
     is counted in `skipped` and changes nothing), read with the judge's measurements in one host
@@ -15,6 +18,7 @@ mixin of ProductionCommunicator (nanogeo.parallel.communicator) placed before co
 """
 import copy
 import math
+import warnings
 
 import numpy
 import torch
@@ -47,6 +51,119 @@ class RepairedUnmeasured(Exception):
 class GeometryStep:
     """ProductionCommunicator's geometry step (module docstring); it relies on the
     communicator's state (layers, proposals, opts, group, timer, rows, stacks, ...)."""
+
+    # -- compress.Communicator's coordinates, gain check and decision ---------------------------
+
+    def watch(self, views):
+        """Judge each layer by the error its optimizer sees: {name: a view with .error(mean,
+        workers) -> (delta -> squared size)} (nanogeo.parallel.hooks.optimizer_views)."""
+        self.views = dict(views)
+        return self
+
+    def sent_in_geometry(self, name):
+        """Is `name` sent in its geometry-aware coordinates now?"""
+        layer = self.layers.get(name)
+        return (layer is not None and layer.use_geo and layer.built
+                and self.steps_taken > self.opts.geo_warmup)
+
+    def moments_due(self):
+        """Does the next step need K-FAC moments (the whitening refreshes after it)?"""
+        return self.from_moments and self.steps_taken % self.opts.geo_refresh == 0
+
+    def geometry_due(self, fresh_moments, steps_taken):
+        """Does the geometry move once `steps_taken` steps are taken: proposals to measure, a
+        geometry in use but unmeasured, a refresh, or (the whitening) a re-measurement?"""
+        if self.proposals or any(l.built and math.isnan(l.gain) for l in self.layers.values()):
+            return True
+        if self.from_moments:
+            return fresh_moments or steps_taken % self.opts.judge_every == 0
+        return (steps_taken % self.opts.geo_refresh == 0
+                or not all(layer.built for layer in self.layers.values()))
+
+    def to_judge(self):
+        """The layers a geometry step measures: every proposal; the geometry in use where
+        unmeasured, and for the whitening at every check."""
+        return [n for n, layer in self.layers.items() if n in self.proposals
+                or (layer.built and (self.from_moments or math.isnan(layer.gain)))]
+
+    def propose(self, name, found):
+        """New geometry for `name` from its refresh input, a copy (the layer in use stays)."""
+        proposal = copy.copy(self.layers[name])
+        proposal.gain = float("nan")                    # not measured yet
+        proposal.refresh(found)
+        self.consider(name, proposal)
+
+    def consider(self, name, proposal):
+        """A proposal until later gradients measure it - unless decide() takes it unmeasured."""
+        self.proposed = True
+        if self.decide(name, proposal):
+            proposal.use_geo = True
+            self.layers[name] = proposal
+        else:
+            self.proposals[name] = proposal
+
+    def decide(self, name, layer):
+        """compress.Communicator.decide: select="all" always; a list (select="list", or the
+        published top-k "fragile") its names, unmeasured where both gains are 0; otherwise the
+        measured gain with hysteresis (enter at geo_enter_gain, stay while >= geo_exit_gain)."""
+        opts = self.opts
+        if opts.select == "all":
+            return True
+        listed = name in self.listed
+        if opts.select != "gain" and (not listed or max(opts.geo_enter_gain, opts.geo_exit_gain) <= 0):
+            return listed
+        return layer.gain >= (opts.geo_exit_gain if layer.use_geo else opts.geo_enter_gain)
+
+    def judge(self, names, means, as_sent, across_ranks):
+        """Measure each layer's proposal (or, without one, its geometry in use) against
+        Euclidean on this step's gradients, decide, and put what was measured in use."""
+        layers = {n: self.proposals.pop(n, self.layers[n]) for n in names}
+        errors = self.measure(layers, means, as_sent, across_ranks)
+        for (name, layer), (euclid, *rotated) in zip(layers.items(), errors.tolist()):
+            best = min(range(len(rotated)), key=rotated.__getitem__)    # the first of equals
+            if len(rotated) > 1:
+                layer.sides = layer.SIDES[best]
+            geo = rotated[best]
+            layer.gain = math.sqrt(euclid / geo) if geo > 0 else (math.inf if euclid > 0 else 1.0)
+            layer.use_geo = self.decide(name, layer)
+            self.layers[name] = layer
+
+    def measure_each(self, layers, means, as_sent, across_ranks):
+        """compress.Communicator.measure, matrix by matrix: (layers, 1 + rotations) float64 on
+        the device, the squared codec errors Euclidean and in each rotation as the optimizer
+        sees them, summed over the workers and the ranks (every rank decides alike)."""
+        world = dist.get_world_size(self.group) if across_ranks else 1
+        errors = []
+        for name, layer in layers.items():
+            grads = [worker[self.names.index(name)] for worker in as_sent]
+            errors += self.layer_errors(name, layer, means[name], grads, world * len(as_sent))
+        errors = torch.stack(errors).double().view(len(layers), len(as_sent), -1).sum(1)
+        if across_ranks:
+            dist.all_reduce(errors, group=self.group)
+        return errors
+
+    def errors_of(self, name, layer, mean, grads, workers):
+        """compress.Communicator.layer_errors: one layer's squared codec errors, Euclidean and
+        in its coordinates, for each worker's gradient as sent, as its optimizer sees them."""
+        seen, errors = self.error_seen(name, mean, workers), []
+        for g in grads:
+            g = g.float()
+            errors.append(seen(self.round_trip(g) - g))
+            errors += [seen(back - g) for back in self.through_codec(layer, g)]
+        return errors
+
+    def plain_error_seen(self, name, mean, workers):
+        """compress.Communicator.error_seen: the layer's optimizer view, or plain L2 - warning
+        once if asked for but no optimizer is watched."""
+        view = self.views.get(name) if self.opts.geo_judge == "optimizer" else None
+        if view is not None:
+            return view.error(mean, workers)
+        if self.opts.geo_judge == "optimizer" and not self.views and not self.warned:
+            self.warned = True
+            warnings.warn("geo_judge='optimizer' but no optimizer is watched, so the layers are "
+                          "judged in plain L2: call watch() (the DDP hook: state.watch("
+                          "optimizers)) or pass geo_judge='l2'", stacklevel=3)
+        return lambda delta: delta.pow(2).sum()
 
     # -- the paper's profiled selection ----------------------------------------------------------
 
@@ -190,7 +307,7 @@ class GeometryStep:
         measured together (errors_by_group) where every layer can be - on a step that wrote its
         means in place, what step_in_buckets measured as they arrived (layer_errors)."""
         if self.taken is not None or not self.batchable(layers):
-            return super().measure(layers, means, as_sent, across_ranks)
+            return self.measure_each(layers, means, as_sent, across_ranks)
         world = dist.get_world_size(self.group) if across_ranks else 1
         index = {n: i for i, n in enumerate(self.names)}
         grads = {n: [worker[index[n]] for worker in as_sent] for n in layers}
@@ -234,8 +351,17 @@ class GeometryStep:
         return batched.round_trip_stack(X, self.opts.fmt, self.opts.block)
 
     def refresh_inputs(self, means, moments):
-        """compress.Communicator.refresh_inputs, after the step's flags are read (host_read)."""
-        found = super().refresh_inputs(means, moments)
+        """compress.Communicator.refresh_inputs - {name: what its new geometry is built from}:
+        the whitening's averaged K-FAC moments ({side: moment}), when given; the others' decoded
+        mean every geo_refresh steps, or until built - after the step's flags are read
+        (host_read)."""
+        if self.from_moments:
+            given = {n: {side: moments[side][n] for side in self.whitened_sides()
+                         if n in moments.get(side, {})} for n in self.layers} if moments else {}
+            found = {n: sides for n, sides in given.items() if sides}
+        else:
+            found = {n: means[n] for n, layer in self.layers.items()
+                     if self.steps_taken % self.opts.geo_refresh == 0 or not layer.built}
         if found and self.bad is not None:
             self.host_read()
         return found
@@ -282,10 +408,6 @@ class GeometryStep:
             else:
                 self.propose(name, found)
 
-    def consider(self, name, proposal):
-        self.proposed = True
-        super().consider(name, proposal)
-
     def auto_sides(self):
         """Does the gain check compare two rotations (sides="auto"): both sides, and the column
         side alone, which keeps every row's scale (an error spread over rows lands on rows AdamW
@@ -298,7 +420,7 @@ class GeometryStep:
         block scales where nvfp4_scale says so)."""
         if self.opts.fmt == "nvfp4" and self.opts.nvfp4_scale == "4over6":
             return compress.dequantize(nvfp4.quantize_4over6(x))
-        return super().round_trip(x)
+        return compress.dequantize(compress.quantize(x, self.opts.fmt, self.opts.block))
 
     def through_codec(self, layer, g):
         """g through the codec in the layer's coordinates, or with sides="auto" in each of its
@@ -313,6 +435,6 @@ class GeometryStep:
         in L2): the gain check's all-reduce adds the ranks' rows up."""
         rows = self.rows.get(name)
         if rows is None:
-            return super().error_seen(name, mean, workers)
+            return self.plain_error_seen(name, mean, workers)
         view = self.views.get(name) if self.opts.geo_judge == "optimizer" else None
         return update_error.UpdateError(view, mean, rows, workers)
