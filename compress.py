@@ -1021,10 +1021,6 @@ class Communicator:
         """Back to the original coordinates."""
         return self.layers[name].decode(c) if self.sent_in_geometry(name) else c
 
-    def whitened_sides(self):
-        """The sides it whitens (published: the input)."""
-        return ("input",)
-
     def moments_due(self):
         """Does the next step's reduce() need K-FAC moments (the whitening refreshes after it:
         a multiple of geo_refresh steps taken before it)?"""
@@ -1046,25 +1042,22 @@ class Communicator:
         return nbytes
 
     def average_moments(self, moments, device):
-        """Every rank's K-FAC moments averaged, each weighted by the tokens it averaged
-        (moments["tokens"][side][name]) - E[a a^T] over every rank's tokens - so that every
-        rank builds the same factors. One all-reduce of a fixed list of (side, layer) slots, the
-        same on every rank: a layer a rank did not run adds zeros and 0 tokens (a moment given
-        without its tokens weighs 0); one no rank ran stays out. (The token counts go to the
-        device as a copy and come back as a host read; the fast path makes them there.)"""
-        slots = [(side, n) for side in self.whitened_sides() for n in self.layers]
-        widths = [self.shapes[n][1 if side == "input" else 0] for side, n in slots]
-        tokens = [moments.get("tokens", {}).get(side, {}).get(n, 0) for side, n in slots]
-        parts = [moments[side][n].reshape(-1) * t if n in moments.get(side, {}) else
-                 torch.zeros(d * d, device=device) for (side, n), d, t in zip(slots, widths, tokens)]
+        """Every rank's K-FAC input moments averaged, each weighted by the tokens it averaged
+        (moments["tokens"]["input"][name]) - E[a a^T] over every rank's tokens - so that every
+        rank builds the same factors. One all-reduce of a slot per layer, alike on every rank:
+        a layer a rank did not run adds zeros and 0 tokens (a moment given without its tokens
+        weighs 0); one no rank ran stays out. (The token counts go to the device as a copy and
+        come back as a host read; the fast path makes them there.)"""
+        given, counted = moments.get("input", {}), moments.get("tokens", {}).get("input", {})
+        widths = [self.shapes[n][1] for n in self.layers]                  # A is d_in x d_in
+        tokens = [counted.get(n, 0) for n in self.layers]
+        parts = [given[n].reshape(-1) * t if n in given else torch.zeros(d * d, device=device)
+                 for n, d, t in zip(self.layers, widths, tokens)]
         flat = torch.cat(parts + [torch.tensor(tokens, dtype=torch.float32, device=device)])
         dist.all_reduce(flat, group=self.group)
-        totals, counts = flat[:-len(slots)].split([d * d for d in widths]), flat[-len(slots):]
-        out = {side: {} for side in self.whitened_sides()}
-        for (side, n), d, total, count in zip(slots, widths, totals, counts.tolist()):
-            if count > 0:
-                out[side][n] = total.view(d, d) / count_divisor(count, total)
-        return out
+        totals, counts = flat[:-len(widths)].split([d * d for d in widths]), flat[-len(widths):]
+        return {"input": {n: total.view(d, d) / count_divisor(count, total) for n, d, total, count
+                          in zip(self.layers, widths, totals, counts.tolist()) if count > 0}}
 
     def reduce_workers(self, worker_grads, moments=None):
         """reduce()'s numerics for W simulated workers (`moments`: already averaged over all
@@ -1168,24 +1161,19 @@ class Communicator:
         moments ({side: moment}), when given; the others' decoded mean every geo_refresh steps,
         or until built."""
         if self.from_moments:
-            found = {n: {side: moments[side][n] for side in self.whitened_sides()
-                         if n in moments.get(side, {})} for n in self.layers} if moments else {}
-            return {n: sides for n, sides in found.items() if sides}
+            given = (moments or {}).get("input", {})
+            return {n: {"input": given[n]} for n in self.layers if n in given}
         return {n: means[n] for n, layer in self.layers.items()
                 if self.steps_taken % self.opts.geo_refresh == 0 or not layer.built}
 
     def propose(self, name, found):
-        """New geometry for `name` from its refresh input. A copy: refresh() assigns new tensors,
-        the layer in use stays."""
+        """New geometry for `name` from its refresh input - a copy: refresh() assigns new
+        tensors, the layer in use stays - and a proposal until later gradients measure it
+        (measured on the gradients it was built from, it would look better than it is), unless
+        decide() takes it unmeasured."""
         proposal = copy.copy(self.layers[name])
         proposal.gain = float("nan")                    # not measured yet
         proposal.refresh(found)
-        self.consider(name, proposal)
-
-    def consider(self, name, proposal):
-        """New geometry for `name` is a proposal until later gradients measure it (measured
-        on the gradients it was built from, it would look better than it is) - unless decide()
-        takes it unmeasured."""
         if self.decide(name, proposal):
             proposal.use_geo = True
             self.layers[name] = proposal
@@ -1227,30 +1215,23 @@ class Communicator:
             self.layers[name] = layer
 
     def measure(self, layers, means, as_sent, across_ranks):
-        """(layers, 1 + rotations) float64 on the device: the squared codec error of
-        Euclidean FP8 and of the geometry-aware codec in each of the layer's rotations (SIDES),
-        as its optimizer sees it, summed over the workers - and over the ranks, so every rank
-        decides alike."""
+        """(layers, 1 + rotations) float64 on the device: for each worker's gradient as sent,
+        the squared codec error of Euclidean FP8 and of the geometry-aware codec in each of the
+        layer's rotations (SIDES), as its optimizer sees it around the mean, summed over the
+        workers - and over the ranks, so every rank decides alike."""
         world = dist.get_world_size(self.group) if across_ranks else 1
         errors = []
         for name, layer in layers.items():
-            grads = [worker[self.names.index(name)] for worker in as_sent]
-            errors += self.layer_errors(name, layer, means[name], grads, world * len(as_sent))
+            seen = self.error_seen(name, means[name], world * len(as_sent))
+            rotations = [layer.with_sides(sides) for sides in layer.SIDES]
+            for worker in as_sent:
+                g = worker[self.names.index(name)].float()
+                errors.append(seen(self.round_trip(g) - g))
+                errors += [seen(r.decode(self.round_trip(r.encode(g))) - g) for r in rotations]
         errors = torch.stack(errors).double().view(len(layers), len(as_sent), -1).sum(1)
         if across_ranks:
             dist.all_reduce(errors, group=self.group)
         return errors                           # on the device: judge's .tolist() reads it
-
-    def layer_errors(self, name, layer, mean, grads, workers):
-        """One layer's squared codec errors,
-        Euclidean and in the layer's coordinates, for each worker's gradient as sent (`grads`),
-        as its optimizer sees them around `mean`: a list of device scalars."""
-        seen, errors = self.error_seen(name, mean, workers), []
-        for g in grads:
-            g = g.float()
-            errors.append(seen(self.round_trip(g) - g))
-            errors += [seen(back - g) for back in self.through_codec(layer, g)]
-        return errors
 
     def error_seen(self, name, mean, workers):
         """delta -> a gradient error's squared size as the layer's optimizer sees it (its
@@ -1268,11 +1249,6 @@ class Communicator:
     def round_trip(self, x):
         """x through the codec and back."""
         return dequantize(quantize(x, self.opts.fmt, self.opts.block))
-
-    def through_codec(self, layer, g):
-        """[g through the codec in each of the layer's rotations (its SIDES)]."""
-        return [rotation.decode(self.round_trip(rotation.encode(g)))
-                for rotation in map(layer.with_sides, layer.SIDES)]
 
 
 # ==== 7. See it work: python compress.py ==========================================================

@@ -677,7 +677,7 @@ def override_list():
     import os
     import re
     page = open(os.path.join(os.path.dirname(compress.__file__), "docs", "method.md")).read()
-    anchor = "(the map the teaching file used to carry):"
+    anchor = "(the map of the fast path's restatements and overrides):"
     assert anchor in page, f"docs/method.md lost the override map's heading line {anchor!r}"
     start = page.index(anchor)
     header = page[start:page.index("\n```\n", page.index("```", start) + 3)]
@@ -692,8 +692,9 @@ def override_list():
 
 
 def test_the_override_map_names_every_override():
-    """docs/method.md's map names exactly the methods production overrides in compress.py's
-    classes (compress.py itself carries no marker of them: it is the specification)."""
+    """docs/method.md's map names exactly the methods production restates (ProductionCommunicator,
+    a class of its own) or overrides (Options, the layers) of compress.py's classes (compress.py
+    itself carries no marker of them: it is the specification)."""
     import inspect
     from nanogeo.geometry import layers as production_layers
     pairs = [("", compress.Communicator, ProductionCommunicator),

@@ -82,6 +82,10 @@ class Reference:
     def coords(self, name):
         return "geo" if self.spec.sent_in_geometry(name) else "euclidean"
 
+    def whitened_sides(self):
+        """compress.py whitens the input side (K-FAC's A) only."""
+        return ("input",)
+
     def moment_layers(self):
         """The layers whose K-FAC moments the forward hooks collect (the whitening's)."""
         return list(self.spec.layers) if self.spec.from_moments else []
@@ -93,7 +97,7 @@ class Reference:
         those of one all-reduce of the same slots: tests/test_reference.py)."""
         if moments:
             shapes = {n: self.spec.shapes[n] for n in self.moment_layers()}
-            moments = hooks.average_worker_moments(moments, shapes, self.spec.whitened_sides(),
+            moments = hooks.average_worker_moments(moments, shapes, self.whitened_sides(),
                                                    worker_grads[0][0].device)
         return self.spec.reduce_workers(worker_grads, moments)
 
