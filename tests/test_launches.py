@@ -94,7 +94,7 @@ def test_a_compiled_codec_call_counts_as_the_kernels_it_runs():
         options = dict(geometry="euclidean", bucket_mb=0)
         (_, _, eager), (_, _, _) = reduce_memory.reduce_peaks("char-study", options, steps=2)
         _, (peak, _, compiled) = reduce_memory.reduce_peaks(
-            "char-study", options, steps=2, compile=True)
+            "char-study", options, steps=2, compiled=True)
     finally:
         dist.destroy_process_group()
     encodes = eager.counts["amax"]                  # stage 1 and stage 2: one encode each

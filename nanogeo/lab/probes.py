@@ -18,12 +18,13 @@ just swaps. None of that shows in a CPU's wall time, so the tests and benchmarks
 Both are plain context managers around any code; they change nothing it computes.
 
 torch.compile'd code under a dispatch mode falls back to its eager ops, so by itself a probe would
-count the codec's ~11 ops where a GPU launches one fused kernel. With the packed codec compiled
-(train.py --compile), count it as it runs:
+count the packed FP8 codec's ~11 ops an encode where compiled code runs one fused kernel. To
+count the codec compiled (as train.py --compile runs it), on the CPU:
 
-    profile_compiled_kernels()          # before nanogeo.wire.kernels.compile_hot_path(True)
-    with OpCounter() as ops, compiled_kernels_seen():
-        ...                             # each compiled codec call: its fused kernels, counted
+    with kernels_profiled():            # the codec compiled anew, its C++ kernels profiled
+        nanogeo.wire.kernels.compile_hot_path(True)
+        with OpCounter() as ops, compiled_kernels_seen():
+            ...                         # each compiled codec call: its fused kernels, counted
 """
 import contextlib
 import weakref
@@ -130,22 +131,38 @@ class MemoryPeak(TorchDispatchMode):
         weakref.finalize(storage, freed)
 
 
-def profile_compiled_kernels():
-    """Make every C++ kernel that inductor compiles from now on record itself in the profiler
-    (named graph_<n>_cpp_fused_...), so compiled_kernels_seen() can count them."""
+@contextlib.contextmanager
+def kernels_profiled():
+    """While active, every C++ kernel inductor compiles records itself in the profiler (named
+    graph_<n>_cpp_fused_...), so compiled_kernels_seen() can count them. The codec compiles anew
+    on entry and on exit (torch._dynamo.reset(): every compiled function of the process does),
+    so no kernel compiled before counts nothing and none compiled inside stays profiled."""
+    import torch._dynamo as dynamo
     import torch._inductor.config as inductor_config
+    from nanogeo.wire import kernels
+
+    def compile_anew():
+        kernels.COMPILED.clear()
+        dynamo.reset()
+    was = inductor_config.cpp.enable_kernel_profile
     inductor_config.cpp.enable_kernel_profile = True
+    compile_anew()
+    try:
+        yield
+    finally:
+        inductor_config.cpp.enable_kernel_profile = was
+        compile_anew()
 
 
 @contextlib.contextmanager
 def compiled_kernels_seen():
     """While active, each call of a compiled codec kernel (nanogeo.wire.kernels.KERNELS after
     compile_hot_path(True)) runs compiled, outside the probes, and reports to each probe active
-    at the call (compiled_call) the fused kernels it ran - one launch each on a GPU. The
-    profiler counts them at the first call of each graph (a graph is the same for every group
-    count G but 1, nanogeo.wire.kernels: one per kernel, dtype and G = 1 or not). Compiled on
-    the CPU, the codec's inductor graph is one C++ kernel an encode and one a decode; Triton's
-    fusion on a GPU may differ."""
+    at the call (compiled_call) the fused kernels it ran, each a launch. The profiler counts
+    them at the first call of each graph (a graph is the same for every group count G but 1,
+    nanogeo.wire.kernels: one per kernel, dtype and G = 1 or not). On the CPU only (inductor's
+    C++ kernels, compiled inside kernels_profiled()): there the codec's graph is one kernel an
+    encode and one a decode; Triton's fusion on a GPU is not counted here and may differ."""
     from nanogeo.wire import kernels
     fused_per_graph = {}
 
@@ -155,8 +172,8 @@ def compiled_kernels_seen():
             out = kernel(*args)
         count = sum(e.name.startswith("graph_") for e in profile.events())
         if not count:
-            raise RuntimeError("a compiled kernel ran no profiled kernel: call "
-                               "profile_compiled_kernels() before compile_hot_path(True)")
+            raise RuntimeError("a compiled kernel ran no profiled kernel: compile it inside "
+                               "kernels_profiled(), on the CPU")
         return out, count
 
     def seen(name, kernel):

@@ -26,9 +26,11 @@ printed per step in MB (10^6 bytes) and as a multiple of the gradients' bytes. T
 builds what is kept from then on (the layouts' index tensors, the geometry); the steps after it show
 what every step needs. --compile compiles the packed FP8 codec as train.py --compile does
 (nanogeo.wire.kernels) and counts each compiled call as the fused kernels it runs
-(nanogeo.lab.probes.compiled_kernels_seen; inductor's C++ kernels here, Triton's on a GPU).
+(nanogeo.lab.probes.compiled_kernels_seen: inductor's C++ kernels on this CPU; Triton's fusion
+on a GPU may differ).
 """
 import argparse
+import contextlib
 import dataclasses
 import sys
 
@@ -38,7 +40,7 @@ from torch.futures import Future
 
 import model as model_lib
 from nanogeo.lab.probes import (SYNCING, MemoryPeak, OpCounter, compiled_kernels_seen,
-                                profile_compiled_kernels)
+                                kernels_profiled)
 from nanogeo.parallel import hooks
 from nanogeo.parallel.communicator import Options, ProductionCommunicator
 from nanogeo.run import config
@@ -122,29 +124,29 @@ def communicator_for(net, options):
     return communicator.watch(hooks.optimizer_views([optimizer], net))
 
 
-def reduce_peaks(preset, options, steps=3, seed=0, compile=False):
+def reduce_peaks(preset, options, steps=3, seed=0, compiled=False):
     """[(peak new bytes inside the reduce, the gradients' bytes, its OpCounter)] for `steps`
     steps of a Loopback rank 0 averaging random gradients of `preset`'s parameters with Options
-    `options` (`compile`: with the packed codec compiled, its calls counted as their kernels)."""
+    `options` (`compiled`: with the packed codec compiled, its calls counted as their kernels;
+    the codec's state is put back after)."""
     with torch.device("meta"):
         net = model_lib.Llama(model_lib.model_config(preset))
     net.to_empty(device="cpu")                  # memory only: the reduction never reads it
     params = [p for p in net.parameters() if p.requires_grad]
     communicator = communicator_for(net, options)
-    generator, peaks = torch.Generator().manual_seed(seed), []
-    if compile:
-        profile_compiled_kernels()
-        kernels.compile_hot_path(True)
+    generator, peaks, was_compiled = torch.Generator().manual_seed(seed), [], kernels.compiled()
     try:
-        for _ in range(steps):
-            for p in params:
-                p.grad = torch.randn(p.shape, generator=generator)
-            with OpCounter() as ops, MemoryPeak() as mem, compiled_kernels_seen():
-                communicator.reduce([p.grad for p in params])
-            peaks.append((mem.peak, sum(p.grad.numel() * p.grad.element_size() for p in params),
-                          ops))
+        with kernels_profiled() if compiled else contextlib.nullcontext():
+            kernels.compile_hot_path(compiled)
+            for _ in range(steps):
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=generator)
+                with OpCounter() as ops, MemoryPeak() as mem, compiled_kernels_seen():
+                    communicator.reduce([p.grad for p in params])
+                peaks.append((mem.peak, sum(p.grad.numel() * p.grad.element_size()
+                                            for p in params), ops))
     finally:
-        kernels.compile_hot_path(False)
+        kernels.compile_hot_path(was_compiled)      # (compiled anew, unprofiled, if it was)
     return peaks
 
 
@@ -164,16 +166,17 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--preset", default="cpu-tiny", choices=list(model_lib.PRESETS))
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--compile", action="store_true", help="the packed FP8 codec compiled")
+    parser.add_argument("--compile", action="store_true", dest="compiled",
+                        help="the packed FP8 codec compiled")
     option_flags(parser)
     args = vars(parser.parse_args(sys.argv[1:] if argv is None else argv))
-    preset, steps, compile = args.pop("preset"), args.pop("steps"), args.pop("compile")
+    preset, steps, compiled = args.pop("preset"), args.pop("steps"), args.pop("compiled")
     options = {k: v for k, v in args.items() if v is not None}
     join_loopback(2)
-    peaks = reduce_peaks(preset, options, steps, compile=compile)
+    peaks = reduce_peaks(preset, options, steps, compiled=compiled)
     grads = peaks[0][1]
-    print(f"{preset} {options}{' compiled' if compile else ''}: gradients {grads / 1e6:,.1f} MB; peak new bytes inside the "
-          f"reduce, rank 0 of 2:")
+    print(f"{preset} {options}{' compiled' if compiled else ''}: gradients {grads / 1e6:,.1f} "
+          f"MB; peak new bytes inside the reduce, rank 0 of 2:")
     for step, (peak, _, ops) in enumerate(peaks, 1):
         syncing = {name: n for name, n in sorted(ops.counts.items()) if name in SYNCING}
         print(f"  step {step}: {peak / 1e6:,.1f} MB = {peak / grads:.3f} x the gradients, "

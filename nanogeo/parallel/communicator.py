@@ -495,9 +495,9 @@ class ProductionCommunicator(GeometryStep):
                 for n, layer in layers.items()}
 
     def layer_errors(self, name, layer, mean, grads, workers):
-        """errors_of (compress.Communicator.layer_errors); on a step that wrote its means in place, the
-        errors step_in_buckets measured as the layer's mean was decoded (the gradient as sent is
-        gone by now)."""
+        """errors_of (one layer's part of compress.Communicator.measure); on a step that wrote
+        its means in place, the errors step_in_buckets measured as the layer's mean was decoded
+        (the gradient as sent is gone by now)."""
         if self.taken is None:
             return self.errors_of(name, layer, mean, grads, workers)
         measured, errors = self.taken.pop(name, (None, None))

@@ -3,8 +3,9 @@ The geometry step as training runs it: compress.Communicator.step's step 5 (the 
 then - where due - the gain check and new geometry) with what a run over many ranks needs, the
 base of ProductionCommunicator (nanogeo.parallel.communicator). compress.Communicator's
 coordinates, gain check and decision are restated here (the first section below), in the same
-words, and held to it by tests/test_reference.py (entries and exits, bit for bit) and
-tests/test_compress.py (decide, case by case); around them:
+words, and held to it by tests/test_reference.py (entries and exits, bit for bit),
+tests/test_optimizer_metric.py (decide, case by case) and tests/test_compress.py (the methods
+restated in the same words: the same code); around them:
 
   * one finiteness decision for all ranks before the geometry moves (a non-finite mean or moment
     is counted in `skipped` and changes nothing), read with the judge's measurements in one host
@@ -143,8 +144,9 @@ class GeometryStep:
         return errors
 
     def errors_of(self, name, layer, mean, grads, workers):
-        """compress.Communicator.layer_errors: one layer's squared codec errors, Euclidean and
-        in its coordinates, for each worker's gradient as sent, as its optimizer sees them."""
+        """One layer's squared codec errors (compress.Communicator.measure's, for one layer),
+        Euclidean and in its coordinates, for each worker's gradient as sent, as its optimizer
+        sees them: a list of device scalars."""
         seen, errors = self.error_seen(name, mean, workers), []
         for g in grads:
             g = g.float()

@@ -73,8 +73,13 @@ def from_host(t, device, dtype=None):
 
 def world_divisor(world, like):
     """compress.count_divisor(world, like), made once per device (a fill kernel a bucket
-    otherwise): the same division, by a one-element tensor."""
-    return on_device((float(world),), like.device)
+    otherwise)."""
+    return count_divisor_on(world, like.device)
+
+
+@functools.lru_cache(maxsize=None)
+def count_divisor_on(world, device):
+    return compress.count_divisor(world, torch.empty(0, device=device))
 
 
 @functools.lru_cache(maxsize=None)
