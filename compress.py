@@ -1158,7 +1158,7 @@ class Communicator:
 
     def refresh_inputs(self, means, moments):
         """{name: what its new geometry is built from}: the whitening's averaged K-FAC
-        moments ({side: moment}), when given; the others' decoded mean every geo_refresh steps,
+        input moment ({"input": A}), when given; the others' decoded mean every geo_refresh steps,
         or until built."""
         if self.from_moments:
             given = (moments or {}).get("input", {})

@@ -92,7 +92,7 @@ def test_a_compiled_codec_call_counts_as_the_kernels_it_runs():
     reduce_memory.join_loopback(2)
     try:
         options = dict(geometry="euclidean", bucket_mb=0)
-        (_, _, eager), (_, _, _) = reduce_memory.reduce_peaks("char-study", options, steps=2)
+        _, (_, _, eager) = reduce_memory.reduce_peaks("char-study", options, steps=2)
         _, (peak, _, compiled) = reduce_memory.reduce_peaks(
             "char-study", options, steps=2, compiled=True)
     finally:

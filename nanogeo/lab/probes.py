@@ -135,23 +135,26 @@ class MemoryPeak(TorchDispatchMode):
 def kernels_profiled():
     """While active, every C++ kernel inductor compiles records itself in the profiler (named
     graph_<n>_cpp_fused_...), so compiled_kernels_seen() can count them. The codec compiles anew
-    on entry and on exit (torch._dynamo.reset(): every compiled function of the process does),
-    so no kernel compiled before counts nothing and none compiled inside stays profiled."""
+    on entry and on exit (torch._dynamo.reset(): so does every other compiled function of the
+    process, a compiled model too), so none compiled before runs unprofiled inside and none
+    compiled inside stays profiled; on exit the codec is compiled or eager as it was before."""
     import torch._dynamo as dynamo
     import torch._inductor.config as inductor_config
     from nanogeo.wire import kernels
 
     def compile_anew():
         kernels.COMPILED.clear()
+        kernels.KERNELS.update(kernels.EAGER)
         dynamo.reset()
-    was = inductor_config.cpp.enable_kernel_profile
-    inductor_config.cpp.enable_kernel_profile = True
-    compile_anew()
+    was, was_compiled = inductor_config.cpp.enable_kernel_profile, kernels.compiled()
     try:
+        inductor_config.cpp.enable_kernel_profile = True
+        compile_anew()
         yield
     finally:
         inductor_config.cpp.enable_kernel_profile = was
         compile_anew()
+        kernels.compile_hot_path(was_compiled)
 
 
 @contextlib.contextmanager

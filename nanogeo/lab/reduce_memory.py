@@ -127,8 +127,9 @@ def communicator_for(net, options):
 def reduce_peaks(preset, options, steps=3, seed=0, compiled=False):
     """[(peak new bytes inside the reduce, the gradients' bytes, its OpCounter)] for `steps`
     steps of a Loopback rank 0 averaging random gradients of `preset`'s parameters with Options
-    `options` (`compiled`: with the packed codec compiled, its calls counted as their kernels;
-    the codec's state is put back after)."""
+    `options` (`compiled`: with the packed codec compiled, its calls counted as their kernels -
+    every compiled function of the process is compiled anew, probes.kernels_profiled; the
+    codec's state is put back after)."""
     with torch.device("meta"):
         net = model_lib.Llama(model_lib.model_config(preset))
     net.to_empty(device="cpu")                  # memory only: the reduction never reads it
