@@ -551,11 +551,66 @@ def top_eigenpairs(A, r, floor):
     return U, lam, rest
 
 
-def whitening_factor(A, r=32, damping=1e-3, floor=1e-3):
+# The factor needs A's r largest eigenpairs only; eigh finds all d of them (~9 d^3 flops in
+# float64, and on a GPU it stops the host). Subspace iteration finds the top k = r + 16
+# directions with a few fp32 products A Q and a thin QR each; a Rayleigh-Ritz step in float64
+# gives their eigenpairs. The moments move slowly (their EMA), so a refresh starts from the
+# directions of the factor in use: 4 products, 8 from a seeded random start. A direction is found
+# to about (lambda_k+1 / lambda_r)^products: an approximation, so it is used where the gain check
+# measures every factor before use (a poorer factor can cost the gain, never the error); a layer
+# used unmeasured gets the exact eigh.
+
+def whitening_factor(A, r=32, damping=1e-3, floor=1e-3, solver="eigh", old=None):
     """The factor GeoFP8 whitens with, F F^T = A^ + damping I, for a second moment A (d x d):
-    computed in float64 (a nearly singular A needs it), returned in A's dtype."""
-    A64 = (A.double() + A.double().T) / 2
-    return factor_of_parts(*top_eigenpairs(A64, min(r, A.shape[0]), floor), damping, A.dtype)
+    computed in float64 (a nearly singular A needs it), returned in A's dtype. solver="subspace":
+    A^'s eigenpairs by subspace iteration, warm-started from `old` (the factor in use, or None)."""
+    A64, r = (A.double() + A.double().T) / 2, min(r, A.shape[0])
+    if solver == "subspace":
+        parts = subspace_eigenpairs(A64, r, floor, start=eigen_directions(old))
+    else:
+        parts = top_eigenpairs(A64, r, floor)
+    return factor_of_parts(*parts, damping, A.dtype)
+
+
+def orthonormal(A):
+    """An orthonormal basis of A's columns (A: (d, k), k <= d), by QR."""
+    return torch.linalg.qr(A).Q
+
+
+@functools.lru_cache(maxsize=None)
+def random_start(d, k, device):
+    """(d, k) fp32 random directions seeded by d, alike on every rank; made once per shape and
+    device (a copy from the host's pageable memory would stop a GPU's host at every refresh)."""
+    generator = torch.Generator(device="cpu").manual_seed(d)
+    return torch.randn(d, k, generator=generator).to(device)
+
+
+def subspace_eigenpairs(A, r, floor, start=None, oversample=16):
+    """top_eigenpairs(A, r, floor) by subspace iteration (float64 A (d, d); `start`: (d, r)
+    directions near the wanted ones, or None). Where k = r + oversample is not well below d,
+    the full eigendecomposition is as cheap: that one."""
+    d, k = A.shape[0], r + oversample
+    if 2 * k > d:
+        return top_eigenpairs(A, r, floor)
+    Q, warm = random_start(d, k, A.device), start is not None and tuple(start.shape) == (d, r)
+    if warm:                        # (a new tensor, not written in place: torch.vmap maps this)
+        Q = torch.cat([start.to(Q.dtype), Q[:, r:]], dim=1)
+    A32, Q = A.float(), orthonormal(Q)
+    for _ in range(4 if warm else 8):
+        Q = orthonormal(A32 @ Q)                                        # (d, k) fp32
+    Q = orthonormal(Q.double())
+    values, W = torch.linalg.eigh(Q.T @ A @ Q)                  # (k,), (k, k) ascending
+    U, lam = Q @ W[:, -r:], values[-r:].clamp(min=0)            # (d, r), (r,)
+    rest = (A.diagonal() - (U.pow(2) * lam).sum(1)).clamp(min=floor)
+    return U, lam, rest
+
+
+def eigen_directions(factor):
+    """The eigen-directions a factor was built from, a warm start (None for no factor): its
+    directions Z span D^-1/2 U, so D^1/2 Z spans U."""
+    if factor is None or factor.directions is None:
+        return None
+    return orthonormal((factor.sqrt_d[:, None] * factor.directions).float())
 
 
 def factor_of_parts(U, lam, rest, damping, dtype):
@@ -619,8 +674,11 @@ class WhitenedLayer:
                                   self.opts.moment_decay * old + (1 - self.opts.moment_decay) * moment)
 
     def factor_of(self, side, moment):
-        """The factor of a smoothed moment."""
-        return whitening_factor(moment, self.opts.whiten_rank, self.opts.damping)
+        """The factor of a smoothed moment: by subspace iteration from the factor in use where
+        the gain check measures it before use (select="gain"), else by the exact eigh."""
+        solver = "subspace" if self.opts.select == "gain" else "eigh"
+        return whitening_factor(moment, self.opts.whiten_rank, self.opts.damping, solver=solver,
+                                old=self.factors.get(side))
 
 
 # ==== 4. This project's coordinates: a two-sided rotation toward the dominant subspaces ===========
@@ -717,10 +775,6 @@ def swap_entries(H, swaps):
     flat = H.reshape(-1).clone()
     flat[a], flat[b] = flat[b], flat[a].clone()
     return flat.view(H.shape)
-
-
-def orthonormal(A):
-    return torch.linalg.qr(A).Q
 
 
 def update_subspaces(G, U, V, iters=1):

@@ -5,7 +5,7 @@ The algorithms live in the top-level `compress.py`; everything here imports them
     parallel/   the communicator and what plugs it into training: DDP and FSDP2 hooks, the
                 model's K-FAC hooks, simulated ranks, the IEEE-fp32 guard
     geometry/   the coordinates (whitening, subspace rotation, Hadamard) and what builds and
-                judges them: the eigensolver, FSDP row blocks, the optimizer's update error,
+                judges them: FSDP row blocks, the optimizer's update error,
                 the check that every rank holds the same geometry
     wire/       the bytes: packed codecs, the two-stage collective, the paper's FP8-sum, NVFP4
     run/        train.py's pieces: config, runtime, checkpoints, logs, evaluation

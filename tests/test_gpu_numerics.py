@@ -178,18 +178,18 @@ def test_subspace_eigenpairs_give_the_textbook_metric(alpha):
     """The top-r eigenpairs by subspace iteration (cold, and warm from the factor of an earlier
     moment) give nearly compress.top_eigenpairs' A^: its distance to the exact A^ is a small part
     of A^'s own distance to A (the low-rank approximation's error), also on a flat spectrum."""
-    from nanogeo.geometry import eigensolver
     d, r = 256, 32
     A = decaying_moment(d, alpha, 0)
     later = 0.95 * A + 0.05 * decaying_moment(d, alpha, 1)     # the EMA one refresh later
     for moment, start in ((A, None), (later, "warm")):
         exact = metric(*compress.top_eigenpairs(moment, r, 1e-3))
         if start:
-            start = eigensolver.start_of(eigensolver.fast_whitening_factor(A.float(), r))
-        fast = metric(*eigensolver.subspace_eigenpairs(moment, r, 1e-3, start=start))
+            start = compress.eigen_directions(
+                compress.whitening_factor(A.float(), r, solver="subspace"))
+        fast = metric(*compress.subspace_eigenpairs(moment, r, 1e-3, start=start))
         approximation = torch.linalg.norm(exact - moment)
         assert torch.linalg.norm(fast - exact) < 0.2 * approximation, (alpha, start)
-    U, lam, _ = eigensolver.subspace_eigenpairs(A, r, 1e-3)
+    U, lam, _ = compress.subspace_eigenpairs(A, r, 1e-3)
     exact_lam = compress.top_eigenpairs(A, r, 1e-3)[1]
     assert torch.allclose(lam, exact_lam, rtol=2e-2)                # the eigenvalues
     assert torch.allclose(U.T @ U, torch.eye(r, dtype=U.dtype), atol=1e-10)
@@ -198,7 +198,6 @@ def test_subspace_eigenpairs_give_the_textbook_metric(alpha):
 def test_fast_factor_is_the_textbook_factor_on_a_clear_spectrum():
     """Where A's top r eigenvalues stand clear of the rest, the fast factor is compress.py's:
     the same whitening of a gradient to fp32 rounding (the directions may differ in sign)."""
-    from nanogeo.geometry import eigensolver
     d, r = 200, 16
     A = decaying_moment(d, 0.3, 2) * 1e-2 + 10 * metric(
         torch.linalg.qr(torch.randn(d, r, dtype=torch.float64,
@@ -206,7 +205,7 @@ def test_fast_factor_is_the_textbook_factor_on_a_clear_spectrum():
         torch.linspace(1, 4, r, dtype=torch.float64), torch.zeros(d, dtype=torch.float64))
     A = A.float()
     exact = compress.whitening_factor(A, r)
-    fast = eigensolver.fast_whitening_factor(A, r)
+    fast = compress.whitening_factor(A, r, solver="subspace")
     G = torch.randn(48, d, generator=torch.Generator().manual_seed(4))
     fast_G, exact_G = fast.whiten(G), exact.whiten(G)
     assert torch.linalg.norm(fast_G - exact_G) < 1e-4 * torch.linalg.norm(exact_G)

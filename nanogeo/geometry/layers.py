@@ -27,7 +27,7 @@ import torch
 
 import compress
 from nanogeo import RenamedAttribute
-from nanogeo.geometry import eigensolver, rows as row_blocks
+from nanogeo.geometry import rows as row_blocks
 from nanogeo.geometry.hadamard import HadamardLayer
 from nanogeo.wire.packing import from_host
 
@@ -92,8 +92,8 @@ class DenseFactor:
 WHITEN_FACTORS = ("lowrank", "lowrank-dense", "full", "diag", "block")
 
 
-WHITEN_SOLVERS = ("auto", "subspace", "eigh")   # the top-r eigenpairs: nanogeo.geometry.eigensolver's
-                                        # subspace iteration, or compress.py's full eigh
+WHITEN_SOLVERS = ("auto", "subspace", "eigh")   # the top-r eigenpairs: compress.py's subspace
+                                        # iteration or its full eigh (compress.whitening_factor)
 
 
 def whiten_solver(opts):
@@ -113,9 +113,7 @@ def factor_of_kind(A, kind="lowrank", r=32, block=64, damping=1e-3, floor=1e-3,
     if kind not in WHITEN_FACTORS:
         raise ValueError(f"unknown whitening factor {kind!r}; choose one of {', '.join(WHITEN_FACTORS)}")
     if kind == "lowrank":
-        if solver == "subspace":
-            return eigensolver.fast_whitening_factor(A, r, damping, floor, old)
-        return compress.whitening_factor(A, r, damping, floor)
+        return compress.whitening_factor(A, r, damping, floor, solver=solver, old=old)
     dtype = A.dtype
     A = (A.double() + A.double().T) / 2
     factor = dense_factor(A, kind, min(r, A.shape[0]), block, damping, floor)

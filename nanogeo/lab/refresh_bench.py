@@ -15,7 +15,7 @@ layer of each input width d, times the number of candidate layers of that width:
               host read of the counts; the all-reduce itself is the identity in one process, so
               the network is not in the figure)
   eigh        compress.py's factor: a full float64 eigendecomposition, then a thin SVD
-  cold, warm  nanogeo.geometry.eigensolver's: the top-r eigenpairs by subspace iteration (fp32)
+  cold, warm  compress.subspace_eigenpairs: the top-r eigenpairs by subspace iteration (fp32)
               from a random start (the first refresh), or from the directions of the factor in
               use (every later one; here the factor of the same layer one batch earlier, under
               the EMA of 0.95 the moments follow)

@@ -48,7 +48,7 @@ class Options(compress.GeoOptions):
     whiten_factor: str = "lowrank"  # lowrank | lowrank-dense | full | diag | block
     whiten_block: int = 64          # block size of whiten_factor="block"
     whiten_solver: str = "auto"     # the low-rank factor's top-r eigenpairs: "subspace" iteration,
-                                    # warm-started (nanogeo/geometry/eigensolver.py), or "eigh"
+                                    # warm-started (compress.subspace_eigenpairs), or "eigh"
                                     # (compress.py's full float64 eigendecomposition); "auto":
                                     # subspace where the gain check measures every factor before
                                     # use (geo_layers=gain), eigh where layers are used unmeasured

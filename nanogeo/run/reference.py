@@ -4,19 +4,17 @@ place of the fast path (nanogeo/parallel/communicator.py's ProductionCommunicato
 compress.py then changes what trains, on real ranks and with --simulate_workers alike.
 
 The specification is the method without the machinery: no buckets (the whole model is averaged
-at once), the K-FAC moments averaged over the ranks' tokens in one all-reduce of a fixed slot list, the
-whitening's eigenpairs by a full eigendecomposition. Euclidean FP8, the subspace rotation, NVFP4,
-the mixed wire (an e4m3 stage 2), error feedback and the published whitening (with
---whiten_solver=eigh: the fast path's default, auto, warm-starts a subspace iteration where the
-gain check measures every factor - other bits) end on the fast path's bits
-(tests/test_reference.py), and so does the paper's FP8-sum collective for Euclidean FP8
-(fp8-paper) on gloo and simulated ranks - with the model in one of the fast path's buckets
-(NVFP4's tensor scales and fp8-sum's ring chunks are per bucket; docs/method.md). The flags of
-what it does not state - that collective with a geometry or error feedback or another sum order,
-Four Over Six, stochastic rounding, the Hadamard control, the whitening's ablations and its
-subspace solver, stage 1's feedback on the geometry-aware matrices only, stage 2's feedback
-with a geometry (its residual lives in coordinates that move), --log_stages, resuming - stop the
-run with one line naming them.
+at once), the K-FAC moments averaged over the ranks' tokens in one all-reduce of a fixed slot
+list, the whitening's eigenpairs by --whiten_solver=auto's rule. Euclidean FP8, the subspace
+rotation, NVFP4, the mixed wire (an e4m3 stage 2), error feedback and the published whitening
+end on the fast path's bits (tests/test_reference.py), and so does the paper's FP8-sum
+collective for Euclidean FP8 (fp8-paper) on gloo and simulated ranks - with the model in one of
+the fast path's buckets (NVFP4's tensor scales and fp8-sum's ring chunks are per bucket;
+docs/method.md). The flags of what it does not state - that collective with a geometry or error
+feedback or another sum order, Four Over Six, stochastic rounding, the Hadamard control, the
+whitening's ablations and a --whiten_solver other than auto, stage 1's feedback on the
+geometry-aware matrices only, stage 2's feedback with a geometry (its residual lives in
+coordinates that move), --log_stages, resuming - stop the run with one line naming them.
 
 `Reference` is the thin adapter train.py needs around it: the names train.py's log and
 simulated ranks read (coords, moment_layers, each simulated rank's moments averaged); every
@@ -48,10 +46,10 @@ def check(cfg):
         raise ConfigError("--impl=reference: compress.py states the paper's FP8-sum collective "
                           "for Euclidean FP8 without error feedback; use --comm=fp8 or "
                           "--impl=fast")
-    if cfg.comm == "geofp8" and cfg.whiten_solver == "subspace":
-        raise ConfigError("--impl=reference: compress.py finds the whitening's eigenpairs by a "
-                          "full eigendecomposition; use --whiten_solver=eigh or auto, or "
-                          "--impl=fast")
+    if cfg.comm == "geofp8" and cfg.whiten_solver != "auto":
+        raise ConfigError("--impl=reference: compress.py states --whiten_solver=auto's rule "
+                          "(subspace iteration where the gain check measures each factor, else "
+                          "eigh); drop --whiten_solver or use --impl=fast")
     if cfg.geo_layers.startswith("fragile:"):
         raise ConfigError("--impl=reference: compress.py has no saturation profiler; use "
                           "--geo_layers=gain, all or a file, or --impl=fast")
