@@ -553,7 +553,7 @@ def top_eigenpairs(A, r, floor):
 
 # The factor needs A's r largest eigenpairs only; eigh finds all d of them (~9 d^3 flops in
 # float64, and on a GPU it stops the host). Subspace iteration finds the top k = r + 16
-# directions with a few fp32 products A Q and a thin QR each; a Rayleigh-Ritz step in float64
+# directions with a few fp32 products A Q, each orthonormalised; a Rayleigh-Ritz step in float64
 # gives their eigenpairs. The moments move slowly (their EMA), so a refresh starts from the
 # directions of the factor in use: 4 products, 8 from a seeded random start. A direction is found
 # to about (lambda_k+1 / lambda_r)^products: an approximation, so it is used where the gain check
@@ -573,8 +573,24 @@ def whitening_factor(A, r=32, damping=1e-3, floor=1e-3, solver="eigh", old=None)
 
 
 def orthonormal(A):
-    """An orthonormal basis of A's columns (A: (d, k), k <= d), by QR."""
-    return torch.linalg.qr(A).Q
+    """An orthonormal basis of A's columns (A: (d, k), k <= d), in A's dtype, by shifted
+    CholeskyQR3: with R^T R = A^T A + s I (the Cholesky factor of the k x k Gram matrix, float64),
+    Q = A R^-1 spans A's columns; two more passes remove what rounding left. Matrix products, a
+    Cholesky and a triangular solve - one kernel each for a stack of matrices, where Householder
+    QR is a solver call per matrix on a GPU - and no host sync (cholesky_ex does not check). The
+    shift s (Fukaya et al., 2020) lets the Cholesky succeed whatever A's condition; a zero or
+    rank-deficient A (a zero gradient) comes out finite, its missing columns near 0."""
+    Q, (d, k) = A.double(), A.shape
+    eye = torch.eye(k, dtype=torch.float64, device=A.device)
+    for _ in range(3):
+        gram = Q.T @ Q                                                  # (k, k)
+        shift = 11 * (d * k + k * (k + 1)) * EPS64 * gram.diagonal().sum() + TINY64
+        R = torch.linalg.cholesky_ex(gram + shift * eye, upper=True).L  # (k, k), R^T R
+        Q = torch.linalg.solve_triangular(R, Q, upper=True, left=False)  # Q R^-1
+    return Q.to(A.dtype)
+
+
+EPS64, TINY64 = torch.finfo(torch.float64).eps, torch.finfo(torch.float64).tiny
 
 
 @functools.lru_cache(maxsize=None)

@@ -963,13 +963,18 @@ def sharded_rank(rank, world_size, out):
 
 
 def test_geometry_on_row_blocks_matches_whole_matrix(tmp_path):
-    """FSDP's path: subspace iteration, un-scattering and decode on row blocks held by 2 ranks."""
+    """FSDP's path: subspace iteration, un-scattering and decode on row blocks held by 2 ranks.
+    The bases match the whole matrix's up to each column's sign: the r x r core's SVD picks a
+    singular vector's sign from rounding-level entries of a nearly diagonal core, and the row
+    form's sums round differently (every rank of one form gets the same bits, below)."""
     out = str(tmp_path / "rows")
     run_ranks(sharded_rank, 2, out)
     blocks = [torch.load(f"{out}.{r}") for r in (0, 1)]
     assert blocks[0]["rows"] == (0, 19) and blocks[1]["rows"] == (19, 37)
     for b in blocks:
         for w, s in zip(b["whole"], b["sharded"]):
+            if s.dim() == 2:                                # a basis: align each column's sign
+                s = s * torch.sign((w * s).sum(0))
             assert torch.allclose(w, s, atol=1e-4, rtol=1e-4)
         assert torch.equal(b["unswapped"], b["H"])
         assert torch.allclose(b["decoded"], b["expected"], atol=1e-4)
@@ -1075,3 +1080,39 @@ def test_the_methods_restated_in_the_same_words_are_the_same_code():
     for name in same:
         assert code(getattr(ProductionCommunicator, name)) == code(
             getattr(compress.Communicator, name)), name
+
+
+@pytest.mark.parametrize("condition", [1e1, 1e4, 1e7])
+def test_orthonormal_is_a_basis_of_the_columns_whatever_their_condition(condition):
+    """compress.orthonormal (shifted CholeskyQR3) of an fp32 matrix whose columns' condition
+    number runs up to fp32's 1 / eps: Q^T Q = I and the same column space as Householder QR's,
+    to fp32 rounding; mapped over a stack it gives each matrix's own bits."""
+    g = torch.Generator().manual_seed(0)
+    d, k = 300, 24
+    U = torch.linalg.qr(torch.randn(d, k, generator=g, dtype=torch.float64)).Q
+    V = torch.linalg.qr(torch.randn(k, k, generator=g, dtype=torch.float64)).Q
+    A = ((U * torch.logspace(0, -math.log10(condition), k, dtype=torch.float64)) @ V.T).float()
+    Q = compress.orthonormal(A).double()
+    assert (Q.T @ Q - torch.eye(k, dtype=torch.float64)).abs().max() < 1e-6
+    householder = torch.linalg.qr(A.double()).Q
+    assert torch.linalg.norm(Q @ Q.T - householder @ householder.T) < 1e-5
+    stack = torch.stack([A, 2 * A, A.flip(1)])
+    assert all(torch.equal(q, compress.orthonormal(a))
+               for q, a in zip(torch.vmap(compress.orthonormal)(stack), stack))
+
+
+def test_orthonormal_of_a_zero_or_rank_deficient_matrix_is_finite():
+    """A zero gradient or one of lower rank than the bases (fewer tokens than directions): the
+    shift keeps the Cholesky factor finite, so no NaN reaches the bases; the rank-deficient
+    matrix's own directions are kept, and its missing ones come out orthonormal here too; the
+    zero one's are 0, which HouseholderBasis.complete turns into P = I."""
+    g = torch.Generator().manual_seed(1)
+    low = torch.randn(96, 4, generator=g) @ torch.randn(4, 16, generator=g)     # rank 4 of 16
+    Q = compress.orthonormal(low)
+    assert torch.isfinite(Q).all()
+    assert torch.allclose(Q @ (Q.T @ low), low, atol=1e-4)                  # spans low's columns
+    zero = compress.orthonormal(torch.zeros(96, 16))
+    assert torch.equal(zero, torch.zeros(96, 16))
+    P = compress.HouseholderBasis.complete(zero)
+    X = torch.randn(96, 8, generator=g)
+    assert torch.equal(P.apply_t(X), X)

@@ -196,11 +196,12 @@ def columns_stack(Y, T):
 def refresh_stacks(stacks):
     """ProductionSubspaceLayer.refresh(mean) of every layer of `stacks`, [(layers, means)] each
     stackable and of one refresh_key: nanogeo.geometry.rows' subspace iteration (its warm start,
-    or its seeded cold start) mapped over each stack, then ONE SVD for the r x r cores of every
-    stack of one r (on a GPU each SVD call waits for the host twice: once a refresh, not once a
-    stack), then each stack's alignment, core energy and compress.py's completion. A stack is a
-    copy: it is made again for the second half, so that only one is held at a time."""
-    iterated = [iterate_stack(layers, means) for layers, means in stacks]
+    or its seeded cold start) mapped over each stack, the orthonormal bases of every stack of
+    one shape made in one call a round (iterate_stacks), then ONE SVD for the r x r cores of
+    every stack of one r (on a GPU each SVD call waits for the host twice: once a refresh, not
+    once a stack), then each stack's alignment, core energy and compress.py's completion. A
+    stack is a copy, made again for each phase, so that only one is held at a time."""
+    iterated = iterate_stacks(stacks)
     by_rank = {}
     for k, (*_, core) in enumerate(iterated):
         by_rank.setdefault(core.shape[-1], []).append(k)
@@ -213,25 +214,59 @@ def refresh_stacks(stacks):
         finish_stack(layers, torch.stack(means), *iterated[k][:4], *aligned[k])
 
 
-def iterate_stack(layers, means):
-    """The first half of a stack's refresh: (U, V, left energies, right energies, cores)."""
-    G = torch.stack(means)                                              # (L, m, n)
+def iterate_stacks(stacks):
+    """The first half of every stack's refresh: [(U, V, left energies, right energies, cores)].
+    rows.iterate_subspaces_rows mapped over each stack, phase by phase, so that each round's
+    orthonormal bases of every stack are made together (orthonormal_together): llama-600m's
+    3776 x 1408 matrices are one a stack, and a call a stack would be ~170 a refresh."""
+    states = [start_stack(layers, means) for layers, means in stacks]   # [[U, V, le, re, d, it]]
+    for round_ in range(max(state[5] for state in states)):
+        due = [k for k, state in enumerate(states) if state[5] > round_]
+        products = [torch.vmap(functools.partial(row_blocks.subspace_products_rows,
+                                                 decay=states[k][4], rows=UNSHARDED))(
+            torch.stack(stacks[k][1]), *states[k][:4]) for k in due]
+        new_U = orthonormal_together([A for A, _ in products])
+        new_V = orthonormal_together([B for _, B in products])
+        for k, U_new, V_new in zip(due, new_U, new_V):
+            U, V, left_energy, right_energy, decay, _ = states[k]
+            energies = torch.vmap(functools.partial(row_blocks.subspace_energies_rows,
+                                                    decay=decay, rows=UNSHARDED))
+            states[k][:4] = U_new, V_new, *energies(torch.stack(stacks[k][1]), U, V, U_new, V_new,
+                                                     left_energy, right_energy)
+    core = torch.vmap(functools.partial(row_blocks.core_rows, rows=UNSHARDED))
+    return [(*state[:4], core(torch.stack(means), *state[:2]))
+            for state, (_, means) in zip(states, stacks)]
+
+
+def start_stack(layers, means):
+    """A stack's iteration start: [U, V, left energies, right energies, decay, iterations] -
+    cold, each matrix's own seeded range finder; warm, the bases in use."""
     first = layers[0]
     if first.left_basis is None:        # cold: each matrix's own seeded start
+        G = torch.stack(means)                                          # (L, m, n)
         omega = torch.stack([row_blocks.seeded_directions(G.shape[2], first.r, layer.seed,
                                                           G.device, G.dtype) for layer in layers])
         start = torch.vmap(functools.partial(row_blocks.range_finder_start, rows=UNSHARDED))
-        U, V, left_energy, right_energy = start(G, omega)
-        decay, iters = 0.0, 4
-    else:
-        left, right = stack_bases([(layer.left_basis, layer.right_basis) for layer in layers])
-        U, V = columns_stack(*left), columns_stack(*right)
-        left_energy = torch.stack([layer.left_energy for layer in layers])
-        right_energy = torch.stack([layer.right_energy for layer in layers])
-        decay, iters = first.opts.decay, first.opts.iters
-    iterate = functools.partial(row_blocks.iterate_subspaces_rows, decay=decay, iters=iters,
-                                rows=UNSHARDED)
-    return torch.vmap(iterate)(G, U, V, left_energy, right_energy)
+        return [*start(G, omega), 0.0, 4]
+    left, right = stack_bases([(layer.left_basis, layer.right_basis) for layer in layers])
+    return [columns_stack(*left), columns_stack(*right),
+            torch.stack([layer.left_energy for layer in layers]),
+            torch.stack([layer.right_energy for layer in layers]), first.opts.decay,
+            first.opts.iters]
+
+
+def orthonormal_together(stacks):
+    """compress.orthonormal of every matrix of `stacks` [(L, d, r)], the stacks of one shape
+    concatenated into one call (float64's batched Cholesky and triangular solve: a few kernels
+    however many matrices)."""
+    out, by_shape = [None] * len(stacks), {}
+    for k, X in enumerate(stacks):
+        by_shape.setdefault(tuple(X.shape[1:]), []).append(k)
+    for ks in by_shape.values():
+        Q = torch.vmap(compress.orthonormal)(torch.cat([stacks[k] for k in ks]))
+        for k, q in zip(ks, Q.split([stacks[k].shape[0] for k in ks])):
+            out[k] = q
+    return out
 
 
 def finish_stack(layers, G, U, V, left_energy, right_energy, a, bh):

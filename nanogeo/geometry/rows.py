@@ -131,20 +131,42 @@ def update_subspaces_rows(G, U, V, left_energy, right_energy, decay, iters, rows
 
 def iterate_subspaces_rows(G, U, V, left_energy, right_energy, decay, iters, rows):
     """update_subspaces_rows up to its SVD: (U, V, left_energy, right_energy, the r x r core
-    U^T G V whose singular vectors align the bases)."""
+    U^T G V whose singular vectors align the bases). Each iteration in its three phases: the
+    products, their orthonormal bases, the energies (batched.iterate_stacks runs the middle one
+    for every stack at once)."""
     for _ in range(iters):
-        A = (1 - decay) * (G @ rows.sum(G.T @ rows.local(U)))          # rows of G G^T U
-        B = (1 - decay) * rows.sum(G.T @ (G @ V))                     # G^T G V
-        if decay > 0:
-            A = A + decay * rows.local(U) * left_energy
-            B = B + decay * V * right_energy
-        U_new, V_new = compress.orthonormal(rows.gather(A)), compress.orthonormal(B)
-        left_energy = ((1 - decay) * rows.sum(G.T @ rows.local(U_new)).pow(2).sum(0)
-                       + decay * ((U.T @ U_new).pow(2) * left_energy[:, None]).sum(0))
-        right_energy = ((1 - decay) * rows.sum((G @ V_new).pow(2).sum(0))
-                        + decay * ((V.T @ V_new).pow(2) * right_energy[:, None]).sum(0))
+        A, B = subspace_products_rows(G, U, V, left_energy, right_energy, decay, rows)
+        U_new, V_new = compress.orthonormal(A), compress.orthonormal(B)
+        left_energy, right_energy = subspace_energies_rows(G, U, V, U_new, V_new, left_energy,
+                                                           right_energy, decay, rows)
         U, V = U_new, V_new
-    return U, V, left_energy, right_energy, rows.sum(rows.local(U).T @ G @ V)
+    return U, V, left_energy, right_energy, core_rows(G, U, V, rows)
+
+
+def subspace_products_rows(G, U, V, left_energy, right_energy, decay, rows):
+    """One iteration's products, to be orthonormalised: the whole G G^T U (m, r) and G^T G V
+    (n, r), with the covariance EMA's terms (decay > 0)."""
+    A = (1 - decay) * (G @ rows.sum(G.T @ rows.local(U)))          # rows of G G^T U
+    B = (1 - decay) * rows.sum(G.T @ (G @ V))                     # G^T G V
+    if decay > 0:
+        A = A + decay * rows.local(U) * left_energy
+        B = B + decay * V * right_energy
+    return rows.gather(A), B
+
+
+def subspace_energies_rows(G, U, V, U_new, V_new, left_energy, right_energy, decay, rows):
+    """The energies of the new bases' directions (U, V: the old bases; the EMA's part moves
+    along with them)."""
+    left_energy = ((1 - decay) * rows.sum(G.T @ rows.local(U_new)).pow(2).sum(0)
+                   + decay * ((U.T @ U_new).pow(2) * left_energy[:, None]).sum(0))
+    right_energy = ((1 - decay) * rows.sum((G @ V_new).pow(2).sum(0))
+                    + decay * ((V.T @ V_new).pow(2) * right_energy[:, None]).sum(0))
+    return left_energy, right_energy
+
+
+def core_rows(G, U, V, rows):
+    """The r x r core U^T G V (summed over the ranks)."""
+    return rows.sum(rows.local(U).T @ G @ V)
 
 
 def align_subspaces_rows(G, U, V, left_energy, right_energy, a, bh, decay, rows):
