@@ -552,9 +552,9 @@ def top_eigenpairs(A, r, floor):
 
 
 # The factor needs A's r largest eigenpairs only; eigh finds all d of them (~9 d^3 flops in
-# float64, and on a GPU it stops the host). Subspace iteration finds the top k = r + 16
-# directions with a few fp32 products A Q, each orthonormalised; a Rayleigh-Ritz step in float64
-# gives their eigenpairs. The moments move slowly (their EMA), so a refresh starts from the
+# float64, memory-bound). Subspace iteration finds the top k = r + 16 directions with a few fp32
+# products A Q, each orthonormalised; a Rayleigh-Ritz step in float64 (a k x k eigh) gives their
+# eigenpairs. The moments move slowly (their EMA), so a refresh starts from the
 # directions of the factor in use: 4 products, 8 from a seeded random start. A direction is found
 # to about (lambda_k+1 / lambda_r)^products: an approximation, so it is used where the gain check
 # measures every factor before use (a poorer factor can cost the gain, never the error); a layer
@@ -564,33 +564,39 @@ def whitening_factor(A, r=32, damping=1e-3, floor=1e-3, solver="eigh", old=None)
     """The factor GeoFP8 whitens with, F F^T = A^ + damping I, for a second moment A (d x d):
     computed in float64 (a nearly singular A needs it), returned in A's dtype. solver="subspace":
     A^'s eigenpairs by subspace iteration, warm-started from `old` (the factor in use, or None)."""
-    A64, r = (A.double() + A.double().T) / 2, min(r, A.shape[0])
+    if solver not in ("eigh", "subspace"):
+        raise ValueError(f"solver must be 'eigh' or 'subspace', got {solver!r}")
+    A64 = (A.double() + A.double().T) / 2
+    r = min(r, A.shape[0])
     if solver == "subspace":
-        parts = subspace_eigenpairs(A64, r, floor, start=eigen_directions(old))
+        parts = subspace_eigenpairs(A64, r, floor, warm_start=eigen_directions(old))
     else:
         parts = top_eigenpairs(A64, r, floor)
     return factor_of_parts(*parts, damping, A.dtype)
 
 
-def orthonormal(A):
-    """An orthonormal basis of A's columns (A: (d, k), k <= d), in A's dtype, by shifted
-    CholeskyQR3: with R^T R = A^T A + s I (the Cholesky factor of the k x k Gram matrix, float64),
-    Q = A R^-1 spans A's columns; two more passes remove what rounding left. Matrix products, a
-    Cholesky and a triangular solve - one kernel each for a stack of matrices, where Householder
-    QR is a solver call per matrix on a GPU - and no host sync (cholesky_ex does not check). The
-    shift s (Fukaya et al., 2020) lets the Cholesky succeed whatever A's condition; a zero or
-    rank-deficient A (a zero gradient) comes out finite, its missing columns near 0."""
-    Q, (d, k) = A.double(), A.shape
-    eye = torch.eye(k, dtype=torch.float64, device=A.device)
+EPS64, TINY64 = torch.finfo(torch.float64).eps, torch.finfo(torch.float64).tiny
+
+
+def orthonormal(X):
+    """An orthonormal basis of X's columns (X: (d, k), k <= d), in X's dtype, by Cholesky QR:
+    with R^T R = X^T X + s I (the k x k Gram matrix's Cholesky factor, in float64), X R^-1 spans
+    X's columns; two more passes remove what rounding left. Matrix products, a Cholesky and a
+    triangular solve - one kernel each for a whole stack of matrices, where Householder QR is a
+    solver call per matrix on a GPU - and no host sync (cholesky_ex does not check). The shift s
+    (Fukaya et al., 2020; EPS64 and the trace make it generous) lets every Cholesky succeed
+    whatever X's condition: a zero or rank-deficient X comes out finite (an exactly dependent
+    column near 0, HouseholderBasis.complete copes). Its price: Q^T Q = I to about s, ~1e-8,
+    float32's rounding and not float64's."""
+    Q, (d, k) = X.double(), X.shape
+    eye = torch.eye(k, dtype=torch.float64, device=X.device)
     for _ in range(3):
         gram = Q.T @ Q                                                  # (k, k)
         shift = 11 * (d * k + k * (k + 1)) * EPS64 * gram.diagonal().sum() + TINY64
-        R = torch.linalg.cholesky_ex(gram + shift * eye, upper=True).L  # (k, k), R^T R
+        # (cholesky_ex calls its factor L; upper=True makes it the upper one, R)
+        R = torch.linalg.cholesky_ex(gram + shift * eye, upper=True).L
         Q = torch.linalg.solve_triangular(R, Q, upper=True, left=False)  # Q R^-1
-    return Q.to(A.dtype)
-
-
-EPS64, TINY64 = torch.finfo(torch.float64).eps, torch.finfo(torch.float64).tiny
+    return Q.to(X.dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -601,22 +607,23 @@ def random_start(d, k, device):
     return torch.randn(d, k, generator=generator).to(device)
 
 
-def subspace_eigenpairs(A, r, floor, start=None, oversample=16):
-    """top_eigenpairs(A, r, floor) by subspace iteration (float64 A (d, d); `start`: (d, r)
+def subspace_eigenpairs(A, r, floor, warm_start=None, oversample=16):
+    """top_eigenpairs(A, r, floor) by subspace iteration (float64 A (d, d); `warm_start`: (d, r)
     directions near the wanted ones, or None). Where k = r + oversample is not well below d,
     the full eigendecomposition is as cheap: that one."""
     d, k = A.shape[0], r + oversample
     if 2 * k > d:
         return top_eigenpairs(A, r, floor)
-    Q, warm = random_start(d, k, A.device), start is not None and tuple(start.shape) == (d, r)
+    Q = random_start(d, k, A.device)                                    # (d, k) fp32
+    warm = warm_start is not None and tuple(warm_start.shape) == (d, r)
     if warm:                        # (a new tensor, not written in place: torch.vmap maps this)
-        Q = torch.cat([start.to(Q.dtype), Q[:, r:]], dim=1)
+        Q = torch.cat([warm_start.to(Q.dtype), Q[:, r:]], dim=1)
     A32, Q = A.float(), orthonormal(Q)
     for _ in range(4 if warm else 8):
-        Q = orthonormal(A32 @ Q)                                        # (d, k) fp32
+        Q = orthonormal(A32 @ Q)
     Q = orthonormal(Q.double())
-    values, W = torch.linalg.eigh(Q.T @ A @ Q)                  # (k,), (k, k) ascending
-    U, lam = Q @ W[:, -r:], values[-r:].clamp(min=0)            # (d, r), (r,)
+    values, vectors = torch.linalg.eigh(Q.T @ A @ Q)            # (k,), (k, k) ascending
+    U, lam = Q @ vectors[:, -r:], values[-r:].clamp(min=0)      # (d, r), (r,)
     rest = (A.diagonal() - (U.pow(2) * lam).sum(1)).clamp(min=floor)
     return U, lam, rest
 

@@ -29,6 +29,7 @@ ablations, the whitening's encode and decode and the Hadamard control go matrix 
 before.
 """
 import functools
+import itertools
 
 import torch
 
@@ -215,54 +216,81 @@ def refresh_stacks(stacks):
 
 
 def iterate_stacks(stacks):
-    """The first half of every stack's refresh: [(U, V, left energies, right energies, cores)].
-    rows.iterate_subspaces_rows mapped over each stack, phase by phase, so that each round's
-    orthonormal bases of every stack are made together (orthonormal_together): llama-600m's
-    3776 x 1408 matrices are one a stack, and a call a stack would be ~170 a refresh."""
-    states = [start_stack(layers, means) for layers, means in stacks]   # [[U, V, le, re, d, it]]
-    for round_ in range(max(state[5] for state in states)):
-        due = [k for k, state in enumerate(states) if state[5] > round_]
-        products = [torch.vmap(functools.partial(row_blocks.subspace_products_rows,
-                                                 decay=states[k][4], rows=UNSHARDED))(
-            torch.stack(stacks[k][1]), *states[k][:4]) for k in due]
-        new_U = orthonormal_together([A for A, _ in products])
-        new_V = orthonormal_together([B for _, B in products])
-        for k, U_new, V_new in zip(due, new_U, new_V):
-            U, V, left_energy, right_energy, decay, _ = states[k]
-            energies = torch.vmap(functools.partial(row_blocks.subspace_energies_rows,
-                                                    decay=decay, rows=UNSHARDED))
-            states[k][:4] = U_new, V_new, *energies(torch.stack(stacks[k][1]), U, V, U_new, V_new,
-                                                     left_energy, right_energy)
+    """The first half of every stack's refresh: [(U, V, left energies, right energies, cores)],
+    rows.iterate_subspaces_rows mapped over each stack phase by phase, so that each round's
+    orthonormal bases of every stack of one shape are made in one call (orthonormal_together:
+    llama-600m's 3776 x 1408 matrices are one a stack, and a call a stack would be ~170 a
+    refresh). A stack is made again in each phase (one held at a time): a warm refresh copies
+    each gradient three times with finish_stack's, a cold one eight."""
+    G = lambda k: torch.stack(stacks[k][1])                             # (L, m, n)
+    states = start_stacks(stacks)                   # [[U, V, left e., right e., decay, rounds]]
+    mapped = lambda f, k: torch.vmap(functools.partial(f, decay=states[k][4], rows=UNSHARDED))
     core = torch.vmap(functools.partial(row_blocks.core_rows, rows=UNSHARDED))
-    return [(*state[:4], core(torch.stack(means), *state[:2]))
-            for state, (_, means) in zip(states, stacks)]
+    cores = {k: core(G(k), *state[:2]) for k, state in enumerate(states) if state[5] == 0}
+    pending = {k: mapped(row_blocks.subspace_products_rows, k)(G(k), *state[:4])
+               for k, state in enumerate(states) if state[5] > 0}
+    for round_ in itertools.count(1):
+        if not pending:
+            break
+        new_U = orthonormal_together([A for A, _ in pending.values()])
+        new_V = orthonormal_together([B for _, B in pending.values()])
+        later = {}
+        for k, U_new, V_new in zip(pending, new_U, new_V):
+            g, (U, V, left_energy, right_energy, _, rounds) = G(k), states[k]
+            states[k][:4] = U_new, V_new, *mapped(row_blocks.subspace_energies_rows, k)(
+                g, U, V, U_new, V_new, left_energy, right_energy)
+            if rounds > round_:         # this copy serves the next round's products too
+                later[k] = mapped(row_blocks.subspace_products_rows, k)(g, *states[k][:4])
+            else:
+                cores[k] = core(g, U_new, V_new)
+        pending = later
+    return [(*state[:4], cores[k]) for k, state in enumerate(states)]
 
 
-def start_stack(layers, means):
-    """A stack's iteration start: [U, V, left energies, right energies, decay, iterations] -
-    cold, each matrix's own seeded range finder; warm, the bases in use."""
-    first = layers[0]
-    if first.left_basis is None:        # cold: each matrix's own seeded start
-        G = torch.stack(means)                                          # (L, m, n)
-        omega = torch.stack([row_blocks.seeded_directions(G.shape[2], first.r, layer.seed,
-                                                          G.device, G.dtype) for layer in layers])
-        start = torch.vmap(functools.partial(row_blocks.range_finder_start, rows=UNSHARDED))
-        return [*start(G, omega), 0.0, 4]
-    left, right = stack_bases([(layer.left_basis, layer.right_basis) for layer in layers])
-    return [columns_stack(*left), columns_stack(*right),
-            torch.stack([layer.left_energy for layer in layers]),
-            torch.stack([layer.right_energy for layer in layers]), first.opts.decay,
-            first.opts.iters]
+def start_stacks(stacks):
+    """Each stack's iteration start, [U, V, left energies, right energies, decay, rounds]: warm,
+    the bases in use; cold, each matrix's own seeded range finder (rows.range_finder_start),
+    its two bases made for every cold stack of one shape together."""
+    states, cold = [], []
+    for k, (layers, means) in enumerate(stacks):
+        first = layers[0]
+        if first.left_basis is None:
+            cold.append(k)
+            states.append([None, None, None, None, 0.0, 4])
+            continue
+        left, right = stack_bases([(layer.left_basis, layer.right_basis) for layer in layers])
+        states.append([columns_stack(*left), columns_stack(*right),
+                       torch.stack([layer.left_energy for layer in layers]),
+                       torch.stack([layer.right_energy for layer in layers]),
+                       first.opts.decay, first.opts.iters])
+    left = torch.vmap(functools.partial(row_blocks.left_range_rows, rows=UNSHARDED))
+    right = torch.vmap(functools.partial(row_blocks.right_range_rows, rows=UNSHARDED))
+    U = orthonormal_together([left(torch.stack(stacks[k][1]), seeded_start(*stacks[k]))
+                              for k in cold])
+    V = orthonormal_together([right(torch.stack(stacks[k][1]), u) for k, u in zip(cold, U)])
+    for k, u, v in zip(cold, U, V):
+        zeros = u.new_zeros(u.shape[0], u.shape[2])
+        states[k][:4] = u, v, zeros, zeros
+    return states
+
+
+def seeded_start(layers, means):
+    """Each matrix's own seeded random start omega, stacked (L, n, r)."""
+    return torch.stack([row_blocks.seeded_directions(means[0].shape[1], layer.r, layer.seed,
+                                                     means[0].device, means[0].dtype)
+                        for layer in layers])
 
 
 def orthonormal_together(stacks):
-    """compress.orthonormal of every matrix of `stacks` [(L, d, r)], the stacks of one shape
-    concatenated into one call (float64's batched Cholesky and triangular solve: a few kernels
-    however many matrices)."""
-    out, by_shape = [None] * len(stacks), {}
+    """compress.orthonormal of every matrix of `stacks` [(L, d, r)], the stacks of one shape,
+    dtype and device concatenated into one call (a batched Cholesky and triangular solve: a few
+    kernels however many matrices). On the CPU with one thread a matrix's bits do not depend on
+    which stacks share its call; a GPU's batched kernels may pick another algorithm by batch
+    size (every rank still gets the same bits: the stacks are alike on every rank)."""
+    out, by_kind = [None] * len(stacks), {}
     for k, X in enumerate(stacks):
-        by_shape.setdefault(tuple(X.shape[1:]), []).append(k)
-    for ks in by_shape.values():
+        by_kind.setdefault((tuple(X.shape[1:]), X.dtype, X.device), []).append(k)
+    for ks in by_kind.values():
         Q = torch.vmap(compress.orthonormal)(torch.cat([stacks[k] for k in ks]))
         for k, q in zip(ks, Q.split([stacks[k].shape[0] for k in ks])):
             out[k] = q
@@ -318,7 +346,7 @@ def factors_stack(A, olds, opts):
             solver=whiten_solver(opts),
             old=compress.Whitening("lowrank", a.shape[0], *previous) if previous else None)
         return tuple(getattr(factor, k) for k in LOWRANK_TENSORS)
-    # randomness="same": the subspace iteration's seeded random start (eigensolver.random_start,
+    # randomness="same": the subspace iteration's seeded random start (compress.random_start,
     # made once per width) is one draw for the whole stack, as it is for every layer alone
     out = torch.vmap(one, randomness="same")(A, *old)
     return [compress.Whitening("lowrank", A.shape[1], *tensors)

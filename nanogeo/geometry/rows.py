@@ -199,11 +199,23 @@ def range_finder_rows(G, omega, rows, iters=4):
 
 
 def range_finder_start(G, omega, rows):
-    """The cold start of the range finder: (U, V, zero energies) from omega (n, r)."""
-    U = compress.orthonormal(rows.gather(G @ omega))
-    V = compress.orthonormal(rows.sum(G.T @ rows.local(U)))
+    """The cold start of the range finder: (U, V, zero energies) from omega (n, r). In two
+    phases, each product then its orthonormal basis (batched.start_stacks runs each basis of
+    every stack at once)."""
+    U = compress.orthonormal(left_range_rows(G, omega, rows))
+    V = compress.orthonormal(right_range_rows(G, U, rows))
     zeros = torch.zeros(omega.shape[1], device=G.device, dtype=G.dtype)
     return U, V, zeros, zeros
+
+
+def left_range_rows(G, omega, rows):
+    """The whole G omega (m, r), whose basis is the first U."""
+    return rows.gather(G @ omega)
+
+
+def right_range_rows(G, U, rows):
+    """G^T U (n, r), whose basis is the first V."""
+    return rows.sum(G.T @ rows.local(U))
 
 
 def core_energy(G, U, V, rows):
