@@ -163,6 +163,12 @@ def option_flags(parser):
                                 config.TRUE_WORDS)
 
 
+# the linear-algebra calls of a refresh (one op here; on CUDA a batched call or, for QR, a
+# cuSOLVER call per matrix): BENCHMARKS.md section 26
+SOLVERS = {"linalg_qr", "geqrf", "linalg_householder_product", "linalg_cholesky_ex",
+           "linalg_solve_triangular", "_linalg_svd", "_linalg_eigh"}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--preset", default="cpu-tiny", choices=list(model_lib.PRESETS))
@@ -180,8 +186,10 @@ def main(argv=None):
           f"MB; peak new bytes inside the reduce, rank 0 of 2:")
     for step, (peak, _, ops) in enumerate(peaks, 1):
         syncing = {name: n for name, n in sorted(ops.counts.items()) if name in SYNCING}
+        solvers = {name: n for name, n in sorted(ops.counts.items()) if name in SOLVERS}
         print(f"  step {step}: {peak / 1e6:,.1f} MB = {peak / grads:.3f} x the gradients, "
-              f"{ops.total} aten ops (kernel launches on a GPU), syncing {syncing or 'none'}")
+              f"{ops.total} aten ops (kernel launches on a GPU), syncing {syncing or 'none'}"
+              + (f", solvers {solvers}" if solvers else ""))
     dist.destroy_process_group()
     return peaks
 
