@@ -563,7 +563,8 @@ def top_eigenpairs(A, r, floor):
 def whitening_factor(A, r=32, damping=1e-3, floor=1e-3, solver="eigh", old=None):
     """The factor GeoFP8 whitens with, F F^T = A^ + damping I, for a second moment A (d x d):
     computed in float64 (a nearly singular A needs it), returned in A's dtype. solver="subspace":
-    A^'s eigenpairs by subspace iteration, warm-started from `old` (the factor in use, or None)."""
+    A^'s eigenpairs by subspace iteration (its products in fp32), warm-started from `old` (the
+    factor in use, or None)."""
     if solver not in ("eigh", "subspace"):
         raise ValueError(f"solver must be 'eigh' or 'subspace', got {solver!r}")
     A64 = (A.double() + A.double().T) / 2
@@ -585,9 +586,11 @@ def orthonormal(X):
     triangular solve - one kernel each for a whole stack of matrices, where Householder QR is a
     solver call per matrix on a GPU - and no host sync (cholesky_ex does not check). The shift s
     (Fukaya et al., 2020; EPS64 and the trace make it generous) lets every Cholesky succeed
-    whatever X's condition: a zero or rank-deficient X comes out finite (an exactly dependent
-    column near 0, HouseholderBasis.complete copes). Its price: Q^T Q = I to about s, ~1e-8,
-    float32's rounding and not float64's."""
+    whatever X's condition, and every pass has it (Fukaya's shifts the first only), so that a
+    zero X stays finite to the end: any X comes out finite (an exactly zero column as 0, which
+    HouseholderBasis.complete copes with; float32 rounding gives a rank-deficient X's other
+    columns). Its price: Q^T Q = I to about s ~ 11 (d k + k^2) k eps64, 1e-8 at d = 3776, k = 32
+    - float32's rounding, not float64's."""
     Q, (d, k) = X.double(), X.shape
     eye = torch.eye(k, dtype=torch.float64, device=X.device)
     for _ in range(3):
@@ -609,8 +612,8 @@ def random_start(d, k, device):
 
 def subspace_eigenpairs(A, r, floor, warm_start=None, oversample=16):
     """top_eigenpairs(A, r, floor) by subspace iteration (float64 A (d, d); `warm_start`: (d, r)
-    directions near the wanted ones, or None). Where k = r + oversample is not well below d,
-    the full eigendecomposition is as cheap: that one."""
+    directions near the wanted ones, or None: a cold start, as is one of another shape). Where
+    k = r + oversample is not well below d, the full eigendecomposition is as cheap: that one."""
     d, k = A.shape[0], r + oversample
     if 2 * k > d:
         return top_eigenpairs(A, r, floor)

@@ -294,7 +294,29 @@ def test_a_refresh_orthonormalises_every_stack_of_one_shape_together():
             calls[bucket_mb].append(ops.counts.get("linalg_cholesky_ex", 0))
         bases[bucket_mb] = [t for n, _ in named for t in comm.layers[n].tensors()]
     # a warm round: U's shapes (64, 8), (96, 8), (128, 8), (12, 6) and V's (96, 8), (64, 8),
-    # (128, 8), (64, 6) - 8 calls of 3 passes; the cold refresh: the range finder's two bases
-    # (8 calls) and 4 rounds
-    assert calls[0.03] == calls[100] == [(8 + 4 * 8) * 3, 8 * 3, 0, 8 * 3], calls
+    # (128, 8), (64, 6), made together - 5 calls of 3 passes; the cold refresh: the range
+    # finder's U, then its V (4 + 4 calls), and 4 rounds
+    assert calls[0.03] == calls[100] == [(8 + 4 * 5) * 3, 5 * 3, 0, 5 * 3], calls
     assert all(torch.equal(a, b) for a, b in zip(bases[0.03], bases[100]))
+
+
+def test_a_refresh_of_cold_and_warm_stacks_with_more_rounds_is_each_layers_own():
+    """refresh_stacks with a cold and a warm stack of one shape (different rounds: the cold
+    start's 4, the warm layers' iters=2) and the covariance EMA on: each layer as its own
+    refresh makes it."""
+    shape = (48, 40)
+    opts = Options(geometry="subspace", geo_rank=6, min_numel=16, decay=0.5, iters=2)
+    warm = [layers.ProductionSubspaceLayer.create(f"w{i}", shape, opts) for i in range(2)]
+    for layer, mean in zip(warm, planted(*shape, 2, 1)):
+        layer.refresh(mean)                                 # built: the next refresh is warm
+    cold = [layers.ProductionSubspaceLayer.create(f"c{i}", shape, opts) for i in range(3)]
+    means = planted(*shape, 5, 2)
+    expected = [copy.copy(layer) for layer in warm + cold]
+    for layer, mean in zip(expected, means):
+        layer.refresh(mean)
+    got = [copy.copy(layer) for layer in warm + cold]
+    batched.refresh_stacks([(got[:2], means[:2]), (got[2:], means[2:])])
+    for a, b in zip(got, expected):
+        for x, y in zip(a.tensors() + [a.energy], b.tensors() + [b.energy]):
+            assert close(x, y)
+

@@ -14,10 +14,11 @@ optimizer views) on a stack (L, m, n), each op launched once for the whole stack
 product becomes one batched product, and a refresh makes one SVD per shape group. Nothing of the
 method is written a second time; what is here is the stacking.
 
-Numbers: the same ops on the same values, except that a batched product or reduction may add in
-another order than its one-matrix form (torch chooses the kernel), so the bases, coordinates and
-measured errors equal compress.py's to fp32 rounding, not bit for bit (tests/test_batched.py
-states the tolerances, and that the gain check decides alike). The codec's round trip of a stack
+Numbers: the same ops on the same values. A batched product or reduction may add in another
+order than its one-matrix form (torch chooses the kernel): on the CPU with one thread they have
+matched bit for bit (tests/test_reference.py holds whole runs against compress.py's), elsewhere
+the bases, coordinates and measured errors may differ from compress.py's at fp32 rounding
+(tests/test_batched.py states the tolerances, and that the gain check decides alike). The codec's round trip of a stack
 (round_trip_stack) is bit-equal to compress.py's per matrix: it only views the stack so that
 compress.quantize's scale groups are each matrix's own.
 
@@ -29,7 +30,6 @@ ablations, the whitening's encode and decode and the Hadamard control go matrix 
 before.
 """
 import functools
-import itertools
 
 import torch
 
@@ -218,31 +218,34 @@ def refresh_stacks(stacks):
 def iterate_stacks(stacks):
     """The first half of every stack's refresh: [(U, V, left energies, right energies, cores)],
     rows.iterate_subspaces_rows mapped over each stack phase by phase, so that each round's
-    orthonormal bases of every stack of one shape are made in one call (orthonormal_together:
-    llama-600m's 3776 x 1408 matrices are one a stack, and a call a stack would be ~170 a
-    refresh). A stack is made again in each phase (one held at a time): a warm refresh copies
-    each gradient three times with finish_stack's, a cold one eight."""
-    G = lambda k: torch.stack(stacks[k][1])                             # (L, m, n)
+    orthonormal bases - U's and V's - of every stack of one shape are made in one call
+    (orthonormal_together: llama-600m's 3776 x 1408 matrices are one a stack, and a call a
+    stack would be ~170 a refresh). A stack is made again in each phase, one held at a time: a
+    refresh copies each gradient iters + 2 times with finish_stack's copy, a cold one 7 + 1."""
+    stacked = lambda k: torch.stack(stacks[k][1])                       # (L, m, n)
     states = start_stacks(stacks)                   # [[U, V, left e., right e., decay, rounds]]
-    mapped = lambda f, k: torch.vmap(functools.partial(f, decay=states[k][4], rows=UNSHARDED))
+
+    def per_stack(f, k):
+        return torch.vmap(functools.partial(f, decay=states[k][4], rows=UNSHARDED))
     core = torch.vmap(functools.partial(row_blocks.core_rows, rows=UNSHARDED))
-    cores = {k: core(G(k), *state[:2]) for k, state in enumerate(states) if state[5] == 0}
-    pending = {k: mapped(row_blocks.subspace_products_rows, k)(G(k), *state[:4])
+    cores = {k: core(stacked(k), *state[:2]) for k, state in enumerate(states) if state[5] <= 0}
+    pending = {k: per_stack(row_blocks.subspace_products_rows, k)(stacked(k), *state[:4])
                for k, state in enumerate(states) if state[5] > 0}
-    for round_ in itertools.count(1):
-        if not pending:
-            break
-        new_U = orthonormal_together([A for A, _ in pending.values()])
-        new_V = orthonormal_together([B for _, B in pending.values()])
+    round_ = 0
+    while pending:
+        round_ += 1
+        bases = orthonormal_together([A for A, _ in pending.values()]
+                                     + [B for _, B in pending.values()])
         later = {}
-        for k, U_new, V_new in zip(pending, new_U, new_V):
-            g, (U, V, left_energy, right_energy, _, rounds) = G(k), states[k]
-            states[k][:4] = U_new, V_new, *mapped(row_blocks.subspace_energies_rows, k)(
-                g, U, V, U_new, V_new, left_energy, right_energy)
+        for k, U_new, V_new in zip(pending, bases, bases[len(pending):]):
+            G, (U, V, left_energy, right_energy, _, rounds) = stacked(k), states[k]
+            states[k][:4] = U_new, V_new, *per_stack(row_blocks.subspace_energies_rows, k)(
+                G, U, V, U_new, V_new, left_energy, right_energy)
             if rounds > round_:         # this copy serves the next round's products too
-                later[k] = mapped(row_blocks.subspace_products_rows, k)(g, *states[k][:4])
+                later[k] = per_stack(row_blocks.subspace_products_rows, k)(G, *states[k][:4])
             else:
-                cores[k] = core(g, U_new, V_new)
+                cores[k] = core(G, U_new, V_new)
+            del G                       # (before the next stack is made)
         pending = later
     return [(*state[:4], cores[k]) for k, state in enumerate(states)]
 

@@ -21,8 +21,8 @@ they would, deciding nothing about real gradients).
 
 Each step runs inside nanogeo.lab.probes.MemoryPeak (the most bytes of new storage alive at once
 inside the reduce; the gradients and the model not counted) and OpCounter (aten ops: ~ a kernel
-launch each on a GPU, the price of more buckets; and the ops that make a GPU's host wait, by name),
-printed per step in MB (10^6 bytes) and as a multiple of the gradients' bytes. The first step also
+launch each on a GPU, the price of more buckets; the ops that make a GPU's host wait, by name;
+and a refresh's factorisations, SOLVERS), printed per step in MB (10^6 bytes) and as a multiple of the gradients' bytes. The first step also
 builds what is kept from then on (the layouts' index tensors, the geometry); the steps after it show
 what every step needs. --compile compiles the packed FP8 codec as train.py --compile does
 (nanogeo.wire.kernels) and counts each compiled call as the fused kernels it runs
@@ -163,10 +163,12 @@ def option_flags(parser):
                                 config.TRUE_WORDS)
 
 
-# the linear-algebra calls of a refresh (one op here; on CUDA a batched call or, for QR, a
-# cuSOLVER call per matrix): BENCHMARKS.md section 26
+# the factorisations of a refresh (BENCHMARKS.md section 26), each one op here whatever its
+# batch; on CUDA some are a solver call per matrix (orgqr always, geqrf for more than 256 rows)
+# - the SVD and eigh are under "syncing"; the triangular solves include the Householder
+# completions' T
 SOLVERS = {"linalg_qr", "geqrf", "linalg_householder_product", "linalg_cholesky_ex",
-           "linalg_solve_triangular", "_linalg_svd", "_linalg_eigh"}
+           "linalg_solve_triangular"}
 
 
 def main(argv=None):

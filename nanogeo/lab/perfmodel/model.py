@@ -216,12 +216,13 @@ def whitening_seconds(kind, w: Workload, c: Cluster):
 def subspace_flops(w: Workload, iters=1):
     """The subspace rotation's flops per step: encode + decode (16 m n r per rotated matrix)
     plus, every w.geo_refresh steps, a basis refresh: subspace iteration (8 m n r per
-    iteration), the gain check (8 m n r), the bases' Cholesky QR (three passes, 9 (m+n) r^2)
-    and Householder completion (3 (m+n) r^2)."""
+    iteration, and its bases' Cholesky QR, three passes: 9 (m+n) r^2), the gain check (8 m n r)
+    and the Householder completion (3 (m+n) r^2)."""
     total = 0.0
     for m, n in w.rotated:
         r = min(w.geo_rank, min(m, n) // 2)
-        update = iters * 8 * m * n * r + 8 * m * n * r + 12 * (m + n) * r * r
+        update = (iters * (8 * m * n * r + 9 * (m + n) * r * r) + 8 * m * n * r
+                  + 3 * (m + n) * r * r)
         total += 16 * m * n * r + update / w.geo_refresh
     return total
 
