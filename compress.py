@@ -576,6 +576,12 @@ def whitening_factor(A, r=32, damping=1e-3, floor=1e-3, solver="eigh", old=None)
     return factor_of_parts(*parts, damping, A.dtype)
 
 
+def eigensolver_for(opts):
+    """The rule above: the subspace iteration where the gain check measures every factor
+    before use (select="gain"), else the exact eigh."""
+    return "subspace" if opts.select == "gain" else "eigh"
+
+
 EPS64, TINY64 = torch.finfo(torch.float64).eps, torch.finfo(torch.float64).tiny
 
 
@@ -700,11 +706,10 @@ class WhitenedLayer:
                                   self.opts.moment_decay * old + (1 - self.opts.moment_decay) * moment)
 
     def factor_of(self, side, moment):
-        """The factor of a smoothed moment: by subspace iteration from the factor in use where
-        the gain check measures it before use (select="gain"), else by the exact eigh."""
-        solver = "subspace" if self.opts.select == "gain" else "eigh"
-        return whitening_factor(moment, self.opts.whiten_rank, self.opts.damping, solver=solver,
-                                old=self.factors.get(side))
+        """The factor of a smoothed moment, by eigensolver_for's choice (the subspace iteration
+        starting from the factor in use)."""
+        return whitening_factor(moment, self.opts.whiten_rank, self.opts.damping,
+                                solver=eigensolver_for(self.opts), old=self.factors.get(side))
 
 
 # ==== 4. This project's coordinates: a two-sided rotation toward the dominant subspaces ===========

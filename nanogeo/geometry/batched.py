@@ -18,9 +18,9 @@ Numbers: the same ops on the same values. A batched product or reduction may add
 order than its one-matrix form (torch chooses the kernel): on the CPU with one thread they have
 matched bit for bit (tests/test_reference.py holds whole runs against compress.py's), elsewhere
 the bases, coordinates and measured errors may differ from compress.py's at fp32 rounding
-(tests/test_batched.py states the tolerances, and that the gain check decides alike). The codec's round trip of a stack
-(round_trip_stack) is bit-equal to compress.py's per matrix: it only views the stack so that
-compress.quantize's scale groups are each matrix's own.
+(tests/test_batched.py states the tolerances, and that the gain check decides alike). The
+codec's round trip of a stack (round_trip_stack) is bit-equal to compress.py's per matrix: it
+only views the stack so that compress.quantize's scale groups are each matrix's own.
 
 What goes through here: nanogeo.geometry.layers.ProductionSubspaceLayer with Householder bases,
 on a rank that holds every row (train.py, the DDP hook) - encode, decode, refresh and the gain

@@ -102,7 +102,7 @@ def whiten_solver(opts):
     (select="gain"); where layers are used unmeasured (a list, "fragile", "all") the exact eigh."""
     if opts.whiten_solver != "auto":
         return opts.whiten_solver
-    return "subspace" if opts.select == "gain" else "eigh"
+    return compress.eigensolver_for(opts)
 
 
 def factor_of_kind(A, kind="lowrank", r=32, block=64, damping=1e-3, floor=1e-3,

@@ -22,10 +22,11 @@ they would, deciding nothing about real gradients).
 Each step runs inside nanogeo.lab.probes.MemoryPeak (the most bytes of new storage alive at once
 inside the reduce; the gradients and the model not counted) and OpCounter (aten ops: ~ a kernel
 launch each on a GPU, the price of more buckets; the ops that make a GPU's host wait, by name;
-and a refresh's factorisations, SOLVERS), printed per step in MB (10^6 bytes) and as a multiple of the gradients' bytes. The first step also
-builds what is kept from then on (the layouts' index tensors, the geometry); the steps after it show
-what every step needs. --compile compiles the packed FP8 codec as train.py --compile does
-(nanogeo.wire.kernels) and counts each compiled call as the fused kernels it runs
+and a refresh's factorisations, SOLVERS), printed per step in MB (10^6 bytes) and as a multiple
+of the gradients' bytes. The first step also builds what is kept from then on (the layouts'
+index tensors, the geometry); the steps after it show what every step needs. --compile
+compiles the packed FP8 codec as train.py --compile does (nanogeo.wire.kernels) and counts
+each compiled call as the fused kernels it runs
 (nanogeo.lab.probes.compiled_kernels_seen: inductor's C++ kernels on this CPU; Triton's fusion
 on a GPU may differ).
 """
