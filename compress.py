@@ -737,18 +737,27 @@ class HouseholderBasis:
 
     @classmethod
     def complete(cls, U):
-        a, tau = torch.geqrf(U)              # U = (R_1 ... R_r) R, reflectors stored below diag
+        """P from orthonormal U (m, r) without a QR (on a GPU geqrf is a solver call per
+        matrix): Householder QR of U would find U - E S = Y R (E: I's first r columns, S = diag
+        of signs +-1, R upper triangular), and its reflector vectors Y can be read off an LU
+        factorization of U - E S instead (Ballard et al., 2015, "Reconstructing Householder
+        vectors from tall-skinny QR"): the r x r top block's, its signs picked on the way, then
+        Y's other rows by a triangular solve. Each H_i = I - tau_i y_i y_i^T is a reflection
+        (tau_i = 2 / |y_i|^2), so P is orthogonal whatever U - a zero or not quite orthonormal
+        column included - and for orthonormal U it is the P of geqrf, rounding aside."""
         m, r = U.shape
-        Y = torch.tril(a, -1) + torch.eye(m, r, device=U.device, dtype=U.dtype)
+        LR = lu_with_signs(U[:r])                   # (r, r): L below the diagonal, R on and above
+        R, eye = torch.triu(LR), torch.eye(r, device=U.device, dtype=U.dtype)
+        Y = torch.cat([torch.tril(LR, -1) + eye,   # U[r:] = Y[r:] R
+                       torch.linalg.solve_triangular(R, U[r:], upper=True, left=False)])
+        tau = 2 / (Y * Y).sum(0)
         # T by LAPACK's larft recurrence, T[:i, i] = -tau_i T[:i, :i] (Y^T Y)[:i, i], solved at
         # once: with S the strictly upper part of Y^T Y it reads T (I + S diag(tau)) = diag(tau),
         # and I + S diag(tau) is unit upper triangular - one triangular solve (a few kernels on
-        # a GPU, not ~3 per column; no host sync), right also where a reflector is the identity
-        # (tau_i = 0: T's column i is 0)
+        # a GPU, not ~3 per column; no host sync)
         S = torch.triu(Y.T @ Y, 1)
-        eye = torch.eye(r, device=U.device, dtype=U.dtype)   # (for the reader: unitriangular=True
         T = torch.linalg.solve_triangular(eye + S * tau, torch.diag(tau), upper=True, left=False,
-                                          unitriangular=True)  # reads the diagonal as 1s anyway)
+                                          unitriangular=True)
         return cls(Y, T)
 
     def apply_t(self, X):
@@ -763,6 +772,20 @@ class HouseholderBasis:
         """The r vectors the basis was completed from (up to sign): P's first r columns."""
         m, r = self.Y.shape
         return self.apply(torch.eye(m, r, device=self.Y.device, dtype=self.Y.dtype))
+
+
+def lu_with_signs(B):
+    """B - S = L R without pivoting (B: r x r; L unit lower, R upper, packed in one matrix),
+    each sign s_i picked when its pivot is reached: the opposite of the pivot's, so that the
+    pivot b_i - s_i = b_i + sign(b_i) is at least 1 in size and no row needs to move (a zero b_i
+    counts as positive). Householder QR picks the same signs for its R (Ballard et al.). r steps
+    of a few elementwise kernels, each batched over a whole stack of matrices."""
+    B = B.clone()
+    for i in range(B.shape[-1]):
+        B[i, i] = torch.copysign(B[i, i].abs() + 1, B[i, i])           # the pivot, b_i - s_i
+        B[i + 1:, i].div_(B[i, i])                                      # L's column i
+        B[i + 1:, i + 1:].sub_(torch.outer(B[i + 1:, i], B[i, i + 1:]))    # what is left
+    return B
 
 
 def encode_geo(G, left, right):

@@ -181,12 +181,10 @@ def refresh_stack(layers, means):
     refresh_stacks([(layers, means)])
 
 
-def complete_stack(U):
-    """compress.HouseholderBasis.complete of each (m, r) of U (L, m, r): (Y, T) stacked."""
-    def one(u):
-        basis = compress.HouseholderBasis.complete(u)
-        return basis.Y, basis.T
-    return torch.vmap(one)(U)
+def completion(U):
+    """compress.HouseholderBasis.complete of one (m, r) U, as the tensors (Y, T) vmap maps."""
+    basis = compress.HouseholderBasis.complete(U)
+    return basis.Y, basis.T
 
 
 def columns_stack(Y, T):
@@ -200,8 +198,9 @@ def refresh_stacks(stacks):
     or its seeded cold start) mapped over each stack, the orthonormal bases of every stack of
     one shape made in one call a round (iterate_stacks), then ONE SVD for the r x r cores of
     every stack of one r (on a GPU each SVD call waits for the host twice: once a refresh, not
-    once a stack), then each stack's alignment, core energy and compress.py's completion. A
-    stack is a copy, made again for each phase, so that only one is held at a time."""
+    once a stack), then each stack's alignment and core energy, and compress.py's Householder
+    completion of every basis of one shape in one call (map_together). A stack is a copy, made
+    again for each phase, so that only one is held at a time."""
     iterated = iterate_stacks(stacks)
     by_rank = {}
     for k, (*_, core) in enumerate(iterated):
@@ -211,8 +210,12 @@ def refresh_stacks(stacks):
         a, _, bh = torch.linalg.svd(torch.cat([iterated[k][-1] for k in ks]))
         sizes = [iterated[k][-1].shape[0] for k in ks]
         aligned.update(zip(ks, zip(a.split(sizes), bh.split(sizes))))
-    for k, (layers, means) in enumerate(stacks):
-        finish_stack(layers, torch.stack(means), *iterated[k][:4], *aligned[k])
+    finished = [align_stack(layers, torch.stack(means), *iterated[k][:4], *aligned[k])
+                for k, (layers, means) in enumerate(stacks)]          # [(U, V, energies)]
+    bases = map_together(completion, [U for U, *_ in finished] + [V for _, V, *_ in finished])
+    for (layers, means), (_, _, *energies), left, right in zip(
+            stacks, finished, bases, bases[len(stacks):]):
+        settle_stack(layers, left, right, *energies, means[0].device)
 
 
 def iterate_stacks(stacks):
@@ -221,7 +224,7 @@ def iterate_stacks(stacks):
     orthonormal bases - U's and V's - of every stack of one shape are made in one call
     (orthonormal_together: llama-600m's 3776 x 1408 matrices are one a stack, and a call a
     stack would be ~170 a refresh). A stack is made again in each phase, one held at a time: a
-    refresh copies each gradient iters + 2 times with finish_stack's copy, a cold one 7 + 1."""
+    refresh copies each gradient iters + 2 times with align_stack's copy, a cold one 7 + 1."""
     stacked = lambda k: torch.stack(stacks[k][1])                       # (L, m, n)
     states = start_stacks(stacks)                   # [[U, V, left e., right e., decay, rounds]]
 
@@ -284,37 +287,51 @@ def seeded_start(layers, means):
                         for layer in layers])
 
 
-def orthonormal_together(stacks):
-    """compress.orthonormal of every matrix of `stacks` [(L, d, r)], the stacks of one shape,
-    dtype and device concatenated into one call (a batched Cholesky and triangular solve: a few
-    kernels however many matrices). On the CPU with one thread a matrix's bits do not depend on
-    which stacks share its call; a GPU's batched kernels may pick another algorithm by batch
-    size (every rank still gets the same bits: the stacks are alike on every rank)."""
+def map_together(f, stacks):
+    """f (one matrix -> a tensor, or a tuple of them) of every matrix of `stacks` [(L, ...)],
+    the stacks of one shape, dtype and device concatenated into one mapped call (batched
+    kernels: a few launches however many matrices), split back per stack. On the CPU with one
+    thread a matrix's bits do not depend on which stacks share its call; a GPU's batched kernels
+    may pick another algorithm by batch size (every rank still gets the same bits: the stacks
+    are alike on every rank)."""
     out, by_kind = [None] * len(stacks), {}
     for k, X in enumerate(stacks):
         by_kind.setdefault((tuple(X.shape[1:]), X.dtype, X.device), []).append(k)
     for ks in by_kind.values():
-        Q = torch.vmap(compress.orthonormal)(torch.cat([stacks[k] for k in ks]))
-        for k, q in zip(ks, Q.split([stacks[k].shape[0] for k in ks])):
-            out[k] = q
+        found = torch.vmap(f)(torch.cat([stacks[k] for k in ks]))
+        sizes = [stacks[k].shape[0] for k in ks]
+        parts = zip(*(t.split(sizes) for t in found)) if isinstance(found, tuple) else \
+            found.split(sizes)
+        for k, part in zip(ks, parts):
+            out[k] = part
     return out
 
 
-def finish_stack(layers, G, U, V, left_energy, right_energy, a, bh):
-    """The second half: the bases aligned by their cores' SVD (a, bh), the core energy, the
-    Householder completion, written into the layers."""
+def orthonormal_together(stacks):
+    """compress.orthonormal of every matrix of `stacks` [(L, d, r)] (map_together: a batched
+    Cholesky and triangular solve per shape)."""
+    return map_together(compress.orthonormal, stacks)
+
+
+def align_stack(layers, G, U, V, left_energy, right_energy, a, bh):
+    """The second half: the bases aligned by their cores' SVD (a, bh), and the core energy:
+    (U, V, left energies, right energies, core energies), stacked."""
     first = layers[0]
     decay = 0.0 if first.left_basis is None else first.opts.decay
     align = functools.partial(row_blocks.align_subspaces_rows, decay=decay, rows=UNSHARDED)
     U, V, left_energy, right_energy = torch.vmap(align)(G, U, V, left_energy, right_energy, a, bh)
     energy = torch.vmap(functools.partial(row_blocks.core_energy, rows=UNSHARDED))(G, U, V)
-    left, right = complete_stack(U), complete_stack(V)
+    return U, V, left_energy, right_energy, energy
+
+
+def settle_stack(layers, left, right, left_energy, right_energy, energy, device):
+    """The completed bases ((Y, T) of each side, stacked) and energies written into the layers."""
     for layer, Yl, Tl, Yr, Tr, el, er, e in zip(layers, *(t.unbind() for t in (
             *left, *right, left_energy, right_energy, energy))):
         layer.left_basis = compress.HouseholderBasis(Yl, Tl)
         layer.right_basis = compress.HouseholderBasis(Yr, Tr)
         layer.left_energy, layer.right_energy, layer.energy = el, er, e
-        layer.settle(G.device)
+        layer.settle(device)
 
 
 def whitening_stackable(layer):

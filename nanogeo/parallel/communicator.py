@@ -421,8 +421,8 @@ class ProductionCommunicator(GeometryStep):
                 carried.grads[i].copy_(mean)
             as_sent[i] = None       # (read no more: the gain check's measurement is taken)
             # the geometry reads the fp32 mean: the gradient itself where it is fp32 (bf16 or
-            # fp16 gradients of a DDP model hold it rounded, and the Householder completion's
-            # geqrf takes no bf16)
+            # fp16 gradients of a DDP model hold it rounded, and the subspace iteration's and
+            # the Householder completion's triangular solves take no bf16)
             carried.means[i] = carried.grads[i] if carried.grads[i].dtype == mean.dtype else mean
 
     def exchange(self, coords, across_ranks, bucket):
