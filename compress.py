@@ -745,8 +745,13 @@ class HouseholderBasis:
         Y's other rows by a triangular solve. Each H_i = I - tau_i y_i y_i^T is a reflection
         (tau_i = 2 / |y_i|^2), so P is orthogonal whatever U - a zero or not quite orthonormal
         column included - and for orthonormal U it is the P of geqrf, rounding aside."""
-        m, r = U.shape
-        LR = lu_with_signs(U[:r])                   # (r, r): L below the diagonal, R on and above
+        return cls.from_lu(U, lu_with_signs(U[:U.shape[1]]))
+
+    @classmethod
+    def from_lu(cls, U, LR):
+        """complete's second half: P from U (m, r) and LR, lu_with_signs of U's top block (r, r):
+        L below the diagonal, R on and above it."""
+        r = U.shape[1]
         R, eye = torch.triu(LR), torch.eye(r, device=U.device, dtype=U.dtype)
         Y = torch.cat([torch.tril(LR, -1) + eye,   # U[r:] = Y[r:] R
                        torch.linalg.solve_triangular(R, U[r:], upper=True, left=False)])

@@ -320,3 +320,20 @@ def test_a_refresh_of_cold_and_warm_stacks_with_more_rounds_is_each_layers_own()
         for x, y in zip(a.tensors() + [a.energy], b.tensors() + [b.energy]):
             assert close(x, y)
 
+
+
+def test_the_completion_of_every_stack_is_each_matrixs_own():
+    """Issue 58, item 2: complete_together gives each matrix compress.HouseholderBasis.complete's
+    bits (CPU, one thread), the LU of every top block of one r in one call - its r pivots
+    launched once however many stacks and shapes - and no host sync."""
+    g = torch.Generator().manual_seed(0)
+    stacks = [torch.stack([compress.orthonormal(torch.randn(m, r, generator=g))
+                           for _ in range(L)]) for m, r, L in
+              [(64, 8, 3), (96, 8, 1), (64, 8, 2), (40, 6, 2)]]
+    with OpCounter() as ops:
+        done = batched.complete_together(stacks)
+    assert ops.counts["copysign"] == 8 + 6 and ops.syncing == 0, ops.counts    # one pivot an op
+    for stack, (Y, T) in zip(stacks, done):
+        for U, y, t in zip(stack, Y, T):
+            own = compress.HouseholderBasis.complete(U)
+            assert torch.equal(y, own.Y) and torch.equal(t, own.T)

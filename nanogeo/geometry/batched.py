@@ -181,9 +181,17 @@ def refresh_stack(layers, means):
     refresh_stacks([(layers, means)])
 
 
-def completion(U):
-    """compress.HouseholderBasis.complete of one (m, r) U, as the tensors (Y, T) vmap maps."""
-    basis = compress.HouseholderBasis.complete(U)
+def complete_together(stacks):
+    """compress.HouseholderBasis.complete of every matrix of `stacks` [(L, m, r)], as (Y, T)
+    stacked per stack: the LU of every r x r top block in one mapped call (its r steps launched
+    once a refresh, not once a shape), then the reflectors of every stack of one shape in one."""
+    LR = map_together(compress.lu_with_signs, [U[:, :U.shape[2]] for U in stacks])
+    return map_together(reflectors, stacks, LR)
+
+
+def reflectors(U, LR):
+    """compress.HouseholderBasis.from_lu of one matrix, as the tensors (Y, T) vmap maps."""
+    basis = compress.HouseholderBasis.from_lu(U, LR)
     return basis.Y, basis.T
 
 
@@ -199,8 +207,8 @@ def refresh_stacks(stacks):
     one shape made in one call a round (iterate_stacks), then ONE SVD for the r x r cores of
     every stack of one r (on a GPU each SVD call waits for the host twice: once a refresh, not
     once a stack), then each stack's alignment and core energy, and compress.py's Householder
-    completion of every basis of one shape in one call (map_together). A stack is a copy, made
-    again for each phase, so that only one is held at a time."""
+    completion of every basis (complete_together). A stack is a copy, made again for each
+    phase, so that only one is held at a time."""
     iterated = iterate_stacks(stacks)
     by_rank = {}
     for k, (*_, core) in enumerate(iterated):
@@ -212,7 +220,7 @@ def refresh_stacks(stacks):
         aligned.update(zip(ks, zip(a.split(sizes), bh.split(sizes))))
     finished = [align_stack(layers, torch.stack(means), *iterated[k][:4], *aligned[k])
                 for k, (layers, means) in enumerate(stacks)]          # [(U, V, energies)]
-    bases = map_together(completion, [U for U, *_ in finished] + [V for _, V, *_ in finished])
+    bases = complete_together([U for U, *_ in finished] + [V for _, V, *_ in finished])
     for (layers, means), (_, _, *energies), left, right in zip(
             stacks, finished, bases, bases[len(stacks):]):
         settle_stack(layers, left, right, *energies, means[0].device)
@@ -287,18 +295,18 @@ def seeded_start(layers, means):
                         for layer in layers])
 
 
-def map_together(f, stacks):
-    """f (one matrix -> a tensor, or a tuple of them) of every matrix of `stacks` [(L, ...)],
-    the stacks of one shape, dtype and device concatenated into one mapped call (batched
-    kernels: a few launches however many matrices), split back per stack. On the CPU with one
-    thread a matrix's bits do not depend on which stacks share its call; a GPU's batched kernels
-    may pick another algorithm by batch size (every rank still gets the same bits: the stacks
-    are alike on every rank)."""
+def map_together(f, stacks, *more):
+    """f (matrices -> a tensor, or a tuple of them) of every matrix of `stacks` [(L, ...)] (and
+    the matching matrices of each list in `more`), the stacks of one shape, dtype and device
+    concatenated into one mapped call (batched kernels: a few launches however many matrices),
+    split back per stack. On the CPU with one thread a matrix's bits do not depend on which
+    stacks share its call; a GPU's batched kernels may pick another algorithm by batch size
+    (every rank still gets the same bits: the stacks are alike on every rank)."""
     out, by_kind = [None] * len(stacks), {}
     for k, X in enumerate(stacks):
         by_kind.setdefault((tuple(X.shape[1:]), X.dtype, X.device), []).append(k)
     for ks in by_kind.values():
-        found = torch.vmap(f)(torch.cat([stacks[k] for k in ks]))
+        found = torch.vmap(f)(*(torch.cat([args[k] for k in ks]) for args in (stacks, *more)))
         sizes = [stacks[k].shape[0] for k in ks]
         parts = zip(*(t.split(sizes) for t in found)) if isinstance(found, tuple) else \
             found.split(sizes)
