@@ -723,7 +723,7 @@ class WhitenedLayer:
 # encodes exactly - and the rest keeps FP8's precision of its *own* size. A rank's own gradient
 # has a full r x r core, so every core entry gets a scale group of its own ("core scattering", a
 # permutation). Orthogonal, so ||P E Q^T|| = ||E||: no error is amplified on the way back. P is
-# never formed: r reflectors complete U to P = R_1 ... R_r = I - Y T Y^T (~4 m n r flops to
+# never formed: r reflectors complete U to P = H_1 ... H_r = I - Y T Y^T (~4 m n r flops to
 # apply), which leaves the complement near the original axes (an outlier column stays local, for
 # the block scales). Every rank holds the same decoded mean, so a subspace iteration on it,
 # warm-started from the current bases, gives every rank the same bases.
@@ -731,30 +731,37 @@ class WhitenedLayer:
 @dataclass
 class HouseholderBasis:
     """P = I - Y T Y^T (m x m; its first r columns are +-U, the orthonormal columns it was
-    completed from): Y (m x r) the reflector vectors, T (r x r) upper triangular."""
+    completed from, up to U's own rounding): Y (m x r) the reflector vectors, T (r x r) upper
+    triangular."""
     Y: torch.Tensor
     T: torch.Tensor
 
     @classmethod
     def complete(cls, U):
-        """P from orthonormal U (m, r) without a QR (on a GPU geqrf is a solver call per
-        matrix): Householder QR of U would find U - E S = Y R (E: I's first r columns, S = diag
-        of signs +-1, R upper triangular), and its reflector vectors Y can be read off an LU
-        factorization of U - E S instead (Ballard et al., 2015, "Reconstructing Householder
-        vectors from tall-skinny QR"): the r x r top block's, its signs picked on the way, then
-        Y's other rows by a triangular solve. Each H_i = I - tau_i y_i y_i^T is a reflection
-        (tau_i = 2 / |y_i|^2), so P is orthogonal whatever U - a zero or not quite orthonormal
-        column included - and for orthonormal U it is the P of geqrf, rounding aside."""
+        """P for orthonormal U (m, r), from an LU instead of a QR (a GPU runs geqrf as a solver
+        call per matrix; Ballard et al., 2015, "Reconstructing Householder vectors from
+        tall-skinny QR"). Householder QR of U gives U = P E D (E: I's first r columns; D =
+        diag(+-1), as U's columns are orthonormal), so
+
+            U - E D = (P - I) E D = Y (-T Y_1^T D)          (Y_1: Y's top r x r block)
+
+        is unit lower trapezoidal times upper triangular: the LU of U - E D, which is unique.
+        lu_with_signs finds it for the top block, choosing each sign of D as QR does (which keeps
+        every pivot at least 1 in size); Y's other rows follow by a triangular solve. With
+        tau_i = 2 / |y_i|^2 each H_i = I - tau_i y_i y_i^T is a reflection, so P is orthogonal
+        for any finite U; for orthonormal U it is geqrf's P up to rounding, except where a column
+        is an axis already (geqrf skips that reflection, tau_i = 0; here it flips the axis, an
+        exact sign)."""
         return cls.from_lu(U, lu_with_signs(U[:U.shape[1]]))
 
     @classmethod
-    def from_lu(cls, U, LR):
-        """complete's second half: P from U (m, r) and LR, lu_with_signs of U's top block (r, r):
-        L below the diagonal, R on and above it."""
+    def from_lu(cls, U, LW):
+        """complete's second half: P from U (m, r) and LW = lu_with_signs(U's top r x r block):
+        L below the diagonal, the upper factor W on and above it."""
         r = U.shape[1]
-        R, eye = torch.triu(LR), torch.eye(r, device=U.device, dtype=U.dtype)
-        Y = torch.cat([torch.tril(LR, -1) + eye,   # U[r:] = Y[r:] R
-                       torch.linalg.solve_triangular(R, U[r:], upper=True, left=False)])
+        W, eye = torch.triu(LW), torch.eye(r, device=U.device, dtype=U.dtype)
+        Y = torch.cat([torch.tril(LW, -1) + eye,   # U[r:] = Y[r:] W
+                       torch.linalg.solve_triangular(W, U[r:], upper=True, left=False)])
         tau = 2 / (Y * Y).sum(0)
         # T by LAPACK's larft recurrence, T[:i, i] = -tau_i T[:i, :i] (Y^T Y)[:i, i], solved at
         # once: with S the strictly upper part of Y^T Y it reads T (I + S diag(tau)) = diag(tau),
@@ -780,14 +787,15 @@ class HouseholderBasis:
 
 
 def lu_with_signs(B):
-    """B - S = L R without pivoting (B: r x r; L unit lower, R upper, packed in one matrix),
-    each sign s_i picked when its pivot is reached: the opposite of the pivot's, so that the
-    pivot b_i - s_i = b_i + sign(b_i) is at least 1 in size and no row needs to move (a zero b_i
-    counts as positive). Householder QR picks the same signs for its R (Ballard et al.). r steps
-    of a few elementwise kernels, each batched over a whole stack of matrices."""
+    """The LU without pivoting of B - D (B: r x r, U's top block; L unit lower and W upper,
+    packed in one matrix), each sign d_i chosen when its pivot is reached: the opposite of the
+    pivot's, as Householder QR chooses, so that the pivot b_i - d_i = b_i + sign(b_i) is at
+    least 1 in size and no row needs to move (b_i: the diagonal entry once i steps are done; a
+    zero counts by its sign bit). r steps of a few elementwise kernels (the fast path maps them
+    over every matrix of a refresh at once)."""
     B = B.clone()
-    for i in range(B.shape[-1]):
-        B[i, i] = torch.copysign(B[i, i].abs() + 1, B[i, i])           # the pivot, b_i - s_i
+    for i in range(B.shape[0]):
+        B[i, i] = torch.copysign(B[i, i].abs() + 1, B[i, i])           # the pivot, b_i - d_i
         B[i + 1:, i].div_(B[i, i])                                      # L's column i
         B[i + 1:, i + 1:].sub_(torch.outer(B[i + 1:, i], B[i, i + 1:]))    # what is left
     return B

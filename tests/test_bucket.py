@@ -306,9 +306,10 @@ def test_the_loopback_group_answers_as_a_second_rank_holding_the_same_gradients(
 def test_bf16_gradients_average_in_place_and_refresh_from_the_fp32_mean():
     """A bf16 model's gradients (a DDP hook's bucket) are averaged in place like fp32 ones: each
     gradient gets its mean rounded to bf16, while the geometry (the refresh, the finiteness
-    check) reads the fp32 mean - bf16 has no geqrf (the Householder completion) on the CPU, and
-    the refresh would otherwise see the rounded one. The rotation is built and its means are
-    those of fp32 copies of the same gradients, rounded to bf16."""
+    check) reads the fp32 mean - the CPU's triangular solves (the subspace iteration's and the
+    Householder completion's) take no bf16, and the refresh would otherwise see the rounded one.
+    The rotation is built and its means are those of fp32 copies of the same gradients, rounded
+    to bf16."""
     named = [(f"t{i}", s) for i, s in enumerate(SHAPES)]
     options = dict(geometry="subspace", geo_warmup=0, geo_refresh=1, geo_judge="l2",
                    bucket_mb=SMALL_MB)

@@ -470,7 +470,7 @@ def test_packed_nvfp4_equals_one_call_per_piece(world, monkeypatch, one_thread):
 
 def test_householder_basis_is_orthogonal_and_spans_u():
     """P is orthogonal to rounding, and its first r columns are +-U to U's own orthonormality
-    (Cholesky QR's: Q^T Q = I to ~1e-12 here; the completion assumes U^T U = I)."""
+    (Cholesky QR's: Q^T Q = I to ~1e-11 here; the completion assumes U^T U = I)."""
     U = compress.orthonormal(torch.randn(200, 8, dtype=torch.float64))
     basis = HouseholderBasis.complete(U)
     X = torch.randn(200, 30, dtype=torch.float64)
@@ -482,29 +482,40 @@ def test_householder_basis_is_orthogonal_and_spans_u():
                           atol=10 * defect + 1e-14)
 
 
+@pytest.mark.parametrize("dtype,atol", [(torch.float64, 1e-8), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("m,r", [(200, 8), (64, 32), (3776, 16)])
-def test_householder_completion_is_geqrfs(m, r):
+def test_householder_completion_is_geqrfs(m, r, dtype, atol):
     """The reflectors read off the LU (Ballard et al.) are those Householder QR finds: Y and
-    tau of geqrf, and so T and P, to float64 rounding times U's orthonormality (~1e-10)."""
-    U = compress.orthonormal(torch.randn(m, r, dtype=torch.float64))
+    tau of geqrf, and so T and P, to rounding times U's orthonormality (~1e-10 in float64)."""
+    g = torch.Generator().manual_seed(m + r)
+    U = compress.orthonormal(torch.randn(m, r, generator=g, dtype=dtype))
     basis = HouseholderBasis.complete(U)
-    a, tau = torch.geqrf(U)
+    a, tau = torch.geqrf(U.double())
     Y = torch.tril(a, -1) + torch.eye(m, r, dtype=torch.float64)
-    assert torch.allclose(basis.Y, Y, atol=1e-8)
-    assert torch.allclose(basis.T, larft_column_by_column(Y, tau), atol=1e-8)
+    assert torch.allclose(basis.Y.double(), Y, atol=atol)
+    assert torch.allclose(basis.T.double(), larft_column_by_column(Y, tau), atol=atol)
 
 
-@pytest.mark.parametrize("U", [torch.zeros(96, 16), torch.eye(6, 2)[:, [1, 0]],
-                               compress.orthonormal(torch.randn(96, 4) @ torch.randn(4, 16))],
-                         ids=["zero", "axes-swapped", "rank-deficient"])
-def test_householder_completion_is_orthogonal_for_any_u(U):
+def degenerate_bases():
+    g = torch.Generator().manual_seed(3)
+    low = torch.randn(96, 4, generator=g) @ torch.randn(4, 16, generator=g)     # rank 4 of 16
+    return {"zero": torch.zeros(96, 16), "axes-swapped": torch.eye(6, 2)[:, [1, 0]],
+            "rank-deficient": compress.orthonormal(low)}
+
+
+@pytest.mark.parametrize("kind", ["zero", "axes-swapped", "rank-deficient"])
+def test_householder_completion_is_orthogonal_for_any_u(kind):
     """Degenerate bases - all zero (a zero gradient), a pivot of 0 (U's top block a
     permutation: an LU without the sign choice would divide by zero), columns made of rounding
-    (a gradient of lower rank than r) - still give an orthogonal P: every H_i is a reflection."""
+    (a gradient of lower rank than r) - still give an orthogonal P: every H_i is a reflection;
+    and where U is orthonormal (the swapped axes) P's first columns are +-U."""
+    U = degenerate_bases()[kind]
     basis = HouseholderBasis.complete(U)
     assert torch.isfinite(basis.Y).all() and torch.isfinite(basis.T).all()
     P = basis.apply(torch.eye(U.shape[0]))
     assert torch.allclose(P.T @ P, torch.eye(U.shape[0]), atol=1e-6)
+    if kind == "axes-swapped":
+        assert torch.equal((P[:, :2].T @ U).abs(), torch.eye(2))
 
 
 def larft_column_by_column(Y, tau):
@@ -519,8 +530,9 @@ def larft_column_by_column(Y, tau):
 @pytest.mark.parametrize("m,r", [(200, 8), (64, 32), (10, 3)])
 def test_householder_t_factor_is_larfts_in_one_solve(m, r):
     """HouseholderBasis.complete builds T in one triangular solve: the T of LAPACK's column
-    recurrence (to float64 rounding), also where U's columns are axes already (each H_i then
-    flips one; geqrf would leave it, tau = 0)."""
+    recurrence for its Y and tau (to float64 rounding; that they are geqrf's Y and tau is
+    test_householder_completion_is_geqrfs's), also where U's columns are axes already (each
+    H_i then flips one; geqrf would leave it, tau = 0)."""
     for U in (compress.orthonormal(torch.randn(m, r, dtype=torch.float64)),
               torch.eye(m, r, dtype=torch.float64)):          # every H_i flips one axis
         basis = HouseholderBasis.complete(U)
@@ -533,8 +545,8 @@ def test_householder_t_factor_is_larfts_in_one_solve(m, r):
 def test_householder_completion_launches_are_one_set_per_stack():
     """Issue 50, item 3, and issue 58, item 2: a stack of matrices is completed by one set of
     batched kernels (a GPU pays a launch for each; geqrf was a solver call per matrix there),
-    the same number for 16 matrices as for 1; T takes a fixed number of kernels, the LU a few
-    per column (not ~3 per column as LAPACK's recurrence written out made T)."""
+    the same number for 16 matrices as for 1, a few more per column of U (the LU's pivots;
+    T's recurrence written out column by column took ~3 a column for T alone)."""
     def completion(u):
         basis = HouseholderBasis.complete(u)
         return basis.Y, basis.T
@@ -547,7 +559,7 @@ def test_householder_completion_launches_are_one_set_per_stack():
             counts[r, L] = ops.total
             assert ops.syncing == 0
     assert counts[4, 1] == counts[4, 16] and counts[32, 1] == counts[32, 16], counts
-    assert counts[32, 1] - counts[4, 1] <= 8 * (32 - 4), counts
+    assert counts[32, 1] - counts[4, 1] <= 10 * (32 - 4), counts     # (8 a column in 2.13)
 
 
 def test_encode_decode_identity_fp32():

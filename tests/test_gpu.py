@@ -53,6 +53,29 @@ def test_compiled_codec_on_the_device_equals_eager():
             assert torch.equal(trips[0][0], trips[1][0]) and torch.equal(trips[0][1], trips[1][1])
 
 
+def test_householder_completion_on_the_device_is_orthogonal_and_never_syncs():
+    """The rotation's bases completed on CUDA (batched.complete_together: the LU's pivots, the
+    triangular solves) without a host sync, orthogonal, and equal to the CPU's up to fp32
+    rounding (batched cuBLAS kernels may add in another order)."""
+    from nanogeo.geometry import batched
+    g = torch.Generator().manual_seed(0)
+    stacks = [torch.stack([compress.orthonormal(torch.randn(m, 16, generator=g))
+                           for _ in range(3)]) for m in (1408, 3776)]
+    on_device = [s.cuda() for s in stacks]         # (a copy from pageable memory syncs)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        done = batched.complete_together(on_device)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for (Y, T), (Y_cpu, T_cpu) in zip(done, batched.complete_together(stacks)):
+        assert torch.allclose(Y.cpu(), Y_cpu, atol=1e-5) and torch.allclose(T.cpu(), T_cpu,
+                                                                            atol=1e-5)
+        for y, t in zip(Y, T):
+            P = compress.HouseholderBasis(y, t).apply(torch.eye(y.shape[0], device="cuda"))
+            assert torch.allclose(P.T @ P, torch.eye(y.shape[0], device="cuda"), atol=1e-5)
+
+
 def test_rank_checks_pass_on_every_gpu(tmp_path):
     """Collectives (e4m3 / e5m2 / nvfp4 within the codec's bound, the same bytes on every rank),
     NCCL's float8 sum against its emulation (or SKIP with the reason), the DDP hook against plain

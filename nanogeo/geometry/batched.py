@@ -183,8 +183,9 @@ def refresh_stack(layers, means):
 
 def complete_together(stacks):
     """compress.HouseholderBasis.complete of every matrix of `stacks` [(L, m, r)], as (Y, T)
-    stacked per stack: the LU of every r x r top block in one mapped call (its r steps launched
-    once a refresh, not once a shape), then the reflectors of every stack of one shape in one."""
+    stacked per stack: the LU of every r x r top block of one r in one mapped call (its r steps
+    launched once a refresh for each r, not once a shape), then the reflectors of every stack of
+    one shape in one."""
     LR = map_together(compress.lu_with_signs, [U[:, :U.shape[2]] for U in stacks])
     return map_together(reflectors, stacks, LR)
 
@@ -207,8 +208,9 @@ def refresh_stacks(stacks):
     one shape made in one call a round (iterate_stacks), then ONE SVD for the r x r cores of
     every stack of one r (on a GPU each SVD call waits for the host twice: once a refresh, not
     once a stack), then each stack's alignment and core energy, and compress.py's Householder
-    completion of every basis (complete_together). A stack is a copy, made again for each
-    phase, so that only one is held at a time."""
+    completion of every basis (complete_together). A stack of gradients is a copy, made again
+    for each phase, so that only one is held at a time; the bases (m x r each) of every stack
+    are held together for the completion."""
     iterated = iterate_stacks(stacks)
     by_rank = {}
     for k, (*_, core) in enumerate(iterated):
@@ -218,8 +220,10 @@ def refresh_stacks(stacks):
         a, _, bh = torch.linalg.svd(torch.cat([iterated[k][-1] for k in ks]))
         sizes = [iterated[k][-1].shape[0] for k in ks]
         aligned.update(zip(ks, zip(a.split(sizes), bh.split(sizes))))
-    finished = [align_stack(layers, torch.stack(means), *iterated[k][:4], *aligned[k])
-                for k, (layers, means) in enumerate(stacks)]          # [(U, V, energies)]
+    finished = []                                                      # [(U, V, energies)]
+    for k, (layers, means) in enumerate(stacks):
+        finished.append(align_stack(layers, torch.stack(means), *iterated[k][:4], *aligned[k]))
+        iterated[k] = None                     # (the bases before alignment: held no longer)
     bases = complete_together([U for U, *_ in finished] + [V for _, V, *_ in finished])
     for (layers, means), (_, _, *energies), left, right in zip(
             stacks, finished, bases, bases[len(stacks):]):
@@ -322,7 +326,7 @@ def orthonormal_together(stacks):
 
 
 def align_stack(layers, G, U, V, left_energy, right_energy, a, bh):
-    """The second half: the bases aligned by their cores' SVD (a, bh), and the core energy:
+    """After the iteration: the bases aligned by their cores' SVD (a, bh), and the core energy:
     (U, V, left energies, right energies, core energies), stacked."""
     first = layers[0]
     decay = 0.0 if first.left_basis is None else first.opts.decay
