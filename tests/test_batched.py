@@ -337,3 +337,26 @@ def test_the_completion_of_every_stack_is_each_matrixs_own():
         for U, y, t in zip(stack, Y, T):
             own = compress.HouseholderBasis.complete(U)
             assert torch.equal(y, own.Y) and torch.equal(t, own.T)
+
+
+def test_rows_refresh_is_each_layers_own_with_the_completions_together():
+    """refresh_rows (FSDP's row-sharded rotation: each matrix's own subspace iteration, the
+    completions together) = ProductionSubspaceLayer.refresh of each matrix, bit for bit (CPU,
+    one thread), cold and warm, with one LU call per r for matrices of two shapes."""
+    opts = Options(geometry="subspace", geo_rank=8, min_numel=16, decay=0.5)
+    shapes = [(48, 40), (48, 40), (40, 64)]
+    cold = [layers.ProductionSubspaceLayer.create(f"l{i}", s, opts) for i, s in enumerate(shapes)]
+    for seed in (1, 2):
+        means = [planted(*s, 1, seed + i)[0] for i, s in enumerate(shapes)]
+        expected = [copy.copy(layer) for layer in cold]
+        for layer, mean in zip(expected, means):
+            layer.refresh(mean)
+        got = [copy.copy(layer) for layer in cold]
+        with OpCounter() as ops:
+            batched.refresh_rows(got, means)
+        assert ops.counts["copysign"] == 8, ops.counts             # r = 8: one LU for all six
+        for a, b in zip(got, expected):
+            assert all(torch.equal(x, y) for x, y in zip(a.tensors() + [a.energy],
+                                                         b.tensors() + [b.energy]))
+            assert a.transform[0].Y is a.left_basis.Y
+        cold = expected

@@ -47,6 +47,25 @@ def stackable(layer):
             and (layer.rows is None or not layer.rows.sharded))
 
 
+def row_sharded(layer):
+    """Is this layer the subspace rotation on a block of its matrix's rows (FSDP): its subspace
+    iteration runs matrix by matrix (summed over the ranks), its completion with others'?"""
+    return type(layer) is ProductionSubspaceLayer and not stackable(layer)
+
+
+def refresh_rows(layers, means):
+    """ProductionSubspaceLayer.refresh(mean) of each row_sharded layer: its own subspace
+    iteration on its rows (the same order of collectives on every rank), then the Householder
+    completions of all of them together (complete_together) - one set of kernels per r and
+    shape, not one per matrix."""
+    found = [layer.dominant_subspaces(mean) for layer, mean in zip(layers, means)]  # [(U, V)]
+    bases = complete_together([U[None] for U, _ in found] + [V[None] for _, V in found])
+    for layer, mean, (Yl, Tl), (Yr, Tr) in zip(layers, means, bases, bases[len(layers):]):
+        layer.left_basis = compress.HouseholderBasis(Yl[0], Tl[0])
+        layer.right_basis = compress.HouseholderBasis(Yr[0], Tr[0])
+        layer.settle(mean.device)
+
+
 def groups(keys):
     """{key: [item, ...]} from {item: key}, in first-seen order."""
     out = {}

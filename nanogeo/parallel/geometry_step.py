@@ -383,9 +383,9 @@ class GeometryStep:
 
     def propose_all(self, inputs):
         """propose() for each {name: its refresh input} (compress.Communicator.step's step 5),
-        the new geometry of the matrices of one shape
-        built together (nanogeo.geometry.batched.refresh_group: the rotation's bases, the
-        low-rank whitening's factors)."""
+        the new geometry of the matrices of one shape built together (nanogeo.geometry.batched:
+        the rotation's bases, the low-rank whitening's factors; under FSDP the rotation's
+        completions)."""
         keys = {n: batched.refresh_key(self.layers[n], found) for n, found in inputs.items()}
         refreshed, rotations = {}, []       # rotations: [(proposals, means)], one SVD for all
         for key, group in batched.groups(keys).items():
@@ -393,9 +393,7 @@ class GeometryStep:
                 continue
             numel = math.prod(self.shapes[group[0]])
             for names in batched.runs(group, numel, self.stack_limit()):
-                proposals = [copy.copy(self.layers[n]) for n in names]     # as propose() makes
-                for proposal in proposals:
-                    proposal.gain = float("nan")
+                proposals = self.unmeasured_copies(names)
                 found = [inputs[n] for n in names]
                 if key[0] == "subspace":
                     rotations.append((proposals, found))
@@ -404,11 +402,23 @@ class GeometryStep:
                 refreshed.update(zip(names, proposals))
         if rotations:
             batched.refresh_stacks(rotations)
+        sharded = [n for n in inputs if n not in refreshed and batched.row_sharded(self.layers[n])]
+        if sharded:                         # FSDP's rows: the completions together
+            proposals = self.unmeasured_copies(sharded)
+            batched.refresh_rows(proposals, [inputs[n] for n in sharded])
+            refreshed.update(zip(sharded, proposals))
         for name, found in inputs.items():
             if name in refreshed:
                 self.consider(name, refreshed[name])
             else:
                 self.propose(name, found)
+
+    def unmeasured_copies(self, names):
+        """Each layer's copy to refresh into a proposal, not yet measured (as propose() makes)."""
+        proposals = [copy.copy(self.layers[n]) for n in names]
+        for proposal in proposals:
+            proposal.gain = float("nan")
+        return proposals
 
     def auto_sides(self):
         """Does the gain check compare two rotations (sides="auto"): both sides, and the column
