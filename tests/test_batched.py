@@ -342,7 +342,8 @@ def test_the_completion_of_every_stack_is_each_matrixs_own():
 def test_rows_refresh_is_each_layers_own_with_the_completions_together():
     """refresh_rows (FSDP's row-sharded rotation: each matrix's own subspace iteration, the
     completions together) = ProductionSubspaceLayer.refresh of each matrix, bit for bit (CPU,
-    one thread), cold and warm, with one LU call per r for matrices of two shapes."""
+    one thread), cold and warm, with one LU call per r for matrices of two shapes. Run here on
+    unsharded rows (one process); tests/test_fsdp.py's gloo runs take the sharded route."""
     opts = Options(geometry="subspace", geo_rank=8, min_numel=16, decay=0.5)
     shapes = [(48, 40), (48, 40), (40, 64)]
     cold = [layers.ProductionSubspaceLayer.create(f"l{i}", s, opts) for i, s in enumerate(shapes)]

@@ -25,9 +25,9 @@ only views the stack so that compress.quantize's scale groups are each matrix's 
 What goes through here: nanogeo.geometry.layers.ProductionSubspaceLayer with Householder bases,
 on a rank that holds every row (train.py, the DDP hook) - encode, decode, refresh and the gain
 check's measurements - and the low-rank whitening's refresh (its factors, one eigendecomposition
-and one SVD per side and group of one width: whiten_stack). FSDP's row blocks, the dense-basis
-ablations, the whitening's encode and decode and the Hadamard control go matrix by matrix, as
-before.
+and one SVD per side and group of one width: whiten_stack). FSDP's row blocks run their subspace
+iteration matrix by matrix but complete their bases together (refresh_rows); the dense-basis
+ablations, the whitening's encode and decode and the Hadamard control go matrix by matrix.
 """
 import functools
 
@@ -49,7 +49,8 @@ def stackable(layer):
 
 def row_sharded(layer):
     """Is this layer the subspace rotation on a block of its matrix's rows (FSDP): its subspace
-    iteration runs matrix by matrix (summed over the ranks), its completion with others'?"""
+    iteration runs matrix by matrix (summed over the ranks), its Householder completion batched
+    with other layers' (refresh_rows)?"""
     return type(layer) is ProductionSubspaceLayer and not stackable(layer)
 
 
@@ -57,7 +58,8 @@ def refresh_rows(layers, means):
     """ProductionSubspaceLayer.refresh(mean) of each row_sharded layer: its own subspace
     iteration on its rows (the same order of collectives on every rank), then the Householder
     completions of all of them together (complete_together) - one set of kernels per r and
-    shape, not one per matrix."""
+    shape, not one per matrix. (The new bases are views into one tensor per shape, as
+    refresh_stacks' are: a few hundred KB a module.)"""
     found = [layer.dominant_subspaces(mean) for layer, mean in zip(layers, means)]  # [(U, V)]
     bases = complete_together([U[None] for U, _ in found] + [V[None] for _, V in found])
     for layer, mean, (Yl, Tl), (Yr, Tr) in zip(layers, means, bases, bases[len(layers):]):
