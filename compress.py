@@ -770,15 +770,17 @@ class HouseholderBasis:
         S = torch.triu(Y.T @ Y, 1)
         T = torch.linalg.solve_triangular(eye + S * tau, torch.diag(tau), upper=True, left=False,
                                           unitriangular=True)
-        return cls(Y, T)
+        return cls(Y, T.contiguous())   # row-major, as a stack of T's is (BLAS may round a
+                                        # product by its operands' memory order)
 
     def apply_t(self, X):
-        """P^T X = (I - Y T^T Y^T) X for X (m, n): three thin products, never the m x m matrix."""
-        return X - self.Y @ (self.T.T @ (self.Y.T @ X))
+        """P^T X = X - (Y T^T)(Y^T X) for X (m, n): thin products, never the m x m matrix. (Y T^T
+        depends on the basis alone: the fast path makes it once a refresh, not at every step.)"""
+        return X - (self.Y @ self.T.T) @ (self.Y.T @ X)
 
     def apply(self, X):
-        """P X = (I - Y T Y^T) X, likewise."""
-        return X - self.Y @ (self.T @ (self.Y.T @ X))
+        """P X = X - (Y T)(Y^T X), likewise."""
+        return X - (self.Y @ self.T) @ (self.Y.T @ X)
 
     def columns(self):
         """The r vectors the basis was completed from (up to sign): P's first r columns."""
@@ -839,9 +841,10 @@ def swap_entries(H, swaps):
     if swaps is None:
         return H
     a, b = swaps
-    flat = H.reshape(-1).clone()
-    flat[a], flat[b] = flat[b], flat[a].clone()
-    return flat.view(H.shape)
+    flat = H.reshape(-1)
+    out = flat.clone()
+    out[a], out[b] = flat[b], flat[a]
+    return out.view(H.shape)
 
 
 def update_subspaces(G, U, V, iters=1):

@@ -83,12 +83,28 @@ def test_stacked_rotation_is_each_layers_own(sides):
     for layer in group:
         layer.rotate_sides(sides)
     X = torch.stack(planted(48, 64, 5, 3))
-    bases = batched.stack_bases([layer.transform for layer in group])
+    bases = batched.with_products(batched.stack_bases([layer.transform for layer in group]))
     H = batched.rotate_stack(group[0], X, bases)
     assert close(H, torch.stack([layer.encode(x) for layer, x in zip(group, X)]))
     back = batched.rotate_stack(group[0], H, bases, inverse=True)
     assert close(back, torch.stack([layer.decode(h) for layer, h in zip(group, H)]))
     assert close(back, X, rel=1e-5)                         # orthogonal: the inverse
+
+
+def test_prepared_basis_is_compress_basis_bit_for_bit():
+    """rotate_stack's bases (with_products: Y T^T and Y T made once for a stack) apply P^T and P
+    with the bits of compress.HouseholderBasis, which makes the products at each call - T's
+    memory order included (from_lu gives it row-major, as a stack of T's is)."""
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(3)
+    bases = [compress.HouseholderBasis.complete(compress.orthonormal(
+        torch.randn(96, 8, generator=g))) for _ in range(3)]
+    X = torch.randn(96, 40, generator=g)
+    stacked, _ = batched.with_products(batched.stack_bases([(b, None) for b in bases]))
+    for k, basis in enumerate(bases):
+        prepared = batched.PreparedBasis(*(t[k] for t in stacked))
+        assert torch.equal(prepared.apply_t(X), basis.apply_t(X))
+        assert torch.equal(prepared.apply(X), basis.apply(X))
 
 
 def adamw_views(names, shapes, seed=0):
@@ -152,7 +168,8 @@ def test_stacked_step_launches_do_not_grow_with_the_matrices():
         group = refreshed_layers((48, 64), count, opts)
         X = torch.stack(planted(48, 64, count, 3))
         with OpCounter() as ops:
-            bases = batched.stack_bases([layer.transform for layer in group])
+            bases = batched.with_products(
+                batched.stack_bases([layer.transform for layer in group]))
             batched.rotate_stack(group[0], batched.rotate_stack(group[0], X, bases), bases, True)
             batched.refresh_stack(group, list(X))
         counts.append((ops.total, ops.counts.get("_linalg_svd", 0)))

@@ -29,6 +29,7 @@ and one SVD per side and group of one width: whiten_stack). FSDP's row blocks ru
 iteration matrix by matrix but complete their bases together (refresh_rows); the dense-basis
 ablations, the whitening's encode and decode and the Hadamard control go matrix by matrix.
 """
+import dataclasses
 import functools
 
 import torch
@@ -63,9 +64,14 @@ def refresh_rows(layers, means):
     found = [layer.dominant_subspaces(mean) for layer, mean in zip(layers, means)]  # [(U, V)]
     bases = complete_together([U[None] for U, _ in found] + [V[None] for _, V in found])
     for layer, mean, (Yl, Tl), (Yr, Tr) in zip(layers, means, bases, bases[len(layers):]):
-        layer.left_basis = compress.HouseholderBasis(Yl[0], Tl[0])
-        layer.right_basis = compress.HouseholderBasis(Yr[0], Tr[0])
-        layer.settle(mean.device)
+        take_bases(layer, (Yl[0], Tl[0]), (Yr[0], Tr[0]), mean.device)
+
+
+def take_bases(layer, left, right, device):
+    """A layer's new bases, (Y, T) of each side, put in use (settle: the swaps on `device`, the
+    rotation made of them)."""
+    layer.left_basis, layer.right_basis = (compress.HouseholderBasis(*b) for b in (left, right))
+    layer.settle(device)
 
 
 def groups(keys):
@@ -100,16 +106,39 @@ def stack_bases(transforms):
                  for side in (0, 1))
 
 
+def with_products(bases):
+    """stack_bases' (Y, T) of each side with Y T^T and Y T added: the products
+    compress.HouseholderBasis.apply_t and apply make at every call, made once for the stack
+    (mapped as they are there: a 3-D matmul may round otherwise)."""
+    products = torch.vmap(lambda Y, T: (Y @ T.T, Y @ T))
+    return tuple(None if b is None else (*b, *products(*b)) for b in bases)
+
+
+@dataclasses.dataclass
+class PreparedBasis(compress.HouseholderBasis):
+    """A HouseholderBasis with its products made beforehand (with_products): apply_t and apply
+    are compress's, X - (Y T^T)(Y^T X) and X - (Y T)(Y^T X), with the product Y T^T (Y T) given
+    instead of made again at each call - the same ops on the same values, the same bits."""
+    YTt: torch.Tensor = None
+    YT: torch.Tensor = None
+
+    def apply_t(self, X):
+        return X - self.YTt @ (self.Y.T @ X)
+
+    def apply(self, X):
+        return X - self.YT @ (self.Y.T @ X)
+
+
 def rotate_stack(layer, X, bases, inverse=False):
     """layer.encode (inverse: decode) of each matrix of X (L, m, n) in its own rotation, `bases`
-    as stack_bases gives them; `layer`: any layer of the stack (they share the shape, and so
+    as with_products gives them; `layer`: any layer of the stack (they share the shape, and so
     the core's swaps)."""
     sides = tuple(b is not None for b in bases)
     tensors = [t for b in bases if b is not None for t in b]
 
-    def one(x, *yt):                    # one matrix, its (Y, T) per rotated side
-        it = iter(yt)
-        transform = tuple(compress.HouseholderBasis(next(it), next(it)) if rotated else None
+    def one(x, *parts):                 # one matrix, its (Y, T, Y T^T, Y T) per rotated side
+        it = iter(parts)
+        transform = tuple(PreparedBasis(*(next(it) for _ in range(4))) if rotated else None
                           for rotated in sides)
         return layer.decode(x, transform) if inverse else layer.encode(x, transform)
     return torch.vmap(one)(X, *tensors)
@@ -130,7 +159,7 @@ class StackedBases:
         kept = self.kept.get(key)
         if kept is None or len(kept[0]) != len(sources) or any(
                 a is not b or u != v for (a, u), (b, v) in zip(kept[0], sources)):
-            kept = self.kept[key] = (sources, stack_bases(transforms))
+            kept = self.kept[key] = (sources, with_products(stack_bases(transforms)))
         return kept[1]
 
 
@@ -361,10 +390,8 @@ def settle_stack(layers, left, right, left_energy, right_energy, energy, device)
     """The completed bases ((Y, T) of each side, stacked) and energies written into the layers."""
     for layer, Yl, Tl, Yr, Tr, el, er, e in zip(layers, *(t.unbind() for t in (
             *left, *right, left_energy, right_energy, energy))):
-        layer.left_basis = compress.HouseholderBasis(Yl, Tl)
-        layer.right_basis = compress.HouseholderBasis(Yr, Tr)
         layer.left_energy, layer.right_energy, layer.energy = el, er, e
-        layer.settle(device)
+        take_bases(layer, (Yl, Tl), (Yr, Tr), device)
 
 
 def whitening_stackable(layer):
@@ -439,10 +466,10 @@ def codec_errors(layers, means, grads, views, auto_sides, round_trip, workers):
     sees of the Euclidean round trip, then of the round trip in each rotation (auto_sides: both
     sides, then the right alone; else the layer's own)."""
     if auto_sides:
-        left, right = stack_bases([layer.rotation("both") for layer in layers])
+        left, right = with_products(stack_bases([layer.rotation("both") for layer in layers]))
         rotations = [(left, right), (None, right)]
     else:
-        rotations = [stack_bases([layer.transform for layer in layers])]
+        rotations = [with_products(stack_bases([layer.transform for layer in layers]))]
     deltas = []
     for G in grads:
         deltas.append(round_trip(G) - G)

@@ -69,7 +69,7 @@ def decode_geo_rows(matrices):
     """decode_geo when each rank holds only a block of rows of H (FSDP; see RowBlocks), for
     Householder bases. `matrices` is a list of (H_rows, left, right, rows), typically all of one
     FSDP module's rotated matrices. The right side acts on each row alone: K = H Q^T row by row.
-    The left side mixes rows only through r directions: (P K)_j = K_j - Y_j T (Y^T K), and
+    The left side mixes rows only through r directions: (P K)_j = K_j - (Y_j T)(Y^T K), and
     Y^T K (r x n) is the sum over ranks of Y_j^T K_j: r n numbers against the m n / W of the
     block, summed for all the matrices in one all-reduce. Returns each matrix's rows of G."""
     Ks = [right.apply(H.T).T if right is not None else H for H, _, right, _ in matrices]
@@ -79,7 +79,7 @@ def decode_geo_rows(matrices):
         rows = matrices[0][3]
         totals = rows.sum_all([Y.T @ Ks[k] for k, Y, _ in lefts])  # Y^T K of each, (r, n)
         for (k, Y, T), YtK in zip(lefts, totals):
-            Ks[k] = Ks[k] - Y @ (T @ YtK)
+            Ks[k] = Ks[k] - (Y @ T) @ YtK                   # compress's P X
     return Ks
 
 

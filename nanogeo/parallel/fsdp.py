@@ -30,7 +30,7 @@ DDP does. Only the decode meets the sharding:
 
     rank j receives the averaged rows H_j of H and needs G_j = (P H Q^T)_j
     right side, row by row:     K_j = H_j Q^T                                  (local)
-    left side, P = I - Y T Y^T: G_j = K_j - Y_j T (Y^T K),  Y^T K = sum_j Y_j^T K_j
+    left side, P = I - Y T Y^T: G_j = K_j - (Y_j T)(Y^T K), Y^T K = sum_j Y_j^T K_j
                                                             (r x n, summed over ranks)
 
 plus the ~r^2 values that core scattering moved between the first and last rows
