@@ -588,15 +588,11 @@ EPS64, TINY64 = torch.finfo(torch.float64).eps, torch.finfo(torch.float64).tiny
 def orthonormal(X):
     """An orthonormal basis of X's columns (X: (d, k), k <= d), in X's dtype, by Cholesky QR:
     with R^T R = X^T X + s I (the k x k Gram matrix's Cholesky factor, in float64), X R^-1 spans
-    X's columns; two more passes remove what rounding left. Matrix products, a Cholesky and a
-    triangular solve - one kernel each for a whole stack of matrices, where Householder QR is a
-    solver call per matrix on a GPU - and no host sync (cholesky_ex does not check). The shift s
-    (Fukaya et al., 2020; EPS64 and the trace make it generous) lets every Cholesky succeed
-    whatever X's condition, and every pass has it (Fukaya's shifts the first only), so that a
-    zero X stays finite to the end: any X comes out finite (an exactly zero column as 0, which
-    HouseholderBasis.complete copes with; float32 rounding gives a rank-deficient X's other
-    columns). Its price: Q^T Q = I to about s ~ 11 (d k + k^2) k eps64, 1e-8 at d = 3776, k = 32
-    - float32's rounding, not float64's."""
+    X's columns; two more passes remove what rounding left. Only matrix products, a Cholesky and
+    a triangular solve (no QR), so a stack of matrices goes through in one call of each. The
+    shift s (Fukaya et al., 2020; made generous, and in every pass) lets every Cholesky succeed
+    whatever X's condition: any X comes out finite (an exactly zero column as 0). Its price:
+    Q^T Q = I to about 11 (d k + k^2) k eps64, 1e-8 at d = 3776, k = 32 - float32's rounding."""
     Q, (d, k) = X.double(), X.shape
     eye = torch.eye(k, dtype=torch.float64, device=X.device)
     for _ in range(3):
@@ -611,7 +607,7 @@ def orthonormal(X):
 @functools.lru_cache(maxsize=None)
 def random_start(d, k, device):
     """(d, k) fp32 random directions seeded by d, alike on every rank; made once per shape and
-    device (a copy from the host's pageable memory would stop a GPU's host at every refresh)."""
+    device."""
     generator = torch.Generator(device="cpu").manual_seed(d)
     return torch.randn(d, k, generator=generator).to(device)
 
@@ -738,10 +734,9 @@ class HouseholderBasis:
 
     @classmethod
     def complete(cls, U):
-        """P for orthonormal U (m, r), from an LU instead of a QR (a GPU runs geqrf as a solver
-        call per matrix; Ballard et al., 2015, "Reconstructing Householder vectors from
-        tall-skinny QR"). Householder QR of U gives U = P E D (E: I's first r columns; D =
-        diag(+-1), as U's columns are orthonormal), so
+        """P for orthonormal U (m, r), from an LU instead of a QR (Ballard et al., 2015,
+        "Reconstructing Householder vectors from tall-skinny QR"). Householder QR of U gives
+        U = P E D (E: I's first r columns; D = diag(+-1), as U's columns are orthonormal), so
 
             U - E D = (P - I) E D = Y (-T Y_1^T D)          (Y_1: Y's top r x r block)
 
@@ -765,8 +760,7 @@ class HouseholderBasis:
         tau = 2 / (Y * Y).sum(0)
         # T by LAPACK's larft recurrence, T[:i, i] = -tau_i T[:i, :i] (Y^T Y)[:i, i], solved at
         # once: with S the strictly upper part of Y^T Y it reads T (I + S diag(tau)) = diag(tau),
-        # and I + S diag(tau) is unit upper triangular - one triangular solve (a few kernels on
-        # a GPU, not ~3 per column; no host sync)
+        # and I + S diag(tau) is unit upper triangular: one triangular solve, not a loop
         S = torch.triu(Y.T @ Y, 1)
         T = torch.linalg.solve_triangular(eye + S * tau, torch.diag(tau), upper=True, left=False,
                                           unitriangular=True)
@@ -793,8 +787,7 @@ def lu_with_signs(B):
     packed in one matrix), each sign d_i chosen when its pivot is reached: the opposite of the
     pivot's, as Householder QR chooses, so that the pivot b_i - d_i = b_i + sign(b_i) is at
     least 1 in size and no row needs to move (b_i: the diagonal entry once i steps are done; a
-    zero counts by its sign bit). r steps of a few elementwise kernels (the fast path maps them
-    over every matrix of a refresh at once)."""
+    zero counts by its sign bit)."""
     B = B.clone()
     for i in range(B.shape[0]):
         B[i, i] = torch.copysign(B[i, i].abs() + 1, B[i, i])           # the pivot, b_i - d_i
@@ -953,11 +946,9 @@ def adamw_direction(g, state, betas, eps):
 
 
 def bias_corrections(step, betas, device):
-    """1 - beta^t at t = step + 1 for both betas, as 0-dim float64 tensors on `device`, without
-    a host sync: a step on the device (a fused AdamW's) stays there; one on the host (a
-    non-fused AdamW's) is used there, and its results reach a GPU as fill values, not as a
-    copy from pageable memory, which would stop the host. On a tensor, not as a Python number:
-    CUDA divides by a number as a multiplication by its reciprocal (count_divisor)."""
+    """1 - beta^t at t = step + 1 for both betas, as 0-dim float64 tensors on `device`,
+    computed where `step` lives (a fused AdamW keeps it on the device, a non-fused one on the
+    host), so reading it never waits. Tensors, not Python numbers, as in count_divisor."""
     on_host = not isinstance(step, torch.Tensor) or step.device.type == "cpu"
     t = torch.as_tensor(step, dtype=torch.float64, device="cpu" if on_host else device) + 1
     corrections = [1 - beta ** t for beta in betas]
@@ -1170,8 +1161,7 @@ class Communicator:
         (moments["tokens"]["input"][name]) - E[a a^T] over every rank's tokens - so that every
         rank builds the same factors. One all-reduce of a slot per layer, alike on every rank:
         a layer a rank did not run adds zeros and 0 tokens (a moment given without its tokens
-        weighs 0); one no rank ran stays out. (The token counts go to the device as a copy and
-        come back as a host read; the fast path makes them there.)"""
+        weighs 0); one no rank ran stays out."""
         given, counted = moments.get("input", {}), moments.get("tokens", {}).get("input", {})
         widths = [self.shapes[n][1] for n in self.layers]                  # A is d_in x d_in
         tokens = [counted.get(n, 0) for n in self.layers]
