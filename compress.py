@@ -769,7 +769,7 @@ class HouseholderBasis:
 
     def apply_t(self, X):
         """P^T X = X - (Y T^T)(Y^T X) for X (m, n): thin products, never the m x m matrix. (Y T^T
-        depends on the basis alone: the fast path makes it once a refresh, not at every step.)"""
+        depends on the basis alone: the fast path makes it once for each stack of bases.)"""
         return X - (self.Y @ self.T.T) @ (self.Y.T @ X)
 
     def apply(self, X):
@@ -834,9 +834,8 @@ def swap_entries(H, swaps):
     if swaps is None:
         return H
     a, b = swaps
-    flat = H.reshape(-1)
-    out = flat.clone()
-    out[a], out[b] = flat[b], flat[a]
+    out = H.clone(memory_format=torch.contiguous_format).view(-1)
+    out[a], out[b] = out[b], out[a]          # (both sides read before either is written)
     return out.view(H.shape)
 
 

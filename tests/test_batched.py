@@ -91,11 +91,25 @@ def test_stacked_rotation_is_each_layers_own(sides):
     assert close(back, X, rel=1e-5)                         # orthogonal: the inverse
 
 
+def test_a_checkpoints_column_major_T_is_put_in_use_row_major():
+    """A checkpoint written before from_lu made T row-major holds it column-major: loaded, the
+    layer uses it row-major, so its rotation has a fresh layer's bits."""
+    opts = Options(geometry="subspace", geo_rank=8, min_numel=16)
+    [layer] = refreshed_layers((48, 64), 1, opts)
+    state = layer.state_dict()
+    old = {**state, **{k: state[k].T.contiguous().T for k in ("left_T", "right_T")}}
+    assert old["left_T"].stride() == (1, 8)
+    loaded = layers.ProductionSubspaceLayer.create("l0", (48, 64), opts)
+    loaded.load_state_dict(old)
+    assert loaded.left_basis.T.stride() == loaded.right_basis.T.stride() == (8, 1)
+    X = planted(48, 64, 1, 5)[0]
+    assert torch.equal(loaded.encode(X), layer.encode(X))
+
+
 def test_prepared_basis_is_compress_basis_bit_for_bit():
     """rotate_stack's bases (with_products: Y T^T and Y T made once for a stack) apply P^T and P
     with the bits of compress.HouseholderBasis, which makes the products at each call - T's
     memory order included (from_lu gives it row-major, as a stack of T's is)."""
-    torch.set_num_threads(1)
     g = torch.Generator().manual_seed(3)
     bases = [compress.HouseholderBasis.complete(compress.orthonormal(
         torch.randn(96, 8, generator=g))) for _ in range(3)]
@@ -352,8 +366,10 @@ def test_the_completion_of_every_stack_is_each_matrixs_own():
     assert ops.counts["copysign"] == 8 + 6 and ops.syncing == 0, ops.counts    # one pivot an op
     for stack, (Y, T) in zip(stacks, done):
         for U, y, t in zip(stack, Y, T):
+            r = U.shape[1]
             own = compress.HouseholderBasis.complete(U)
             assert torch.equal(y, own.Y) and torch.equal(t, own.T)
+            assert t.stride() == own.T.stride() == (r, 1)       # row-major: BLAS rounds by it
 
 
 def test_rows_refresh_is_each_layers_own_with_the_completions_together():

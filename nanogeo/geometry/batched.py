@@ -64,14 +64,7 @@ def refresh_rows(layers, means):
     found = [layer.dominant_subspaces(mean) for layer, mean in zip(layers, means)]  # [(U, V)]
     bases = complete_together([U[None] for U, _ in found] + [V[None] for _, V in found])
     for layer, mean, (Yl, Tl), (Yr, Tr) in zip(layers, means, bases, bases[len(layers):]):
-        take_bases(layer, (Yl[0], Tl[0]), (Yr[0], Tr[0]), mean.device)
-
-
-def take_bases(layer, left, right, device):
-    """A layer's new bases, (Y, T) of each side, put in use (settle: the swaps on `device`, the
-    rotation made of them)."""
-    layer.left_basis, layer.right_basis = (compress.HouseholderBasis(*b) for b in (left, right))
-    layer.settle(device)
+        layer.use_bases((Yl[0], Tl[0]), (Yr[0], Tr[0]), mean.device)
 
 
 def groups(keys):
@@ -109,7 +102,7 @@ def stack_bases(transforms):
 def with_products(bases):
     """stack_bases' (Y, T) of each side with Y T^T and Y T added: the products
     compress.HouseholderBasis.apply_t and apply make at every call, made once for the stack
-    (mapped as they are there: a 3-D matmul may round otherwise)."""
+    (mapped with vmap, as rotate_stack maps compress's apply)."""
     products = torch.vmap(lambda Y, T: (Y @ T.T, Y @ T))
     return tuple(None if b is None else (*b, *products(*b)) for b in bases)
 
@@ -118,9 +111,10 @@ def with_products(bases):
 class PreparedBasis(compress.HouseholderBasis):
     """A HouseholderBasis with its products made beforehand (with_products): apply_t and apply
     are compress's, X - (Y T^T)(Y^T X) and X - (Y T)(Y^T X), with the product Y T^T (Y T) given
-    instead of made again at each call - the same ops on the same values, the same bits."""
-    YTt: torch.Tensor = None
-    YT: torch.Tensor = None
+    instead of made again at each call - the same ops on the same values (on the CPU with one
+    thread the same bits: see the module's docstring)."""
+    YTt: torch.Tensor
+    YT: torch.Tensor
 
     def apply_t(self, X):
         return X - self.YTt @ (self.Y.T @ X)
@@ -135,6 +129,8 @@ def rotate_stack(layer, X, bases, inverse=False):
     the core's swaps)."""
     sides = tuple(b is not None for b in bases)
     tensors = [t for b in bases if b is not None for t in b]
+    if any(b is not None and len(b) != 4 for b in bases):
+        raise ValueError("rotate_stack takes with_products(stack_bases(...)): (Y, T, Y T^T, Y T)")
 
     def one(x, *parts):                 # one matrix, its (Y, T, Y T^T, Y T) per rotated side
         it = iter(parts)
@@ -391,7 +387,7 @@ def settle_stack(layers, left, right, left_energy, right_energy, energy, device)
     for layer, Yl, Tl, Yr, Tr, el, er, e in zip(layers, *(t.unbind() for t in (
             *left, *right, left_energy, right_energy, energy))):
         layer.left_energy, layer.right_energy, layer.energy = el, er, e
-        take_bases(layer, (Yl, Tl), (Yr, Tr), device)
+        layer.use_bases((Yl, Tl), (Yr, Tr), device)
 
 
 def whitening_stackable(layer):

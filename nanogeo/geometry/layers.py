@@ -276,6 +276,14 @@ class ProductionSubspaceLayer(compress.SubspaceLayer):
         super().refresh(mean)
         self.settle(mean.device)
 
+    def use_bases(self, left, right, device):
+        """New bases, (Y, T) of each side, put in use, then settled. T row-major, as
+        compress.HouseholderBasis.from_lu makes it (a checkpoint of an older version may hold it
+        column-major, and BLAS rounds a product by its operands' memory order)."""
+        self.left_basis = compress.HouseholderBasis(left[0], left[1].contiguous())
+        self.right_basis = compress.HouseholderBasis(right[0], right[1].contiguous())
+        self.settle(device)
+
     def settle(self, device):
         """After new bases: the core's swaps on the gradients' device (once: no copy at each
         step), and the rotation in use made of the new bases."""
@@ -318,11 +326,10 @@ class ProductionSubspaceLayer(compress.SubspaceLayer):
 
     def load_state_dict(self, s):
         self.use_geo, self.gain = s["use_geo"], s["gain"]
-        self.left_basis = compress.HouseholderBasis(s["left_Y"], s["left_T"])
-        self.right_basis = compress.HouseholderBasis(s["right_Y"], s["right_T"])
         self.left_energy, self.right_energy = s["left_energy"], s["right_energy"]
         self.energy = s["energy"]
-        self.swaps = swaps_on(self.swaps, s["left_Y"].device)  # where refresh() leaves them
+        self.use_bases((s["left_Y"], s["left_T"]), (s["right_Y"], s["right_T"]),
+                       s["left_Y"].device)          # (the swaps where refresh() leaves them)
         self.rotate_sides(s.get("sides", self.sides))
 
 
