@@ -598,7 +598,8 @@ def orthonormal(X):
     for _ in range(3):
         gram = Q.T @ Q                                                  # (k, k)
         shift = 11 * (d * k + k * (k + 1)) * EPS64 * gram.diagonal().sum() + TINY64
-        # (cholesky_ex calls its factor L; upper=True makes it the upper one, R)
+        # (cholesky_ex: no check, so no host sync - the shift makes every factor succeed; it
+        # calls its factor L, and upper=True makes it the upper one, R)
         R = torch.linalg.cholesky_ex(gram + shift * eye, upper=True).L
         Q = torch.linalg.solve_triangular(R, Q, upper=True, left=False)  # Q R^-1
     return Q.to(X.dtype)
@@ -951,8 +952,9 @@ def bias_corrections(step, betas, device):
     on_host = not isinstance(step, torch.Tensor) or step.device.type == "cpu"
     t = torch.as_tensor(step, dtype=torch.float64, device="cpu" if on_host else device) + 1
     corrections = [1 - beta ** t for beta in betas]
-    if on_host and torch.device(device).type != "cpu":
-        corrections = [torch.full((), c, dtype=torch.float64, device=device) for c in corrections]
+    if on_host and torch.device(device).type != "cpu":     # fill values: a copy from pageable
+        corrections = [torch.full((), c, dtype=torch.float64, device=device)   # memory would
+                       for c in corrections]                                     # stop the host
     return corrections
 
 

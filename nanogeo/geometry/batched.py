@@ -127,10 +127,10 @@ def rotate_stack(layer, X, bases, inverse=False):
     """layer.encode (inverse: decode) of each matrix of X (L, m, n) in its own rotation, `bases`
     as with_products gives them; `layer`: any layer of the stack (they share the shape, and so
     the core's swaps)."""
-    sides = tuple(b is not None for b in bases)
-    tensors = [t for b in bases if b is not None for t in b]
     if any(b is not None and len(b) != 4 for b in bases):
         raise ValueError("rotate_stack takes with_products(stack_bases(...)): (Y, T, Y T^T, Y T)")
+    sides = tuple(b is not None for b in bases)
+    tensors = [t for b in bases if b is not None for t in b]
 
     def one(x, *parts):                 # one matrix, its (Y, T, Y T^T, Y T) per rotated side
         it = iter(parts)

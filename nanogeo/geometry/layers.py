@@ -327,10 +327,9 @@ class ProductionSubspaceLayer(compress.SubspaceLayer):
     def load_state_dict(self, s):
         self.use_geo, self.gain = s["use_geo"], s["gain"]
         self.left_energy, self.right_energy = s["left_energy"], s["right_energy"]
-        self.energy = s["energy"]
+        self.energy, self.sides = s["energy"], s.get("sides", self.sides)
         self.use_bases((s["left_Y"], s["left_T"]), (s["right_Y"], s["right_T"]),
                        s["left_Y"].device)          # (the swaps where refresh() leaves them)
-        self.rotate_sides(s.get("sides", self.sides))
 
 
 @dataclass
