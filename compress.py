@@ -769,18 +769,21 @@ class HouseholderBasis:
                                         # product by its operands' memory order)
 
     def apply_t(self, X):
-        """P^T X = X - (Y T^T)(Y^T X) for X (m, n): thin products, never the m x m matrix. (Y T^T
-        depends on the basis alone: the fast path makes it once for each stack of bases.)"""
-        return X - (self.Y @ self.T.T) @ (self.Y.T @ X)
+        """P^T X = X - (Y T^T)(Y^T X) for X (m, n): thin products, never the m x m matrix; the
+        subtraction is the last product's (addmm: X + alpha A B, one GEMM). (Y T^T depends on
+        the basis alone: the fast path makes it once for each stack of bases.)"""
+        return torch.addmm(X, self.Y @ self.T.T, self.Y.T @ X, alpha=-1)
 
     def apply(self, X):
         """P X = X - (Y T)(Y^T X), likewise."""
-        return X - (self.Y @ self.T) @ (self.Y.T @ X)
+        return torch.addmm(X, self.Y @ self.T, self.Y.T @ X, alpha=-1)
 
     def columns(self):
-        """The r vectors the basis was completed from (up to sign): P's first r columns."""
+        """The r vectors the basis was completed from (up to sign): P's first r columns,
+        P E = E - (Y T)(Y^T E), where Y^T E is Y's top r x r block transposed."""
         m, r = self.Y.shape
-        return self.apply(torch.eye(m, r, device=self.Y.device, dtype=self.Y.dtype))
+        E = torch.eye(m, r, device=self.Y.device, dtype=self.Y.dtype)
+        return E - (self.Y @ self.T) @ self.Y[:r].T
 
 
 def lu_with_signs(B):

@@ -106,19 +106,26 @@ def test_a_checkpoints_column_major_T_is_put_in_use_row_major():
     assert torch.equal(loaded.encode(X), layer.encode(X))
 
 
-def test_prepared_basis_is_compress_basis_bit_for_bit():
-    """rotate_stack's bases (with_products: Y T^T and Y T made once for a stack) apply P^T and P
-    with the bits of compress.HouseholderBasis, which makes the products at each call - T's
-    memory order included (from_lu gives it row-major, as a stack of T's is)."""
-    g = torch.Generator().manual_seed(3)
-    bases = [compress.HouseholderBasis.complete(compress.orthonormal(
-        torch.randn(96, 8, generator=g))) for _ in range(3)]
-    X = torch.randn(96, 40, generator=g)
-    stacked, _ = batched.with_products(batched.stack_bases([(b, None) for b in bases]))
-    for k, basis in enumerate(bases):
-        prepared = batched.PreparedBasis(*(t[k] for t in stacked))
-        assert torch.equal(prepared.apply_t(X), basis.apply_t(X))
-        assert torch.equal(prepared.apply(X), basis.apply(X))
+@pytest.mark.parametrize("sides", ["both", "left", "right"])
+@pytest.mark.parametrize("shape", [(48, 64), (64, 40)])
+def test_rotation_in_place_is_compress_bit_for_bit(sides, shape):
+    """rotate_stack_ (the stack's subtractions fused into in-place products, Y T^T and Y T made
+    once) writes into the stack the bits of compress's encode and decode of each matrix, which
+    make every product at each call (one thread: tests/conftest.py); T's memory order included
+    (from_lu gives it row-major, as a stack of T's is)."""
+    opts = Options(geometry="subspace", geo_rank=8, min_numel=16)
+    group = refreshed_layers(shape, 3, opts)
+    for layer in group:
+        layer.rotate_sides(sides)
+    X = torch.stack(planted(*shape, 3, 7))
+    bases = batched.with_products(batched.stack_bases([layer.transform for layer in group]))
+    H = X.clone()
+    assert batched.rotate_stack_(group[0], H, bases) is H          # in place
+    assert torch.equal(H, torch.stack([layer.encode(x) for layer, x in zip(group, X)]))
+    back = batched.rotate_stack(group[0], H, bases, inverse=True)
+    assert torch.equal(back, torch.stack([layer.decode(h) for layer, h in zip(group, H)]))
+    with pytest.raises(ValueError, match="contiguous"):
+        batched.rotate_stack_(group[0], X.mT, bases)
 
 
 def adamw_views(names, shapes, seed=0):

@@ -11,8 +11,10 @@ transformer has few shapes, each many times over (cpu-tiny: 28 matrices of 4 sha
 matrices of one shape go through together: torch.vmap runs compress.py's own functions (and
 nanogeo.geometry.rows' row form of the subspace iteration, nanogeo.geometry.update_error's
 optimizer views) on a stack (L, m, n), each op launched once for the whole stack: a matrix
-product becomes one batched product, and a refresh makes one SVD per shape group. Nothing of the
-method is written a second time; what is here is the stacking.
+product becomes one batched product, and a refresh makes one SVD per shape group. One piece is
+written a second time: the rotation's encode and decode (rotate_stack_), whose subtractions run
+in place on the stack as one GEMM each (vmap cannot map an in-place product); it makes the
+products compress.encode_geo makes, on the same operands, and the tests hold it to them.
 
 Numbers: the same ops on the same values. A batched product or reduction may add in another
 order than its one-matrix form (torch chooses the kernel): on the CPU with one thread they have
@@ -29,7 +31,6 @@ and one SVD per side and group of one width: whiten_stack). FSDP's row blocks ru
 iteration matrix by matrix but complete their bases together (refresh_rows); the dense-basis
 ablations, the whitening's encode and decode and the Hadamard control go matrix by matrix.
 """
-import dataclasses
 import functools
 
 import torch
@@ -102,42 +103,57 @@ def stack_bases(transforms):
 def with_products(bases):
     """stack_bases' (Y, T) of each side with Y T^T and Y T added: the products
     compress.HouseholderBasis.apply_t and apply make at every call, made once for the stack
-    (mapped with vmap, as rotate_stack maps compress's apply)."""
+    (mapped with vmap, as compress makes them a matrix at a time)."""
     products = torch.vmap(lambda Y, T: (Y @ T.T, Y @ T))
     return tuple(None if b is None else (*b, *products(*b)) for b in bases)
 
 
-@dataclasses.dataclass
-class PreparedBasis(compress.HouseholderBasis):
-    """A HouseholderBasis with its products made beforehand (with_products): apply_t and apply
-    are compress's, X - (Y T^T)(Y^T X) and X - (Y T)(Y^T X), with the product Y T^T (Y T) given
-    instead of made again at each call - the same ops on the same values (on the CPU with one
-    thread the same bits: see the module's docstring)."""
-    YTt: torch.Tensor
-    YT: torch.Tensor
+def subtract_product_(X, Y, YT):
+    """X <- X - YT (Y^T X) for a stack X (L, m, n) or its transposed view, in place:
+    compress.HouseholderBasis.apply_t (YT = Y T^T) or apply (YT = Y T) of every matrix. The
+    spec's addmm becomes one in-place batched GEMM (beta = 1): no copy of X and no separate
+    subtraction - on a GPU one kernel where X - A @ B launches two."""
+    return X.baddbmm_(YT, Y.mT @ X, alpha=-1)
 
-    def apply_t(self, X):
-        return X - self.YTt @ (self.Y.T @ X)
 
-    def apply(self, X):
-        return X - self.YT @ (self.Y.T @ X)
+def swap_stack_(X, swaps):
+    """compress.swap_entries of every matrix of a contiguous stack X (L, m, n), in place."""
+    if swaps is not None:
+        a, b = swaps
+        flat = X.view(X.shape[0], -1)
+        flat[:, a], flat[:, b] = flat[:, b], flat[:, a]     # (both read before either is written)
+
+
+def rotate_stack_(layer, X, bases, inverse=False):
+    """layer.encode (inverse: decode) of each matrix of X (L, m, n), written into X - a stack
+    the caller made, contiguous - and returned; `bases` as with_products gives them; `layer`: any
+    layer of the stack (they share the shape, and so the core's swaps). compress.encode_geo and
+    decode_geo batched: the same products of the same operands in the same memory order (the
+    column side on X's transposed view, as compress's apply_t(H.T).T reads it)."""
+    if any(b is not None and len(b) != 4 for b in bases):
+        raise ValueError("rotate_stack takes with_products(stack_bases(...)): (Y, T, Y T^T, Y T)")
+    if not X.is_contiguous():
+        raise ValueError("rotate_stack_ writes into a contiguous stack: pass torch.stack's")
+    left, right = bases
+    swaps = layer.swaps_for(bases)              # both sides rotate: the core is scattered
+    if inverse:                                 # G = P H Q^T
+        swap_stack_(X, swaps)
+        if right is not None:
+            subtract_product_(X.mT, right[0], right[3])     # H Q^T = (Q H^T)^T
+        if left is not None:
+            subtract_product_(X, left[0], left[3])
+    else:                                       # H = P^T G Q
+        if left is not None:
+            subtract_product_(X, left[0], left[2])
+        if right is not None:
+            subtract_product_(X.mT, right[0], right[2])     # G Q = (Q^T G^T)^T
+        swap_stack_(X, swaps)
+    return X
 
 
 def rotate_stack(layer, X, bases, inverse=False):
-    """layer.encode (inverse: decode) of each matrix of X (L, m, n) in its own rotation, `bases`
-    as with_products gives them; `layer`: any layer of the stack (they share the shape, and so
-    the core's swaps)."""
-    if any(b is not None and len(b) != 4 for b in bases):
-        raise ValueError("rotate_stack takes with_products(stack_bases(...)): (Y, T, Y T^T, Y T)")
-    sides = tuple(b is not None for b in bases)
-    tensors = [t for b in bases if b is not None for t in b]
-
-    def one(x, *parts):                 # one matrix, its (Y, T, Y T^T, Y T) per rotated side
-        it = iter(parts)
-        transform = tuple(PreparedBasis(*(next(it) for _ in range(4))) if rotated else None
-                          for rotated in sides)
-        return layer.decode(x, transform) if inverse else layer.encode(x, transform)
-    return torch.vmap(one)(X, *tensors)
+    """rotate_stack_ on a copy: X stays as it was."""
+    return rotate_stack_(layer, X.clone(memory_format=torch.contiguous_format), bases, inverse)
 
 
 class StackedBases:
@@ -470,7 +486,7 @@ def codec_errors(layers, means, grads, views, auto_sides, round_trip, workers):
     for G in grads:
         deltas.append(round_trip(G) - G)
         for bases in rotations:
-            coords = round_trip(rotate_stack(layers[0], G, bases))
-            deltas.append(rotate_stack(layers[0], coords, bases, inverse=True) - G)
+            coords = round_trip(rotate_stack(layers[0], G, bases))     # (a new tensor)
+            deltas.append(rotate_stack_(layers[0], coords, bases, inverse=True) - G)
     errors = seen_stack(views, means, workers)(deltas)                   # (L, W K)
     return errors.view(len(layers), len(grads), -1)

@@ -79,7 +79,7 @@ def decode_geo_rows(matrices):
         rows = matrices[0][3]
         totals = rows.sum_all([Y.T @ Ks[k] for k, Y, _ in lefts])  # Y^T K of each, (r, n)
         for (k, Y, T), YtK in zip(lefts, totals):
-            Ks[k] = Ks[k] - (Y @ T) @ YtK                   # compress's P X
+            Ks[k] = torch.addmm(Ks[k], Y @ T, YtK, alpha=-1)    # compress's P X
     return Ks
 
 

@@ -208,7 +208,7 @@ class ProductionCommunicator(GeometryStep):
                     bases = self.stacks.of((key, tuple(names[i] for i in run)),
                                            [layer.transform for layer in group])
                     X = torch.stack([tensors[i] for i in run])
-                    rotated = batched.rotate_stack(group[0], X, bases, inverse).unbind()
+                    rotated = batched.rotate_stack_(group[0], X, bases, inverse).unbind()
                 for i, x in zip(run, rotated):
                     out[i] = x
         return out
