@@ -399,10 +399,11 @@ def test_packed_codec_equals_one_call_per_piece(world, monkeypatch, one_thread):
         for a, b in zip(expected[0] + sum(expected[2], []), got[0] + sum(got[2], [])):
             assert torch.equal(a, b)
         assert packed.nbytes == apart.nbytes
-        # one stage-1 encode of all W simulated ranks, W stage-2 decodes and encodes (one per
-        # shard, as each rank runs it), one stage-3 decode, one decode of the W local round trips
-        assert calls.count("fp8_encode") == 1 + world
-        assert calls.count("fp8_decode") == world + 2
+        # one stage-1 encode of all W simulated ranks, W stage-2 owner steps (decode, sum,
+        # divide, encode in one call per shard, as each rank runs it), one stage-3 decode, one
+        # decode of the W local round trips
+        assert calls.count("encode_packed") == 1 and calls.count("average_packed") == world
+        assert calls.count("decode_packed") == 2
 
 
 # odd sizes, a partial last block, one element, an empty tensor, one tensor that is zero on

@@ -390,22 +390,25 @@ def test_compiled_codec_divides_as_eager_does_whenever_it_is_compiled(monkeypatc
         with inductor_config.patch(fx_graph_cache=False), \
                 torch._functorch.config.patch(enable_autograd_cache=False):
             wires = []
+            dtype, fmax = compress.FP8_FORMATS["e4m3"]
             for compiled in (False, True):
                 kernels.compile_hot_path(compiled)
                 wire = packing.pack_groups(groups, "e4m3")
-                wires.append((wire, packing.unpack_groups(wire, 128, "e4m3")))
+                mean = kernels.KERNELS["average_packed"](                  # stage 2, W = 2
+                    torch.cat([wire, wire]), 2, 128, dtype, fmax, compress.count_divisor(2, x))
+                wires.append((wire, packing.unpack_groups(wire, 128, "e4m3"), mean))
             kernels.compile_hot_path(False)
             codec_graphs = len(seen)
             torch.compile(lambda a, b: a / b)(x, x + 2)         # a model's compile, after it
     finally:
         kernels.compile_hot_path(False)
         dynamo.reset()
-    assert torch.equal(wires[0][0], wires[1][0]) and torch.equal(wires[0][1], wires[1][1])
-    assert codec_graphs == 2, seen                                  # encode, decode
+    assert all(torch.equal(a, b) for a, b in zip(*wires))
+    assert codec_graphs == 3, seen                                  # encode, decode, average
     for rounding, ops in seen[:codec_graphs]:
         assert rounding, "the codec was compiled with Triton's approximate division"
         assert ops <= kernels.EXACT_OPS, ops - kernels.EXACT_OPS
-    assert {"aten.reciprocal.default", "aten.div.Tensor"} <= set().union(*(o for _, o in seen[:2]))
+    assert {"aten.reciprocal.default", "aten.div.Tensor"} <= set().union(*(o for _, o in seen[:3]))
     assert [r for r, _ in seen[codec_graphs:]] == [False]           # not leaked to the model's
     assert not inductor_config.eager_numerics.division_rounding
 

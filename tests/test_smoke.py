@@ -186,8 +186,8 @@ def test_codec_check_fails_on_its_faults(monkeypatch):
     def approximate_compile(enabled=True):
         real_compile(False)
         if enabled:
-            kernels.KERNELS["fp8_decode"] = lambda codes, scale, dtype: (
-                compress.fp8_decode(codes, scale, dtype) * (1 + 2 ** -22))
+            kernels.KERNELS["decode_packed"] = lambda wire, block, dtype: (
+                kernels.decode_packed(wire, block, dtype) * (1 + 2 ** -22))
     with monkeypatch.context() as m:
         m.setattr(kernels, "compile_hot_path", approximate_compile)
         status, figures = ranks.smoke_codec(cpu, 1e4, 1, with_compiled=True)

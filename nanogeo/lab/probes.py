@@ -181,8 +181,8 @@ def compiled_kernels_seen():
 
     def seen(name, kernel):
         def call(*args):
-            graph = (name, *[(a.dtype, a.shape[0] == 1, a.shape[1:]) if isinstance(a, torch.Tensor)
-                             else a for a in args])
+            graph = (name, *[(a.dtype, a.shape[:1] == (1,), a.shape[1:])
+                             if isinstance(a, torch.Tensor) else a for a in args])
             with _disable_current_modes() as probes:
                 if graph not in fused_per_graph:
                     out, fused_per_graph[graph] = fused(kernel, args)

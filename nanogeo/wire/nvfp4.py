@@ -17,7 +17,7 @@ import torch
 
 import compress
 from compress import NVFP4_BLOCK, Quantized
-from nanogeo.wire import packing
+from nanogeo.wire import kernels, packing
 from nanogeo.wire.packing import on_device
 
 CODE_BYTES = NVFP4_BLOCK // 2           # a block's 16 codes, two a byte
@@ -262,7 +262,7 @@ class Nvfp4PackedLayout(Nvfp4Layout, packing.PackedLayout):
 
     def sum_groups(self, received, shard):
         run = self.shards[shard]
-        return packing.sum_in_rank_order(run.decode(received.view(self.world_size, run.nbytes)))
+        return kernels.sum_in_rank_order(run.decode(received.view(self.world_size, run.nbytes)))
 
     def sum_copies(self, received, shard):
         """sum_groups() as one flat fp32 view per piece of the shard (the two-format layout's

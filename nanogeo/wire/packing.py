@@ -106,29 +106,14 @@ def pack_groups(groups, fmt, stochastic=False, generator=None):
     [fp32 scale | L codes]."""
     dtype, fmax = compress.FP8_FORMATS[fmt]
     if stochastic:
-        scale, codes = stochastic_encode(groups, fmax, dtype, generator)
-    else:                               # compress.fp8_encode, with the kernel compiled or not
-        scale, codes = kernels.KERNELS["fp8_encode"](groups, fmax, dtype)
-    return compress.fp8_pack(scale, codes)
+        return compress.fp8_pack(*stochastic_encode(groups, fmax, dtype, generator))
+    return kernels.KERNELS["encode_packed"](groups, fmax, dtype)   # compiled or not
 
 
 def unpack_groups(buffer, block, fmt):
     """Inverse of pack_groups: uint8 bytes -> (G, block) fp32 values (compress.dequantize's FP8
     branch, with the kernel compiled or not)."""
-    rows = buffer.view(-1, 4 + block)
-    scale = rows[:, :4].contiguous().view(torch.float32).view(-1)       # (G,)
-    return kernels.KERNELS["fp8_decode"](rows[:, 4:], scale, compress.FP8_FORMATS[fmt][0])
-
-
-def sum_in_rank_order(copies):
-    """(W, ...) -> their sum over the first dimension, added left to right, copy 0 + copy 1 + ...:
-    the order of the piece-by-piece path (compress.ShardLayout.sum_copies), so the sums are
-    equal bit for bit. (torch's .sum(dim=0) adds in another order - in blocks of 16 or more rows
-    on a CPU, a tree on a GPU - and rounds differently.)"""
-    total = copies[0]
-    for one_copy in copies[1:]:
-        total = total + one_copy
-    return total
+    return kernels.KERNELS["decode_packed"](buffer, block, compress.FP8_FORMATS[fmt][0])
 
 
 class ShardFeedback:
@@ -295,7 +280,7 @@ class PackedLayout(PieceLayout):
         """The W received copies of `shard` -> their fp32 sum, (groups, block). (Every FP8
         group carries its own scale, so the bytes decode without the shard's layout.)"""
         values = unpack_groups(received, self.block, self.fmt)
-        return sum_in_rank_order(values.view(self.world_size, -1, self.block))
+        return kernels.sum_in_rank_order(values.view(self.world_size, -1, self.block))
 
     def sum_copies(self, received, shard):
         return self.piece_values(self.sum_groups(received, shard), self.pieces[shard])
@@ -303,10 +288,15 @@ class PackedLayout(PieceLayout):
     def average_shard(self, received, shard, feedback=None):
         """The owner's step: the summed shard divided by W, back to wire bytes (with `feedback`, as
         PieceLayout.reduce)."""
-        means = self.sum_groups(received, shard) / world_divisor(self.world_size, received)
+        divisor, rounding = world_divisor(self.world_size, received), self.rounding((shard, 2))
+        if feedback is None and not rounding[0]:     # decode, sum, divide, encode: one call
+            dtype, fmax = compress.FP8_FORMATS[self.fmt]
+            return kernels.KERNELS["average_packed"](received, self.world_size, self.block,
+                                                     dtype, fmax, divisor)
+        means = self.sum_groups(received, shard) / divisor
         if feedback is not None:
             means = feedback.add(shard, means)
-        out = pack_groups(means, self.fmt, *self.rounding((shard, 2)))
+        out = pack_groups(means, self.fmt, *rounding)
         if feedback is not None:
             feedback.keep(shard, means, unpack_groups(out, self.block, self.fmt))
         return out
