@@ -3,6 +3,7 @@
 that must not repeat across buckets, and ranks whose geometry differs."""
 
 import datetime
+import sys
 
 import pytest
 import torch
@@ -153,6 +154,17 @@ def test_the_fp8_codec_stays_eager_on_gpus_without_float8_casts(monkeypatch, cap
     finally:
         kernels.compile_hot_path(False)
     assert not kernels.state["float8_eager"] and not kernels.compiled()
+
+
+def test_the_fp8_codec_stays_eager_on_a_big_endian_host(monkeypatch, capsys):
+    """The fused packing cuts a scale's bytes little-endian (as .view(torch.uint8) gives them on
+    x86 and ARM): on a big-endian host compiling keeps the codec eager, with a one-line notice."""
+    monkeypatch.setattr(sys, "byteorder", "big")
+    try:
+        kernels.compile_hot_path(True)
+        assert not kernels.compiled() and "big-endian" in capsys.readouterr().out
+    finally:
+        kernels.compile_hot_path(False)
 
 
 class HostSyncs:

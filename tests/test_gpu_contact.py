@@ -394,8 +394,9 @@ def test_compiled_codec_divides_as_eager_does_whenever_it_is_compiled(monkeypatc
             for compiled in (False, True):
                 kernels.compile_hot_path(compiled)
                 wire = packing.pack_groups(groups, "e4m3")
-                mean = kernels.KERNELS["average_packed"](                  # stage 2, W = 2
-                    torch.cat([wire, wire]), 2, 128, dtype, fmax, compress.count_divisor(2, x))
+                copies = [packing.pack_groups(v, "e4m3") for v in (groups.flip(0), -0.7 * groups)]
+                mean = kernels.KERNELS["average_packed"](          # stage 2, W = 3: rounds
+                    torch.cat([wire, *copies]), 3, 128, dtype, fmax, compress.count_divisor(3, x))
                 wires.append((wire, packing.unpack_groups(wire, 128, "e4m3"), mean))
             kernels.compile_hot_path(False)
             codec_graphs = len(seen)

@@ -13,12 +13,14 @@ nanogeo.geometry.rows' row form of the subspace iteration, nanogeo.geometry.upda
 optimizer views) on a stack (L, m, n), each op launched once for the whole stack: a matrix
 product becomes one batched product, and a refresh makes one SVD per shape group. One piece is
 written a second time: the rotation's encode and decode (rotate_stack_), whose subtractions run
-in place on the stack as one GEMM each (vmap cannot map an in-place product); it makes the
-products compress.encode_geo makes, on the same operands, and the tests hold it to them.
+in place on the stack as one GEMM each (vmap has no batching rule for an in-place product: it
+would loop over the matrices); it makes the products compress.encode_geo makes, on the same
+operands, and the tests hold it to them.
 
-Numbers: the same ops on the same values. A batched product or reduction may add in another
-order than its one-matrix form (torch chooses the kernel): on the CPU with one thread they have
-matched bit for bit (tests/test_reference.py holds whole runs against compress.py's), elsewhere
+Numbers: the same ops on the same values (a batched in-place product for compress's addmm). A
+batched product or reduction may add in another order than its one-matrix form (torch chooses
+the kernel; below 400 multiply-adds a CPU's batched product takes ATen's own loop, not BLAS):
+on the CPU with one thread they have matched bit for bit (tests/test_reference.py holds whole runs against compress.py's), elsewhere
 the bases, coordinates and measured errors may differ from compress.py's at fp32 rounding
 (tests/test_batched.py states the tolerances, and that the gain check decides alike). The
 codec's round trip of a stack (round_trip_stack) is bit-equal to compress.py's per matrix: it
@@ -117,23 +119,26 @@ def subtract_product_(X, Y, YT):
 
 
 def swap_stack_(X, swaps):
-    """compress.swap_entries of every matrix of a contiguous stack X (L, m, n), in place."""
+    """compress.swap_entries of every matrix of a stack X (L, m, n) of row-major matrices, in
+    place."""
     if swaps is not None:
         a, b = swaps
-        flat = X.view(X.shape[0], -1)
+        flat = X.view(X.shape[0], -1)           # (L, m n): each matrix's entries in a row
         flat[:, a], flat[:, b] = flat[:, b], flat[:, a]     # (both read before either is written)
 
 
 def rotate_stack_(layer, X, bases, inverse=False):
     """layer.encode (inverse: decode) of each matrix of X (L, m, n), written into X - a stack
-    the caller made, contiguous - and returned; `bases` as with_products gives them; `layer`: any
-    layer of the stack (they share the shape, and so the core's swaps). compress.encode_geo and
-    decode_geo batched: the same products of the same operands in the same memory order (the
-    column side on X's transposed view, as compress's apply_t(H.T).T reads it)."""
+    the caller made, of row-major matrices - and returned; `bases` as with_products gives them;
+    `layer`: any layer of the stack (they share the shape, and so the core's swaps).
+    compress.encode_geo and decode_geo batched: the same products of the same operands in the
+    same memory order (the column side on X's transposed view, as compress's apply_t(H.T).T
+    reads it)."""
     if any(b is not None and len(b) != 4 for b in bases):
         raise ValueError("rotate_stack takes with_products(stack_bases(...)): (Y, T, Y T^T, Y T)")
-    if not X.is_contiguous():
-        raise ValueError("rotate_stack_ writes into a contiguous stack: pass torch.stack's")
+    if len(X) and not X[0].is_contiguous():     # (the stack itself may be padded between them)
+        raise ValueError("rotate_stack_ writes into a stack of row-major matrices: pass "
+                         "torch.stack's")
     left, right = bases
     swaps = layer.swaps_for(bases)              # both sides rotate: the core is scattered
     if inverse:                                 # G = P H Q^T

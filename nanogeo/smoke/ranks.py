@@ -115,13 +115,15 @@ def codec_agreement(device, with_compiled):
 
 
 def wire_round_trip(x, fmt):
-    """(stage 1's wire of x, its decode, stage 2's wire of the mean of x and x reversed on 2
-    ranks): each call of the packed codec (KERNELS), compiled or not."""
+    """(stage 1's wire of x, its decode, stage 2's wire of the mean of x, x reversed and -0.7 x
+    on 3 ranks - a division by 3 rounds, so an approximate one would show): each call of the
+    packed codec (KERNELS), compiled or not."""
     dtype, fmax = compress.FP8_FORMATS[fmt]
-    wire, reversed_wire = (packing.pack_groups(compress.scale_groups(v, 128), fmt)
-                           for v in (x, x.flip(0)))
-    return (wire, packing.unpack_groups(wire, 128, fmt), kernels.KERNELS["average_packed"](
-        torch.cat([wire, reversed_wire]), 2, 128, dtype, fmax, compress.count_divisor(2, x)))
+    wires = [packing.pack_groups(compress.scale_groups(v, 128), fmt)
+             for v in (x, x.flip(0), -0.7 * x)]
+    mean = kernels.KERNELS["average_packed"](torch.cat(wires), 3, 128, dtype, fmax,
+                                             compress.count_divisor(3, x))
+    return wires[0], packing.unpack_groups(wires[0], 128, fmt), mean
 
 
 def smoke_codec(device, numel, iters, with_compiled):

@@ -3,8 +3,10 @@ torch.compile for the packed FP8 codec (train.py --compile, nanogeo.lab.bench --
 
 The codec is a chain of small elementwise kernels (abs, amax, divide, clamp, cast) and the
 wire's packing (each group's fp32 scale as 4 bytes before its codes: compress.fp8_pack); inductor
-fuses an encode and its packing into one kernel, and an unpacking and its decode into another.
-The packed stages (nanogeo/wire/packing.py) call the two through the table KERNELS:
+fuses an encode and its packing into one kernel, and an unpacking and its decode into another
+(inductor's C++ backend, counted; Triton's may cut a graph in two, not measured).
+The owner's stage 2 (decode the W copies it received, add them, divide, encode) is a third.
+The packed stages (nanogeo/wire/packing.py) call the three through the table KERNELS:
 compile_hot_path(True) fills it with torch.compile'd versions of the *_fused forms below (the
 same bytes, written so that inductor can fuse the packing) and compile_hot_path(False) with the
 plain ones, compress.py's functions. Only this module's table changes: compress.py's functions
@@ -28,7 +30,7 @@ reciprocal is lowered as a division 1 / amax) and the decode, codes / scale. So 
 compiled with EXACT_AS_EAGER, inductor options that hold for its compiles only, not for the
 model's torch.compile: the wire bytes must equal eager's (the simulator, every recorded run and
 a run without --compile are the reference), the model's forward need not (its compiled graph
-already adds in other orders) and keeps Triton's faster division. Every op of the two compiled
+already adds in other orders) and keeps Triton's faster division. Every op of the three compiled
 graphs, and why its Triton code rounds as eager's CUDA code does (EXACT_OPS; a test fails when
 a new op appears, so it gets the same audit):
 
@@ -44,13 +46,16 @@ a new op appears, so it gets the same audit):
                         is exact; uint8 <-> int32 (the packing's bytes) is exact.
     iota, lt, constant_pad_nd, bitwise_and, bitwise_or, shifts, view, slice, select
                         exact: the packing's integer arithmetic on a scale's bits, and copies
-                        (a scale is positive and finite: its top byte is below 128, so no shift
-                        meets a sign bit; view(dtype) int32 <-> fp32 is a bitcast)
+                        (a scale is never negative - 0 where amax is inf - so its top byte is
+                        below 128 and no shift meets a sign bit; view(dtype) int32 <-> fp32 is
+                        a bitcast)
 
 No sqrt, exp2, log2 or pow is compiled (those go through libdevice, whose approximations may
 differ from eager's by an ulp: eager_numerics.use_pytorch_libdevice). NVFP4 and the transforms
 run eagerly.
 """
+import sys
+
 import torch
 
 import compress
@@ -83,7 +88,6 @@ EXACT_OPS = frozenset({
     "aten.bitwise_or.Tensor", "aten.__rshift__.Tensor", "aten.__lshift__.Scalar"})
 
 
-
 def encode_packed(groups, fmax, dtype):
     """(G, L) fp32 -> (G * (4 + L),) uint8: compress.fp8_encode, then fp8_pack's wire."""
     return compress.fp8_pack(*compress.fp8_encode(groups, fmax, dtype))
@@ -96,11 +100,12 @@ def decode_packed(wire, block, dtype):
     return compress.fp8_decode(rows[:, 4:], scale, dtype)
 
 
-# The same bytes, written so that inductor makes each ONE kernel: fp8_pack's cat of the scales'
-# bytes (a bitcast to a smaller dtype, which inductor leaves to an eager op and a copy) becomes
-# a where over the row's columns, each scale byte cut from its bits by a shift; the decode
-# assembles the scale from its bytes likewise. Little-endian bytes, as .view(torch.uint8) gives
-# them on every machine torch runs (x86, ARM).
+# The same bytes, written so that inductor can fuse the packing into the codec's kernel:
+# fp8_pack's cat of the scales' bytes (a bitcast to a smaller dtype, which inductor leaves to an
+# eager op and a copy) becomes a where over the row's columns, each scale byte cut from its bits
+# by a shift; the decode assembles the scale from its bytes likewise. Little-endian bytes, as
+# .view(torch.uint8) gives them on a little-endian host (x86, ARM; compile_hot_path keeps the
+# codec eager on a big-endian one).
 
 def encode_packed_fused(groups, fmax, dtype):
     scale, codes = compress.fp8_encode(groups, fmax, dtype)           # (G,), (G, L)
@@ -129,25 +134,23 @@ def sum_in_rank_order(copies):
     return total
 
 
-def average_packed(received, world, block, dtype, fmax, divisor, fused=False):
+def average_packed(received, world, block, dtype, fmax, divisor):
     """Stage 2's owner step on W = `world` received copies of its shard's wire (back to back):
     each decoded, added in rank order (sum_in_rank_order), divided by `divisor` (W as a 0-dim
-    fp32 tensor: compress.count_divisor) and encoded - the wire of the mean. (fused: the *_fused
-    forms, so that inductor makes it one kernel.)"""
-    decode, encode = (decode_packed_fused, encode_packed_fused) if fused else \
-        (decode_packed, encode_packed)
-    total = sum_in_rank_order(decode(received, block, dtype).view(world, -1, block))
-    return encode(total / divisor, fmax, dtype)     # (the decoded copies freed: one bucket's peak)
+    fp32 tensor: compress.count_divisor) and encoded - the wire of the mean."""
+    total = sum_in_rank_order(decode_packed(received, block, dtype).view(world, -1, block))
+    return encode_packed(total / divisor, fmax, dtype)  # (the copies freed: one bucket's peak)
 
 
 def average_packed_fused(received, world, block, dtype, fmax, divisor):
-    return average_packed(received, world, block, dtype, fmax, divisor, fused=True)
+    total = sum_in_rank_order(decode_packed_fused(received, block, dtype).view(world, -1, block))
+    return encode_packed_fused(total / divisor, fmax, dtype)
 
 
 EAGER = {"encode_packed": encode_packed, "decode_packed": decode_packed,
          "average_packed": average_packed}
-FUSED = {encode_packed: encode_packed_fused, decode_packed: decode_packed_fused,     # compiled
-         average_packed: average_packed_fused}
+FUSED = {"encode_packed": encode_packed_fused, "decode_packed": decode_packed_fused,  # compiled
+         "average_packed": average_packed_fused}
 KERNELS = dict(EAGER)       # what the packed stages call: the plain or the compiled kernels
 COMPILED = {}               # plain function -> its compiled version, made once
 state = {"float8_eager": False}   # a GPU whose Triton cannot cast to float8 (below sm_89)
@@ -160,6 +163,10 @@ def compile_hot_path(enabled=True):
         torch.cuda.get_device_capability() < (8, 9)
     if not enabled:
         return
+    if sys.byteorder != "little":
+        print("nanogeo.wire.kernels: a big-endian host: the FP8 codec runs eagerly (its fused "
+              "packing cuts a scale's bytes little-endian)", flush=True)
+        return
     if state["float8_eager"]:
         print("nanogeo.wire.kernels: this GPU (below sm_89) has no float8 casts in Triton: the FP8 "
               "codec runs eagerly", flush=True)
@@ -169,7 +176,7 @@ def compile_hot_path(enabled=True):
     dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 64)
     for name, plain in EAGER.items():
         if plain not in COMPILED:
-            COMPILED[plain] = any_group_count(torch.compile(FUSED[plain],
+            COMPILED[plain] = any_group_count(torch.compile(FUSED[name],
                                                             options=EXACT_AS_EAGER))
         KERNELS[name] = COMPILED[plain]
 
