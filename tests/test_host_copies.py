@@ -75,6 +75,8 @@ class HostToDevice(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if source is None:
+            return func(*args, **kwargs)
         if func is torch.ops.aten._to_copy.default and source.is_cpu and \
                 torch.device(kwargs.get("device") or "cpu").type != "cpu":
             self.seen.append(("copy to", str(kwargs["device"])))
@@ -153,3 +155,78 @@ def test_cold_start_copies_are_pinned_and_non_blocking_on_a_gpu(monkeypatch):
     assert fake.calls == ["pin_memory", ("to", "cuda:0")]
     with pytest.raises(AssertionError, match="waits"):      # the spy sees a pageable copy
         swaps[0].to(cuda)
+
+
+class MetaGpu(HostToDevice):
+    """HostToDevice, with the meta device playing a GPU through whole steps: every read of a
+    meta tensor's values on the host (.cpu(), .numpy()) is recorded ("to host") and answered
+    with zeros - a finite step, zero measured errors - so that the step goes on; and every
+    tensor made on it from host data by torch.tensor or torch.as_tensor (on a GPU a copy from
+    pageable memory; on meta no op is dispatched, so the two are watched by name)."""
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        for name in ("tensor", "as_tensor"):
+            monkeypatch.setattr(torch, name, self.watched(getattr(torch, name)))
+
+    def watched(self, make):
+        def call(data, *args, **kwargs):
+            out = make(data, *args, **kwargs)
+            if not out.is_cpu and not (isinstance(data, torch.Tensor)
+                                       and data.device == out.device):
+                self.seen.append(("copy to", str(out.device)))
+            return out
+        return call
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if func is torch.ops.aten._to_copy.default and source is not None and source.is_meta \
+                and torch.device(kwargs.get("device") or "meta").type == "cpu":
+            self.seen.append(("to host", tuple(source.shape)))
+            return torch.zeros(source.shape, dtype=kwargs.get("dtype") or source.dtype)
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+@pytest.mark.parametrize("select", ["all", "gain"])
+def test_a_whole_reduce_copies_nothing_from_the_host_after_the_cold_start(monkeypatch, select):
+    """Item 4's spy over whole steps: ProductionCommunicator.reduce of cpu-tiny's gradients on the
+    meta device (a GPU's stand-in; rank 0 of nanogeo.lab.reduce_memory's Loopback group),
+    the rotation through a cold start, refreshes, judged steps and ordinary steps - in use on
+    every matrix (select="all") or measured and left out (select="gain", zero errors). Only the
+    cold start copies from the host (its random start directions and the core's swaps: pinned
+    on a GPU, tests above); after it no step copies from the host or reads a value with .item(),
+    a refresh or judged step reads the device once (geometry_step.host_read: the finiteness
+    flag, the ranks' agreement, the measured errors) and an ordinary step never."""
+    import torch.distributed as dist
+    import model as model_lib
+    from nanogeo.geometry import agreement
+    from nanogeo.lab import reduce_memory
+    # (a zero agreement flag reads as "the ranks differ": no repair - the spy's answer, not theirs)
+    monkeypatch.setattr(agreement, "repair_geometry", lambda *args, **kwargs: False)
+    with torch.device("meta"):
+        net = model_lib.Llama(model_lib.model_config("cpu-tiny"))
+    params = [p for p in net.parameters() if p.requires_grad]
+    reduce_memory.join_loopback(2)
+    try:
+        communicator = reduce_memory.communicator_for(net, dict(
+            geometry="subspace", select=select, geo_warmup=1, geo_refresh=4))
+        seen, rotated = [], []
+        for _ in range(10):
+            for p in params:
+                p.grad = torch.empty(p.shape, device="meta")
+            with monkeypatch.context() as patch, MetaGpu(patch) as spy:
+                communicator.reduce([p.grad for p in params])
+            seen.append([kind for kind, _ in spy.seen])
+            rotated.append(sum(map(communicator.sent_in_geometry, communicator.names)))
+    finally:
+        dist.destroy_process_group()
+    matrices = len(communicator.layers)     # the cold start's copies, and the wire's zeros
+    assert 0 < seen[0].count("copy to") <= 3 * matrices + 1     # (packing.on_device, made once)
+    assert seen[0].count("to host") == 1
+    for step, kinds in enumerate(seen[1:], 1):
+        assert set(kinds) <= {"to host"} and len(kinds) <= 1, (step, kinds)
+    # steps 1..9: the judged step after the cold start, refreshes after 4 and 8 steps and the
+    # judged steps after them read once; the other four are ordinary steps and read nothing
+    assert [len(kinds) for kinds in seen[1:]] == [1, 0, 1, 1, 0, 0, 1, 1, 0]
+    assert rotated[1:] == [matrices if select == "all" else 0] * 9
