@@ -10,9 +10,14 @@
 # with (at each W used; one seed), and compares the endpoints to the last bit - and the runs at
 # a study's own commit with its recorded ones (made on another machine, where recorded):
 #   STUDY=mixed  06360f0, ddcb53b: fp32 and bf16 at W = 32 and 64, nvfp4 at W = 32;
-#                44f2bc0: fp32 and bf16 at W = 32                            (seed 12, Muon)
+#                06360f0, 44f2bc0: fp32, bf16 and nvfp4 at W = 32;
+#                44f2bc0, ddcb53b: nvfp4-e4m3s2 at W = 32 (its seeds ran at both)
+#                                                              (seed 12, Muon, both endpoints)
 #   STUDY=first  d921664, 489b55b, 65f0122, c37b508: fp32, bf16, fp8, nvfp4 (seed 0, AdamW);
-#                3b4294b, 489b55b, 65f0122, c37b508: the same (seed 0, Muon)     (W = 32)
+#                3b4294b, 489b55b, 65f0122, c37b508: the same (seed 0, Muon)     (W = 32; the
+#                first study recorded the final val loss only). Not rechecked: its arms whose
+#                seeds are split over two of those commits (geofp8, subspace, fp8-ef and the
+#                4-bit geometry arms) - only the baselines they are compared with.
 #
 # From main's root (worktrees of the commits are made next to it; main's .venv serves them, as
 # train.py imports from its cwd; one process per core of a 2-core machine):
@@ -26,13 +31,15 @@ ROOT=$PWD
 STUDY=${STUDY:-mixed}
 OUT=$ROOT/out/recheck/$STUDY
 STEPS="--preset=char-study --max_iters=300 --eval_interval=300 --log_interval=25"
-ARMS="fp32:--comm=fp32 bf16:--comm=bf16 fp8:--comm=fp8 nvfp4:--comm=fp8,--fmt=nvfp4"
+ARMS="fp32:--comm=fp32 bf16:--comm=bf16 fp8:--comm=fp8 nvfp4:--comm=fp8,--fmt=nvfp4
+nvfp4-e4m3s2:--comm=fp8,--fmt=nvfp4,--stage2_fmt=e4m3"
 case $STUDY in
   mixed)
     FLAGS="--optimizer=muon $STEPS --tail_evals=12 --muon_lr=3e-2"; SEED=12
     RECORDED="docs/study/namesake/results.json docs/study/mixed/results.json"
     TARGET=docs/study/mixed/recheck.json
-    JOBS="06360f0,ddcb53b:32,64:fp32,bf16 06360f0,ddcb53b:32:nvfp4 44f2bc0,06360f0:32:fp32,bf16" ;;
+    JOBS="06360f0,ddcb53b:32,64:fp32,bf16 06360f0,ddcb53b:32:nvfp4
+44f2bc0,06360f0:32:fp32,bf16,nvfp4 44f2bc0,ddcb53b:32:nvfp4-e4m3s2" ;;
   first)
     SEED=0; RECORDED=docs/study/results.json; TARGET=docs/study/first-recheck.json
     JOBS="d921664,489b55b,65f0122,c37b508:32:fp32,bf16,fp8,nvfp4:adamw
@@ -40,9 +47,13 @@ case $STUDY in
   *) echo "STUDY must be mixed or first, got $STUDY" >&2; exit 2 ;;
 esac
 
-flags_of() {    # optimizer -> its flags (the first study's: no tail, AdamW at 3e-2)
-  case $1 in adamw) echo "--optimizer=adamw --learning_rate=3e-2 $STEPS" ;;
-             muon) echo "--optimizer=muon --muon_lr=3e-2 $STEPS" ;; *) echo "$FLAGS" ;; esac
+flags_of() {    # optimizer -> the study's flags (the first study's: no tail, AdamW at 3e-2)
+  case $STUDY:$1 in
+    mixed:muon) echo "$FLAGS" ;;
+    first:adamw) echo "--optimizer=adamw --learning_rate=3e-2 $STEPS" ;;
+    first:muon) echo "--optimizer=muon --muon_lr=3e-2 $STEPS" ;;
+    *) echo "no flags for $STUDY:$1" >&2; exit 2 ;;
+  esac
 }
 
 # one line per run: commit W arm optimizer
@@ -59,24 +70,29 @@ run() {     # commit W arm optimizer
   local commit=$1 w=$2 arm=$3 optimizer=$4
   local tree=$ROOT/../recheck-$commit dir=$OUT/$commit/$optimizer/$arm/sim$w
   local comm=$(for a in $ARMS; do [ "${a%%:*}" = "$arm" ] && echo "${a#*:}" | tr , ' '; done)
-  [ -f "$dir/done.json" ] && return 0
-  if [ ! -d "$tree" ]; then     # (two lanes may both get here: one adds it, the other waits)
-    git worktree add -f "$tree" "$commit" > /dev/null 2>&1 || sleep 5
-    ln -sfn "$ROOT/data" "$tree/data"
-  fi
+  [ -n "$comm" ] || { echo "no flags for the arm $arm: add it to ARMS" >&2; exit 2; }
+  local flags="--simulate_workers=$w --seed=$SEED $comm $(flags_of $optimizer)"
+  [ -f "$dir/done.json" ] && grep -qF -- "\"$flags\"" "$dir/done.json" && return 0
+  mkdir -p "$OUT"
+  (   # one lane at a time makes a worktree; an existing one must be at its commit
+    flock 9
+    [ -d "$tree" ] || { git worktree add -f "$tree" "$commit" > /dev/null &&
+                        ln -sfn "$ROOT/data" "$tree/data"; }
+  ) 9> "$OUT/worktrees.lock"
+  [ "$(git -C "$tree" rev-parse --short=7 HEAD)" = "$commit" ] ||
+    { echo "$tree is not at $commit" >&2; exit 2; }
   mkdir -p "$dir"
-  (cd "$tree" && $PY train.py --simulate_workers=$w --seed=$SEED --out_dir="$dir/run" \
-      --overwrite=true $comm $(flags_of $optimizer) > "$dir/stdout" 2>&1)
-  $PY - "$dir" "$commit" "$w" "$arm" "$optimizer" "$SEED" <<'PYEOF'
+  (cd "$tree" && $PY train.py --out_dir="$dir/run" --overwrite=true $flags > "$dir/stdout" 2>&1)
+  $PY - "$dir" "$commit" "$w" "$arm" "$optimizer" "$SEED" "$flags" <<'PYEOF'
 import json, sys
 import torch
-d, commit, w, arm, optimizer, seed = sys.argv[1:]
-summary = [json.loads(l)["summary"] for l in open(f"{d}/run/log.jsonl") if '"summary"' in l][-1]
+d, commit, w, arm, optimizer, seed, flags = sys.argv[1:]
+summary = [r["summary"] for r in map(json.loads, open(f"{d}/run/log.jsonl")) if "summary" in r][-1]
 info = dict(l.split(":", 1) for l in open("/proc/cpuinfo").read().split("\n\n")[0].splitlines()
             if ":" in l)
 info = {k.strip(): v.strip() for k, v in info.items()}
 json.dump({"commit": commit, "workers": int(w), "arm": arm, "optimizer": optimizer,
-           "seed": int(seed), "final_val_loss": summary["final_val_loss"],
+           "seed": int(seed), "flags": flags, "final_val_loss": summary["final_val_loss"],
            "tail_val_loss": summary.get("tail_val_loss"),
            "machine": f"{info['model name']} (family {info['cpu family']}, model {info['model']}),"
                       f" torch {torch.__version__}, OMP_NUM_THREADS 1"},
@@ -92,6 +108,7 @@ runs = sorted((json.load(open(f)) for f in glob.glob(f"{out}/**/done.json", recu
               key=lambda r: (r["optimizer"], r["arm"], r["workers"], r["commit"]))
 recorded = [r for f in recorded_files for r in json.load(open(f)) if not r.get("sweep")]
 ENDPOINTS = [k for k in ("final_val_loss", "tail_val_loss") if runs and runs[0][k] is not None]
+assert all((r["tail_val_loss"] is None) == (runs[0]["tail_val_loss"] is None) for r in runs)
 same_arm = lambda r: (r["optimizer"], r["arm"], r["workers"])
 pairs, against = [], []
 for key, group in itertools.groupby(runs, key=same_arm):
