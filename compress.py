@@ -780,8 +780,8 @@ class HouseholderBasis:
 
     def columns(self):
         """The r vectors the basis was completed from (up to sign): P's first r columns,
-        P E = E - (Y T)(Y^T E), where Y^T E is Y's top r x r block transposed. (Not apply(E):
-        the refresh maps this over stacks, and an addmm of an unbatched E rounds otherwise.)"""
+        P E = E - (Y T)(Y^T E), where Y^T E needs no product: it is Y's top r x r block,
+        transposed."""
         m, r = self.Y.shape
         E = torch.eye(m, r, device=self.Y.device, dtype=self.Y.dtype)
         return E - (self.Y @ self.T) @ self.Y[:r].T

@@ -372,7 +372,8 @@ def test_compiled_codec_divides_as_eager_does_whenever_it_is_compiled(monkeypatc
     import torch._dynamo as dynamo
     import torch._inductor.compile_fx as compile_fx
     from torch._inductor import config as inductor_config
-    from nanogeo.wire import kernels, packing
+    from nanogeo.smoke.ranks import wire_round_trip
+    from nanogeo.wire import kernels
     seen, real = [], compile_fx.fx_codegen_and_compile
 
     def spy(gm, *args, **kwargs):
@@ -383,21 +384,15 @@ def test_compiled_codec_divides_as_eager_does_whenever_it_is_compiled(monkeypatc
     monkeypatch.setattr(kernels, "COMPILED", {})
     dynamo.reset()
     x = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 1e-3
-    groups = compress.scale_groups(x, 128)
     try:
         # (the config modules' own patch: monkeypatch's undo would delete the entry, and every
         # later torch.compile in this process would fail on the missing key)
         with inductor_config.patch(fx_graph_cache=False), \
                 torch._functorch.config.patch(enable_autograd_cache=False):
             wires = []
-            dtype, fmax = compress.FP8_FORMATS["e4m3"]
-            for compiled in (False, True):
+            for compiled in (False, True):     # stage 1's wire, its decode, stage 2 at W = 3
                 kernels.compile_hot_path(compiled)
-                wire = packing.pack_groups(groups, "e4m3")
-                copies = [packing.pack_groups(v, "e4m3") for v in (groups.flip(0), -0.7 * groups)]
-                mean = kernels.KERNELS["average_packed"](          # stage 2, W = 3: rounds
-                    torch.cat([wire, *copies]), 3, 128, dtype, fmax, compress.count_divisor(3, x))
-                wires.append((wire, packing.unpack_groups(wire, 128, "e4m3"), mean))
+                wires.append(wire_round_trip(x, "e4m3"))
             kernels.compile_hot_path(False)
             codec_graphs = len(seen)
             torch.compile(lambda a, b: a / b)(x, x + 2)         # a model's compile, after it

@@ -20,9 +20,10 @@ operands, and the tests hold it to them.
 Numbers: the same ops on the same values (a batched in-place product for compress's addmm). A
 batched product or reduction may add in another order than its one-matrix form (torch chooses
 the kernel; below 400 multiply-adds a CPU's batched product takes ATen's own loop, not BLAS):
-on the CPU with one thread they have matched bit for bit (tests/test_reference.py holds whole runs against compress.py's), elsewhere
-the bases, coordinates and measured errors may differ from compress.py's at fp32 rounding
-(tests/test_batched.py states the tolerances, and that the gain check decides alike). The
+on the CPU with one thread they have matched bit for bit (tests/test_reference.py holds whole
+runs against compress.py's), elsewhere the bases, coordinates and measured errors may differ
+from compress.py's at fp32 rounding (tests/test_batched.py states the tolerances, and that the
+gain check decides alike). The
 codec's round trip of a stack (round_trip_stack) is bit-equal to compress.py's per matrix: it
 only views the stack so that compress.quantize's scale groups are each matrix's own.
 
