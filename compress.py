@@ -1118,6 +1118,11 @@ class Communicator:
         self.stage2_residuals = {}  # ... stage 2: shard -> [what its owner's mean lost, a piece each]
         self.warned = False
         self.steps_taken = 0    # steps taken: counted at the end of each (step)
+        o = self.opts
+        if o.collective == "fp8-sum" and (o.fmt not in FP8_FORMATS or o.stage2_fmt
+                                          or o.error_feedback):
+            raise ValueError("the FP8-sum collective sends one FP8 format, without error "
+                             "feedback here: drop stage2_fmt and error_feedback")
 
     def watch(self, views):
         """Judge each layer by the error its optimizer sees (section 5): {name: a view with
@@ -1149,17 +1154,60 @@ class Communicator:
     # -- one step ----------------------------------------------------------------------------
 
     def reduce(self, grads, moments=None):
-        """Average grads (matching self.names) over the process group, in place;
-        `moments`: this rank's K-FAC moments, averaged here first. Returns the bytes this rank
-        sent."""
+        """Average grads (matching self.names) over the process group, in place (one step);
+        `moments`: this rank's K-FAC moments. Returns the bytes this rank sent."""
         across = dist.is_initialized()
         rank = dist.get_rank(self.group) if across else 0
-        if moments is not None and across:
-            moments = self.average_moments(moments, grads[0].device)
-        means, nbytes = self.step({rank: grads}, moments, across)
+        means, nbytes = self.step({rank: grads}, moments, across_ranks=across)
         for g, m in zip(grads, means):
             g.copy_(m)
         return nbytes
+
+    def reduce_workers(self, worker_grads, moments=None):
+        """reduce()'s numerics for W simulated workers (`moments`: already averaged over all
+        of them): (means, bytes a rank sends)."""
+        return self.step(dict(enumerate(worker_grads)), moments)
+
+    def step(self, worker_grads, moments=None, across_ranks=False):
+        """One whole step for the workers this process holds ({index: their gradients}): W
+        simulated ones, or this rank's over the process group (across_ranks). `moments`: K-FAC
+        moments on a step moments_due() announced. Returns (the means, bytes a rank sends)."""
+        o, (first, *_) = self.opts, worker_grads.values()
+        if moments is not None and across_ranks:   # this rank's: every rank's averaged
+            moments = self.average_moments(moments, first[0].device)
+        # 1. what each worker sends: its gradients in fp32, plus what its last send lost
+        as_sent = {w: self.outgoing(w, grads) for w, grads in worker_grads.items()}
+        # 2. each tensor in the coordinates it is sent in (sent_in_geometry: the decision's)
+        coords = {w: [self.to_coords(n, g) for n, g in zip(self.names, gs)]
+                  for w, gs in as_sent.items()}
+        # 3. the collective (section 2): every worker ends with the same mean, in coordinates
+        sent = list(coords.values())            # over the process group: [this rank's]
+        if o.collective == "fp8-sum":
+            mean_coords, nbytes = fp8_sum_mean(sent, o.fmt, across_ranks, self.group)
+        else:
+            layout, feedback = self.layout(coords, across_ranks), self.stage2_feedback()
+            if across_ranks:
+                mean_coords, nbytes = all_reduce_mean(sent[0], layout, group=self.group,
+                                                      feedback=feedback)
+            else:
+                mean_coords, nbytes = simulate_mean(sent, layout, feedback=feedback)
+            if self.feeds_back(1):
+                self.keep_send_losses(coords, layout)
+        # 4. the mean back in the original coordinates: what the optimizer is given (each in
+        #    memory of its own, as a gradient is: BLAS may round by where a matrix starts)
+        means = {n: self.from_coords(n, c.clone()) for n, c in zip(self.names, mean_coords)}
+        # 5. the step is taken; where the geometry is due, what waits is measured on this step's
+        #    gradients and decided (judge), and new geometry proposed (measured on a later step)
+        if self.steps_taken % o.geo_refresh:    # not a step moments_due() announced:
+            moments = None                      # the whitening refreshes on its own
+        self.steps_taken += 1
+        if self.layers and self.geometry_due(moments is not None, self.steps_taken):
+            judged = self.to_judge()
+            if judged:
+                self.judge(judged, means, list(as_sent.values()), across_ranks)
+            for name, found in self.refresh_inputs(means, moments).items():
+                self.propose(name, found)
+        return list(means.values()), nbytes
 
     def average_moments(self, moments, device):
         """Every rank's K-FAC input moments averaged, each weighted by the tokens it averaged
@@ -1178,38 +1226,6 @@ class Communicator:
         return {"input": {n: total.view(d, d) / count_divisor(count, total) for n, d, total, count
                           in zip(self.layers, widths, totals, counts.tolist()) if count > 0}}
 
-    def reduce_workers(self, worker_grads, moments=None):
-        """reduce()'s numerics for W simulated workers (`moments`: already averaged over all
-        of them): (means, bytes a rank sends)."""
-        return self.step(dict(enumerate(worker_grads)), moments, across_ranks=False)
-
-    def step(self, worker_grads, moments, across_ranks):
-        """One whole step for the workers this process holds ({index: their gradients}; over
-        the process group: this rank's). `moments`: K-FAC moments averaged over all workers,
-        on a step moments_due() announced. Returns (the means, bytes a rank sends)."""
-        # 1. what each worker sends: its gradients in fp32, plus what its last send lost
-        as_sent = {w: self.outgoing(w, grads) for w, grads in worker_grads.items()}
-        # 2. each tensor in the coordinates it is sent in (sent_in_geometry: the decision's)
-        coords = {w: [self.to_coords(n, g) for n, g in zip(self.names, gs)]
-                  for w, gs in as_sent.items()}
-        # 3. the collective (section 2): every worker ends with the same mean, in coordinates
-        mean_coords, nbytes = self.collective(coords, across_ranks)
-        # 4. the mean back in the original coordinates: what the optimizer is given
-        means = {n: self.from_coords(n, c) for n, c in zip(self.names, mean_coords)}
-        # 5. the step is taken; then, where the geometry is due, the gain check measures what
-        #    waits to be measured on this step's gradients (judge: decide, sections 5 and 6), and
-        #    new geometry is proposed from this step's mean or moments (measured on a later one)
-        if self.steps_taken % self.opts.geo_refresh:    # not a step moments_due() announced:
-            moments = None                              # the whitening refreshes on its own
-        self.steps_taken += 1
-        if self.layers and self.geometry_due(moments is not None, self.steps_taken):
-            judged = self.to_judge()
-            if judged:
-                self.judge(judged, means, list(as_sent.values()), across_ranks)
-            for name, found in self.refresh_inputs(means, moments).items():
-                self.propose(name, found)
-        return list(means.values()), nbytes
-
     def outgoing(self, worker, grads):
         """A worker's gradients as sent: fp32, in original coordinates, plus what its last
         send lost (error feedback, stage 1)."""
@@ -1217,30 +1233,16 @@ class Communicator:
         lost = self.residuals.get(worker)
         return fp32 if lost is None else [g + r for g, r in zip(fp32, lost)]
 
-    def collective(self, coords, across_ranks):
-        """The collective on the tensors in coordinates ({worker: [tensors]}): over the
-        process group, or its simulator. Returns (means in coordinates, bytes a rank sends)."""
-        o, tensors = self.opts, next(iter(coords.values()))
-        if o.collective == "fp8-sum":
-            if o.fmt not in FP8_FORMATS or o.stage2_fmt or o.error_feedback:
-                raise ValueError("the FP8-sum collective sends one FP8 format, without error "
-                                 "feedback here: drop stage2_fmt and error_feedback")
-            return fp8_sum_mean(list(coords.values()), o.fmt, across_ranks, self.group)
+    def layout(self, coords, across_ranks):
+        """The ShardLayout of the tensors in coordinates ({worker: [tensors]}), cut for the
+        process group or for the simulated workers."""
         world = dist.get_world_size(self.group) if across_ranks else len(coords)
-        layout = ShardLayout([t.shape for t in tensors], o.fmt, o.block, world, o.stage2_fmt)
-        feedback = self.stage2_residuals if self.feeds_back(2) else None
-        if across_ranks:                        # (this rank's tensors only)
-            out = all_reduce_mean(tensors, layout, group=self.group, feedback=feedback)
-        else:
-            out = simulate_mean(list(coords.values()), layout, feedback=feedback)
-        if self.feeds_back(1):
-            self.keep_send_losses(coords, layout)
-        # each mean in memory of its own, as a gradient is (not a view into the bucket's flat
-        # buffer): CPU BLAS can round differently when a matrix starts at an unaligned address
-        # (after a 37-element bias, say), and the fast path's means are separate tensors (the
-        # FP8-sum collective's, above, are already: each is a division's result)
-        means, nbytes = out
-        return [m.clone() for m in means], nbytes
+        shapes = [t.shape for t in next(iter(coords.values()))]
+        return ShardLayout(shapes, self.opts.fmt, self.opts.block, world, self.opts.stage2_fmt)
+
+    def stage2_feedback(self):
+        """Stage 2's residuals (every shard's this process owns), when error feedback keeps them."""
+        return self.stage2_residuals if self.feeds_back(2) else None
 
     def feeds_back(self, stage):
         """Does error feedback keep residuals of stage 1 or 2?"""

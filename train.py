@@ -219,8 +219,13 @@ def reduce_gradients(params, cfg, communicator, world_size, stats=None, workers=
                 piece.copy_(m)                          # into the gradient, in place
         numel = sum(g.numel() for g in grads)
         return ring_allreduce_bytes(numel, dtype.itemsize, world_size)
-    # the published GeoFP8 refreshes its factors from its layers' input moments ...
-    nbytes = communicator.reduce(grads, stats)
+    # one step of the communicator (compress.Communicator.step states it) for this rank; the
+    # published GeoFP8 refreshes its factors from its layers' input moments ...
+    across = dist.is_initialized()
+    means, nbytes = communicator.step({dist.get_rank() if across else 0: grads}, stats, across)
+    for g, mean in zip(grads, means):
+        if mean is not g:           # (the fast path wrote its means into the gradients)
+            g.copy_(mean)
     if stats is not None:       # ... averaged over the ranks by one more all-reduce
         nbytes += hooks.moments_bytes(communicator, world_size)
     return nbytes

@@ -211,8 +211,8 @@ WIRE_SHAPES = [(33, 17), (5,), (300, 130), (1,), (7, 3, 5), (129,), (0,)]
 
 
 def wire_rank(rank, world_size, out_path):
-    """train.py's collective (ProductionCommunicator.reduce, as reduce_gradients calls it) with
-    the bytes it hands to all_to_all_single and to the all_gather recorded."""
+    """train.py's collective (ProductionCommunicator.reduce: the step() reduce_gradients calls)
+    with the bytes it hands to all_to_all_single and to the all_gather recorded."""
     dist.init_process_group("gloo")
     sent = []
     all_to_all, all_gather = dist.all_to_all_single, compress.all_gather_flat

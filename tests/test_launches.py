@@ -1,5 +1,5 @@
 """Kernel launches and host waits inside train.py's reduce_gradients (issue 50, items 2 and 3):
-its communicator's reduce counted on rank 0 of 2 gloo ranks by nanogeo.lab.launches
+its communicator's step counted on rank 0 of 2 gloo ranks by nanogeo.lab.launches
 (nanogeo.lab.probes.OpCounter), over steps 10-30 of a run that logs and evaluates only after
 them. Deterministic counts: no timing.
 

@@ -9,7 +9,7 @@ A GPU pays a few microseconds per kernel launch and stops the host at every sync
 eigh or cholesky that checks its result on the host, a .item(), a tensor made from a Python
 list); a CPU's wall time shows neither. This runs train.py under torchrun (--nproc ranks, gloo
 on the CPU; as a user would: the package never imports train.py) and wraps every call of the
-communicator's reduce - all that train.py's reduce_gradients does for a compressed --comm (its
+communicator's step - all that train.py's reduce_gradients does for a compressed --comm (its
 other lines dispatch no aten op) - in nanogeo.lab.probes.OpCounter. Rank 0's counts of the steps
 asked for are reported: ops that launch a kernel (`total`), every op dispatched (views included,
 the measure issue 50 quoted), syncing ops by name; on average and on the steps that estimate new
@@ -39,30 +39,30 @@ def step_flags(first, last, out_dir):
 
 
 @contextlib.contextmanager
-def counting(out, first, last):
-    """While active, every ProductionCommunicator.reduce is counted; rank 0 appends one JSON
-    line per step first..last (1-based, as train.py numbers them) to `out`, at once (a finished
-    distributed train.py leaves with os._exit): {"step", "total", "dispatched", "syncing",
-    "refresh", "counts"}. refresh: a step whose geometry update estimates new geometry (its
-    step % geo_refresh == 0)."""
-    reduce = ProductionCommunicator.reduce
+def counting(out_path, first, last):
+    """While active, every ProductionCommunicator.step (train.py's reduce_gradients calls it)
+    is counted; rank 0 appends one JSON line per step first..last (1-based, as train.py numbers
+    them) to `out`, at once (a finished distributed train.py leaves with os._exit): {"step",
+    "total", "dispatched", "syncing", "refresh", "counts"}. refresh: a step whose geometry update
+    estimates new geometry (its step % geo_refresh == 0)."""
+    step = ProductionCommunicator.step
 
-    def counted(self, grads, moments=None):
+    def counted(self, worker_grads, moments=None, across_ranks=False):
         with OpCounter() as ops:
-            nbytes = reduce(self, grads, moments)
+            out = step(self, worker_grads, moments, across_ranks)
         first_rank = not dist.is_initialized() or dist.get_rank() == 0
         if first_rank and first <= self.steps_taken <= last:
             refresh = bool(self.layers) and self.steps_taken % self.opts.geo_refresh == 0
-            with open(out, "a") as f:
+            with open(out_path, "a") as f:
                 f.write(json.dumps({"step": self.steps_taken, "total": ops.total,
                                     "dispatched": ops.dispatched, "syncing": ops.syncing,
                                     "refresh": refresh, "counts": ops.counts}) + "\n")
-        return nbytes
-    ProductionCommunicator.reduce = counted
+        return out
+    ProductionCommunicator.step = counted
     try:
         yield
     finally:
-        ProductionCommunicator.reduce = reduce
+        ProductionCommunicator.step = step
 
 
 def read_records(out):

@@ -6,7 +6,7 @@ restates which step of compress.py's: docs/method.md, "Two implementations"), he
 compress.py's bits by tests/test_reference.py:
 
   * memory: the tensors averaged a bucket at a time (bucket_mb, nanogeo.wire.buckets; each
-    bucket is compress.py's collective, exchange() in collective()'s place), each mean written
+    bucket through compress.py's collective: exchange() for step()'s step 3), each mean written
     into its gradient as it is decoded, the gain check measured then;
   * the wire: the packed stages, NVFP4, stochastic rounding's streams, a stage 2 in a format of
     its own (--stage2_fmt) and each rank's kept round trip (nanogeo.wire.collective),
@@ -108,9 +108,8 @@ class ProductionCommunicator(GeometryStep):
     (reduce, reduce_workers, watch, moments_due, steps_taken, layers, ...). train.py, the DDP
     hook, FSDP2 and the tools use this one."""
     LAYERS = layers.LAYERS      # compress.py's layers with their state, and the Hadamard control
-    # the names before compress.py's one-name-per-thing pass (906d8c0), for one release (then
-    # step_in_buckets, below, takes compress.Communicator.step's name)
-    step = RenamedAttribute("steps_taken")
+    # the names before compress.py's one-name-per-thing pass (906d8c0), for one release (0.1;
+    # the counter's old name, step, is compress.Communicator.step's since 0.2: the method below)
     chosen = RenamedAttribute("listed")
     kind = RenamedAttribute("layer_class")
     uses_moments = RenamedAttribute("from_moments")
@@ -295,13 +294,20 @@ class ProductionCommunicator(GeometryStep):
                 for n, g in zip(names, fp32)]
 
     def reduce(self, grads, moments=None):
-        """compress.Communicator.reduce, each tensor's mean written into its gradient as soon as
-        its last bucket is decoded (step_in_buckets, in_place)."""
+        """compress.Communicator.reduce: step() of this rank's gradients, written in place."""
         across = dist.is_initialized()
         rank = dist.get_rank(self.group) if across else 0
-        if moments is not None and across:
+        return self.step({rank: grads}, moments, across)[1]
+
+    def step(self, worker_grads, moments=None, across_ranks=False):
+        """compress.Communicator.step, a bucket at a time (step_in_buckets). A process holding
+        one worker's gradients (a rank's; train.py's reduce_gradients) gets each tensor's mean
+        written into its gradient as soon as its last bucket is decoded (in place): the means
+        returned are then the gradients themselves."""
+        if moments is not None and across_ranks:
             moments = self.average_moments(moments)
-        return self.step_in_buckets({rank: grads}, moments, across, in_place=True)[1]
+        return self.step_in_buckets(worker_grads, moments, across_ranks,
+                                    in_place=len(worker_grads) == 1)
 
     def step_in_buckets(self, worker_grads, moments, across_ranks, in_place=False):
         """compress.Communicator.step a bucket at a time (buckets()): each bucket's part

@@ -15,7 +15,7 @@ nanogeo's forms passed in.
     e4m3 all-gather, since re-quantizing the mean is the larger error at 4 bits.
 
 The wire is compress.py's, byte for byte, and so are the means (tests/test_compress.py).
-ProductionCommunicator.collective passes bucket_layout()'s layout to compress.all_reduce_mean
+ProductionCommunicator.exchange passes bucket_layout()'s layout to compress.all_reduce_mean
 itself; mean_over_ranks / mean_over_workers do the same for the tools and tests.
 """
 import contextlib
