@@ -1092,9 +1092,9 @@ def why_euclidean(name, shape, opts, linear=None):
 
 class Communicator:
     """Averages a fixed list of named tensors through the two-stage collective, each matrix in
-    Euclidean or geometry-aware coordinates: reduce() over the process group, reduce_workers()
-    for W simulated workers (K-FAC `moments` when moments_due(): {"input": {name: A}} and the
-    tokens each A averaged, {"tokens": {"input": {name: t}}})."""
+    Euclidean or geometry-aware coordinates, one step() a training step: reduce() over the
+    process group, reduce_workers() for W simulated workers (K-FAC `moments` when moments_due():
+    {"input": {name: A}} and the tokens each A averaged, {"tokens": {"input": {name: t}}})."""
     LAYERS = {"geofp8": WhitenedLayer, "subspace": SubspaceLayer}
 
     def __init__(self, named_shapes, options=None, group=None, linear=None):
@@ -1147,7 +1147,7 @@ class Communicator:
         return self.layers[name].decode(c) if self.sent_in_geometry(name) else c
 
     def moments_due(self):
-        """Does the next step's reduce() need K-FAC moments (the whitening refreshes after it:
+        """Does the next step() need K-FAC moments (the whitening refreshes after it:
         a multiple of geo_refresh steps taken before it)?"""
         return self.from_moments and self.steps_taken % self.opts.geo_refresh == 0
 
@@ -1166,17 +1166,18 @@ class Communicator:
     def reduce_workers(self, worker_grads, moments=None):
         """reduce()'s numerics for W simulated workers (`moments`: already averaged over all
         of them): (means, bytes a rank sends)."""
-        return self.step(dict(enumerate(worker_grads)), moments)
+        return self.step(dict(enumerate(worker_grads)), moments, across_ranks=False)
 
-    def step(self, worker_grads, moments=None, across_ranks=False):
+    def step(self, worker_grads, moments=None, *, across_ranks):
         """One whole step for the workers this process holds ({index: their gradients}): W
         simulated ones, or this rank's over the process group (across_ranks). `moments`: K-FAC
         moments on a step moments_due() announced. Returns (the means, bytes a rank sends)."""
-        o, (first, *_) = self.opts, worker_grads.values()
-        if moments is not None and across_ranks:   # this rank's: every rank's averaged
-            moments = self.average_moments(moments, first[0].device)
-        # 1. what each worker sends: its gradients in fp32, plus what its last send lost
+        o = self.opts
+        # 1. what each worker sends: its gradients in fp32, plus what its last send lost (and
+        #    over the process group, the K-FAC moments averaged: every rank builds alike)
         as_sent = {w: self.outgoing(w, grads) for w, grads in worker_grads.items()}
+        if moments is not None and across_ranks:
+            moments = self.average_moments(moments, next(iter(as_sent.values()))[0].device)
         # 2. each tensor in the coordinates it is sent in (sent_in_geometry: the decision's)
         coords = {w: [self.to_coords(n, g) for n, g in zip(self.names, gs)]
                   for w, gs in as_sent.items()}
@@ -1193,8 +1194,7 @@ class Communicator:
                 mean_coords, nbytes = simulate_mean(sent, layout, feedback=feedback)
             if self.feeds_back(1):
                 self.keep_send_losses(coords, layout)
-        # 4. the mean back in the original coordinates: what the optimizer is given (each in
-        #    memory of its own, as a gradient is: BLAS may round by where a matrix starts)
+        # 4. the means in original coordinates, for the optimizer (each a tensor of its own)
         means = {n: self.from_coords(n, c.clone()) for n, c in zip(self.names, mean_coords)}
         # 5. the step is taken; where the geometry is due, what waits is measured on this step's
         #    gradients and decided (judge), and new geometry proposed (measured on a later step)

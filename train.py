@@ -222,7 +222,8 @@ def reduce_gradients(params, cfg, communicator, world_size, stats=None, workers=
     # one step of the communicator (compress.Communicator.step states it) for this rank; the
     # published GeoFP8 refreshes its factors from its layers' input moments ...
     across = dist.is_initialized()
-    means, nbytes = communicator.step({dist.get_rank() if across else 0: grads}, stats, across)
+    rank = dist.get_rank() if across else 0
+    means, nbytes = communicator.step({rank: grads}, stats, across_ranks=across)
     for g, mean in zip(grads, means):
         if mean is not g:           # (the fast path wrote its means into the gradients)
             g.copy_(mean)

@@ -12,6 +12,7 @@ The algorithms live in the top-level `compress.py`; everything here imports them
     smoke/      the first thing to run on a GPU node (make gpu-smoke)
     lab/        studies, benchmarks and measurement tools, not needed to train
 """
+import functools
 import importlib
 import importlib.abc
 import importlib.util
@@ -86,8 +87,8 @@ class _RenamedPackage(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 class RenamedAttribute:
-    """A public attribute or method's old name, kept for one release: `step = RenamedAttribute(
-    "steps_taken")` in a class body reads and writes `steps_taken` with a DeprecationWarning
+    """A public attribute or method's old name, kept for one release: `chosen = RenamedAttribute(
+    "listed")` in a class body reads and writes `listed` with a DeprecationWarning
     (the class itself gets the descriptor, so that introspection stays quiet)."""
 
     def __init__(self, new):
@@ -105,6 +106,29 @@ class RenamedAttribute:
     def __set__(self, obj, value):
         warn_renamed(self.old, f"{type(obj).__name__}.{self.new}", how="use")
         setattr(obj, self.new, value)
+
+
+class ReusedName:
+    """A method that took over an attribute's old name (0.2.0: ProductionCommunicator.step, in
+    0.1 the deprecated name of the step counter steps_taken): `step = ReusedName(step,
+    "steps_taken")` after the def. Reading it gives the method, as the def alone would;
+    assigning to it, the old use, raises AttributeError naming the attribute to set, instead of
+    hiding the method behind a number until the next step calls it."""
+
+    def __init__(self, method, moved_to):
+        self.method, self.moved_to = method, moved_to
+        functools.update_wrapper(self, method)
+
+    def __set_name__(self, owner, name):
+        self.old = f"{owner.__name__}.{name}"
+
+    def __get__(self, obj, owner=None):
+        return self.method if obj is None else self.method.__get__(obj, owner)
+
+    def __set__(self, obj, value):
+        raise AttributeError(f"{self.old} is a method since nanogeo 0.2.0; set "
+                             f"{type(obj).__name__}.{self.moved_to}, the attribute it named "
+                             "before")
 
 
 if not any(isinstance(f, _RenamedPackage) for f in sys.meta_path):

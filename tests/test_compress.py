@@ -211,8 +211,8 @@ WIRE_SHAPES = [(33, 17), (5,), (300, 130), (1,), (7, 3, 5), (129,), (0,)]
 
 
 def wire_rank(rank, world_size, out_path):
-    """train.py's collective (ProductionCommunicator.reduce: the step() reduce_gradients calls)
-    with the bytes it hands to all_to_all_single and to the all_gather recorded."""
+    """train.py's collective (ProductionCommunicator.reduce: its step(), as reduce_gradients
+    calls it) with the bytes it hands to all_to_all_single and to the all_gather recorded."""
     dist.init_process_group("gloo")
     sent = []
     all_to_all, all_gather = dist.all_to_all_single, compress.all_gather_flat
@@ -751,6 +751,7 @@ def test_the_override_map_names_every_override():
     a class of its own) or overrides (Options, the layers) of compress.py's classes (compress.py
     itself carries no marker of them: it is the specification)."""
     import inspect
+    import nanogeo
     from nanogeo.geometry import layers as production_layers
     pairs = [("", compress.Communicator, ProductionCommunicator),
              ("GeoOptions.", compress.GeoOptions, Options),
@@ -761,7 +762,8 @@ def test_the_override_map_names_every_override():
         mine = [c for c in sub.__mro__ if not issubclass(base, c)]    # sub and its mixins
         overridden |= {prefix + name for c in mine for name, value in vars(c).items()
                        if not name.startswith("_") and name in vars(base)
-                       and (inspect.isfunction(value) or isinstance(value, (classmethod, property)))}
+                       and (inspect.isfunction(value)
+                            or isinstance(value, (classmethod, property, nanogeo.ReusedName)))}
     listed = override_list()
     assert overridden == listed, (sorted(overridden - listed), sorted(listed - overridden))
     assert "Seam" not in inspect.getsource(compress)
@@ -1171,3 +1173,15 @@ def test_orthonormal_of_a_zero_or_rank_deficient_matrix_is_finite():
     X = torch.randn(96, 8, generator=g)
     flipped = torch.cat([-X[:16], X[16:]])              # each H_i a reflection of one axis
     assert torch.equal(P.apply_t(X), flipped)
+
+
+def test_the_specification_reads_a_function_at_a_time():
+    """Issue 56: Communicator.step() shows a whole step in at most 40 lines, and no other
+    function of compress.py is over 30 (a def's lines, docstring included, to its last)."""
+    import ast
+    with open(compress.__file__) as f:
+        tree = ast.parse(f.read())
+    lengths = [(node.end_lineno - node.lineno + 1, node.name) for node in ast.walk(tree)
+               if isinstance(node, ast.FunctionDef)]
+    assert max(n for n, name in lengths if name == "step") <= 40
+    assert max(n for n, name in lengths if name != "step") <= 30, max(lengths)

@@ -202,6 +202,10 @@ def test_renamed_public_attributes_keep_their_old_names_for_a_release():
         with pytest.warns(DeprecationWarning, match="wants_moments is deprecated"):
             assert comm.wants_moments() == comm.moments_due()
         assert callable(comm.step) and isinstance(comm.steps_taken, int)
+        with pytest.raises(AttributeError, match="step is a method since nanogeo 0.2.0; set "
+                           "ProductionCommunicator.steps_taken"):
+            comm.step = 7               # a resumed hook setting its counter, as in 0.1
+        assert callable(comm.step)
     with pytest.warns(DeprecationWarning, match="statistics_bytes is deprecated: use "
                       "nanogeo.parallel.hooks.moments_bytes"):
         assert hooks.statistics_bytes is hooks.moments_bytes

@@ -42,14 +42,15 @@ def step_flags(first, last, out_dir):
 def counting(out_path, first, last):
     """While active, every ProductionCommunicator.step (train.py's reduce_gradients calls it)
     is counted; rank 0 appends one JSON line per step first..last (1-based, as train.py numbers
-    them) to `out`, at once (a finished distributed train.py leaves with os._exit): {"step",
+    them) to `out_path`, at once (a finished distributed train.py leaves with os._exit): {"step",
     "total", "dispatched", "syncing", "refresh", "counts"}. refresh: a step whose geometry update
     estimates new geometry (its step % geo_refresh == 0)."""
+    saved = vars(ProductionCommunicator)["step"]        # put back as it was, below
     step = ProductionCommunicator.step
 
-    def counted(self, worker_grads, moments=None, across_ranks=False):
+    def counted(self, worker_grads, moments=None, *, across_ranks):
         with OpCounter() as ops:
-            out = step(self, worker_grads, moments, across_ranks)
+            out = step(self, worker_grads, moments, across_ranks=across_ranks)
         first_rank = not dist.is_initialized() or dist.get_rank() == 0
         if first_rank and first <= self.steps_taken <= last:
             refresh = bool(self.layers) and self.steps_taken % self.opts.geo_refresh == 0
@@ -62,7 +63,7 @@ def counting(out_path, first, last):
     try:
         yield
     finally:
-        ProductionCommunicator.step = step
+        ProductionCommunicator.step = saved
 
 
 def read_records(out):

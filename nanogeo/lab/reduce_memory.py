@@ -6,8 +6,8 @@ Peak memory of the gradient reduction at any model size, without training it (is
 
 Builds the preset's model (its memory only: never initialised), fills every .grad with random
 normal values and averages them as train.py does with a compressed --comm
-(train.reduce_gradients: ProductionCommunicator.step, the communicator made as
-train.make_communicator makes it: linear layers by module type, judged through an AdamW's
+(train.reduce_gradients: ProductionCommunicator.step, here through reduce(); the communicator
+made as train.make_communicator makes it: linear layers by module type, judged through an AdamW's
 view), as rank 0 of a 2-rank process group: Loopback, a process group in this one process
 whose collectives complete at once, into buffers of the sizes a second rank holding the same
 gradients would fill. An all_to_all brings W copies of this rank's own shard (what identical

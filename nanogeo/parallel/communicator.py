@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 import compress
-from nanogeo import RenamedAttribute
+from nanogeo import RenamedAttribute, ReusedName
 from nanogeo.geometry import agreement, batched, layers
 from nanogeo.parallel import hooks
 from nanogeo.parallel.geometry_step import GeometryStep
@@ -105,11 +105,12 @@ class BucketedStep:
 
 class ProductionCommunicator(GeometryStep):
     """compress.Communicator in the production forms (module docstring): the same interface
-    (reduce, reduce_workers, watch, moments_due, steps_taken, layers, ...). train.py, the DDP
-    hook, FSDP2 and the tools use this one."""
+    (step, reduce, reduce_workers, watch, moments_due, steps_taken, layers, ...). train.py (its
+    step), the DDP hook, FSDP2 and the tools use this one."""
     LAYERS = layers.LAYERS      # compress.py's layers with their state, and the Hadamard control
-    # the names before compress.py's one-name-per-thing pass (906d8c0), for one release (0.1;
-    # the counter's old name, step, is compress.Communicator.step's since 0.2: the method below)
+    # the names before compress.py's one-name-per-thing pass (906d8c0), kept for one release
+    # more; except the counter's old name, step, which ended early (0.2.0): it is
+    # compress.Communicator.step's, the method below (assigning to it raises, naming steps_taken)
     chosen = RenamedAttribute("listed")
     kind = RenamedAttribute("layer_class")
     uses_moments = RenamedAttribute("from_moments")
@@ -297,24 +298,27 @@ class ProductionCommunicator(GeometryStep):
         """compress.Communicator.reduce: step() of this rank's gradients, written in place."""
         across = dist.is_initialized()
         rank = dist.get_rank(self.group) if across else 0
-        return self.step({rank: grads}, moments, across)[1]
+        return self.step({rank: grads}, moments, across_ranks=across)[1]
 
-    def step(self, worker_grads, moments=None, across_ranks=False):
-        """compress.Communicator.step, a bucket at a time (step_in_buckets). A process holding
-        one worker's gradients (a rank's; train.py's reduce_gradients) gets each tensor's mean
-        written into its gradient as soon as its last bucket is decoded (in place): the means
-        returned are then the gradients themselves."""
+    def step(self, worker_grads, moments=None, *, across_ranks):
+        """compress.Communicator.step, a bucket at a time (step_in_buckets). Unlike the spec's,
+        it overwrites the gradients of a process holding one worker (a rank's, as train.py's
+        reduce_gradients calls it; or one simulated worker's): each tensor's mean is written
+        into its gradient as soon as its last bucket is decoded, and the means returned are
+        those gradients (fp32 ones; others hold the mean rounded, and the fp32 mean returns)."""
         if moments is not None and across_ranks:
             moments = self.average_moments(moments)
         return self.step_in_buckets(worker_grads, moments, across_ranks,
                                     in_place=len(worker_grads) == 1)
+
+    step = ReusedName(step, "steps_taken")
 
     def step_in_buckets(self, worker_grads, moments, across_ranks, in_place=False):
         """compress.Communicator.step a bucket at a time (buckets()): each bucket's part
         of the tensors into coordinates, through the collective (exchange) and back before the
         next bucket's, then the geometry. A step holds one bucket's temporaries, not the model's.
 
-        in_place (reduce(): one worker, the caller's gradients): each tensor's mean is written
+        in_place (step() of one worker, the caller's gradients): each tensor's mean is written
         into its gradient as soon as it is decoded, and where the coming geometry step judges a
         layer (judged_next) its codec errors are measured then (layer_errors), while the
         gradient as sent is still there: the gain check needs no copy of the gradients."""

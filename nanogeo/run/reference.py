@@ -74,7 +74,7 @@ class Reference:
         self.reasons = {n: compress.why_euclidean(n, s, self.spec.opts, linear) or "-"
                         for n, s in named_shapes}
 
-    def __getattr__(self, name):        # names, shapes, layers, opts, reduce, watch, ...
+    def __getattr__(self, name):        # step (train.py's call), names, shapes, layers, opts, ...
         return getattr(self.spec, name)
 
     def coords(self, name):
