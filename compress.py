@@ -1172,17 +1172,16 @@ class Communicator:
         """One whole step for the workers this process holds ({index: their gradients}): W
         simulated ones, or this rank's over the process group (across_ranks). `moments`: K-FAC
         moments on a step moments_due() announced. Returns (the means, bytes a rank sends)."""
-        o = self.opts
-        # 1. what each worker sends: its gradients in fp32, plus what its last send lost (and
-        #    over the process group, the K-FAC moments averaged: every rank builds alike)
+        # 1. what each worker sends: its gradients in fp32, plus what its last send lost
         as_sent = {w: self.outgoing(w, grads) for w, grads in worker_grads.items()}
-        if moments is not None and across_ranks:
-            moments = self.average_moments(moments, next(iter(as_sent.values()))[0].device)
+        if moments is not None and across_ranks:    # this rank's moments, all ranks' averaged:
+            (mine,) = as_sent.values()               # every rank builds the same geometry
+            moments = self.average_moments(moments, mine[0].device)
         # 2. each tensor in the coordinates it is sent in (sent_in_geometry: the decision's)
         coords = {w: [self.to_coords(n, g) for n, g in zip(self.names, gs)]
                   for w, gs in as_sent.items()}
         # 3. the collective (section 2): every worker ends with the same mean, in coordinates
-        sent = list(coords.values())            # over the process group: [this rank's]
+        sent, o = list(coords.values()), self.opts      # over the process group: [this rank's]
         if o.collective == "fp8-sum":
             mean_coords, nbytes = fp8_sum_mean(sent, o.fmt, across_ranks, self.group)
         else:
@@ -1194,7 +1193,8 @@ class Communicator:
                 mean_coords, nbytes = simulate_mean(sent, layout, feedback=feedback)
             if self.feeds_back(1):
                 self.keep_send_losses(coords, layout)
-        # 4. the means in original coordinates, for the optimizer (each a tensor of its own)
+        # 4. the means in original coordinates, for the optimizer: each a tensor of its own, as
+        #    a gradient is (BLAS may round a product by where its matrix starts in memory)
         means = {n: self.from_coords(n, c.clone()) for n, c in zip(self.names, mean_coords)}
         # 5. the step is taken; where the geometry is due, what waits is measured on this step's
         #    gradients and decided (judge), and new geometry proposed (measured on a later step)

@@ -222,7 +222,7 @@ def reduce_gradients(params, cfg, communicator, world_size, stats=None, workers=
     # one step of the communicator (compress.Communicator.step states it) for this rank; the
     # published GeoFP8 refreshes its factors from its layers' input moments ...
     across = dist.is_initialized()
-    rank = dist.get_rank() if across else 0
+    rank = dist.get_rank(communicator.group) if across else 0
     means, nbytes = communicator.step({rank: grads}, stats, across_ranks=across)
     for g, mean in zip(grads, means):
         if mean is not g:           # (the fast path wrote its means into the gradients)

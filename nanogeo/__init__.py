@@ -115,9 +115,10 @@ class ReusedName:
     assigning to it, the old use, raises AttributeError naming the attribute to set, instead of
     hiding the method behind a number until the next step calls it."""
 
-    def __init__(self, method, moved_to):
-        self.method, self.moved_to = method, moved_to
+    def __init__(self, method, moved_to, since="0.2.0"):
+        self.method, self.moved_to, self.since = method, moved_to, since
         functools.update_wrapper(self, method)
+        self.old = method.__qualname__      # (__set_name__ gives the class's own name)
 
     def __set_name__(self, owner, name):
         self.old = f"{owner.__name__}.{name}"
@@ -126,9 +127,12 @@ class ReusedName:
         return self.method if obj is None else self.method.__get__(obj, owner)
 
     def __set__(self, obj, value):
-        raise AttributeError(f"{self.old} is a method since nanogeo 0.2.0; set "
+        raise AttributeError(f"{self.old} is a method since nanogeo {self.since}; set "
                              f"{type(obj).__name__}.{self.moved_to}, the attribute it named "
-                             "before")
+                             "before (to patch the method, patch the class)")
+
+    def __delete__(self, obj):
+        self.__set__(obj, None)
 
 
 if not any(isinstance(f, _RenamedPackage) for f in sys.meta_path):
