@@ -770,8 +770,7 @@ class HouseholderBasis:
 
     def apply_t(self, X):
         """P^T X = X - (Y T^T)(Y^T X) for X (m, n): thin products, never the m x m matrix; the
-        subtraction is the last product's (addmm: X + alpha A B, one GEMM). (Y T^T depends on
-        the basis alone: the fast path makes it once for each stack of bases.)"""
+        subtraction is the last product's (addmm: X + alpha A B, one GEMM)."""
         return torch.addmm(X, self.Y @ self.T.T, self.Y.T @ X, alpha=-1)
 
     def apply(self, X):
