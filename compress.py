@@ -257,10 +257,10 @@ all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor
 
 
 # The part of one tensor that one rank owns: a contiguous range of whole scale groups, so that
-# cutting into shards never changes what is quantized together. tensor: its index in the bucket;
-# [start, end): the flat element range; shape: how it is quantized ((rows, row_len) for row
-# scaling, else (end - start,)); block: its scale groups.
-Piece = namedtuple("Piece", "tensor start end shape block")
+# cutting into shards never changes what is quantized together. index: the tensor's place in the
+# bucket; [start, end): the flat element range; shape: how it is quantized ((rows, row_len) for
+# row scaling, else (end - start,)); block: its scale groups.
+Piece = namedtuple("Piece", "index start end shape block")
 
 
 class ShardLayout:
@@ -326,7 +326,7 @@ class ShardLayout:
     def quantize_shards(self, flats, rank=0):
         """Stage 1, a rank's flat fp32 tensors -> one uint8 buffer, the W shards back to
         back (shard j: nbytes[j] bytes; a stochastic layout draws from `rank`'s random stream)."""
-        return torch.cat([self.quantize_piece(flats[p.tensor][p.start:p.end], p)
+        return torch.cat([self.quantize_piece(flats[p.index][p.start:p.end], p)
                           for shard in self.pieces for p in shard])
 
     def decode_shard(self, buffer, shard, stage=1):
@@ -372,7 +372,7 @@ class ShardLayout:
         flat = torch.zeros(starts[-1], device=buffer.device)
         for j, (pieces, offset) in enumerate(zip(self.pieces, at)):
             for p, values in zip(pieces, self.decode_shard(buffer[offset:], j, stage)):
-                flat[starts[p.tensor] + p.start: starts[p.tensor] + p.end] = values
+                flat[starts[p.index] + p.start: starts[p.index] + p.end] = values
         return flat
 
     def quantize_ranks(self, rank_tensors):

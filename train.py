@@ -211,7 +211,7 @@ def reduce_gradients(params, cfg, communicator, world_size, stats=None, workers=
             return 0
         dtype = torch.float32 if cfg.comm == "fp32" else torch.bfloat16
         for bucket in buckets.plan([g.shape for g in grads], cfg.bucket_mb, lambda shape: 1):
-            pieces = [grads[s.tensor].view(-1)[s.start: s.end] for s in bucket]
+            pieces = [grads[s.index].view(-1)[s.start: s.end] for s in bucket]
             flat = torch.cat(pieces).to(dtype)          # (bucket numel,): one collective
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
             mean = flat.float() / compress.count_divisor(world_size, flat)

@@ -25,7 +25,7 @@ def test_the_plan_fills_buckets_in_order_and_cuts_only_whole_scale_groups():
     plan = buckets.codec_plan(SHAPES, SMALL_MB, "e4m3", 128)
     segments = [s for bucket in plan for s in bucket]
     # every element once, tensor after tensor; a tensor that fits whole, in its own shape
-    assert [[(s.tensor, s.start, s.end) for s in bucket] for bucket in plan] == [
+    assert [[(s.index, s.start, s.end) for s in bucket] for bucket in plan] == [
         [(0, 0, 19200), (1, 0, 64)], [(2, 0, 25600), (3, 0, 7)],
         [(4, 0, 39936)], [(4, 39936, 79872)], [(4, 79872, 99000)]]
     assert [s.shape for s in segments][:4] == SHAPES[:4]
@@ -33,7 +33,7 @@ def test_the_plan_fills_buckets_in_order_and_cuts_only_whole_scale_groups():
     assert all(sum(s.end - s.start for s in bucket) <= 40_000 for bucket in plan)
     # row scaling: whole rows, shaped as rows; one scale per tensor (share): never cut
     rows = [s for b in buckets.codec_plan(SHAPES, SMALL_MB, "e4m3", "row") for s in b]
-    assert [s.shape for s in rows if s.tensor == 4] == [(1212, 33), (1212, 33), (576, 33)]
+    assert [s.shape for s in rows if s.index == 4] == [(1212, 33), (1212, 33), (576, 33)]
     whole = buckets.codec_plan(SHAPES, SMALL_MB, "e4m3", "tensor")
     assert [s.shape for b in whole for s in b] == SHAPES and len(whole) == 3
     # NVFP4: blocks of 16; bucket_mb=0: one bucket of whole tensors

@@ -279,7 +279,7 @@ def test_layout_covers_every_element_once(teaching):
                   else collective.layout(SHAPES, fmt, block, 3))
         for t, shape in enumerate(SHAPES):
             ranges = sorted((p.start, p.end) for pieces in layout.pieces for p in pieces
-                            if p.tensor == t)
+                            if p.index == t)
             assert ranges[0][0] == 0 and ranges[-1][1] == math.prod(shape)
             assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
 

@@ -64,7 +64,7 @@ def test_packed_layout_writes_the_piece_by_piece_bytes(world, monkeypatch, one_t
     for w in workers:
         send = compress.quantize_bucket(w, packed)
         assert torch.equal(send, compress.quantize_bucket(w, apart))
-        by_piece = torch.cat([nvfp4.quantize_4over6(w[p.tensor].reshape(-1)[p.start:p.end]).buffer
+        by_piece = torch.cat([nvfp4.quantize_4over6(w[p.index].reshape(-1)[p.start:p.end]).buffer
                               for shard in apart.pieces for p in shard])
         assert torch.equal(send, by_piece)
     monkeypatch.setattr(collective, "shard_layout", lambda *a: apart)

@@ -39,8 +39,8 @@ def by_hand(workers, fmt, stage2_fmt, block):
     for j, (first, second) in enumerate(zip(layout.stage1_layout.pieces,
                                             layout.stage2_layout.pieces)):
         for p1, p2 in zip(first, second):
-            assert (p1.tensor, p1.start, p1.end) == (p2.tensor, p2.start, p2.end)
-            sent = [compress.quantize(w[p1.tensor].reshape(-1)[p1.start:p1.end].view(p1.shape),
+            assert (p1.index, p1.start, p1.end) == (p2.index, p2.start, p2.end)
+            sent = [compress.quantize(w[p1.index].reshape(-1)[p1.start:p1.end].view(p1.shape),
                                       fmt, p1.block) for w in workers]
             stage1[j] += sent[0].buffer.numel()
             total = compress.dequantize(sent[0]).reshape(-1)
@@ -48,7 +48,7 @@ def by_hand(workers, fmt, stage2_fmt, block):
                 total = total + compress.dequantize(q).reshape(-1)
             again = compress.quantize((total / W).view(p2.shape), stage2_fmt, p2.block)
             stage2[j] += again.buffer.numel()
-            means[p1.tensor][p1.start:p1.end] = compress.dequantize(again).reshape(-1)
+            means[p1.index][p1.start:p1.end] = compress.dequantize(again).reshape(-1)
     return [m.view(s) for m, s in zip(means, SHAPES)], stage1, stage2
 
 

@@ -139,7 +139,7 @@ def tensor_bytes(layout, index):
     total = 0
     for pieces, sizes, sizes2 in zip(layout.pieces, layout.piece_nbytes, stage2.piece_nbytes):
         for p, nbytes, nbytes2 in zip(pieces, sizes, sizes2):
-            if p.tensor == index:
+            if p.index == index:
                 total += (world - 1) * (nbytes + nbytes2)   # to j by W - 1; by j to W - 1
     return total / world
 

@@ -333,16 +333,16 @@ class ProductionCommunicator(GeometryStep):
         try:
             for k, bucket in enumerate(self.buckets()):
                 flights.update(self.take_off([s for s in bucket if s.start == 0], carried))
-                coords = {w: [flights[s.tensor].piece(w, s) for s in bucket] for w in as_sent}
+                coords = {w: [flights[s.index].piece(w, s) for s in bucket] for w in as_sent}
                 mean_pieces, nbytes, local, fractions = self.exchange(coords, across_ranks, k)
                 carried.nbytes += nbytes
                 saturated.append(fractions)
                 if self.keeps_stage1():
                     finite.append(agreement.all_finite(mean_pieces))
                 for j, s in enumerate(bucket):
-                    flights[s.tensor].land(s, mean_pieces[j],
+                    flights[s.index].land(s, mean_pieces[j],
                                            None if local is None else [rt[j] for rt in local])
-                self.arrive({s.tensor: flights.pop(s.tensor) for s in bucket if s.end == s.numel},
+                self.arrive({s.index: flights.pop(s.index) for s in bucket if s.end == s.numel},
                             carried)
                 del coords, mean_pieces, local      # freed before the next bucket's exchange
             if self.keeps_stage1() and finite:
@@ -361,14 +361,14 @@ class ProductionCommunicator(GeometryStep):
     def take_off(self, segments, carried):
         """The tensors whose first bucket this is ({index: InFlight}): into coordinates on every
         worker, the matrices of one shape rotated together (all_to_coords)."""
-        indices = [s.tensor for s in segments]
+        indices = [s.index for s in segments]
         for w, tensors in carried.as_sent.items():     # each one as sent, made now
             for i, g in zip(indices, self.outgoing_of(w, indices, tensors)):
                 tensors[i] = g
         names = [self.names[i] for i in indices]
         coords = {w: self.all_to_coords(names, [grads[i] for i in indices])
                   for w, grads in carried.as_sent.items()}
-        return {s.tensor: self.in_flight(s, {w: cs[j] for w, cs in coords.items()}, carried)
+        return {s.index: self.in_flight(s, {w: cs[j] for w, cs in coords.items()}, carried)
                 for j, s in enumerate(segments)}
 
     def in_flight(self, segment, coords, carried):
@@ -378,7 +378,7 @@ class ProductionCommunicator(GeometryStep):
         gather in. Its mean gathers in its coordinates themselves unless they are the gradient
         as sent and that is read after the exchange (by the simulator's gain check, or this
         step's)."""
-        i, n = segment.tensor, self.names[segment.tensor]
+        i, n = segment.index, self.names[segment.index]
         if self.opts.stale_residual and self.has_feedback(n):
             coords = {w: c + self.residuals[w][n] if n in self.residuals.get(w, {}) else c
                       for w, c in coords.items()}

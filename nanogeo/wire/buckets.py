@@ -36,10 +36,10 @@ import compress
 
 DEFAULT_BUCKET_MB = 25.0        # as DDP's bucket_cap_mb
 
-# A range of one tensor's flat elements in a bucket, [start, end) of its numel, and the shape it
-# is quantized as: the tensor's own when it is whole; (end - start,), or with row scaling (rows,
-# row length), for a segment.
-Segment = namedtuple("Segment", "tensor start end shape numel")
+# A range of one tensor's flat elements in a bucket: index, the tensor's place in the model's
+# list; [start, end) of its numel; the shape it is quantized as: the tensor's own when it is
+# whole; (end - start,), or with row scaling (rows, row length), for a segment.
+Segment = namedtuple("Segment", "index start end shape numel")
 
 
 def capacity(bucket_mb):

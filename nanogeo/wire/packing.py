@@ -205,7 +205,7 @@ class PieceLayout(compress.ShardLayout):
     # compress.ShardLayout's stages 1 and 2, each stage call rounding from one stream
     def quantize_shards(self, flats, rank=0):
         rounding = self.rounding((rank, 1))
-        return torch.cat([self.quantize_piece(flats[p.tensor][p.start:p.end], p, rounding)
+        return torch.cat([self.quantize_piece(flats[p.index][p.start:p.end], p, rounding)
                           for shard in self.pieces for p in shard])
 
     def average_shard(self, received, shard, feedback=None):
@@ -239,8 +239,8 @@ class PackedLayout(PieceLayout):
             for p in pieces:
                 n = p.end - p.start
                 count = -(-n // B)
-                self.encode_order.append((p.tensor, p.start, p.end, count * B - n))
-                by_tensor[p.tensor].append((p.start, j, q, n))
+                self.encode_order.append((p.index, p.start, p.end, count * B - n))
+                by_tensor[p.index].append((p.start, j, q, n))
                 q += count
             self.first_group.append(self.first_group[-1] + q)
         self.decode_order = [(j, q, n) for pieces in by_tensor for _, j, q, n in sorted(pieces)]
