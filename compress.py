@@ -542,11 +542,13 @@ class Whitening:
         return (X + ((X @ self.directions) * self.up) @ self.directions.T) * self.sqrt_d
 
 
-def top_eigenpairs(A, r, floor):
+def top_eigenpairs(A, r, floor, Q=None):
     """A^ = U diag(lam) U^T + diag(rest): the top-r eigenpairs of A (d x d, symmetric;
-    eigenvalues clipped at 0) and the floored diagonal residual."""
-    values, vectors = torch.linalg.eigh(A)                             # ascending
-    U, lam = vectors[:, -r:], values[-r:].clamp(min=0)           # (d, r), (r,)
+    eigenvalues clipped at 0) and the floored diagonal residual. Q (d, k), orthonormal: the
+    eigenpairs within its columns' span (a Rayleigh-Ritz step: the eigh of Q^T A Q, k x k)."""
+    values, vectors = torch.linalg.eigh(A if Q is None else Q.T @ A @ Q)      # ascending
+    U, lam = vectors[:, -r:], values[-r:].clamp(min=0)           # (d or k, r), (r,)
+    U = U if Q is None else Q @ U                                       # (d, r)
     rest = (A.diagonal() - (U.pow(2) * lam).sum(1)).clamp(min=floor)   # (d,) diagonal residual
     return U, lam, rest
 
@@ -627,11 +629,7 @@ def subspace_eigenpairs(A, r, floor, warm_start=None, oversample=16):
     A32, Q = A.float(), orthonormal(Q)
     for _ in range(4 if warm else 8):
         Q = orthonormal(A32 @ Q)
-    Q = orthonormal(Q.double())
-    values, vectors = torch.linalg.eigh(Q.T @ A @ Q)            # (k,), (k, k) ascending
-    U, lam = Q @ vectors[:, -r:], values[-r:].clamp(min=0)      # (d, r), (r,)
-    rest = (A.diagonal() - (U.pow(2) * lam).sum(1)).clamp(min=floor)
-    return U, lam, rest
+    return top_eigenpairs(A, r, floor, Q=orthonormal(Q.double()))
 
 
 def eigen_directions(factor):
@@ -926,13 +924,13 @@ class SubspaceLayer:
 # ==== 5. The error the optimizer sees =============================================================
 #
 # Relative L2 error is not what training feels. AdamW divides each element by the root of its
-# second moment, so an error on a quiet element is magnified (and a rotation spreads the error of
-# a few large coordinates over every element); Muon orthogonalises, so what matters is how an
-# error moves the orthogonalised matrix. Each layer is judged by how much a codec error changes
-# its optimizer's next update, from the optimizer's own state. AdamW's, exactly, is below (an
-# error as large as a quiet element flips its sign: no derivative sees that); so is Muon's first
-# update (no momentum yet), which the demo judges by; training's Muon error, from the momentum
-# buffer and to first order, is nanogeo/geometry/update_error.py's.
+# running mean of squares (v), so an error on a quiet element is magnified (and a rotation spreads
+# the error of a few large coordinates over every element); Muon orthogonalises, so what matters
+# is how an error moves the orthogonalised matrix. Each layer is judged by how much a codec error
+# changes its optimizer's next update, from the optimizer's own state. AdamW's, exactly, is below
+# (an error as large as a quiet element flips its sign: no derivative sees that); so is Muon's
+# first update (no momentum yet), which the demo judges by; training's Muon error, from the
+# momentum buffer and to first order, is nanogeo/geometry/update_error.py's.
 
 def adamw_direction(g, state, betas, eps):
     """AdamW's next update from the gradient g, in float64, without learning rate and weight
