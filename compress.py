@@ -457,13 +457,11 @@ def simulate_mean(worker_tensors, layout, *, feedback=None):
 # NCCL's own float8 all_reduce, whose chunks and order are NCCL's - not these bits. The bytes
 # counted are the paper's, a ring all_reduce's (the gather here sends W / 2 times the codes).
 
-def fp8_sum_codes(tensors, fmt, amax):
-    """Each tensor's codes at its shared scale, one flat uint8 buffer, and the scales (T,)."""
+def fp8_sum_codes(tensors, scales, fmt):
+    """Each tensor's codes at its shared scale (scales: (T,)), one flat uint8 buffer."""
     dtype, fmax = FP8_FORMATS[fmt]
-    scales = scale_from_amax(amax, fmax)
-    codes = [(t.float().reshape(-1) * s).clamp(-fmax, fmax).to(dtype).view(torch.uint8)
-             for t, s in zip(tensors, scales)]
-    return torch.cat(codes), scales
+    return torch.cat([(t.float().reshape(-1) * s).clamp(-fmax, fmax).to(dtype).view(torch.uint8)
+                      for t, s in zip(tensors, scales)])
 
 
 def ring_sum(codes, fmt):
@@ -489,14 +487,14 @@ def fp8_sum_mean(worker_tensors, fmt, across_ranks, group=None):
                         for ts in worker_tensors]).amax(0)                  # (T,), shared
     if across_ranks:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-    encoded = [fp8_sum_codes(ts, fmt, amax) for ts in worker_tensors]  # [(codes, scales)]
-    scales = encoded[0][1]                                      # alike on every rank
+    scales = scale_from_amax(amax, FP8_FORMATS[fmt][1])               # (T,), alike on every rank
+    codes = [fp8_sum_codes(ts, scales, fmt) for ts in worker_tensors]
     W = dist.get_world_size(group) if across_ranks else len(worker_tensors)
     if across_ranks:                                            # every rank's codes, in order
-        every_rank = encoded[0][0].new_empty(W, encoded[0][0].numel())
-        all_gather_flat(every_rank.view(-1), encoded[0][0], group=group)
+        every_rank = codes[0].new_empty(W, codes[0].numel())
+        all_gather_flat(every_rank.view(-1), codes[0], group=group)
     else:
-        every_rank = torch.stack([codes for codes, _ in encoded])
+        every_rank = torch.stack(codes)
     summed = ring_sum(every_rank, fmt).view(FP8_FORMATS[fmt][0]).float()
     tensors = worker_tensors[0]
     values = summed.split([t.numel() for t in tensors])
