@@ -323,9 +323,9 @@ class ShardLayout:
         """One piece through the codec, its wire bytes."""
         return quantize(values.view(piece.shape), self.fmt, piece.block).buffer
 
-    def quantize_shards(self, flats, rank=0):
+    def quantize_shards(self, flats):
         """Stage 1, a rank's flat fp32 tensors -> one uint8 buffer, the W shards back to
-        back (shard j: nbytes[j] bytes; a stochastic layout draws from `rank`'s random stream)."""
+        back (shard j: nbytes[j] bytes)."""
         return torch.cat([self.quantize_piece(flats[p.index][p.start:p.end], p)
                           for shard in self.pieces for p in shard])
 
@@ -376,17 +376,17 @@ class ShardLayout:
         return flat
 
     def quantize_ranks(self, rank_tensors):
-        """The simulator's stage 1 of all W ranks,
-        (W, bytes), row i = quantize_bucket(rank_tensors[i], self, i)."""
-        return torch.stack([quantize_bucket(ts, self, i) for i, ts in enumerate(rank_tensors)])
+        """The simulator's stage 1 of all W ranks: (W, bytes), row i = quantize_bucket(rank i's
+        tensors)."""
+        return torch.stack([quantize_bucket(tensors, self) for tensors in rank_tensors])
 
 
-def quantize_bucket(tensors, layout, rank=0):
-    """Stage 1 of `rank`: its tensors -> one uint8 buffer, the W shards back to back."""
+def quantize_bucket(tensors, layout):
+    """Stage 1 of a rank: its tensors -> one uint8 buffer, the W shards back to back."""
     flats = [t.reshape(-1).float() for t in tensors]
     if not sum(layout.nbytes):           # only empty tensors: nothing to send
         return flats[0].new_empty(0, dtype=torch.uint8)
-    return layout.quantize_shards(flats, rank)
+    return layout.quantize_shards(flats)
 
 
 def dequantize_bucket(buffer, layout, stride=None, stage=2):
@@ -420,7 +420,7 @@ def all_reduce_mean(tensors, layout, *, group=None, feedback=None):
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     me = dist.get_rank(group) if dist.is_initialized() else 0
     check_world_size(layout, world)
-    send = quantize_bucket(tensors, layout, me)                            # stage 1
+    send = quantize_bucket(tensors, layout)                                # stage 1
     if world == 1:
         return dequantize_bucket(layout.average_shard(send, 0, feedback), layout), 0
     own, largest = layout.nbytes[me], max(layout.stage2_nbytes)

@@ -257,7 +257,7 @@ def test_the_wire_is_what_compress_py_teaches(tmp_path):
             production = collective.layout(WIRE_SHAPES, fmt, 128, 2)
             assert type(production) is not compress.ShardLayout, fmt   # the packed form
             assert teaching.pieces == production.pieces and teaching.nbytes == production.nbytes
-            assert torch.equal(send, compress.quantize_bucket(grads, teaching, rank)), fmt
+            assert torch.equal(send, compress.quantize_bucket(grads, teaching)), fmt
             own = teaching.nbytes[rank]
             assert torch.equal(own_mean[:own], teaching.average_shard(received, rank)), fmt
             assert not own_mean[own:].any()                  # all_gather's padding: zeros
@@ -315,6 +315,24 @@ def test_a_stochastic_layout_draws_the_same_at_every_call(fmt):
     assert torch.equal(first, again) and not torch.equal(first, layout.quantize_shards(flats, 2))
     received = first[: layout.nbytes[0]].repeat(3)          # 3 copies of shard 0
     assert torch.equal(layout.average_shard(received, 0), layout.average_shard(received, 0))
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "nvfp4"])
+def test_a_stochastic_layout_sends_as_its_sender_and_the_simulator_as_each_rank(fmt):
+    """compress.py's stage 1 takes no rank (it rounds to nearest): a stochastic layout's send
+    draws from the stream of the rank it was made for (with_streams' sender), and the
+    simulator's stage 1 (quantize_ranks) draws rank i's send from rank i's stream."""
+    rng_for = collective.streams(True, 7, torch.device("cpu"))
+    unbound = collective.layout(SHAPES, fmt, 128, 3).with_streams(rng_for)
+    ranks = [[torch.randn(s, generator=torch.Generator().manual_seed(r)) for s in SHAPES]
+             for r in range(3)]
+    sends = [compress.quantize_bucket(ranks[r], unbound.with_streams(rng_for, sender=r))
+             for r in range(3)]
+    for r in range(3):
+        flats = [t.reshape(-1) for t in ranks[r]]
+        assert torch.equal(sends[r], unbound.quantize_shards(flats, r)), (fmt, r)
+    assert not torch.equal(sends[1], compress.quantize_bucket(ranks[1], unbound))   # rank 0's
+    assert torch.equal(unbound.quantize_ranks(ranks), torch.stack(sends)), fmt
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "nvfp4"])

@@ -346,14 +346,14 @@ def ddp_buckets(preset, cap_bytes=25 * 2 ** 20, first_cap_bytes=2 ** 20):
     return buckets
 
 
-def one_rank_collective(tensors, layout, rank=0):
-    """What one rank's codec does for one bucket (the exchanges replaced by copies of its own
+def one_rank_collective(tensors, layout):
+    """What rank 0's codec does for one bucket (the exchanges replaced by copies of its own
     bytes): stage 1 encode, stage 2 decode-sum-encode of its shard, stage 3 decode of W shards."""
-    shards = compress.quantize_bucket(tensors, layout, rank).split(layout.nbytes)
-    averaged = layout.average_shard(shards[rank].repeat(layout.world_size), rank)
+    shards = compress.quantize_bucket(tensors, layout).split(layout.nbytes)
+    averaged = layout.average_shard(shards[0].repeat(layout.world_size), 0)
     slots = averaged.new_zeros(layout.world_size, max(layout.nbytes))
     for j, n in enumerate(layout.nbytes):
-        slots[j, :n] = shards[j] if j != rank else averaged
+        slots[j, :n] = shards[j] if j else averaged
     return compress.dequantize_bucket(slots.view(-1), layout, stride=slots.shape[1])
 
 

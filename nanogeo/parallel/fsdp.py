@@ -238,8 +238,9 @@ class CompressedReduceScatter(FP8ReduceScatter):
         opts = self.comm.opts
         streams = collective.streams(opts.stochastic_round, self.comm.rounding_seed(),
                                      input_tensor.device, opts.stochastic_stages)
-        layout = row_chunks(tuple(chunk_shapes), self.fmt, self.block, world).with_streams(streams)
-        send = compress.quantize_bucket(coords, layout, me)
+        layout = row_chunks(tuple(chunk_shapes), self.fmt, self.block, world).with_streams(
+            streams, sender=me)
+        send = compress.quantize_bucket(coords, layout)
         totals = [t.view(c) for t, c in zip(exchange_and_sum(send, layout, group), chunk_shapes)]
         self.bytes_sent += (world - 1) * layout.nbytes[0]
         # this rank's rows of every mean, back in original coordinates

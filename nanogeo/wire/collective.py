@@ -75,7 +75,7 @@ class KeptSends:
     def __getattr__(self, name):
         return getattr(self.layout, name)
 
-    def quantize_shards(self, flats, rank=0):          # all_reduce_mean's stage 1
+    def quantize_shards(self, flats, rank=None):       # all_reduce_mean's stage 1
         self.sends = [self.layout.quantize_shards(flats, rank)]
         return self.sends[0]
 
@@ -108,7 +108,7 @@ class TimedLayout:
     def __getattr__(self, name):
         return getattr(self.layout, name)
 
-    def quantize_shards(self, flats, rank=0):
+    def quantize_shards(self, flats, rank=None):
         with self.timer.stage("quantize"):
             return self.layout.quantize_shards(flats, rank)
 
@@ -136,12 +136,13 @@ class TwoFormatLayout:
     def __getattr__(self, name):        # stage 1's: pieces, nbytes, quantize_shards, ...
         return getattr(self.stage1_layout, name)
 
-    def with_streams(self, rng_for):
-        """Stage 1 rounded as rng_for says, stage 2 to nearest (Options rejects stochastic
-        rounding of a second stage-2 format)."""
+    def with_streams(self, rng_for, sender=0):
+        """Stage 1 rounded as rng_for says (as rank `sender` sends), stage 2 to nearest (Options
+        rejects stochastic rounding of a second stage-2 format)."""
         if rng_for is None:
             return self
-        return TwoFormatLayout(self.stage1_layout.with_streams(rng_for), self.stage2_layout)
+        return TwoFormatLayout(self.stage1_layout.with_streams(rng_for, sender),
+                               self.stage2_layout)
 
     def average_shard(self, received, shard, feedback=None):
         """The owner's step: the W copies decoded and added in rank order by stage 1's codec,
@@ -242,9 +243,10 @@ def streams(stochastic, seed, device, stages="both"):
 
 
 def bucket_layout(tensors, fmt, block, world, stochastic=False, seed=None, stages="both",
-                  feedback=None, timer=NO_TIMER, stage2_fmt="", nvfp4_scale="6"):
+                  feedback=None, timer=NO_TIMER, stage2_fmt="", nvfp4_scale="6", sender=0):
     """The layout one step's collective runs on a bucket of tensors: cached by shapes, with this
-    step's stochastic-rounding streams (in the `stages` of streams()), stage 2's error feedback
+    step's stochastic-rounding streams (in the `stages` of streams(); stage 1 as rank `sender`
+    sends - a simulator's layout draws each rank's own), stage 2's error feedback
     (`feedback`: a packing.ShardFeedback), a benchmark's `timer` on its codec stages, stage
     2 in `stage2_fmt` ("": fmt) and NVFP4's block scales as `nvfp4_scale` says."""
     if stage2_fmt and stage2_fmt != fmt and (feedback is not None or stochastic and stages != "1"):
@@ -252,7 +254,7 @@ def bucket_layout(tensors, fmt, block, world, stochastic=False, seed=None, stage
                          "error feedback: pass stages='1' and feedback=None, or drop stage2_fmt")
     bucket = shard_layout(tuple(tuple(t.shape) for t in tensors), fmt, block, world, stage2_fmt,
                           nvfp4_scale)
-    bucket = bucket.with_streams(streams(stochastic, seed, tensors[0].device, stages))
+    bucket = bucket.with_streams(streams(stochastic, seed, tensors[0].device, stages), sender)
     if feedback is not None:
         bucket = FeedbackLayout(bucket, feedback)
     return bucket if timer is NO_TIMER else TimedLayout(bucket, timer)
@@ -264,9 +266,11 @@ def mean_over_ranks(tensors, fmt="e4m3", block=128, group=None, stochastic=False
     """compress.all_reduce_mean on bucket_layout()'s layout: packed, NVFP4, stochastic rounding,
     stage-2 error feedback, a second stage-2 format; return_local adds this rank's own round
     trip (KeptSends)."""
-    world = torch.distributed.get_world_size(group) if torch.distributed.is_initialized() else 1
+    across = torch.distributed.is_initialized()
+    world = torch.distributed.get_world_size(group) if across else 1
+    me = torch.distributed.get_rank(group) if across else 0
     bucket = bucket_layout(tensors, fmt, block, world, stochastic, seed, stages, feedback, timer,
-                           stage2_fmt, nvfp4_scale)
+                           stage2_fmt, nvfp4_scale, sender=me)
     kept = KeptSends(bucket, tensors[0].device) if return_local else bucket
     means, nbytes = compress.all_reduce_mean(tensors, kept, group=group)
     return (means, nbytes, kept.local()[0]) if return_local else (means, nbytes)

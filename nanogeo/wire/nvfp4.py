@@ -255,9 +255,9 @@ class Nvfp4PackedLayout(Nvfp4Layout, packing.PackedLayout):
     def quantize_ranks(self, rank_tensors):
         """Rank by rank, as compress.ShardLayout does (each piece's tensor scale is a max over
         that rank's piece alone), not stacked as packing.PackedLayout does."""
-        return compress.ShardLayout.quantize_ranks(self, rank_tensors)
+        return packing.PieceLayout.quantize_ranks(self, rank_tensors)
 
-    def quantize_shards(self, flats, rank=0):
+    def quantize_shards(self, flats, rank=None):
         return self.bucket.encode(self.blocks_in_wire_order(flats), *self.rounding((rank, 1)))
 
     def sum_groups(self, received, shard):

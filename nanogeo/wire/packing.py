@@ -164,8 +164,10 @@ class PieceLayout(compress.ShardLayout):
     the reference the packed form is tested against):
       * `pieces` given explicitly (FSDP's row chunks);
       * stochastic rounding: rng_for(rank, stage) -> (stochastic, torch.Generator), set by
-        with_streams on a copy for one step; None: every stage to nearest."""
-    rng_for = None
+        with_streams on a copy for one step; None: every stage to nearest. Stage 1 draws from
+        the stream of `sender`, the rank whose send it quantizes (compress.py's stage 1 takes
+        no rank: its codec rounds to nearest)."""
+    rng_for, sender = None, 0
 
     def __init__(self, shapes, fmt, block, world_size, pieces=None):
         self.given = pieces
@@ -174,18 +176,27 @@ class PieceLayout(compress.ShardLayout):
     def cut(self):
         return super().cut() if self.given is None else self.given
 
-    def with_streams(self, rng_for):
+    def with_streams(self, rng_for, sender=0):
         """A copy of this (cached) layout that rounds as rng_for(rank, stage) says: (True, that
         rank's and stage's stream) stochastically, (False, None) to nearest (None: this layout
-        itself, every stage to nearest). rng_for must return a new generator, seeded for that
-        rank and stage, at every call: then every call of the copy draws the same, and the
-        simulator what the ranks draw (nanogeo.wire.collective.streams; with seed=None the
-        generator is None, torch's global one, which has neither)."""
+        itself, every stage to nearest), its stage 1 as rank `sender` sends. rng_for must return
+        a new generator, seeded for that rank and stage, at every call: then every call of the
+        copy draws the same, and the simulator what the ranks draw
+        (nanogeo.wire.collective.streams; with seed=None the generator is None, torch's global
+        one, which has neither)."""
         if rng_for is None:
             return self
         rounded = copy.copy(self)
-        rounded.rng_for = rng_for
+        rounded.rng_for, rounded.sender = rng_for, sender
         return rounded
+
+    def quantize_ranks(self, rank_tensors):
+        """The simulator's stage 1, rank by rank (compress.ShardLayout.quantize_ranks), rank i's
+        send drawing from rank i's stream."""
+        if self.rng_for is None:
+            return compress.ShardLayout.quantize_ranks(self, rank_tensors)
+        return torch.stack([compress.quantize_bucket(tensors, self.with_streams(self.rng_for, i))
+                            for i, tensors in enumerate(rank_tensors)])
 
     def dequantize_ranks(self, sends):
         """R simulated ranks' stage-1 bytes (R, bytes) -> (R, values) in tensor order: each
@@ -193,9 +204,12 @@ class PieceLayout(compress.ShardLayout):
         return torch.stack([self.dequantize_shards(send) for send in sends])
 
     def rounding(self, whose):
-        """(stochastic, generator) of rank whose[0] in stage whose[1]: a new generator from its
-        stream at each stage call, drawn from piece after piece."""
-        return (False, None) if self.rng_for is None else self.rng_for(*whose)
+        """(stochastic, generator) of rank whose[0] (None: the sender) in stage whose[1]: a new
+        generator from its stream at each stage call, drawn from piece after piece."""
+        if self.rng_for is None:
+            return False, None
+        rank, stage = whose
+        return self.rng_for(self.sender if rank is None else rank, stage)
 
     def quantize_piece(self, values, p, rounding=(False, None)):
         if not rounding[0]:
@@ -203,7 +217,7 @@ class PieceLayout(compress.ShardLayout):
         return quantize_fp8_stochastic(values.view(p.shape), self.fmt, p.block, rounding[1]).buffer
 
     # compress.ShardLayout's stages 1 and 2, each stage call rounding from one stream
-    def quantize_shards(self, flats, rank=0):
+    def quantize_shards(self, flats, rank=None):
         rounding = self.rounding((rank, 1))
         return torch.cat([self.quantize_piece(flats[p.index][p.start:p.end], p, rounding)
                           for shard in self.pieces for p in shard])
@@ -271,9 +285,9 @@ class PackedLayout(PieceLayout):
                 for column in zip(*rank_tensors)]
         return pack_groups(self.rows_in_wire_order(rows), self.fmt).view(len(rank_tensors), -1)
 
-    def quantize_shards(self, flats, rank=0):
+    def quantize_shards(self, flats, rank=None):
         """Stage 1's quantization: the bucket's flat fp32 tensors -> the W shards' bytes, back
-        to back."""
+        to back (`rank`: whose stream stochastic rounding draws from; None: the sender's)."""
         return pack_groups(self.blocks_in_wire_order(flats), self.fmt, *self.rounding((rank, 1)))
 
     def sum_groups(self, received, shard):
