@@ -265,11 +265,10 @@ Piece = namedtuple("Piece", "index start end shape block")
 
 class ShardLayout:
     """How a bucket of tensors is cut into W shards (alike on every rank, from the shapes), and
-    the two stages' codec steps (nanogeo/wire sends the same bytes in packed form). Stage 2 may
-    send another format (stage2_fmt, e.g. e4m3 after an NVFP4 all_to_all): both stages quantize the
-    same pieces, cut in the groups of the FP8 one of the two (an integer block, a multiple of 16,
-    holds NVFP4's blocks of 16 whole), each scaling them in its own groups from the piece's
-    start."""
+    the two stages' codec steps. Stage 2 may send another format (stage2_fmt, e.g. e4m3 after an
+    NVFP4 all_to_all): both stages quantize the same pieces, cut in the groups of the FP8 one of
+    the two (an integer block, a multiple of 16, holds NVFP4's blocks of 16 whole), each scaling
+    them in its own groups from the piece's start."""
 
     def __init__(self, shapes, fmt, block, world_size, stage2_fmt=""):
         check_codec(fmt, block)
@@ -622,7 +621,7 @@ def subspace_eigenpairs(A, r, floor, warm_start=None, oversample=16):
         return top_eigenpairs(A, r, floor)
     Q = random_start(d, k, A.device)                                    # (d, k) fp32
     warm = warm_start is not None and tuple(warm_start.shape) == (d, r)
-    if warm:                        # (a new tensor, not written in place: torch.vmap maps this)
+    if warm:                        # a new tensor: random_start's is cached, for every call
         Q = torch.cat([warm_start.to(Q.dtype), Q[:, r:]], dim=1)
     A32, Q = A.float(), orthonormal(Q)
     for _ in range(4 if warm else 8):
@@ -651,8 +650,8 @@ def factor_of_parts(U, lam, rest, damping, dtype):
 
 @dataclass
 class WhitenedLayer:
-    """The whitened coordinates of one linear layer's weight: per whitened side ("input": A;
-    production also "output": B) the EMA of its second moment and that moment's factor."""
+    """The whitened coordinates of one linear layer's weight: per whitened side (here "input":
+    A) the EMA of its second moment and that moment's factor."""
     shape: tuple
     opts: object = field(repr=False)    # the GeoOptions (whiten_rank, moment_decay, damping)
     moments: dict = field(default_factory=dict)     # side -> EMA of A or B
@@ -690,8 +689,7 @@ class WhitenedLayer:
 
     def smooth(self, moments):
         """The EMA of each side's moment; new dicts, so a proposal (a copy, section 6) does not
-        change the layer in use (production then builds the factors of a group of layers
-        together)."""
+        change the layer in use."""
         self.moments, self.factors = dict(self.moments), dict(self.factors)
         for side, moment in moments.items():
             old = self.moments.get(side)
