@@ -654,7 +654,7 @@ class WhitenedLayer:
     A) the EMA of its second moment and that moment's factor."""
     shape: tuple
     opts: object = field(repr=False)    # the GeoOptions (whiten_rank, moment_decay, damping)
-    moments: dict = field(default_factory=dict)     # side -> EMA of A or B
+    moments: dict = field(default_factory=dict)     # side -> EMA of its moment (A)
     factors: dict = field(default_factory=dict)     # side -> Whitening
     use_geo: bool = False
     gain: float = float("nan")          # last measured Euclidean error / whitened error
@@ -681,7 +681,7 @@ class WhitenedLayer:
         return self.factors["input"].unwhiten(h)
 
     def refresh(self, moments):
-        """New factors from this step's moments ({side: A or B}, alike on every rank) through
+        """New factors from this step's moments ({side: A}, alike on every rank) through
         their EMA."""
         self.smooth(moments)
         for side in moments:

@@ -309,10 +309,11 @@ def test_a_stochastic_layout_draws_the_same_at_every_call(fmt):
     """A layout's stochastic rounding is fixed by its streams alone: calling the same copy's
     stages twice draws the same numbers (no generator state is carried between calls)."""
     rng_for = collective.streams(True, 7, torch.device("cpu"))
-    layout = collective.layout(SHAPES, fmt, 128, 3).with_streams(rng_for)
+    layout = collective.layout(SHAPES, fmt, 128, 3).with_streams(rng_for, sender=1)
     flats = [torch.randn(math.prod(s), generator=torch.Generator().manual_seed(1)) for s in SHAPES]
-    first, again = layout.quantize_shards(flats, 1), layout.quantize_shards(flats, 1)
-    assert torch.equal(first, again) and not torch.equal(first, layout.quantize_shards(flats, 2))
+    first, again = layout.quantize_shards(flats), layout.quantize_shards(flats)
+    assert torch.equal(first, again)
+    assert not torch.equal(first, layout.with_streams(rng_for, sender=2).quantize_shards(flats))
     received = first[: layout.nbytes[0]].repeat(3)          # 3 copies of shard 0
     assert torch.equal(layout.average_shard(received, 0), layout.average_shard(received, 0))
 
@@ -320,19 +321,25 @@ def test_a_stochastic_layout_draws_the_same_at_every_call(fmt):
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "nvfp4"])
 def test_a_stochastic_layout_sends_as_its_sender_and_the_simulator_as_each_rank(fmt):
     """compress.py's stage 1 takes no rank (it rounds to nearest): a stochastic layout's send
-    draws from the stream of the rank it was made for (with_streams' sender), and the
-    simulator's stage 1 (quantize_ranks) draws rank i's send from rank i's stream."""
+    draws from the stream of the rank it was made for (with_streams' sender), the simulator's
+    stage 1 (quantize_ranks) rank i's send from rank i's stream, and a layout made without a
+    sender refuses to send (every rank would draw the same numbers)."""
     rng_for = collective.streams(True, 7, torch.device("cpu"))
-    unbound = collective.layout(SHAPES, fmt, 128, 3).with_streams(rng_for)
+    simulator = collective.layout(SHAPES, fmt, 128, 3).with_streams(rng_for)
+    same = [torch.randn(s, generator=torch.Generator().manual_seed(0)) for s in SHAPES]
     ranks = [[torch.randn(s, generator=torch.Generator().manual_seed(r)) for s in SHAPES]
              for r in range(3)]
-    sends = [compress.quantize_bucket(ranks[r], unbound.with_streams(rng_for, sender=r))
+    sends = [compress.quantize_bucket(ranks[r], simulator.with_streams(rng_for, sender=r))
              for r in range(3)]
-    for r in range(3):
-        flats = [t.reshape(-1) for t in ranks[r]]
-        assert torch.equal(sends[r], unbound.quantize_shards(flats, r)), (fmt, r)
-    assert not torch.equal(sends[1], compress.quantize_bucket(ranks[1], unbound))   # rank 0's
-    assert torch.equal(unbound.quantize_ranks(ranks), torch.stack(sends)), fmt
+    assert torch.equal(simulator.quantize_ranks(ranks), torch.stack(sends)), fmt
+    as_rank = [compress.quantize_bucket(same, simulator.with_streams(rng_for, sender=r))
+               for r in range(2)]
+    assert not torch.equal(*as_rank), fmt           # the same values, each rank's own draws
+    with pytest.raises(ValueError, match="sender=that rank"):
+        compress.quantize_bucket(same, simulator)
+    nearest = collective.layout(SHAPES, fmt, 128, 3)
+    assert torch.equal(nearest.with_streams(None).quantize_shards([t.reshape(-1) for t in same]),
+                       compress.quantize_bucket(same, nearest))     # to nearest: no sender needed
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "nvfp4"])
@@ -345,11 +352,11 @@ def test_stochastic_rounding_in_one_stage_only(fmt):
               for s in SHAPES] for r in range(3)]
     flats = ranks[0]
     # the 3 ranks' copies of shard 0: their mean lies off the grid
-    received = torch.cat([nearest.quantize_shards(f, r)[: nearest.nbytes[0]] for r, f in enumerate(ranks)])
+    received = torch.cat([nearest.quantize_shards(f)[: nearest.nbytes[0]] for f in ranks])
     for stages, send_random, mean_random in (("1", True, False), ("2", False, True),
                                              ("both", True, True)):
-        rounded = nearest.with_streams(collective.streams(True, 7, cpu, stages))
-        assert torch.equal(rounded.quantize_shards(flats, 0), nearest.quantize_shards(flats, 0)) != send_random
+        rounded = nearest.with_streams(collective.streams(True, 7, cpu, stages), sender=0)
+        assert torch.equal(rounded.quantize_shards(flats), nearest.quantize_shards(flats)) != send_random
         assert (torch.equal(rounded.average_shard(received, 0), nearest.average_shard(received, 0))
                 != mean_random)
     with pytest.raises(ValueError, match="turn stochastic_round on"):
@@ -1196,10 +1203,26 @@ def test_orthonormal_of_a_zero_or_rank_deficient_matrix_is_finite():
 def test_the_specification_reads_a_function_at_a_time():
     """Issue 56: Communicator.step() shows a whole step in at most 40 lines, and no other
     function of compress.py is over 30 (a def's lines, docstring included, to its last)."""
-    import ast
+    from nanogeo.lab import spec_size
     with open(compress.__file__) as f:
-        tree = ast.parse(f.read())
-    lengths = [(node.end_lineno - node.lineno + 1, node.name) for node in ast.walk(tree)
-               if isinstance(node, ast.FunctionDef)]
+        lengths = spec_size.function_lengths(f.read())
     assert max(n for n, name in lengths if name == "step") <= 40
     assert [(n, name) for n, name in lengths if name != "step" and n > 30] == []
+
+
+def test_the_size_tool_counts_code_lines_as_the_issue_does(capsys):
+    """nanogeo.lab.spec_size: blank lines, comments and docstrings (module, class, function)
+    are not code; a string that is not a docstring is; sections begin at "# ==== N." banners."""
+    from nanogeo.lab import spec_size
+    source = '\n'.join([
+        '"""Module docstring,', 'two lines."""', 'import math', '',
+        '# ==== 1. First ====', '# a comment', 'class A:', '    """Doc."""', '    x = 1', '',
+        '# ==== 2. Second ====', 'def f(a):', '    """Doc', '    more."""',
+        '    s = """not a docstring"""', '    return a  # trailing comment', ''])
+    assert spec_size.code_lines(source) == [3, 7, 9, 12, 15, 16]
+    assert spec_size.function_lengths(source) == [(5, "f")]
+    assert spec_size.sections(source) == [("header", 4, 1), ("1. First", 6, 2),
+                                          ("2. Second", 6, 3)]
+    spec_size.main([compress.__file__])
+    out = capsys.readouterr().out
+    assert out.startswith("compress.py: ") and "longest functions: step " in out

@@ -353,7 +353,7 @@ def one_rank_collective(tensors, layout):
     averaged = layout.average_shard(shards[0].repeat(layout.world_size), 0)
     slots = averaged.new_zeros(layout.world_size, max(layout.nbytes))
     for j, n in enumerate(layout.nbytes):
-        slots[j, :n] = shards[j] if j else averaged
+        slots[j, :n] = shards[j] if j != 0 else averaged
     return compress.dequantize_bucket(slots.view(-1), layout, stride=slots.shape[1])
 
 

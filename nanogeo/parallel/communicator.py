@@ -451,7 +451,7 @@ class ProductionCommunicator(GeometryStep):
             workers[0], opts.fmt, opts.block, world, opts.stochastic_round,
             self.rounding_seed(bucket), opts.stochastic_stages, self.stage2_feedback(bucket),
             self.timer, opts.stage2_fmt, opts.nvfp4_scale,
-            sender=dist.get_rank(self.group) if across_ranks else 0)
+            sender=dist.get_rank(self.group) if across_ranks else None)
         if keep_local:
             layout = collective.KeptSends(layout, workers[0][0].device)
         if across_ranks:

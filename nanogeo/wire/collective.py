@@ -75,8 +75,8 @@ class KeptSends:
     def __getattr__(self, name):
         return getattr(self.layout, name)
 
-    def quantize_shards(self, flats, rank=None):       # all_reduce_mean's stage 1
-        self.sends = [self.layout.quantize_shards(flats, rank)]
+    def quantize_shards(self, flats):                  # all_reduce_mean's stage 1
+        self.sends = [self.layout.quantize_shards(flats)]
         return self.sends[0]
 
     def quantize_ranks(self, rank_tensors):            # simulate_mean's, of every rank
@@ -108,9 +108,9 @@ class TimedLayout:
     def __getattr__(self, name):
         return getattr(self.layout, name)
 
-    def quantize_shards(self, flats, rank=None):
+    def quantize_shards(self, flats):
         with self.timer.stage("quantize"):
-            return self.layout.quantize_shards(flats, rank)
+            return self.layout.quantize_shards(flats)
 
     def average_shard(self, received, shard, feedback=None):
         with self.timer.stage("reduce"):
@@ -136,7 +136,7 @@ class TwoFormatLayout:
     def __getattr__(self, name):        # stage 1's: pieces, nbytes, quantize_shards, ...
         return getattr(self.stage1_layout, name)
 
-    def with_streams(self, rng_for, sender=0):
+    def with_streams(self, rng_for, sender=None):
         """Stage 1 rounded as rng_for says (as rank `sender` sends), stage 2 to nearest (Options
         rejects stochastic rounding of a second stage-2 format)."""
         if rng_for is None:
@@ -243,10 +243,10 @@ def streams(stochastic, seed, device, stages="both"):
 
 
 def bucket_layout(tensors, fmt, block, world, stochastic=False, seed=None, stages="both",
-                  feedback=None, timer=NO_TIMER, stage2_fmt="", nvfp4_scale="6", sender=0):
+                  feedback=None, timer=NO_TIMER, stage2_fmt="", nvfp4_scale="6", sender=None):
     """The layout one step's collective runs on a bucket of tensors: cached by shapes, with this
     step's stochastic-rounding streams (in the `stages` of streams(); stage 1 as rank `sender`
-    sends - a simulator's layout draws each rank's own), stage 2's error feedback
+    sends - a simulator's layout, sender None, draws each rank's own), stage 2's error feedback
     (`feedback`: a packing.ShardFeedback), a benchmark's `timer` on its codec stages, stage
     2 in `stage2_fmt` ("": fmt) and NVFP4's block scales as `nvfp4_scale` says."""
     if stage2_fmt and stage2_fmt != fmt and (feedback is not None or stochastic and stages != "1"):

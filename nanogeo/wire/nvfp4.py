@@ -253,12 +253,13 @@ class Nvfp4PackedLayout(Nvfp4Layout, packing.PackedLayout):
         self.shards = [WireRun([pieces], self.four_over_six) for pieces in self.pieces]  # 2
 
     def quantize_ranks(self, rank_tensors):
-        """Rank by rank, as compress.ShardLayout does (each piece's tensor scale is a max over
-        that rank's piece alone), not stacked as packing.PackedLayout does."""
+        """Rank by rank, as packing.PieceLayout does (each piece's tensor scale is a max over
+        that rank's piece alone; each rank's send from its own stream), not stacked as
+        packing.PackedLayout does."""
         return packing.PieceLayout.quantize_ranks(self, rank_tensors)
 
-    def quantize_shards(self, flats, rank=None):
-        return self.bucket.encode(self.blocks_in_wire_order(flats), *self.rounding((rank, 1)))
+    def quantize_shards(self, flats):
+        return self.bucket.encode(self.blocks_in_wire_order(flats), *self.send_rounding())
 
     def sum_groups(self, received, shard):
         run = self.shards[shard]

@@ -166,8 +166,9 @@ class PieceLayout(compress.ShardLayout):
       * stochastic rounding: rng_for(rank, stage) -> (stochastic, torch.Generator), set by
         with_streams on a copy for one step; None: every stage to nearest. Stage 1 draws from
         the stream of `sender`, the rank whose send it quantizes (compress.py's stage 1 takes
-        no rank: its codec rounds to nearest)."""
-    rng_for, sender = None, 0
+        no rank: its codec rounds to nearest); None: no rank's, and a stochastic stage 1
+        refuses to run."""
+    rng_for, sender = None, None
 
     def __init__(self, shapes, fmt, block, world_size, pieces=None):
         self.given = pieces
@@ -176,10 +177,11 @@ class PieceLayout(compress.ShardLayout):
     def cut(self):
         return super().cut() if self.given is None else self.given
 
-    def with_streams(self, rng_for, sender=0):
+    def with_streams(self, rng_for, sender=None):
         """A copy of this (cached) layout that rounds as rng_for(rank, stage) says: (True, that
         rank's and stage's stream) stochastically, (False, None) to nearest (None: this layout
-        itself, every stage to nearest), its stage 1 as rank `sender` sends. rng_for must return
+        itself, every stage to nearest), its stage 1 as rank `sender` sends (None: a simulator's
+        layout, whose quantize_ranks draws each rank's send from its own). rng_for must return
         a new generator, seeded for that rank and stage, at every call: then every call of the
         copy draws the same, and the simulator what the ranks draw
         (nanogeo.wire.collective.streams; with seed=None the generator is None, torch's global
@@ -204,12 +206,17 @@ class PieceLayout(compress.ShardLayout):
         return torch.stack([self.dequantize_shards(send) for send in sends])
 
     def rounding(self, whose):
-        """(stochastic, generator) of rank whose[0] (None: the sender) in stage whose[1]: a new
-        generator from its stream at each stage call, drawn from piece after piece."""
-        if self.rng_for is None:
-            return False, None
-        rank, stage = whose
-        return self.rng_for(self.sender if rank is None else rank, stage)
+        """(stochastic, generator) of rank whose[0] in stage whose[1]: a new generator from its
+        stream at each stage call, drawn from piece after piece."""
+        return (False, None) if self.rng_for is None else self.rng_for(*whose)
+
+    def send_rounding(self):
+        """Stage 1's rounding: the sender's stream. A layout made without a sender that would
+        round stage 1 stochastically is refused: every rank would draw the same numbers."""
+        if self.sender is None and self.rounding((0, 1))[0]:
+            raise ValueError("a layout rounding stage 1 stochastically quantizes one rank's send: "
+                             "make it with with_streams(rng_for, sender=that rank)")
+        return self.rounding((self.sender, 1))
 
     def quantize_piece(self, values, p, rounding=(False, None)):
         if not rounding[0]:
@@ -217,8 +224,8 @@ class PieceLayout(compress.ShardLayout):
         return quantize_fp8_stochastic(values.view(p.shape), self.fmt, p.block, rounding[1]).buffer
 
     # compress.ShardLayout's stages 1 and 2, each stage call rounding from one stream
-    def quantize_shards(self, flats, rank=None):
-        rounding = self.rounding((rank, 1))
+    def quantize_shards(self, flats):
+        rounding = self.send_rounding()
         return torch.cat([self.quantize_piece(flats[p.index][p.start:p.end], p, rounding)
                           for shard in self.pieces for p in shard])
 
@@ -285,10 +292,10 @@ class PackedLayout(PieceLayout):
                 for column in zip(*rank_tensors)]
         return pack_groups(self.rows_in_wire_order(rows), self.fmt).view(len(rank_tensors), -1)
 
-    def quantize_shards(self, flats, rank=None):
+    def quantize_shards(self, flats):
         """Stage 1's quantization: the bucket's flat fp32 tensors -> the W shards' bytes, back
-        to back (`rank`: whose stream stochastic rounding draws from; None: the sender's)."""
-        return pack_groups(self.blocks_in_wire_order(flats), self.fmt, *self.rounding((rank, 1)))
+        to back."""
+        return pack_groups(self.blocks_in_wire_order(flats), self.fmt, *self.send_rounding())
 
     def sum_groups(self, received, shard):
         """The W received copies of `shard` -> their fp32 sum, (groups, block). (Every FP8
