@@ -135,6 +135,17 @@ def test_fsdp2_subspace_reduce_scatter_close_to_fp32(tmp_path):
     assert r0["geometry_bytes"] < 0.5 * r0["bytes"]
 
 
+def test_fsdp2_stochastic_rounding_sends_from_each_ranks_stream(tmp_path):
+    """--stochastic_round under FSDP2: each rank's send draws from its own stream (the layout
+    is made for the rank that sends; one made without would refuse), the ranks agree on the
+    parameters, and the gradients stay close to fp32's (unbiased rounding)."""
+    out = str(tmp_path / "stochastic")
+    run_ranks(geo_rank, 2, out, {"geometry": "euclidean", "stochastic_round": True})
+    r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
+    assert max(r0["errors"]) < 0.05 and max(r1["errors"]) < 0.05
+    assert torch.equal(r0["params"], r1["params"]) and r0["fallbacks"] == 0
+
+
 def test_fsdp2_rejects_error_feedback(tmp_path):
     run_ranks(reject_rank, 1, str(tmp_path))
 
