@@ -85,11 +85,17 @@ def geo_rank(rank, world_size, out, options):
     """CompressedReduceScatter on an embedding + encoder + head, trained a few steps with SGD; the
     fp32 reference model is re-synced to it every step and both see the same batch."""
     from nanogeo.parallel.fsdp import use_compressed_reduce_scatter
+    import compress
     ref, model = twins(language_model, world_size)
     comms = use_compressed_reduce_scatter(model, min_numel=1024, vocab_size=VOCAB, **options)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loss_fn = nn.CrossEntropyLoss()
-    errors = []
+    errors, senders, quantize_bucket = [], set(), compress.quantize_bucket
+
+    def recording(tensors, layout):         # whose stream each stage-1 send draws from
+        senders.add(getattr(layout, "sender", None))
+        return quantize_bucket(tensors, layout)
+    compress.quantize_bucket = recording
     for step in range(8):
         g = torch.Generator().manual_seed(1000 * step + rank)
         x = torch.randint(0, VOCAB, (4, 16), generator=g)
@@ -111,8 +117,10 @@ def geo_rank(rank, world_size, out, options):
                    for n in c.comm.layers if c.comm.layers[n].built
                    for a, b in zip(c.comm.layers[n].tensors(), f.comm.layers[n].tensors()))
     restored &= all(f.comm.coords(n) == coords[n] for f in fresh for n in f.names)
+    compress.quantize_bucket = quantize_bucket
     full = torch.cat([p.full_tensor().reshape(-1) for p in model.parameters()])
     torch.save({"errors": errors, "coords": coords, "params": full, "restored": restored,
+                "senders": sorted(senders, key=str),
                 "bytes": sum(c.bytes_sent for c in comms),
                 "geometry_bytes": sum(c.geometry_bytes for c in comms),
                 "fallbacks": sum(c.fallbacks for c in comms)}, f"{out}.{rank}")
@@ -144,6 +152,7 @@ def test_fsdp2_stochastic_rounding_sends_from_each_ranks_stream(tmp_path):
     r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
     assert max(r0["errors"]) < 0.05 and max(r1["errors"]) < 0.05
     assert torch.equal(r0["params"], r1["params"]) and r0["fallbacks"] == 0
+    assert (r0["senders"], r1["senders"]) == ([0], [1])
 
 
 def test_fsdp2_rejects_error_feedback(tmp_path):

@@ -19,7 +19,8 @@ SECTION = re.compile(r"# ==== \d+\. ")
 
 
 def docstring_lines(tree):
-    """The line numbers of every docstring in the parsed module."""
+    """The line numbers of every docstring in the parsed module (not the line of its def or
+    class, where it begins on that line: a def and its docstring on one line are code)."""
     lines = set()
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -27,6 +28,7 @@ def docstring_lines(tree):
             if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
                     and isinstance(first.value.value, str)):
                 lines.update(range(first.lineno, first.end_lineno + 1))
+                lines.discard(getattr(node, "lineno", None))
     return lines
 
 
@@ -38,9 +40,19 @@ def code_lines(source):
 
 
 def function_lengths(source):
-    """[(lines, name)] of every function and method, a def's first line to its last."""
-    return [(node.end_lineno - node.lineno + 1, node.name) for node in ast.walk(ast.parse(source))
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    """[(lines, qualified name)] of every function and method, a def's first line to its last
+    (e.g. "Communicator.step"), in the order they appear."""
+    lengths = []
+
+    def visit(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lengths.append((child.end_lineno - child.lineno + 1, prefix + child.name))
+            named = isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            visit(child, prefix + child.name + "." if named else prefix)
+
+    visit(ast.parse(source), "")
+    return lengths
 
 
 def sections(source):
@@ -54,7 +66,8 @@ def sections(source):
 
 
 def main(argv=None):
-    path = (argv or sys.argv[1:] or [os.path.join(ROOT, "compress.py")])[0]
+    argv = sys.argv[1:] if argv is None else argv
+    path = argv[0] if argv else os.path.join(ROOT, "compress.py")
     with open(path) as f:
         source = f.read()
     print(f"{os.path.basename(path)}: {len(source.splitlines())} lines, "

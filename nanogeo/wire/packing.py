@@ -206,17 +206,20 @@ class PieceLayout(compress.ShardLayout):
         return torch.stack([self.dequantize_shards(send) for send in sends])
 
     def rounding(self, whose):
-        """(stochastic, generator) of rank whose[0] in stage whose[1]: a new generator from its
-        stream at each stage call, drawn from piece after piece."""
+        """(stochastic, generator) of rank whose[0] (an int) in stage whose[1]: a new generator
+        from its stream at each stage call, drawn from piece after piece."""
         return (False, None) if self.rng_for is None else self.rng_for(*whose)
 
     def send_rounding(self):
-        """Stage 1's rounding: the sender's stream. A layout made without a sender that would
-        round stage 1 stochastically is refused: every rank would draw the same numbers."""
-        if self.sender is None and self.rounding((0, 1))[0]:
+        """Stage 1's rounding: the sender's stream. A layout made without a sender rounds stage 1
+        to nearest, or refuses where it would round stochastically: every rank would draw the
+        same numbers."""
+        if self.sender is not None:
+            return self.rounding((self.sender, 1))
+        if self.rounding((0, 1))[0]:
             raise ValueError("a layout rounding stage 1 stochastically quantizes one rank's send: "
                              "make it with with_streams(rng_for, sender=that rank)")
-        return self.rounding((self.sender, 1))
+        return False, None
 
     def quantize_piece(self, values, p, rounding=(False, None)):
         if not rounding[0]:
