@@ -195,7 +195,7 @@ class PieceLayout(compress.ShardLayout):
     def quantize_ranks(self, rank_tensors):
         """The simulator's stage 1, rank by rank (compress.ShardLayout.quantize_ranks), rank i's
         send drawing from rank i's stream."""
-        if self.rng_for is None:
+        if not self.rounds_sends():
             return compress.ShardLayout.quantize_ranks(self, rank_tensors)
         return torch.stack([compress.quantize_bucket(tensors, self.with_streams(self.rng_for, i))
                             for i, tensors in enumerate(rank_tensors)])
@@ -210,13 +210,17 @@ class PieceLayout(compress.ShardLayout):
         from its stream at each stage call, drawn from piece after piece."""
         return (False, None) if self.rng_for is None else self.rng_for(*whose)
 
+    def rounds_sends(self):
+        """Does stage 1 round stochastically (each rank's send from its own stream)?"""
+        return self.rounding((0, 1))[0]
+
     def send_rounding(self):
         """Stage 1's rounding: the sender's stream. A layout made without a sender rounds stage 1
         to nearest, or refuses where it would round stochastically: every rank would draw the
         same numbers."""
         if self.sender is not None:
             return self.rounding((self.sender, 1))
-        if self.rounding((0, 1))[0]:
+        if self.rounds_sends():
             raise ValueError("a layout rounding stage 1 stochastically quantizes one rank's send: "
                              "make it with with_streams(rng_for, sender=that rank)")
         return False, None
@@ -289,7 +293,7 @@ class PackedLayout(PieceLayout):
         bytes), row i = rank i's stage 1. Every group is quantized on its own, so stacking the
         ranks changes no byte (nearest rounding; stochastic rounding draws from each rank's own
         stream: rank by rank, where stage 1 rounds stochastically)."""
-        if self.rounding((0, 1))[0] or not sum(self.nbytes):
+        if self.rounds_sends() or not sum(self.nbytes):
             return super().quantize_ranks(rank_tensors)
         rows = [torch.stack([t.reshape(-1).float() for t in column])    # (R, numel) per tensor
                 for column in zip(*rank_tensors)]
